@@ -7,7 +7,8 @@ that names it instead of a hang.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -35,3 +36,197 @@ def all_reduce_flat(tensors: Sequence[Tensor], group: dist.ProcessGroup | None =
             offset += n
         sent += flat.numel() * flat.element_size()
     return sent
+
+
+class PipelineCommError(RuntimeError):
+    """A peer stage failed, died or went silent; the message names it."""
+
+
+# A message is a fixed-size int64 header followed by one payload transfer per tensor. The header
+# carries the micro-batch index (checked on arrival: a mismatch is a schedule bug, caught at once)
+# and each tensor's dtype and shape, so stages can exchange tuples of any shape and dtype, and
+# shapes may change between micro-batches (variable sequence lengths) at the cost of one small
+# extra message. Headers always travel on a CPU (gloo) group: reading one on the host costs no
+# device synchronization when payloads go over NCCL.
+_HEADER_LEN = 256
+_NONE = -1
+_DTYPES = (
+    torch.float32, torch.float16, torch.bfloat16, torch.float64,
+    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+)  # fmt: skip
+_DTYPE_CODE = {dtype: code for code, dtype in enumerate(_DTYPES)}
+_ABORT_KEY = "lit_efficient/abort"
+
+Payload = tuple[Tensor | None, ...]
+
+
+def encode_header(microbatch: int, tensors: Payload) -> list[int]:
+    """Header fields for ``tensors``: ``[microbatch, count, (dtype, ndim, *shape) per tensor]``."""
+    fields = [microbatch, len(tensors)]
+    for t in tensors:
+        if t is None:
+            fields.append(_NONE)
+            continue
+        if t.dtype not in _DTYPE_CODE:
+            raise TypeError(f"cannot send a {t.dtype} tensor between stages; supported: {list(_DTYPE_CODE)}")
+        fields += [_DTYPE_CODE[t.dtype], t.dim(), *t.shape]
+    if len(fields) > _HEADER_LEN:
+        raise ValueError(
+            f"a stage boundary carries {len(tensors)} tensors whose shapes need {len(fields)} header fields "
+            f"(> {_HEADER_LEN}); pass fewer tensors between pipeline layers"
+        )
+    return fields
+
+
+def decode_header(fields: list[int]) -> tuple[int, list[tuple[torch.dtype, tuple[int, ...]] | None]]:
+    """Inverse of `encode_header`: the micro-batch and, per tensor, its dtype and shape (None for None)."""
+    microbatch, count, pos = fields[0], fields[1], 2
+    specs: list[tuple[torch.dtype, tuple[int, ...]] | None] = []
+    for _ in range(count):
+        code = fields[pos]
+        if code == _NONE:
+            specs.append(None)
+            pos += 1
+            continue
+        ndim = fields[pos + 1]
+        specs.append((_DTYPES[code], tuple(fields[pos + 2 : pos + 2 + ndim])))
+        pos += 2 + ndim
+    return microbatch, specs
+
+
+class PointToPoint:
+    """Activations and gradients between neighbouring stages of one pipeline.
+
+    Sends are non-blocking: the `Work` handle and its tensor are kept until the transfer completes
+    (the tensor must stay alive until then) and reaped at the next send or in `flush`. Receives
+    block with ``timeout`` seconds; a peer that died surfaces within seconds as a closed
+    connection, one that hangs after ``timeout``, and either way the error names the peer's stage
+    and rank and the micro-batch being waited for.
+
+    Args:
+        stage: This rank's stage (for messages).
+        stage_of_rank: Maps a global rank to its stage (for messages).
+        device: Where received payloads are allocated.
+        timeout: Seconds to wait for one transfer before declaring the peer hung.
+        group: Group carrying payloads (None: the default group); gloo on CPU, NCCL on CUDA.
+        header_group: CPU (gloo) group carrying headers; None: the same as ``group``.
+    """
+
+    def __init__(
+        self,
+        stage: int,
+        stage_of_rank: Callable[[int], int],
+        device: torch.device,
+        timeout: float,
+        group: dist.ProcessGroup | None = None,
+        header_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.stage = stage
+        self.rank = dist.get_rank()
+        self._stage_of_rank = stage_of_rank
+        self._device = device
+        self._timeout = timedelta(seconds=timeout)
+        self._group = group
+        self._header_group = header_group if header_group is not None else group
+        # (work, tensor kept alive until sent, peer, micro-batch, what)
+        self._pending: list[tuple[dist.Work, Tensor, int, int, str]] = []
+        self.bytes_sent = 0
+
+    def send(self, tensors: Payload, dst: int, microbatch: int, what: str) -> None:
+        """Start sending ``tensors`` (None entries allowed) for ``microbatch`` to global rank ``dst``."""
+        self._reap()
+        header = torch.zeros(_HEADER_LEN, dtype=torch.int64)
+        fields = encode_header(microbatch, tensors)
+        header[: len(fields)] = torch.tensor(fields, dtype=torch.int64)
+        self._isend(header, dst, self._header_group, microbatch, what)
+        for t in tensors:
+            if t is not None:
+                payload = t.detach().contiguous()
+                self._isend(payload, dst, self._group, microbatch, what)
+                self.bytes_sent += payload.numel() * payload.element_size()
+
+    def recv(self, src: int, microbatch: int, what: str) -> Payload:
+        """Receive the ``what`` of ``microbatch`` from global rank ``src``; blocks up to the timeout."""
+        header = torch.empty(_HEADER_LEN, dtype=torch.int64)
+        self._wait(dist.irecv(header, src, group=self._header_group), src, microbatch, what)
+        got, specs = decode_header(header.tolist())
+        if got != microbatch:
+            raise PipelineCommError(
+                f"stage {self.stage} (rank {self.rank}) expected {what} of micro-batch {microbatch} from rank "
+                f"{src} but received micro-batch {got}: the two stages run different schedules"
+            )
+        out: list[Tensor | None] = []
+        for spec in specs:
+            if spec is None:
+                out.append(None)
+                continue
+            buf = torch.empty(spec[1], dtype=spec[0], device=self._device)
+            self._wait(dist.irecv(buf, src, group=self._group), src, microbatch, what)
+            out.append(buf)
+        return tuple(out)
+
+    def flush(self) -> None:
+        """Wait for every send in flight (before a checkpoint, at the end of training)."""
+        for work, _, dst, microbatch, what in self._pending:
+            self._wait(work, dst, microbatch, what)
+        self._pending.clear()
+
+    def _isend(self, t: Tensor, dst: int, group: dist.ProcessGroup | None, microbatch: int, what: str) -> None:
+        work = dist.isend(t, dst, group=group)
+        self._pending.append((work, t, dst, microbatch, what))
+
+    def _reap(self) -> None:
+        # Completed sends release their tensors; an unfinished one stays (its peer is just behind).
+        still = []
+        for work, t, dst, microbatch, what in self._pending:
+            if work.is_completed():
+                self._wait(work, dst, microbatch, what)  # raises if the send failed
+            else:
+                still.append((work, t, dst, microbatch, what))
+        self._pending = still
+
+    def _wait(self, work: dist.Work, peer: int, microbatch: int, what: str) -> None:
+        try:
+            work.wait(self._timeout)
+        except RuntimeError as err:
+            raise PipelineCommError(self._explain(peer, microbatch, what, err)) from err
+
+    def _explain(self, peer: int, microbatch: int, what: str, err: RuntimeError) -> str:
+        me = f"stage {self.stage} (rank {self.rank})"
+        them = f"stage {self._stage_of_rank(peer)} (rank {peer})"
+        waiting = f"{what} of micro-batch {microbatch}"
+        if "timed out" in str(err).lower():
+            message = (
+                f"{me} waited {self._timeout.total_seconds():.0f}s for {waiting} with {them} and got nothing: "
+                f"that stage is hung or much slower. If it is only slow, raise PACIStrategy(p2p_timeout=...)."
+            )
+        else:
+            cause = read_failure()
+            message = f"{me} lost its connection to {them} while exchanging {waiting}: " + (
+                f"the pipeline stopped because {cause}" if cause else f"{them} died (killed? out of memory?)"
+            )
+        report_failure(message)
+        return message
+
+
+def report_failure(message: str) -> None:
+    """Publish the first failure of the run in the rendezvous store, so peers can name the cause.
+
+    Best effort: the store may be gone with the rank that hosted it.
+    """
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.compare_set(_ABORT_KEY, "", message)
+    except Exception:  # noqa: BLE001 - reporting must never hide the original error
+        pass
+
+
+def read_failure() -> str | None:
+    """The first failure published by any rank, if one was and the store is still reachable."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        if store.check([_ABORT_KEY]):
+            return store.get(_ABORT_KEY).decode() or None
+    except Exception:  # noqa: BLE001
+        return None
+    return None

@@ -1,0 +1,244 @@
+"""Interprets this rank's action stream, one micro-batch at a time.
+
+The caller (the Lightning strategy, the demo, a test) feeds micro-batches in order. After being
+fed micro-batch ``j`` the runtime executes its stage's stream up to, but not including, the first
+forward of a micro-batch it does not have yet: in 1F1B order that is ``F(j)`` plus the backwards
+and steps that precede ``F(j+1)``. Every rank of a pipeline is fed the same stream, so they stay
+in step through the blocking receives alone: no barrier, no coordinator.
+
+`drain` finishes every micro-batch in flight. It switches to the finite stream for the
+micro-batches fed so far, which agrees with the unbounded one on everything already executed
+(checked), so it is exact at any point: before evaluation, checkpoints and the end of training,
+and at an epoch's end, where it also steps a partial last window.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from torch import Tensor
+
+from lit_efficient.pipeline.actions import Action
+from lit_efficient.pipeline.comm import Payload, PointToPoint
+from lit_efficient.pipeline.schedules import ScheduleName, stage_actions
+from lit_efficient.pipeline.stage import PipelineStage
+
+InputFn = Callable[[Any], "Tensor | tuple[Tensor, ...]"]
+
+
+class PipelineRuntime:
+    """Runs one stage's share of a pipeline schedule.
+
+    Args:
+        stage: This rank's stage.
+        schedule: ``"paci"`` or ``"1f1b_flush"``.
+        accumulate: Micro-batches per optimizer step (N).
+        input_fn: First stage only: the batch -> what layer 0 consumes (``pipeline_input``).
+        comm: Transfers to the neighbours; None for a one-stage pipeline.
+        prev_rank: Global rank of the previous stage, None on the first.
+        next_rank: Global rank of the next stage, None on the last.
+    """
+
+    def __init__(
+        self,
+        stage: PipelineStage,
+        schedule: ScheduleName,
+        accumulate: int,
+        input_fn: InputFn | None = None,
+        comm: PointToPoint | None = None,
+        prev_rank: int | None = None,
+        next_rank: int | None = None,
+    ) -> None:
+        if accumulate < 1:
+            raise ValueError(f"accumulate={accumulate} must be >= 1 (micro-batches per optimizer step)")
+        if stage.is_first and input_fn is None:
+            raise ValueError("the first stage needs input_fn (the module's pipeline_input)")
+        if stage.num_stages > 1 and comm is None:
+            raise ValueError("a stage of a multi-stage pipeline needs a PointToPoint comm")
+        self.stage = stage
+        self.schedule: ScheduleName = schedule
+        self.accumulate = accumulate
+        self.input_fn = input_fn
+        self.comm = comm
+        self.prev_rank = prev_rank
+        self.next_rank = next_rank
+        self._segment_start = 0  # first micro-batch of the current (undrained) segment
+        self._fed = 0  # micro-batches fed so far (in this epoch's numbering)
+        self._stream: Iterator[Action] | None = None
+        self._next_action: Action | None = None
+        # Count and last of the actions run in this segment: what drain() must skip and check.
+        self._executed = 0
+        self._last_executed: Action | None = None
+        self._batch: Any = None
+        self._last_loss: Tensor | None = None
+        self._clock_start: float | None = None
+        self._clock_end = 0.0
+        self.wait_seconds = 0.0
+
+    # -- training --------------------------------------------------------------------------------
+
+    def feed(self, batch: Any, index: int | None = None) -> Tensor | None:
+        """Give the pipeline micro-batch ``index`` (default: the next one) and run what it allows.
+
+        Returns the micro-batch's loss (detached) on the last stage, None elsewhere.
+        """
+        index = self._fed if index is None else index
+        if index != self._fed:
+            if not self.drained:
+                raise RuntimeError(
+                    f"stage {self.stage.stage} was fed micro-batch {index} while micro-batches up to "
+                    f"{self._fed - 1} are still in flight; drain() before jumping"
+                )
+            self._stream = None
+        if self._stream is None:
+            self._segment_start = index
+            self._stream = stage_actions(
+                self.schedule, self.stage.stage, self.stage.num_stages, self.accumulate, start=index
+            )
+            self._next_action = next(self._stream)
+            self._executed, self._last_executed = 0, None
+        self._batch = batch
+        self._fed = index + 1
+        self._last_loss = None
+        while self._next_action is not None and not self._needs_unfed(self._next_action):
+            self._execute(self._next_action)
+            self._next_action = next(self._stream)
+        self._batch = None
+        return self._last_loss
+
+    def drain(self, step_partial_window: bool = False) -> None:
+        """Finish every micro-batch in flight; optionally step the partial window they leave.
+
+        Args:
+            step_partial_window: Step even if the last window is incomplete (end of an epoch).
+                Otherwise its gradients stay accumulated and the window continues at the next feed.
+        """
+        if self._stream is not None:
+            finite = stage_actions(
+                self.schedule,
+                self.stage.stage,
+                self.stage.num_stages,
+                self.accumulate,
+                start=self._segment_start,
+                stop=self._fed,
+                step_at_stop=step_partial_window,
+            )
+            skipped = None
+            for _ in range(self._executed):
+                skipped = next(finite)
+            if skipped != self._last_executed:
+                raise RuntimeError(f"drain: the finite stream has {skipped} where {self._last_executed} ran")
+            for action in finite:
+                self._execute(action)
+        elif step_partial_window and self.stage.window_weight is not None:
+            self._execute(Action(self.stage.stage, "STEP", max(self._fed - 1, 0) // self.accumulate))
+        self._stream = None
+        self._next_action = None
+        self._executed, self._last_executed = 0, None
+        self._segment_start = self._fed
+        if self.comm is not None:
+            self.comm.flush()
+
+    def start_epoch(self) -> None:
+        """Number micro-batches from 0 again (windows are aligned to the epoch, as in Lightning)."""
+        if not self.drained:
+            raise RuntimeError("start_epoch() with micro-batches in flight: drain() first")
+        self._fed = self._segment_start = 0
+
+    @property
+    def drained(self) -> bool:
+        """No micro-batch is in flight on this stage."""
+        return self.stage.in_flight == 0
+
+    # -- evaluation ------------------------------------------------------------------------------
+
+    def evaluate(self, batch: Any, index: int) -> Payload | None:
+        """Forward-only streaming of one batch; returns the outputs on the last stage."""
+        if self._stream is not None:
+            raise RuntimeError("evaluate() with a training segment open: drain() first")
+        self._tick()
+        if self.stage.is_first:
+            inputs = _as_payload(self.input_fn(batch))  # type: ignore[misc]
+        else:
+            inputs = self._recv(self.prev_rank, index, "activations")
+        outputs = self.stage.evaluate(inputs)
+        self._tock()
+        if self.stage.is_last:
+            return outputs
+        self.comm.send(outputs, self.next_rank, index, "activations")  # type: ignore[union-attr]
+        return None
+
+    # -- accounting ------------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, float]:
+        """Measured numbers of this stage since the last `reset_stats`."""
+        s = self.stage.stats
+        elapsed = (self._clock_end - self._clock_start) if self._clock_start is not None else 0.0
+        return {
+            "stage": self.stage.stage,
+            "forwards": s.forwards,
+            "backwards": s.backwards,
+            "steps": s.steps,
+            "in_flight": self.stage.in_flight,
+            "max_in_flight": s.max_in_flight,
+            "busy_seconds": s.busy_seconds,
+            "wait_seconds": self.wait_seconds,
+            "elapsed_seconds": elapsed,
+            "utilization": s.busy_seconds / elapsed if elapsed > 0 else 0.0,
+            "drift_max": s.drift_max,
+            "drift_mean": s.drift_sum / s.backwards if s.backwards else 0.0,
+        }
+
+    def reset_stats(self) -> None:
+        """Start measuring afresh (after warm-up, or per logging interval)."""
+        self.stage.stats = type(self.stage.stats)()
+        self._clock_start = None
+        self.wait_seconds = 0.0
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _needs_unfed(self, action: Action) -> bool:
+        return action.kind == "F" and action.index >= self._fed
+
+    def _execute(self, action: Action) -> None:
+        self._tick()
+        stage, j = self.stage, action.index
+        if action.kind == "F":
+            if stage.is_first:
+                inputs = _as_payload(self.input_fn(self._batch))  # type: ignore[misc]
+            else:
+                inputs = self._recv(self.prev_rank, j, "activations")
+            out = stage.forward(j, inputs, self._batch)
+            if stage.is_last:
+                self._last_loss = out  # type: ignore[assignment]
+            else:
+                self.comm.send(out, self.next_rank, j, "activations")  # type: ignore[arg-type, union-attr]
+        elif action.kind == "B":
+            grads = None if stage.is_last else self._recv(self.next_rank, j, "gradients")
+            input_grads = stage.backward(j, grads)
+            if not stage.is_first:
+                self.comm.send(input_grads, self.prev_rank, j, "gradients")  # type: ignore[union-attr]
+        else:
+            stage.step()
+        self._executed += 1
+        self._last_executed = action
+        self._tock()
+
+    def _recv(self, src: int | None, microbatch: int, what: str) -> Payload:
+        start = time.perf_counter()
+        out = self.comm.recv(src, microbatch, what)  # type: ignore[union-attr, arg-type]
+        self.wait_seconds += time.perf_counter() - start
+        return out
+
+    def _tick(self) -> None:
+        if self._clock_start is None:
+            self._clock_start = time.perf_counter()
+
+    def _tock(self) -> None:
+        self._clock_end = time.perf_counter()
+
+
+def _as_payload(x: Tensor | tuple[Tensor, ...]) -> Payload:
+    return x if isinstance(x, tuple) else (x,)

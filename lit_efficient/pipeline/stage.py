@@ -1,0 +1,347 @@
+"""One pipeline stage: the forward and backward of a micro-batch, local accumulation, weight versions.
+
+The stage owns its layers' compute and its optimizer; it never talks to the network (the runtime
+moves tensors, `comm` issues the transfers). Each stage counts its own backwards and steps its
+own optimizer when the runtime reaches a ``STEP`` action, so under PACI stages step at different
+times, without a barrier.
+
+Gradients are accumulated un-normalized: the last stage backpropagates ``loss * w`` where ``w``
+is 1 per micro-batch (``normalize="mean"``) or the micro-batch's item count (``"tokens"``), the
+weight travels upstream with the gradient, and at the step every stage divides its gradients by
+the window's total weight. That is exact for windows of any size (a partial window at the end
+of an epoch included) and needs no look-ahead, so it works asynchronously.
+
+Two ways to run the backward of a micro-batch whose stage stepped after its forward:
+
+- keep-graph (default): the autograd graph from forward is kept and the optimizer updates the
+  parameters in place. Stock PyTorch refuses such a backward (the parameters' version counters
+  moved), so `step` restores every parameter's version counter after updating it. The backward
+  then uses the current weights for the input gradient: PACI's bounded drift, without stashing.
+- recompute: the forward runs under ``no_grad``; the stage keeps only its input and the RNG state,
+  and at backward recomputes the forward with the same RNG state (same dropout masks) and the
+  current weights. About one extra forward of compute for much less activation memory.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from lit_efficient.pipeline.comm import Payload
+
+Normalize = Literal["mean", "tokens"]
+LossFn = Callable[[Payload, Any], "Tensor | tuple[Tensor, Tensor | int]"]
+_RECENT = 4096  # per-micro-batch version records kept for inspection (bounded: runs are long)
+
+
+def run_layers(layers: Sequence[nn.Module], inputs: Payload) -> Payload:
+    """Run ``layers`` in order; a tuple output is unpacked into the next layer's arguments."""
+    x = inputs
+    for layer in layers:
+        out = layer(*x)
+        x = out if isinstance(out, tuple) else (out,)
+    return x
+
+
+@dataclass
+class _InFlight:
+    """What a stage keeps for a micro-batch between its forward and its backward."""
+
+    version: int
+    inputs: Payload
+    outputs: Payload | None = None  # keep-graph: outputs with their graph; recompute: None
+    loss: Tensor | None = None  # last stage: the scaled loss to backpropagate
+    weight: Tensor | None = None  # last stage: this micro-batch's share of the window
+    rng: tuple[Tensor, Tensor | None] | None = None  # recompute: CPU and CUDA RNG states
+
+
+@dataclass
+class StageStats:
+    """Measured accounting of one stage (not derived from formulas)."""
+
+    forwards: int = 0
+    backwards: int = 0
+    steps: int = 0
+    max_in_flight: int = 0
+    busy_seconds: float = 0.0
+    drift_sum: int = 0
+    drift_max: int = 0
+    # (micro-batch, version at forward, version at backward) of the most recent micro-batches.
+    versions: list[tuple[int, int, int]] = field(default_factory=list)
+
+
+class PipelineStage:
+    """The layers of one stage with their optimizer.
+
+    Args:
+        layers: This stage's layers, in order (a tuple output feeds the next layer unpacked).
+        stage: Index of this stage, 0 first.
+        num_stages: Pipeline depth.
+        optimizer: Optimizer over this stage's parameters only.
+        loss_fn: Last stage only: ``(outputs, batch) -> loss`` or ``(loss, num_items)``; the loss is
+            the mean over the micro-batch's items.
+        scheduler: LR scheduler stepped with every local optimizer step, or None.
+        recompute: Recompute the forward at backward instead of keeping the graph.
+        normalize: ``"mean"`` weighs micro-batches equally; ``"tokens"`` by their item counts.
+        forward_context: Factory of the context every forward runs in (autocast for bf16).
+        device: Where this stage computes.
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[nn.Module],
+        stage: int,
+        num_stages: int,
+        optimizer: torch.optim.Optimizer | None,
+        loss_fn: LossFn | None = None,
+        scheduler: Any | None = None,
+        recompute: bool = False,
+        normalize: Normalize = "mean",
+        forward_context: Callable[[], AbstractContextManager] = nullcontext,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if normalize not in ("mean", "tokens"):
+            raise ValueError(f"normalize={normalize!r} is not one of 'mean', 'tokens'")
+        self.layers = list(layers)
+        self.stage = stage
+        self.num_stages = num_stages
+        self.is_first = stage == 0
+        self.is_last = stage == num_stages - 1
+        if self.is_last and loss_fn is None:
+            raise ValueError("the last stage needs a loss_fn (the module's pipeline_loss)")
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.loss_fn = loss_fn
+        # The last stage runs its backward right after its forward, so it never recomputes.
+        self.recompute = recompute and not self.is_last
+        self.normalize = normalize
+        self.forward_context = forward_context
+        self.device = torch.device(device)
+        self.version = 0
+        self.stats = StageStats()
+        self._in_flight: dict[int, _InFlight] = {}
+        self._weight_sum: Tensor | None = None
+        self._one = torch.ones((), dtype=torch.float64, device=self.device)
+        # Hooks the runtime installs around the local step (data-parallel reduction, clipping,
+        # replica averaging); each is optional.
+        self.reduce_gradients: Callable[[list[Tensor], Tensor], Tensor] | None = None
+        self.clip_gradients: Callable[[list[nn.Parameter]], None] | None = None
+        self.after_step: Callable[[], None] | None = None
+
+    # -- compute ---------------------------------------------------------------------------------
+
+    def forward(self, microbatch: int, inputs: Payload, batch: Any = None) -> Payload | Tensor:
+        """Forward of ``microbatch``; returns the outputs to send on, or the loss on the last stage."""
+        start = time.perf_counter()
+        if not self.is_first:
+            inputs = tuple(_as_leaf(t) for t in inputs)
+        record = _InFlight(version=self.version, inputs=inputs)
+        if self.recompute:
+            record.rng = _capture_rng(self.device)
+            record.inputs = tuple(None if t is None else t.detach() for t in inputs)
+            with torch.no_grad(), self.forward_context():
+                outputs = run_layers(self.layers, inputs)
+        else:
+            with self.forward_context():
+                outputs = run_layers(self.layers, inputs)
+            record.outputs = outputs
+        result: Payload | Tensor = outputs
+        if self.is_last:
+            loss, weight = self._loss(outputs, batch)
+            record.outputs, record.loss, record.weight = None, loss, weight
+            result = loss.detach()
+        self._in_flight[microbatch] = record
+        self.stats.forwards += 1
+        self.stats.max_in_flight = max(self.stats.max_in_flight, len(self._in_flight))
+        self.stats.busy_seconds += time.perf_counter() - start
+        return result
+
+    def backward(self, microbatch: int, grads: Payload | None = None) -> Payload:
+        """Backward of ``microbatch``; returns the input gradients followed by the micro-batch weight.
+
+        Args:
+            microbatch: The micro-batch, whose forward ran on this stage.
+            grads: From the next stage: gradients of this stage's outputs followed by the weight;
+                None on the last stage.
+        """
+        start = time.perf_counter()
+        record = self._in_flight.pop(microbatch)
+        if self.is_last:
+            assert record.loss is not None and record.weight is not None
+            weight = record.weight
+            # Sum of item losses (tokens) or the micro-batch mean (mean); normalized at the step.
+            scaled = record.loss * weight if self.normalize == "tokens" else record.loss
+            scaled.backward()
+        else:
+            assert grads is not None
+            *output_grads, weight = grads
+            outputs = record.outputs if record.outputs is not None else self._recompute(record)
+            pairs = [(o, g) for o, g in zip(outputs, output_grads, strict=True) if g is not None and o.requires_grad]
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        self._weight_sum = weight.detach().clone() if self._weight_sum is None else self._weight_sum + weight
+        input_grads = tuple(t.grad if isinstance(t, Tensor) and t.requires_grad else None for t in record.inputs)
+        self._account(microbatch, record.version)
+        self.stats.busy_seconds += time.perf_counter() - start
+        return (*input_grads, weight.detach())
+
+    def step(self) -> None:
+        """Normalize the accumulated gradients by the window's weight and step optimizer and scheduler."""
+        start = time.perf_counter()
+        params = list(self.parameters())
+        grads = [p.grad for p in params if p.grad is not None]
+        weight = self._weight_sum if self._weight_sum is not None else self._one
+        if self.reduce_gradients is not None:
+            # Replicas must reduce the same list of tensors: materialize grads of unused parameters.
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            grads = [p.grad for p in params]
+            weight = self.reduce_gradients(grads, weight)
+        for g in grads:
+            g.div_(weight)
+        if self.clip_gradients is not None:
+            self.clip_gradients(params)
+        with _preserve_versions(params):
+            if self.optimizer is not None:
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+            if self.scheduler is not None:
+                self.scheduler.step()
+            if self.after_step is not None:
+                self.after_step()
+        self.version += 1
+        self._weight_sum = None
+        self.stats.steps += 1
+        self.stats.busy_seconds += time.perf_counter() - start
+
+    def evaluate(self, inputs: Payload) -> Payload:
+        """Forward without gradients (validation, test, predict)."""
+        start = time.perf_counter()
+        with torch.no_grad(), self.forward_context():
+            outputs = run_layers(self.layers, inputs)
+        self.stats.busy_seconds += time.perf_counter() - start
+        return outputs
+
+    # -- state -----------------------------------------------------------------------------------
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """This stage's parameters, each once."""
+        seen: set[int] = set()
+        for layer in self.layers:
+            for p in layer.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield p
+
+    @property
+    def in_flight(self) -> int:
+        """Micro-batches whose forward ran here and whose backward has not."""
+        return len(self._in_flight)
+
+    @property
+    def window_weight(self) -> Tensor | None:
+        """Weight accumulated since the last step (None when nothing was accumulated)."""
+        return self._weight_sum
+
+    def discard_accumulation(self) -> None:
+        """Forget in-flight micro-batches and accumulated gradients (after a failure or an aborted run)."""
+        self._in_flight.clear()
+        self._weight_sum = None
+        for p in self.parameters():
+            p.grad = None
+
+    def accumulation_state(self) -> dict[str, Any]:
+        """Gradients and weight accumulated in a window not yet stepped (for checkpoints)."""
+        if self._weight_sum is None:
+            return {}
+        return {"weight": self._weight_sum, "grads": [p.grad for p in self.parameters()], "version": self.version}
+
+    def load_accumulation_state(self, state: dict[str, Any]) -> None:
+        """Inverse of `accumulation_state`."""
+        self.version = state.get("version", self.version)
+        if not state or "weight" not in state:
+            self._weight_sum = None
+            return
+        self._weight_sum = state["weight"].to(self.device)
+        for p, g in zip(self.parameters(), state["grads"], strict=True):
+            p.grad = None if g is None else g.to(p.device)
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _loss(self, outputs: Payload, batch: Any) -> tuple[Tensor, Tensor]:
+        assert self.loss_fn is not None
+        with self.forward_context():
+            out = self.loss_fn(outputs[0] if len(outputs) == 1 else outputs, batch)
+        loss, items = out if isinstance(out, tuple) else (out, None)
+        if not isinstance(loss, Tensor) or loss.dim() != 0:
+            raise TypeError(
+                f"pipeline_loss must return a scalar tensor (or (loss, num_items)); got {type(loss).__name__}"
+                + (f" of shape {tuple(loss.shape)}" if isinstance(loss, Tensor) else "")
+            )
+        if self.normalize == "mean":
+            return loss, self._one
+        if items is None:
+            raise ValueError(
+                "GradientAccumulation(normalize='tokens') needs pipeline_loss to return (loss, num_items); "
+                "it returned only the loss. Return the item count too, or use normalize='mean'."
+            )
+        return loss, torch.as_tensor(items, device=self.device).to(torch.float64)
+
+    def _recompute(self, record: _InFlight) -> Payload:
+        assert record.rng is not None
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices, device_type=self.device.type):
+            torch.set_rng_state(record.rng[0])
+            if record.rng[1] is not None:
+                torch.cuda.set_rng_state(record.rng[1], self.device)
+            inputs = tuple(_as_leaf(t) for t in record.inputs) if not self.is_first else record.inputs
+            record.inputs = inputs
+            with self.forward_context():
+                return run_layers(self.layers, inputs)
+
+    def _account(self, microbatch: int, forward_version: int) -> None:
+        drift = self.version - forward_version
+        s = self.stats
+        s.backwards += 1
+        s.drift_sum += drift
+        s.drift_max = max(s.drift_max, drift)
+        s.versions.append((microbatch, forward_version, self.version))
+        if len(s.versions) > 2 * _RECENT:
+            del s.versions[:-_RECENT]
+
+
+def _as_leaf(t: Tensor | None) -> Tensor | None:
+    """A received tensor as an input leaf: floating ones collect the gradient to send back."""
+    if t is None:
+        return None
+    t = t.detach()
+    return t.requires_grad_() if t.is_floating_point() else t
+
+
+def _capture_rng(device: torch.device) -> tuple[Tensor, Tensor | None]:
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+class _preserve_versions:  # noqa: N801 - used as a context manager, reads like one
+    """Restore parameters' autograd version counters after an in-place update.
+
+    Graphs kept from earlier forwards saved these parameters; without the restore, their backward
+    fails the version check. Restoring is what makes keep-graph PACI run on stock PyTorch: the
+    backward then reads the updated values, which is the drift PACI bounds.
+    """
+
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        self.params = tuple(params)
+
+    def __enter__(self) -> None:
+        self.versions = tuple(p._version for p in self.params)
+
+    def __exit__(self, *exc: object) -> None:
+        torch._C._autograd._unsafe_set_version_counter(self.params, self.versions)
