@@ -1,0 +1,304 @@
+"""Byte-level language-modelling data: the embedded default corpus and user-supplied paths.
+
+This file owns reading a corpus into one flat token array (bytes 0..255 for text, uint16 ids for a
+nanoGPT `.bin`), the contiguous train/validation split, the fixed-block datasets and the
+`TextDataModule` that serves them. Nothing here downloads: the default corpus is the Python
+standard library source of the running interpreter, which every machine that runs this has.
+"""
+
+from __future__ import annotations
+
+import functools
+import sysconfig
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from lightning.pytorch import LightningDataModule
+from lightning.pytorch.utilities import rank_zero_info
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset
+from typing_extensions import override
+
+# Files a folder contributes (a single file path is read whatever its suffix).
+TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py")
+# Standard-library folders left out of the default corpus: installed packages are not stdlib, and the
+# test suites are large, repetitive and full of deliberately odd encodings.
+_STDLIB_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "__pycache__"})
+
+
+def stdlib_files() -> list[Path]:
+    """The default corpus' files: the interpreter's stdlib ``*.py``, sorted by relative path."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = (p for p in root.rglob("*.py") if not _STDLIB_SKIP_DIRS.intersection(p.relative_to(root).parts[:-1]))
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def folder_files(folder: Path) -> list[Path]:
+    """The files a folder contributes: ``TEXT_SUFFIXES`` files, recursively, hidden ones skipped, sorted."""
+    files = (
+        p
+        for p in folder.rglob("*")
+        if p.is_file()
+        and p.suffix.lower() in TEXT_SUFFIXES
+        and not any(part.startswith(".") for part in p.relative_to(folder).parts)
+    )
+    return sorted(files, key=lambda p: p.relative_to(folder).as_posix())
+
+
+def concat_files(files: list[Path], max_bytes: int | None) -> bytes:
+    """The files' bytes joined by a newline, cut at `max_bytes`; stops reading once the cap is reached."""
+    parts: list[bytes] = []
+    total = 0
+    for path in files:
+        if max_bytes is not None and total >= max_bytes:
+            break
+        data = path.read_bytes() + b"\n"
+        parts.append(data)
+        total += len(data)
+    corpus = b"".join(parts)
+    return corpus if max_bytes is None else corpus[:max_bytes]
+
+
+# Reading the stdlib takes ~1-2 s; every `setup` (fit, validate, test) of every TextDataModule in this
+# process reuses it. Only the embedded corpus is cached: a user's file may change between runs in a
+# notebook, and one TextDataModule reads its own source once anyway.
+@functools.lru_cache(maxsize=2)
+def embedded_corpus(max_bytes: int | None) -> bytes:
+    """The default corpus: the stdlib sources joined by newlines, cut at `max_bytes`. Cached per process."""
+    return concat_files(stdlib_files(), max_bytes)
+
+
+def read_text(source: Path, max_bytes: int | None) -> bytes:
+    """Bytes of a text file, or of a folder's text files joined by newlines, cut at `max_bytes`."""
+    if source.is_dir():
+        files = folder_files(source)
+        if not files:
+            raise ValueError(
+                f"TextDataModule(path='{source}') holds no text file ({', '.join(TEXT_SUFFIXES)}); "
+                f"point path at a file or at a folder with such files."
+            )
+        return concat_files(files, max_bytes)
+    with source.open("rb") as f:
+        return f.read() if max_bytes is None else f.read(max_bytes)
+
+
+def read_token_file(path: Path) -> np.ndarray:
+    """A nanoGPT ``.bin`` (flat little-endian uint16 token ids), memory-mapped, not read into RAM."""
+    size = path.stat().st_size
+    if size % 2:
+        raise ValueError(
+            f"{path} has {size} bytes, not a whole number of uint16 tokens; a .bin must be a flat uint16 "
+            f"array (nanoGPT's format). Rename it if it is text."
+        )
+    if size == 0:
+        return np.zeros(0, dtype=np.uint16)  # np.memmap refuses empty files
+    return np.memmap(path, dtype=np.dtype("<u2"), mode="r")
+
+
+class TokenBlocks(Dataset):
+    """Non-overlapping blocks of ``block_size + 1`` tokens from offset 0; item i is ``(x, y)`` int64.
+
+    ``x = block[:-1]``, ``y = block[1:]``. A tail shorter than a block is dropped. Deterministic and
+    finite, so an epoch is well defined; the order comes from the DataLoader's sampler.
+
+    Args:
+        tokens: Flat token array (uint8 bytes or uint16 ids; a memmap is fine).
+        block_size: Tokens per input sequence.
+    """
+
+    def __init__(self, tokens: np.ndarray, block_size: int) -> None:
+        self.tokens = tokens
+        self.block_size = block_size
+
+    def __len__(self) -> int:
+        return len(self.tokens) // (self.block_size + 1)
+
+    def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
+        if not 0 <= index < len(self):
+            raise IndexError(f"block {index} out of range for {len(self)} blocks")
+        start = index * (self.block_size + 1)
+        block = torch.from_numpy(np.asarray(self.tokens[start : start + self.block_size + 1], dtype=np.int64))
+        return block[:-1], block[1:]
+
+
+class TextDataModule(LightningDataModule):
+    """Byte-level language-modelling data for `GPT`, with a real-text default that needs no download.
+
+    Sources, by `path`:
+
+    - None: the running interpreter's standard-library sources (``*.py`` under
+      ``sysconfig.get_paths()["stdlib"]``, without ``site-packages`` and ``test``/``tests`` folders),
+      sorted by path and joined by newlines. Real text on every machine; it differs between Python
+      versions but is fixed for one interpreter.
+    - a text file (any suffix but ``.bin``): its bytes.
+    - a folder: its ``.txt``, ``.md``, ``.rst`` and ``.py`` files, recursively, sorted by path,
+      hidden files skipped, joined by newlines.
+    - a ``.bin`` file: flat uint16 token ids (nanoGPT's ``prepare.py`` format), memory-mapped.
+
+    Text is byte-level: token = byte, vocabulary 256. The last `val_fraction` of the tokens is the
+    validation split (also served by `test_dataloader` and `predict_dataloader`: there is no third
+    split); the rest is training. Both are cut into non-overlapping blocks of ``block_size + 1``.
+    Training batches are shuffled by a generator seeded with `seed` and the last incomplete batch is
+    dropped, so every micro-batch has the same shape (pipeline stages exchange fixed-shape activations,
+    and a short batch would weigh its tokens more under mean accumulation). Under multi-process
+    strategies Lightning replaces the sampler with a distributed one.
+
+    `prepare_data` is Lightning's no-op: nothing is downloaded. The corpus is read in `setup` and cached
+    per process.
+
+    Args:
+        path: Text file, folder of text files, or nanoGPT ``.bin`` of uint16 tokens; None uses the
+            embedded standard-library corpus.
+        block_size: Tokens per training sequence (the model's context; match `GPT(block_size=...)`).
+        batch_size: Sequences per batch, i.e. per micro-batch.
+        num_workers: DataLoader worker processes (0 loads in the main process; enough for this data).
+        val_fraction: Fraction of the tokens, taken from the end, used for validation; in (0, 1).
+        seed: Seed of the training shuffle.
+        max_bytes: Cap on the bytes read from text sources (the default corpus, files, folders); None
+            reads everything. The 8 MB default keeps loading to about a second and the corpus to a few
+            MB of memory on a laptop, which is already far more text than a CPU run consumes. ``.bin``
+            files are memory-mapped and never capped.
+        vocab_size: Token ids are below this. None: 256 for text; for ``.bin`` the largest id + 1, which
+            scans the file once (pass it, e.g. 50257 for GPT-2 tokens, to skip the scan).
+    """
+
+    def __init__(
+        self,
+        path: str | None = None,
+        block_size: int = 256,
+        batch_size: int = 16,
+        num_workers: int = 0,
+        val_fraction: float = 0.05,
+        seed: int = 42,
+        max_bytes: int | None = 8_000_000,
+        vocab_size: int | None = None,
+    ) -> None:
+        super().__init__()
+        source = None if path is None else Path(path).expanduser()
+        if source is not None and not source.exists():
+            raise ValueError(
+                f"TextDataModule(path={path!r}): no such file or folder; give an existing text file, folder "
+                f"or .bin, or path=None for the embedded corpus."
+            )
+        for name, value in (("block_size", block_size), ("batch_size", batch_size)):
+            if value < 1:
+                raise ValueError(f"TextDataModule({name}={value}) must be >= 1.")
+        if num_workers < 0:
+            raise ValueError(f"TextDataModule(num_workers={num_workers}) must be >= 0 (0: main process).")
+        if not 0.0 < val_fraction < 1.0:
+            raise ValueError(
+                f"TextDataModule(val_fraction={val_fraction}) must be in (0, 1), e.g. 0.05; to skip "
+                f"validation set Trainer(limit_val_batches=0)."
+            )
+        if max_bytes is not None and max_bytes < 1:
+            raise ValueError(f"TextDataModule(max_bytes={max_bytes}) must be >= 1, or None for no cap.")
+        self.is_token_file = source is not None and source.is_file() and source.suffix == ".bin"
+        if vocab_size is not None and vocab_size < (1 if self.is_token_file else 256):
+            raise ValueError(
+                f"TextDataModule(vocab_size={vocab_size}) is too small: text is byte-level and needs 256; "
+                f"a .bin needs its largest token id + 1 (or None to compute it)."
+            )
+        self.save_hyperparameters()
+        self.path = path
+        self._source = source
+        self.block_size = block_size
+        self.batch_size = batch_size
+        self.num_workers = num_workers
+        self.val_fraction = val_fraction
+        self.seed = seed
+        self.max_bytes = max_bytes
+        self._vocab_size = vocab_size
+        self._tokens: np.ndarray | None = None
+        self.train_set: TokenBlocks | None = None
+        self.val_set: TokenBlocks | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids the model must embed: 256 for text, max id + 1 (or the given value) for .bin."""
+        if self._vocab_size is None:
+            if not self.is_token_file:
+                return 256
+            tokens = self.tokens
+            # One pass over the memmap; the only way to know the vocabulary of an arbitrary .bin.
+            self._vocab_size = int(tokens.max()) + 1 if len(tokens) else 1
+        return self._vocab_size
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """The whole corpus as a flat token array (uint8 for text, uint16 memmap for .bin); loaded once."""
+        if self._tokens is None:
+            if self.is_token_file:
+                tokens = read_token_file(self._source)
+            else:
+                corpus = (
+                    embedded_corpus(self.max_bytes) if self._source is None else read_text(self._source, self.max_bytes)
+                )
+                tokens = np.frombuffer(corpus, dtype=np.uint8)
+                if self.max_bytes is not None and len(corpus) == self.max_bytes:
+                    rank_zero_info(f"TextDataModule: text capped at max_bytes={self.max_bytes:,} bytes.")
+            if len(tokens) == 0:
+                source = f"path={self.path!r}" if self.path is not None else "the embedded corpus"
+                raise ValueError(f"TextDataModule: {source} is empty; give a path with some text in it.")
+            self._tokens = tokens
+        return self._tokens
+
+    def split_sizes(self) -> tuple[int, int]:
+        """(train, validation) token counts: the last ``floor(n * val_fraction)`` tokens validate."""
+        n = len(self.tokens)
+        n_val = int(n * self.val_fraction)
+        return n - n_val, n_val
+
+    @override
+    def setup(self, stage: str) -> None:
+        if self.train_set is not None:
+            return
+        tokens = self.tokens
+        n_train, n_val = self.split_sizes()
+        need = self.block_size + 1
+        unit = "tokens" if self.is_token_file else "bytes"
+        for name, size in (("training", n_train), ("validation", n_val)):
+            if size < need:
+                raise ValueError(
+                    f"TextDataModule: the {name} split has {size:,} {unit} (of {len(tokens):,}, "
+                    f"val_fraction={self.val_fraction}), fewer than block_size + 1 = {need}; lower block_size, "
+                    f"adjust val_fraction, or give more text (max_bytes={self.max_bytes})."
+                )
+        train_set = TokenBlocks(tokens[:n_train], self.block_size)
+        if len(train_set) < self.batch_size:
+            raise ValueError(
+                f"TextDataModule: the training split holds {len(train_set)} blocks of {need} {unit}, fewer than "
+                f"batch_size={self.batch_size}, and incomplete training batches are dropped; lower batch_size "
+                f"or block_size, or give more text."
+            )
+        self.train_set = train_set
+        self.val_set = TokenBlocks(tokens[n_train:], self.block_size)
+
+    @override
+    def train_dataloader(self) -> DataLoader:
+        generator = torch.Generator().manual_seed(self.seed)
+        return self._loader(self.train_set, shuffle=True, drop_last=True, generator=generator)
+
+    @override
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val_set)
+
+    @override
+    def test_dataloader(self) -> DataLoader:
+        return self._loader(self.val_set)
+
+    @override
+    def predict_dataloader(self) -> DataLoader:
+        return self._loader(self.val_set)
+
+    def _loader(self, dataset: TokenBlocks | None, **kwargs: Any) -> DataLoader:
+        if dataset is None:
+            raise RuntimeError("TextDataModule: call setup() (the Trainer does) before asking for a dataloader.")
+        return DataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+            **kwargs,
+        )

@@ -1,0 +1,145 @@
+"""TextDataModule: the embedded corpus, user files/folders/.bin, the split, the blocks, and its errors."""
+
+from __future__ import annotations
+
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from lit_efficient.data import TextDataModule
+from lit_efficient.data.text import concat_files, embedded_corpus, stdlib_files
+
+
+def test_embedded_corpus_is_real_deterministic_text():
+    files = stdlib_files()
+    assert files and all(f.suffix == ".py" for f in files)
+    root = Path(sysconfig.get_paths()["stdlib"])
+    assert not any({"site-packages", "test", "tests"} & set(f.relative_to(root).parts) for f in files)
+    first, second = concat_files(files, 50_000), concat_files(stdlib_files(), 50_000)
+    assert first == second and len(first) == 50_000
+    assert first.startswith(files[0].read_bytes()[:100])
+    assert b"def " in first and b"import " in first
+    data = TextDataModule(max_bytes=50_000)
+    assert data.vocab_size == 256
+    assert bytes(data.tokens) == embedded_corpus(50_000) == first
+
+
+def test_split_sizes_follow_val_fraction(tmp_path):
+    path = tmp_path / "t.txt"
+    path.write_bytes(bytes(range(256)) * 4)  # 1024 bytes
+    data = TextDataModule(str(path), block_size=9, batch_size=2, val_fraction=0.25)
+    assert data.split_sizes() == (768, 256)
+    data.setup("fit")
+    assert len(data.train_set) == 768 // 10 and len(data.val_set) == 256 // 10
+    # Validation is the tail: its first block starts right after the training split.
+    x, y = data.val_set[0]
+    assert x.tolist() == list(range(0, 9)) and y.tolist() == list(range(1, 10))  # 768 % 256 == 0
+
+
+def test_blocks_are_shifted_by_one_and_int64(tmp_path):
+    path = tmp_path / "t.txt"
+    text = b"the quick brown fox jumps over the lazy dog. " * 20
+    path.write_bytes(text)
+    data = TextDataModule(str(path), block_size=8, batch_size=4, val_fraction=0.1)
+    data.setup("fit")
+    for i in (0, 3):
+        x, y = data.train_set[i]
+        assert x.dtype == y.dtype == torch.int64 and x.shape == y.shape == (8,)
+        assert torch.equal(x[1:], y[:-1])
+        assert bytes(x.tolist()) + bytes(y[-1:].tolist()) == text[i * 9 : i * 9 + 9]
+    with pytest.raises(IndexError):
+        data.train_set[len(data.train_set)]
+
+
+def test_train_loader_shuffles_by_seed_and_val_loader_does_not(tmp_path):
+    path = tmp_path / "t.txt"
+    path.write_bytes(bytes(range(256)) * 8)
+    batches = []
+    for seed in (1, 1, 2):
+        data = TextDataModule(str(path), block_size=7, batch_size=4, seed=seed)
+        data.setup("fit")
+        batches.append(next(iter(data.train_dataloader()))[0])
+    assert torch.equal(batches[0], batches[1]) and not torch.equal(batches[0], batches[2])
+    loader = data.train_dataloader()
+    assert len(loader) == len(data.train_set) // 4  # incomplete batch dropped
+    val_x = next(iter(data.val_dataloader()))[0]
+    assert torch.equal(val_x[0], data.val_set[0][0])
+    assert torch.equal(next(iter(data.test_dataloader()))[0], val_x)
+    assert torch.equal(next(iter(data.predict_dataloader()))[0], val_x)
+
+
+def test_folder_reads_text_files_sorted_and_skips_others(tmp_path):
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "two.md").write_text("two")
+    (tmp_path / "a.txt").write_text("one")
+    (tmp_path / "c.py").write_text("three")
+    (tmp_path / "weights.bin").write_bytes(b"\x00\x01")
+    (tmp_path / ".hidden.txt").write_text("secret")
+    data = TextDataModule(str(tmp_path), block_size=2, batch_size=1)
+    assert bytes(data.tokens) == b"one\ntwo\nthree\n"
+
+
+def test_max_bytes_caps_text(tmp_path):
+    path = tmp_path / "t.txt"
+    path.write_bytes(b"x" * 1000)
+    assert len(TextDataModule(str(path), max_bytes=300).tokens) == 300
+    assert len(TextDataModule(str(path), max_bytes=None).tokens) == 1000
+
+
+def test_bin_tokens_are_memory_mapped_with_their_vocabulary(tmp_path):
+    path = tmp_path / "train.bin"
+    ids = (np.arange(2000) * 7 % 300).astype(np.uint16)
+    ids.tofile(path)
+    data = TextDataModule(str(path), block_size=16, batch_size=4)
+    assert data.vocab_size == 300
+    assert isinstance(data.tokens, np.memmap) and np.array_equal(data.tokens, ids)
+    data.setup("fit")
+    x, y = next(iter(data.val_dataloader()))
+    assert x.dtype == torch.int64 and x.max() < 300
+    assert TextDataModule(str(path), vocab_size=50257).vocab_size == 50257
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(block_size=0), "block_size=0"),
+        (dict(batch_size=0), "batch_size=0"),
+        (dict(num_workers=-1), "num_workers=-1"),
+        (dict(val_fraction=0.0), "val_fraction=0.0"),
+        (dict(val_fraction=1.0), "val_fraction=1.0"),
+        (dict(max_bytes=0), "max_bytes=0"),
+        (dict(vocab_size=100), "vocab_size=100"),
+        (dict(path="/no/such/file.txt"), "no such file"),
+    ],
+)
+def test_bad_arguments_raise(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        TextDataModule(**kwargs)
+
+
+def test_input_errors_say_what_to_change(tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_bytes(b"")
+    with pytest.raises(ValueError, match="is empty"):
+        TextDataModule(str(empty)).setup("fit")
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "image.png").write_bytes(b"\x89PNG")
+    with pytest.raises(ValueError, match="no text file"):
+        TextDataModule(str(tmp_path / "folder")).setup("fit")
+    short = tmp_path / "short.txt"
+    short.write_bytes(b"a" * 100)
+    with pytest.raises(ValueError, match=r"validation split has 5 bytes .* block_size \+ 1 = 9"):
+        TextDataModule(str(short), block_size=8, batch_size=1).setup("fit")
+    with pytest.raises(ValueError, match=r"training split has 95 bytes .* lower block_size"):
+        TextDataModule(str(short), block_size=99, batch_size=1, val_fraction=0.05).setup("fit")
+    with pytest.raises(ValueError, match="fewer than batch_size=64"):
+        TextDataModule(str(short), block_size=4, batch_size=64, val_fraction=0.1).setup("fit")
+    odd = tmp_path / "odd.bin"
+    odd.write_bytes(b"\x00\x01\x02")
+    with pytest.raises(ValueError, match="whole number of uint16"):
+        TextDataModule(str(odd)).setup("fit")
+    with pytest.raises(RuntimeError, match="setup"):
+        TextDataModule(str(short)).train_dataloader()
