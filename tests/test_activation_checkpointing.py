@@ -1,0 +1,222 @@
+"""ActivationCheckpointing: exact gradients, saved-activation bytes, module choice, toggle, checkpoints, a real fit."""
+
+from __future__ import annotations
+
+import copy
+import csv
+import pickle
+from types import SimpleNamespace
+
+import pytest
+import torch
+from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.loggers import CSVLogger
+from torch import nn
+
+from lit_efficient.callbacks import ActivationCheckpointing
+from lit_efficient.callbacks.activation_checkpointing import METRIC_KEY, SavedActivationMeter, is_wrapped
+from lit_efficient.data import TextDataModule
+from lit_efficient.models import GPT
+
+TINY = dict(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=32)
+
+
+def tiny_gpt(**overrides) -> GPT:
+    torch.manual_seed(0)
+    return GPT(**{**TINY, **overrides})
+
+
+def random_batch(batch_size: int = 4, seq_len: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 256, (batch_size, seq_len + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def fake_trainer(**strategy_attrs) -> SimpleNamespace:
+    # The hooks used here read only trainer.strategy; a stub keeps these tests free of Trainer setup.
+    return SimpleNamespace(strategy=SimpleNamespace(**strategy_attrs))
+
+
+class Placeholder(nn.Module):
+    """Stands in for another pipeline stage's layer: no parameters, a different class."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(every_n=0), "every_n=0"),
+        (dict(every_n=1.5), "every_n=1.5"),
+        (dict(mode="partial"), "mode='partial'.*'full' or 'selective'"),
+        (dict(modules=[]), r"modules=\[\].*modules=None"),
+        (dict(modules="Block"), r"modules=\['Block'\]"),
+    ],
+)
+def test_bad_arguments_raise_with_the_value_and_the_fix(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ActivationCheckpointing(**kwargs)
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_gradients_match_without_checkpointing_with_dropout_on(mode):
+    batch = random_batch()
+    grads = []
+    for wrap in (False, True):
+        model = tiny_gpt(dropout=0.1).train()
+        if wrap:
+            assert ActivationCheckpointing(mode=mode).wrap(model) == ["blocks.0", "blocks.1"]
+        torch.manual_seed(123)  # the same dropout masks in forward; recompute must reproduce them
+        loss, _ = model.pipeline_loss(model(batch[0]), batch)
+        loss.backward()
+        grads.append({name: p.grad for name, p in model.named_parameters()})
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        # Recompute replays the same ops on the same inputs with the same RNG: bitwise equal on CPU.
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_saved_activation_bytes_of_the_blocks_none_over_selective_over_full(dropout):
+    saved = {}
+    for mode in ("none", "selective", "full"):
+        model = tiny_gpt(n_layer=4, dropout=dropout).train()
+        if mode != "none":
+            ActivationCheckpointing(mode=mode).wrap(model)
+        hidden = model.embed(random_batch()[0]).detach().requires_grad_()
+        with SavedActivationMeter(exclude=[model]) as meter:
+            for block in model.blocks:
+                hidden = block(hidden)
+        saved[mode] = meter.bytes
+        hidden.sum().backward()  # the recorded graph is usable
+    assert saved["full"] <= 0.5 * saved["none"], saved
+    assert saved["none"] > saved["selective"] > saved["full"], saved
+    # Full mode keeps exactly each block's fp32 input: 4 blocks x (4 x 32 x 32) floats.
+    assert saved["full"] == 4 * 4 * 32 * 32 * 4
+
+
+def test_state_dict_keys_unchanged_and_a_wrapped_models_state_loads_into_a_plain_one():
+    plain, wrapped = tiny_gpt(), tiny_gpt(n_layer=2)
+    ActivationCheckpointing().wrap(wrapped)
+    assert list(wrapped.state_dict()) == list(plain.state_dict())
+    with torch.no_grad():
+        for p in wrapped.parameters():
+            p.add_(1.0)
+    plain.load_state_dict(wrapped.state_dict(), strict=True)
+    torch.testing.assert_close(plain.state_dict(), wrapped.state_dict())
+
+
+def test_copies_of_a_wrapped_model_run_their_own_weights():
+    model = tiny_gpt()
+    ActivationCheckpointing().wrap(model)
+    clone = copy.deepcopy(model)
+    assert is_wrapped(clone.blocks[0]) and clone.blocks[0].forward.__self__ is clone.blocks[0]
+    with torch.no_grad():
+        clone.blocks[0].mlp.c_proj.bias.add_(1.0)
+    x = torch.randn(1, 8, 32)
+    assert not torch.allclose(clone.blocks[0](x), model.blocks[0](x))
+    # A pickled wrapped model loads unwrapped (and computes the same).
+    restored = pickle.loads(pickle.dumps(model))
+    assert not is_wrapped(restored.blocks[0])
+    torch.testing.assert_close(restored.blocks[0](x), model.blocks[0](x))
+
+
+def test_auto_detection_every_n_named_classes_and_nesting():
+    model = tiny_gpt(n_layer=4)
+    names = lambda cb: [n for n, _ in cb.select(model)]  # noqa: E731
+    assert names(ActivationCheckpointing()) == [f"blocks.{i}" for i in range(4)]
+    assert names(ActivationCheckpointing(every_n=2)) == ["blocks.1", "blocks.3"]
+    assert names(ActivationCheckpointing(modules=["lit_efficient.models.gpt.MLP"])) == [
+        f"blocks.{i}.mlp" for i in range(4)
+    ]
+    # The MLPs live inside the Blocks: checkpointing them again inside a checkpoint is skipped.
+    assert names(ActivationCheckpointing(modules=["MLP", "Block"])) == [f"blocks.{i}" for i in range(4)]
+    # A pipeline stage: other stages' blocks are parameter-free placeholders and never picked.
+    model.blocks[0], model.blocks[1] = Placeholder(), Placeholder()
+    assert names(ActivationCheckpointing()) == ["blocks.2", "blocks.3"]
+
+
+def test_pipeline_rank_wraps_its_share_of_the_plan_made_on_the_whole_model():
+    model, trainer = tiny_gpt(n_layer=4), fake_trainer()
+    cb = ActivationCheckpointing(every_n=2)
+    cb.setup(trainer, model, "fit")  # Lightning: callback setup runs before strategy.setup (the split)
+    model.blocks[0], model.blocks[1] = Placeholder(), Placeholder()  # this rank is stage 1
+    cb.on_fit_start(trainer, model)
+    assert cb.wrapped_modules == [model.blocks[3]]  # global every_n: blocks 1 and 3, only 3 is local
+    cb.teardown(trainer, model, "fit")
+    assert not any(is_wrapped(m) for m in model.modules())
+
+
+def test_unknown_module_names_raise_listing_the_candidates():
+    model, trainer = tiny_gpt(), fake_trainer()
+    cb = ActivationCheckpointing(modules=["Blok"])
+    cb.setup(trainer, model, "fit")
+    with pytest.raises(ValueError, match=r"modules=\['Blok'\]\) matches no module of GPT.*Block \(x2\)"):
+        cb.on_fit_start(trainer, model)
+
+
+def test_refuses_a_strategy_that_already_recomputes():
+    with pytest.raises(ValueError, match=r"recompute=True.*recompute=False.*remove ActivationCheckpointing"):
+        ActivationCheckpointing().setup(fake_trainer(recompute=True), tiny_gpt(), "fit")
+    ActivationCheckpointing().setup(fake_trainer(recompute=False), tiny_gpt(), "fit")  # fine
+
+
+class Toggler(Callback):
+    """Records the measured bytes and the flag per batch; toggles the callback between steps."""
+
+    def __init__(self, ac: ActivationCheckpointing, plan: dict[int, str]) -> None:
+        self.ac, self.plan = ac, plan
+        self.saved: list[int | None] = []
+        self.wrapped_during_fit = False
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.saved.append(self.ac.saved_bytes)
+        self.wrapped_during_fit = all(is_wrapped(b) for b in pl_module.blocks)
+        action = self.plan.get(len(self.saved) - 1)
+        if action is not None:
+            getattr(self.ac, action)()
+
+
+def _trainer(tmp_path, callbacks, max_steps: int) -> Trainer:
+    return Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        limit_val_batches=0,
+        log_every_n_steps=1,
+        logger=CSVLogger(tmp_path, name="logs"),
+        callbacks=callbacks,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+
+
+def test_real_fit_toggle_mid_run_logged_bytes_and_flag_survives_resume(tmp_path):
+    data = TextDataModule(block_size=32, batch_size=4, max_bytes=200_000, vocab_size=256)
+    ac = ActivationCheckpointing()
+    # After batch 1 off, after batch 2 on, after batch 3 off: the checkpoint holds enabled=False.
+    toggler = Toggler(ac, {1: "disable", 2: "enable", 3: "disable"})
+    model = tiny_gpt(dropout=0.1, warmup_steps=1)
+    trainer = _trainer(tmp_path, [ac, toggler], max_steps=4)
+    trainer.fit(model, datamodule=data)
+    on, off = toggler.saved[0], toggler.saved[2]
+    assert toggler.saved == [on, on, off, on] and off > on, toggler.saved
+    assert toggler.wrapped_during_fit and not any(is_wrapped(b) for b in model.blocks)  # teardown unwraps
+
+    with open(trainer.logger.log_dir + "/metrics.csv") as f:
+        logged = [float(row[METRIC_KEY]) for row in csv.DictReader(f) if row.get(METRIC_KEY)]
+    assert logged == [float(b) for b in toggler.saved]
+
+    ckpt = str(tmp_path / "last.ckpt")
+    trainer.save_checkpoint(ckpt)
+    assert not ac.enabled
+    # Written with the callback, it loads into a model that never saw it.
+    assert list(GPT.load_from_checkpoint(ckpt).state_dict()) == list(tiny_gpt().state_dict())
+
+    resumed_ac = ActivationCheckpointing(enabled=True)
+    resumed = Toggler(resumed_ac, {})
+    _trainer(tmp_path, [resumed_ac, resumed], max_steps=5).fit(tiny_gpt(dropout=0.1), datamodule=data, ckpt_path=ckpt)
+    assert not resumed_ac.enabled
+    assert resumed.saved == [off]
