@@ -1,0 +1,706 @@
+"""PACIStrategy: the Lightning lifecycle around the pipeline runtime.
+
+Lightning keeps driving the loop: it loads data, calls ``training_step`` once per dataloader batch
+(one micro-batch), counts optimizer steps, validates, checkpoints and logs. This strategy turns
+each of those calls into the pipeline's: a training batch is fed to this rank's stage, stages step
+their own optimizers when their schedule says so, evaluation streams batches forward through the
+stages, and every point that needs a consistent model (validation, checkpoints, the end of an
+epoch or of training) drains the pipeline first.
+
+The module runs under manual optimization while the strategy owns it, because the stages, not
+Lightning, decide when to zero, accumulate and step; the window count Lightning sees
+(``trainer.global_step``) is advanced once per N micro-batches on every rank alike, so all ranks
+stop, validate and save at the same batch.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+from lightning.pytorch.utilities import rank_zero_info
+from torch import Tensor
+from typing_extensions import override
+
+from lit_efficient.averaging import ReplicaAverager
+from lit_efficient.pipeline.comm import PointToPoint, all_reduce_flat, report_failure
+from lit_efficient.pipeline.partition import check_sizes, partition_balanced, partition_uniform, predicted_utilization
+from lit_efficient.pipeline.runtime import PipelineRuntime
+from lit_efficient.pipeline.schedules import SCHEDULES, ScheduleName
+from lit_efficient.pipeline.stage import PipelineStage
+from lit_efficient.pipeline.topology import Topology
+from lit_efficient.protocol import PIPELINE_METHODS, missing_pipeline_methods
+from lit_efficient.strategies.checkpoint import PipelineCheckpointIO
+from lit_efficient.strategies.profile import profile_layers
+from lit_efficient.strategies.split import (
+    LayerOnOtherStage,
+    Split,
+    layer_parameter_counts,
+    local_layer_state_dicts,
+    split_module,
+    unsplit,
+)
+
+Balance = Literal["parameters", "uniform", "profile"]
+_PRECISIONS = ("32-true", "bf16-mixed")
+
+
+class PACIStrategy(DDPStrategy):
+    """Pipeline-parallel training: split the model into stages over processes and run PACI or 1F1B-flush.
+
+    ``world_size = pipeline_stages x data-parallel replicas``. Each replica's stages sit on
+    contiguous ranks, its last stage on the lowest one, so global rank 0 holds the loss, logs and
+    shows the progress bar. A dataloader batch is one micro-batch; N micro-batches (from
+    ``GradientAccumulation(steps=N)`` or ``Trainer(accumulate_grad_batches=N)``) make one optimizer
+    step, and ``trainer.global_step`` counts those steps.
+
+    Args:
+        pipeline_stages: Number of stages S each pipeline is split into; must divide the world size.
+        schedule: ``"paci"``: asynchronous, bubble-free 1F1B in which each stage steps after its own
+            N-th backward (weight-version drift at most ceil((S-1-s)/N)); ``"1f1b_flush"``: the
+            synchronous baseline, exactly large-batch SGD, idle (S-1)/(N+S-1) of the time.
+        recompute: Keep only each micro-batch's stage input and RNG state and recompute the forward
+            at backward (less activation memory, about one extra forward); default keeps the graph.
+        balance: How layers are split: ``"parameters"`` balances parameter counts, ``"uniform"``
+            balances layer counts, ``"profile"`` times every layer on the device with a real
+            micro-batch and minimizes the slowest stage; or an explicit list of layers per stage.
+        p2p_timeout: Seconds a stage waits for a neighbour before failing with an error naming it.
+        local_sgd_steps: None: replicas all-reduce gradients every step (DDP semantics). H: replicas
+            train independently and average parameters every H optimizer steps (LocalSGD/DiLoCo).
+        local_sgd_warmup_steps: Synchronous (average every step) optimizer steps before LocalSGD starts.
+        outer_optimizer: ``"average"``: plain parameter averaging; ``"nesterov"``: DiLoCo's outer
+            SGD with Nesterov momentum on the averaged pseudo-gradient.
+        outer_lr: DiLoCo outer learning rate (needs ``outer_optimizer="nesterov"``).
+        outer_momentum: DiLoCo outer Nesterov momentum (needs ``outer_optimizer="nesterov"``).
+        average_buffers: Also average floating-point buffers (e.g. BatchNorm statistics) at each sync.
+        start_method: How processes are launched: ``"popen"`` re-runs the script per rank (also under
+            torchrun/SLURM), ``"spawn"`` starts them from this process (notebooks, tests).
+        **kwargs: Passed to Lightning's ``DDPStrategy`` (accelerator, cluster_environment, timeout, ...).
+    """
+
+    strategy_name = "paci"
+
+    def __init__(
+        self,
+        pipeline_stages: int = 2,
+        schedule: ScheduleName = "paci",
+        recompute: bool = False,
+        balance: Balance | list[int] = "parameters",
+        p2p_timeout: float = 600.0,
+        local_sgd_steps: int | None = None,
+        local_sgd_warmup_steps: int = 0,
+        outer_optimizer: Literal["average", "nesterov"] = "average",
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        average_buffers: bool = True,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **kwargs: Any,
+    ) -> None:
+        _check_arguments(
+            pipeline_stages, schedule, balance, p2p_timeout, local_sgd_steps, local_sgd_warmup_steps,
+            outer_optimizer, outer_lr, outer_momentum,
+        )  # fmt: skip
+        super().__init__(start_method=start_method, **kwargs)
+        self.pipeline_stages = pipeline_stages
+        self.schedule: ScheduleName = schedule
+        self.recompute = recompute
+        self.balance = balance
+        self.p2p_timeout = p2p_timeout
+        self.local_sgd_steps = local_sgd_steps
+        self.local_sgd_warmup_steps = local_sgd_warmup_steps
+        self.outer_optimizer = outer_optimizer
+        self.outer_lr = outer_lr
+        self.outer_momentum = outer_momentum
+        self.average_buffers = average_buffers
+        self.checkpoint_io = PipelineCheckpointIO(self)
+        self.topology: Topology | None = None
+        self.runtime: PipelineRuntime | None = None
+        self.averager: ReplicaAverager | None = None
+        self._split: Split | None = None
+        self._dp_groups: dict[int, dist.ProcessGroup] = {}
+        self._pipeline_groups: dict[int, dist.ProcessGroup] = {}
+        self._header_group: dist.ProcessGroup | None = None
+        self._was_automatic = True
+        self._epoch_schedulers: list[Any] = []
+        self._eval_index = 0
+        self._failed = False
+
+    # -- process layout ---------------------------------------------------------------------------
+
+    @property
+    def stage(self) -> int:
+        """This rank's pipeline stage."""
+        assert self.topology is not None, "the strategy is not set up yet"
+        return self.topology.stage_of(self.global_rank)
+
+    @property
+    def replica(self) -> int:
+        """This rank's data-parallel replica."""
+        assert self.topology is not None, "the strategy is not set up yet"
+        return self.topology.replica_of(self.global_rank)
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.stage == self.pipeline_stages - 1
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Every stage of a replica reads the same micro-batch stream; replicas read different ones.
+        topo = Topology.for_world(self.num_nodes * self.num_processes, self.pipeline_stages)
+        return {"num_replicas": topo.num_replicas, "rank": topo.replica_of(self.global_rank)}
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self.topology = Topology.for_world(self.world_size, self.pipeline_stages)
+        backend = dist.get_backend()
+        # Every rank creates every group, in the same order: new_group is collective.
+        self._header_group = None if backend == "gloo" else dist.new_group(backend="gloo")
+        for stage in range(self.pipeline_stages):
+            self._dp_groups[stage] = dist.new_group(self.topology.replica_ranks(stage))
+        for replica in range(self.topology.num_replicas):
+            self._pipeline_groups[replica] = dist.new_group(self.topology.pipeline_ranks(replica))
+        if self.local_sgd_steps is not None and self.topology.num_replicas == 1:
+            rank_zero_info(f"PACIStrategy(local_sgd_steps={self.local_sgd_steps}): one replica, nothing to average.")
+
+    # -- setup / teardown -------------------------------------------------------------------------
+
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        assert self.accelerator is not None and self.topology is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        assert module is not None
+        _check_module(module, self.precision_plugin)
+        layers = list(module.pipeline_layers())
+        sizes = self._stage_sizes(module, layers, trainer)
+        self._split = split_module(module, layers, sizes, self.stage)
+        self.model = self.precision_plugin.convert_module(module)
+        self.model_to_device()
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            self._was_automatic = module.automatic_optimization
+            module.automatic_optimization = False  # the stages zero, accumulate and step themselves
+            self.setup_optimizers(trainer)
+            if len(self.optimizers) != 1:
+                raise ValueError(
+                    f"configure_optimizers returned {len(self.optimizers)} optimizers; PACIStrategy steps one "
+                    "optimizer per stage. Put all parameters into one optimizer (param groups are fine)."
+                )
+        self.setup_precision_plugin()
+        first, last = self._split.bounds
+        local = [layer for layer in layers[first:last]]
+        optimizer = self.optimizers[0] if fitting else None
+        stage = PipelineStage(
+            local, self.stage, self.pipeline_stages, optimizer,
+            loss_fn=module.pipeline_loss, scheduler=self._step_schedulers() if fitting else None,
+            recompute=self.recompute, normalize=_normalize_mode(trainer),
+            forward_context=self.precision_plugin.forward_context, device=self.root_device,
+        )  # fmt: skip
+        if fitting:
+            self._install_step_hooks(stage, trainer)
+        prev_rank, next_rank = self.topology.neighbours(self.global_rank)
+        comm = None
+        if self.pipeline_stages > 1:
+            comm = PointToPoint(
+                self.stage, self.topology.stage_of, self.root_device, self.p2p_timeout, header_group=self._header_group
+            )
+        self.runtime = PipelineRuntime(
+            stage, self.schedule, max(1, trainer.accumulate_grad_batches), module.pipeline_input, comm, prev_rank,
+            next_rank,
+        )  # fmt: skip
+        _point_metrics_at(module, self._dp_groups[self.pipeline_stages - 1])
+        if not any(isinstance(cb, _SyncCallbackMetrics) for cb in trainer.callbacks):
+            trainer.callbacks.insert(0, _SyncCallbackMetrics())
+
+    @override
+    def teardown(self) -> None:
+        module = self.lightning_module
+        trainer = module._trainer if module is not None else None
+        if module is not None and self._split is not None:
+            if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+                module.automatic_optimization = self._was_automatic
+            healthy = not self._failed and trainer is not None and trainer.state.status == TrainerStatus.RUNNING
+            if healthy:
+                self._gather_model_on_rank_zero()
+        self.runtime = None
+        super().teardown()
+
+    def _gather_model_on_rank_zero(self) -> None:
+        """Rebuild the whole model on global rank 0 (CPU) so the user's object is complete after fit."""
+        assert self._split is not None and self.topology is not None
+        mine = local_layer_state_dicts(self._split) if self.replica == 0 else {}
+        gathered: list[dict | None] = [None] * self.world_size if self.global_rank == 0 else None  # type: ignore
+        dist.gather_object(mine, gathered, dst=0, group=self._cpu_group())
+        if self.global_rank == 0:
+            state: dict[int, dict[str, Tensor]] = {}
+            for part in gathered:  # type: ignore[union-attr]
+                state.update(part or {})
+            unsplit(self._split, state, torch.device("cpu"))
+            self._split = None
+
+    def _cpu_group(self) -> dist.ProcessGroup | None:
+        return self._header_group  # gloo: object collectives without device copies
+
+    def _stage_sizes(self, module: LightningModule, layers: list, trainer: Trainer) -> list[int]:
+        counts = _parameter_counts(module, layers)
+        if self.pipeline_stages > len(layers):
+            raise ValueError(
+                f"pipeline_stages={self.pipeline_stages} exceeds the {len(layers)} layers of pipeline_layers(): "
+                f"use at most {len(layers)} stages, or split the model into more layers"
+            )
+        if isinstance(self.balance, list):
+            sizes = check_sizes(self.balance, len(layers), self.pipeline_stages)
+        elif self.balance == "uniform":
+            sizes = partition_uniform(len(layers), self.pipeline_stages)
+        elif self.balance == "parameters":
+            sizes = partition_balanced([max(c, 1) for c in counts], self.pipeline_stages)
+        else:
+            sizes = self._profiled_sizes(module, layers, trainer)
+        rank_zero_info(f"PACIStrategy: {len(layers)} layers over {self.pipeline_stages} stages as {sizes}")
+        return sizes
+
+    def _profiled_sizes(self, module: LightningModule, layers: list, trainer: Trainer) -> list[int]:
+        sizes_box: list[Any] = [None]
+        if self.global_rank == 0:
+            if any(isinstance(layer, LayerOnOtherStage) for layer in layers):
+                raise ValueError("balance='profile' needs every layer's weights on rank 0; this module was split")
+            batch = _first_training_batch(trainer)
+            result = profile_layers(module, layers, batch, self.root_device, self.precision_plugin.forward_context)
+            sizes_box[0] = result.partition(self.pipeline_stages, trainer.accumulate_grad_batches)
+            times = result.stage_times(sizes_box[0])
+            rank_zero_info(
+                f"PACIStrategy(balance='profile'): stage times {[f'{t * 1e3:.1f} ms' for t in times]}, predicted "
+                f"utilization {predicted_utilization(times, trainer.accumulate_grad_batches, self.schedule):.1%}"
+            )
+        dist.broadcast_object_list(sizes_box, src=0, group=self._cpu_group())
+        return list(sizes_box[0])
+
+    def _step_schedulers(self) -> _SchedulerGroup | None:
+        step_wise, self._epoch_schedulers = [], []
+        for config in self.lr_scheduler_configs:
+            if config.reduce_on_plateau:
+                raise ValueError(
+                    "ReduceLROnPlateau is not supported under PACIStrategy: each stage steps its own scheduler "
+                    "without the monitored metric. Use a step- or epoch-based scheduler."
+                )
+            (step_wise if config.interval == "step" else self._epoch_schedulers).append(config)
+        return _SchedulerGroup(step_wise) if step_wise else None
+
+    def _install_step_hooks(self, stage: PipelineStage, trainer: Trainer) -> None:
+        assert self.topology is not None
+        replicas = self.topology.num_replicas
+        if replicas > 1 and self.local_sgd_steps is None:
+            group = self._dp_groups[self.stage]
+
+            def reduce_gradients(grads: list[Tensor], weight: Tensor) -> Tensor:
+                # Sum over replicas, weight included, so dividing by it gives the mean over all items.
+                total = weight.reshape(1).clone()
+                all_reduce_flat([*grads, total], group)
+                return total.reshape(())
+
+            stage.reduce_gradients = reduce_gradients
+        if self.local_sgd_steps is not None and replicas > 1:
+            module = torch.nn.ModuleList(stage.layers)
+            self.averager = ReplicaAverager(
+                module, self._dp_groups[self.stage], self.local_sgd_steps, self.local_sgd_warmup_steps,
+                self.outer_optimizer, self.outer_lr, self.outer_momentum, self.average_buffers,
+            )  # fmt: skip
+            averager = self.averager
+            stage.after_step = lambda: averager.after_step() and None
+        clip_val = trainer.gradient_clip_val
+        if clip_val:
+            stage.clip_gradients = self._clipper(float(clip_val), trainer.gradient_clip_algorithm or "norm")
+
+    def _clipper(self, value: float, algorithm: str):
+        if algorithm == "value":
+            return lambda params: torch.nn.utils.clip_grad_value_(params, value)
+        group = self._pipeline_groups[self.replica]
+        exact = self.schedule == "1f1b_flush" and self.pipeline_stages > 1
+
+        def clip_norm(params: list[torch.nn.Parameter]) -> None:
+            grads = [p.grad for p in params if p.grad is not None]
+            squared = torch.zeros(1, device=self.root_device, dtype=torch.float32)
+            for g in grads:
+                squared += g.detach().float().pow(2).sum()
+            if exact:
+                # flush: every stage steps together, so the global norm across stages is exact.
+                all_reduce_flat([squared], group)
+            # paci: stages step at different times; each clips its own norm (<= the global one).
+            scale = (value / (squared.sqrt() + 1e-6)).clamp(max=1.0)
+            for g in grads:
+                g.mul_(scale.to(g.dtype))
+
+        return clip_norm
+
+    # -- training ---------------------------------------------------------------------------------
+
+    @override
+    def training_step(self, batch: Any, batch_idx: int, *args: Any) -> Any:
+        assert self.runtime is not None
+        module, trainer = self.lightning_module, self.lightning_module.trainer
+        loop = trainer.fit_loop.epoch_loop
+        self._update_accumulation(trainer, batch_idx)
+        loss = self.runtime.feed(batch, batch_idx)
+        epoch_end = loop._num_ready_batches_reached()
+        if epoch_end:
+            self.runtime.drain(step_partial_window=True)
+            for config in self._epoch_schedulers:
+                if (trainer.current_epoch + 1) % config.frequency == 0:
+                    config.scheduler.step()
+        if not loop._should_accumulate():
+            # A window of N micro-batches has been fed on every rank: count Lightning's optimizer
+            # step (global_step) here; the stages step their optimizers on their own schedule.
+            self._lightning_optimizers[0].step()
+        if loss is None:
+            return None
+        module.log("train_loss", loss, prog_bar=True, on_step=True, on_epoch=False, batch_size=_batch_size(batch))
+        return {"loss": loss}
+
+    def _update_accumulation(self, trainer: Trainer, batch_idx: int) -> None:
+        assert self.runtime is not None
+        accumulate = max(1, trainer.accumulate_grad_batches)
+        if accumulate != self.runtime.accumulate:
+            if not self.runtime.drained or batch_idx % self.runtime.accumulate:
+                raise RuntimeError(
+                    f"accumulate_grad_batches changed to {accumulate} in the middle of a window; change it only at "
+                    "epoch starts (GradientAccumulation(steps={epoch: N}) does)"
+                )
+            self.runtime.accumulate = accumulate
+        if batch_idx == 0 and self.runtime.drained:
+            self.runtime.start_epoch()
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        # Stages step their own optimizers inside the runtime; Lightning's call only counts the step.
+        return None
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        raise RuntimeError("PACIStrategy runs backwards inside the pipeline; manual_backward is not supported")
+
+    @override
+    def on_train_end(self) -> None:
+        if self.runtime is not None:
+            self.runtime.drain()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        self._failed = True
+        if self.topology is not None:
+            report_failure(
+                f"stage {self.stage} (rank {self.global_rank}) raised {type(exception).__name__}: {exception}"
+            )
+        super().on_exception(exception)
+
+    # -- evaluation -------------------------------------------------------------------------------
+
+    def _start_evaluation(self) -> None:
+        if self.runtime is not None:
+            self.runtime.drain()
+        self._eval_index = 0
+
+    @override
+    def on_validation_start(self) -> None:
+        self._start_evaluation()
+
+    @override
+    def on_test_start(self) -> None:
+        self._start_evaluation()
+
+    @override
+    def on_predict_start(self) -> None:
+        self._start_evaluation()
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            return self._evaluation_step("validation_step", *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            return self._evaluation_step("test_step", *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.predict_step_context():
+            return self._evaluation_step("predict_step", *args, **kwargs)
+
+    def _evaluation_step(self, hook: str, batch: Any, *args: Any, **kwargs: Any) -> Any:
+        assert self.runtime is not None
+        outputs = self.runtime.evaluate(batch, self._eval_index)
+        self._eval_index += 1
+        if outputs is None:
+            return None
+        module = self.lightning_module
+        with _forward_answers(module, outputs[0] if len(outputs) == 1 else outputs, hook):
+            return getattr(module, hook)(batch, *args, **kwargs)
+
+    # -- collectives ------------------------------------------------------------------------------
+
+    @override
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        # Metrics logged with sync_dist=True come from the last stage of each replica only: reduce
+        # them across that stage's replicas, not the world (other stages never log them).
+        if group is None and self.topology is not None:
+            group = self._dp_groups[self.stage]
+        return super().reduce(tensor, group=group, reduce_op=reduce_op)
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        flag = torch.tensor(int(decision), device=self.root_device)
+        dist.all_reduce(flag, op=dist.ReduceOp.SUM)
+        return bool(flag == self.world_size) if all else bool(flag > 0)
+
+    # -- checkpoints ------------------------------------------------------------------------------
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # the module must be split before its stage's weights are loaded
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self.runtime is not None:
+            self.runtime.drain()  # a checkpoint holds a consistent model: nothing in flight
+        return super().lightning_module_state_dict()
+
+    def pipeline_state(self) -> dict[str, Any]:
+        """Everything besides weights and optimizer a stage needs to resume exactly."""
+        assert self._split is not None and self.runtime is not None
+        state = {
+            "num_stages": self.pipeline_stages,
+            "sizes": self._split.sizes,
+            "schedule": self.schedule,
+            "stage": self.stage,
+            "replica": self.replica,
+            "accumulation": self.runtime.stage.accumulation_state(),
+            "rng": {"cpu": torch.get_rng_state()},
+        }
+        if self.root_device.type == "cuda":
+            state["rng"]["cuda"] = torch.cuda.get_rng_state(self.root_device)
+        if self.averager is not None:
+            state["averager"] = self.averager.state_dict()
+        return state
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        if not Path(checkpoint_path).is_dir():
+            raise ValueError(
+                f"{checkpoint_path} is not a PACIStrategy checkpoint (a directory of stage shards). To resume, pass "
+                "the checkpoint directory; to start from plain weights, load them into the module before trainer.fit."
+            )
+        return self.checkpoint_io.load_checkpoint(checkpoint_path, weights_only=weights_only)
+
+    @override
+    def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
+        _check_checkpoint_layout(checkpoint.get("pipeline", {}), self)
+        assert self.lightning_module is not None
+        self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        super().load_optimizer_state_dict(checkpoint)
+        state = checkpoint.get("pipeline", {})
+        if self.runtime is not None and state.get("accumulation"):
+            self.runtime.stage.load_accumulation_state(state["accumulation"])
+        if self.averager is not None and "averager" in state:
+            self.averager.load_state_dict(state["averager"])
+        if "rng" in state:
+            torch.set_rng_state(state["rng"]["cpu"])
+            if "cuda" in state["rng"] and self.root_device.type == "cuda":
+                torch.cuda.set_rng_state(state["rng"]["cuda"], self.root_device)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        checkpoint["pipeline"] = self.pipeline_state()
+        self.checkpoint_io.save_sharded(checkpoint, filepath)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            shutil.rmtree(filepath, ignore_errors=True) if Path(filepath).is_dir() else Path(filepath).unlink(True)
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        for name in SCHEDULES:
+            if name not in strategy_registry:
+                strategy_registry.register(
+                    name, cls, description=f"Pipeline-parallel training with the {name} schedule", schedule=name
+                )
+
+
+class _SchedulerGroup:
+    """Steps the step-interval LR schedulers with every local optimizer step of a stage."""
+
+    def __init__(self, configs: list[Any]) -> None:
+        self.configs = configs
+        self.steps = 0
+
+    def step(self) -> None:
+        self.steps += 1
+        for config in self.configs:
+            if self.steps % config.frequency == 0:
+                config.scheduler.step()
+
+
+class _SyncCallbackMetrics(Callback):
+    """Copies rank 0's callback metrics (it holds the last stage) to every rank before checkpoint and
+    early-stopping callbacks read them, so all ranks take the same decisions."""
+
+    def _sync(self, trainer: Trainer) -> None:
+        if trainer.world_size == 1:
+            return
+        metrics = [{k: v.detach().cpu() if isinstance(v, Tensor) else v for k, v in trainer.callback_metrics.items()}]
+        metrics = trainer.strategy.broadcast(metrics, src=0)
+        if trainer.global_rank != 0:
+            trainer.callback_metrics.update(metrics[0])
+
+    @override
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._sync(trainer)
+
+    @override
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._sync(trainer)
+
+
+def _check_arguments(
+    stages: int,
+    schedule: str,
+    balance: Any,
+    timeout: float,
+    local_sgd_steps: int | None,
+    warmup: int,
+    outer: str,
+    outer_lr: float,
+    outer_momentum: float,
+) -> None:
+    if not isinstance(stages, int) or stages < 1:
+        raise ValueError(f"pipeline_stages={stages!r} must be an integer >= 1")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r} is not one of {', '.join(SCHEDULES)}")
+    if isinstance(balance, list):
+        if len(balance) != stages or any(not isinstance(n, int) or n < 1 for n in balance):
+            raise ValueError(f"balance={balance} must list {stages} positive layer counts, one per stage")
+    elif balance not in ("parameters", "uniform", "profile"):
+        raise ValueError(f"balance={balance!r} must be 'parameters', 'uniform', 'profile' or a list of layer counts")
+    if not timeout > 0 or math.isinf(timeout):
+        raise ValueError(f"p2p_timeout={timeout} must be a positive number of seconds")
+    if local_sgd_steps is not None and (not isinstance(local_sgd_steps, int) or local_sgd_steps < 1):
+        raise ValueError(f"local_sgd_steps={local_sgd_steps!r} must be None (sync every step) or an integer >= 1")
+    if not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"local_sgd_warmup_steps={warmup!r} must be an integer >= 0")
+    if outer not in ("average", "nesterov"):
+        raise ValueError(f"outer_optimizer={outer!r} must be 'average' or 'nesterov'")
+    if outer == "average" and (outer_lr != 0.7 or outer_momentum != 0.9):
+        raise ValueError(
+            f"outer_lr={outer_lr} / outer_momentum={outer_momentum} only apply to DiLoCo: "
+            "set outer_optimizer='nesterov', or leave them at their defaults"
+        )
+    if not outer_lr > 0:
+        raise ValueError(f"outer_lr={outer_lr} must be > 0")
+    if not 0 <= outer_momentum < 1:
+        raise ValueError(f"outer_momentum={outer_momentum} must be in [0, 1)")
+
+
+def _check_module(module: LightningModule, precision: Precision) -> None:
+    missing = missing_pipeline_methods(module)
+    if missing:
+        raise TypeError(
+            f"{type(module).__name__} cannot be pipelined: it lacks {', '.join(missing)}. PACIStrategy needs the "
+            f"pipeline protocol ({', '.join(m + '()' for m in PIPELINE_METHODS)}); see lit_efficient.PipelineModule."
+        )
+    if not module.automatic_optimization:
+        raise ValueError(
+            f"{type(module).__name__} uses manual optimization; PACIStrategy schedules forwards, backwards and "
+            "steps itself. Use automatic optimization (the default) with configure_optimizers."
+        )
+    name = getattr(precision, "precision", None)
+    if name not in _PRECISIONS or (name == "bf16-mixed" and not isinstance(precision, MixedPrecision)):
+        raise ValueError(f"precision={name!r} is not supported by PACIStrategy: use one of {', '.join(_PRECISIONS)}")
+
+
+def _parameter_counts(module: LightningModule, layers: list) -> list[int]:
+    if any(isinstance(layer, LayerOnOtherStage) for layer in layers):
+        return [sum(p.numel() for p in getattr(layer, "structure", layer).parameters()) for layer in layers]
+    return layer_parameter_counts(module, layers)
+
+
+def _normalize_mode(trainer: Trainer) -> Literal["mean", "tokens"]:
+    for callback in trainer.callbacks:
+        mode = getattr(callback, "normalize", None)
+        if mode in ("mean", "tokens") and hasattr(callback, "get_accumulate_grad_batches"):
+            return mode
+    return "mean"
+
+
+def _point_metrics_at(module: LightningModule, group: dist.ProcessGroup) -> None:
+    """torchmetrics sync over the last stage's replicas: the only ranks that update and compute them."""
+    try:
+        from torchmetrics import Metric
+    except ImportError:  # pragma: no cover - torchmetrics is a dependency
+        return
+    for m in module.modules():
+        if isinstance(m, Metric):
+            m.process_group = group
+
+
+def _first_training_batch(trainer: Trainer) -> Any:
+    source = trainer.fit_loop._data_source
+    loader = source.dataloader()
+    batch = next(iter(loader))
+    return batch
+
+
+def _batch_size(batch: Any) -> int | None:
+    first = batch[0] if isinstance(batch, (tuple, list)) else batch
+    return int(first.shape[0]) if isinstance(first, Tensor) and first.dim() > 0 else None
+
+
+def _check_checkpoint_layout(state: dict[str, Any], strategy: PACIStrategy) -> None:
+    if not state:
+        return
+    split = strategy._split
+    assert split is not None
+    if state.get("num_stages") != strategy.pipeline_stages or state.get("sizes") != split.sizes:
+        raise ValueError(
+            f"the checkpoint was written by a pipeline of {state.get('num_stages')} stages with layers "
+            f"{state.get('sizes')}, this run has {strategy.pipeline_stages} stages with {split.sizes}. Resume with the "
+            "same pipeline_stages and balance (pass balance=<the saved list>), or consolidate the checkpoint with "
+            "lit_efficient.consolidate_checkpoint and load it into a fresh module."
+        )
+
+
+@contextmanager
+def _forward_answers(module: LightningModule, output: Any, hook: str):
+    """While ``hook`` runs on the last stage, ``module(...)`` returns the pipeline's output."""
+    calls = [0]
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return output
+
+    module.forward = forward  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del module.forward
+    if calls[0] == 0:
+        raise RuntimeError(
+            f"{type(module).__name__}.{hook} never called self(...): under PACIStrategy the last stage answers the "
+            f"module's forward with the pipeline's output, so {hook} must obtain its outputs with "
+            "self(self.pipeline_input(batch))."
+        )

@@ -1,0 +1,163 @@
+"""PACIStrategy inside the real Lightning Trainer, against single-device and DDP runs on the same data."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+from lit_efficient import PACIStrategy, consolidate_checkpoint
+from lit_efficient.data import TextDataModule
+from lit_efficient.models import GPT
+
+pytestmark = pytest.mark.multiproc
+
+BLOCK = 32
+
+
+def _model(**kw) -> GPT:
+    L.seed_everything(0)
+    args = dict(n_layer=2, n_head=2, n_embd=32, block_size=BLOCK, warmup_steps=2, max_steps=20, learning_rate=3e-3)
+    args.update(kw)
+    return GPT(**args)
+
+
+def _data(batch_size: int = 4) -> TextDataModule:
+    return TextDataModule(block_size=BLOCK, batch_size=batch_size, max_bytes=60_000, seed=1)
+
+
+class _OrderedData(TextDataModule):
+    """Epochs of exactly 12 micro-batches in a fixed order, so a run resumed at an epoch boundary sees the
+    same data as an uninterrupted one (Lightning cannot resume a plain dataloader mid-epoch)."""
+
+    def train_dataloader(self):
+        subset = torch.utils.data.Subset(self.train_set, range(12 * self.batch_size))
+        return torch.utils.data.DataLoader(subset, batch_size=self.batch_size, shuffle=False)
+
+
+def _ordered() -> _OrderedData:
+    return _OrderedData(block_size=BLOCK, batch_size=4, max_bytes=60_000)
+
+
+def _trainer(strategy, devices: int, max_steps: int, tmp_path: Path | None = None, **kw) -> L.Trainer:
+    args = dict(
+        accelerator="cpu", devices=devices, strategy=strategy, max_steps=max_steps, accumulate_grad_batches=4,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        limit_val_batches=0, default_root_dir=tmp_path,
+    )  # fmt: skip
+    args.update(kw)
+    return L.Trainer(**args)
+
+
+def _max_diff(a: GPT, b: GPT) -> float:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    return max((sa[k].float() - sb[k].float()).abs().max().item() for k in sa)
+
+
+class RecordStats(Callback):
+    """Writes every rank's pipeline stats to a file at the end of training (spawned ranks cannot return)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        s = trainer.strategy
+        stats = s.runtime.stats() if getattr(s, "runtime", None) else {}
+        stats.update(global_step=trainer.global_step, rank=trainer.global_rank)
+        stats["val_loss"] = [float(x) for x in getattr(pl_module, "_val_history", [])]
+        Path(self.path, f"rank{trainer.global_rank}.json").write_text(json.dumps(stats))
+
+
+def test_flush_in_trainer_equals_single_device():
+    steps = 3
+    single, piped = _model(), _model()
+    start = copy.deepcopy(single)
+    _trainer("auto", 1, steps, use_distributed_sampler=False).fit(single, datamodule=_data())
+    strategy = PACIStrategy(pipeline_stages=2, schedule="1f1b_flush", start_method="spawn")
+    _trainer(strategy, 2, steps, use_distributed_sampler=False).fit(piped, datamodule=_data())
+    assert _max_diff(single, start) > 1e-3, "training must move the weights for the comparison to mean anything"
+    assert _max_diff(piped, single) <= 1e-5
+
+
+def test_pipeline_times_data_parallel_equals_ddp():
+    steps = 2
+    ddp, piped = _model(), _model()
+    _trainer(L.pytorch.strategies.DDPStrategy(start_method="spawn"), 2, steps).fit(ddp, datamodule=_data())
+    strategy = PACIStrategy(pipeline_stages=2, schedule="1f1b_flush", start_method="spawn")
+    _trainer(strategy, 4, steps).fit(piped, datamodule=_data())
+    assert _max_diff(piped, ddp) <= 1e-5
+
+
+class ValHistory(Callback):
+    def on_validation_epoch_end(self, trainer, pl_module) -> None:
+        if "val_loss" in trainer.callback_metrics:
+            pl_module.__dict__.setdefault("_val_history", []).append(trainer.callback_metrics["val_loss"].item())
+
+
+def test_paci_trains_on_real_text_with_drift_in_bound(tmp_path):
+    model = _model()
+    strategy = PACIStrategy(pipeline_stages=2, schedule="paci", start_method="spawn")
+    trainer = _trainer(
+        strategy, 2, 24, callbacks=[ValHistory(), RecordStats(tmp_path)], limit_val_batches=4, val_check_interval=32
+    )
+    trainer.fit(model, datamodule=_data())
+    ranks = [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(2)]
+    for st in ranks:
+        assert st["global_step"] == 24
+        assert st["drift_max"] <= math.ceil((2 - 1 - st["stage"]) / 4)
+        assert st["steps"] == 24
+    stage0 = next(st for st in ranks if st["stage"] == 0)
+    assert stage0["drift_max"] == 1 and 0 < stage0["drift_mean"] <= 0.25 + 1e-9
+    history = ranks[0]["val_loss"]  # rank 0 holds the last stage and its metrics
+    assert len(history) >= 3 and history[-1] < history[0] - 0.3, history
+
+
+def test_checkpoint_resume_follows_uninterrupted_run(tmp_path):
+    # Epochs of 12 micro-batches (3 windows); the checkpoint is taken after the last batch of epoch 0,
+    # so the resumed run sees the same micro-batches as the uninterrupted one.
+    def trainer(max_steps, **kw):
+        strategy = PACIStrategy(pipeline_stages=2, schedule="1f1b_flush", start_method="spawn")
+        return _trainer(strategy, 2, max_steps, **kw)
+
+    full = _model()
+    trainer(6).fit(full, datamodule=_ordered())
+    first = _model()
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, filename="{step}")
+    trainer(3, callbacks=[ckpt], enable_checkpointing=True).fit(first, datamodule=_ordered())
+    path = tmp_path / "step=3.ckpt"
+    assert path.is_dir() and sorted(p.name for p in path.iterdir()) == [
+        "pipeline.json", "stage0-replica0.pt", "stage1-replica0.pt"
+    ]  # fmt: skip
+    resumed = _model()
+    trainer(6).fit(resumed, datamodule=_ordered(), ckpt_path=str(path))
+    assert _max_diff(resumed, first) > 1e-3
+    assert _max_diff(resumed, full) <= 1e-5
+    # The consolidated checkpoint is the unsplit module's state_dict at step 3.
+    plain = _model()
+    plain.load_state_dict(consolidate_checkpoint(path))
+    assert _max_diff(plain, first) == 0.0
+
+
+def test_validate_and_test_metrics_equal_unsplit_model():
+    model = _model()
+    dm = _data()
+    single = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, limit_test_batches=5,
+                       limit_val_batches=5, enable_model_summary=False)  # fmt: skip
+    want_val = single.validate(model, datamodule=dm, verbose=False)[0]
+    want_test = single.test(model, datamodule=dm, verbose=False)[0]
+    piped = L.Trainer(accelerator="cpu", devices=2, strategy=PACIStrategy(start_method="spawn"), logger=False,
+                      enable_progress_bar=False, limit_val_batches=5, limit_test_batches=5, enable_model_summary=False,
+                      use_distributed_sampler=False)  # fmt: skip
+    got_val = piped.validate(model, datamodule=_data(), verbose=False)[0]
+    got_test = piped.test(model, datamodule=_data(), verbose=False)[0]
+    for want, got in ((want_val, got_val), (want_test, got_test)):
+        assert want.keys() == got.keys()
+        for key in want:
+            assert got[key] == pytest.approx(want[key], rel=1e-5), key
