@@ -76,6 +76,9 @@ class PipelineRuntime:
         self._clock_start: float | None = None
         self._clock_end = 0.0
         self.wait_seconds = 0.0
+        # (action, start, end) in time.perf_counter() seconds, recorded only when asked: the
+        # monitor's timeline picture. None keeps the hot path free of the bookkeeping.
+        self.timeline: list[tuple[str, float, float]] | None = None
 
     # -- training --------------------------------------------------------------------------------
 
@@ -202,8 +205,13 @@ class PipelineRuntime:
     def _needs_unfed(self, action: Action) -> bool:
         return action.kind == "F" and action.index >= self._fed
 
+    def record_timeline(self, enabled: bool = True) -> None:
+        """Start (or stop) recording every executed action with its start and end time."""
+        self.timeline = [] if enabled else None
+
     def _execute(self, action: Action) -> None:
         self._tick()
+        start = time.perf_counter()
         stage, j = self.stage, action.index
         if action.kind == "F":
             if stage.is_first:
@@ -225,6 +233,8 @@ class PipelineRuntime:
         self._executed += 1
         self._last_executed = action
         self._tock()
+        if self.timeline is not None:
+            self.timeline.append((str(action), start, self._clock_end))
 
     def _recv(self, src: int | None, microbatch: int, what: str) -> Payload:
         start = time.perf_counter()
