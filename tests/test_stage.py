@@ -1,0 +1,145 @@
+"""One stage in one process: keep-graph on stock PyTorch, normalization, accumulation state."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from torch import nn
+
+from lit_efficient.pipeline.demo import batches, build_layers, lm_loss, stdlib_bytes
+from lit_efficient.pipeline.runtime import PipelineRuntime
+from lit_efficient.pipeline.stage import PipelineStage, _preserve_versions
+
+
+def test_stock_torch_refuses_backward_after_in_place_step_and_version_restore_allows_it():
+    """The mechanism keep-graph PACI relies on, proven on the installed torch."""
+    layer = nn.Linear(4, 4)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    x = torch.randn(2, 4, requires_grad=True)
+
+    out = layer(x).tanh().sum()
+    with torch.no_grad():
+        layer.weight.add_(1.0)  # an optimizer step between forward and backward
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.backward()
+
+    out = layer(x).tanh().sum()
+    layer.weight.grad = torch.ones_like(layer.weight)
+    with _preserve_versions(list(layer.parameters())):
+        opt.step()
+    out.backward()  # accepted: the graph now reads the updated weight (PACI's bounded drift)
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+def _single_stage(accumulate: int, normalize: str = "mean", schedule: str = "paci") -> PipelineRuntime:
+    layers = build_layers(n_layer=1, dim=16, heads=2, block=8)
+    opt = torch.optim.SGD([p for layer in layers for p in layer.parameters()], lr=0.1)
+    stage = PipelineStage(layers, 0, 1, opt, lm_loss, normalize=normalize)
+    return PipelineRuntime(stage, schedule, accumulate, lambda b: b[0])
+
+
+def _reference(data, accumulate: int, weights=None):
+    layers = build_layers(n_layer=1, dim=16, heads=2, block=8)
+    opt = torch.optim.SGD([p for layer in layers for p in layer.parameters()], lr=0.1)
+    windows = [data[i : i + accumulate] for i in range(0, len(data), accumulate)]
+    for window in windows:
+        w = [weights(b) for b in window] if weights else [1.0] * len(window)
+        for batch, wj in zip(window, w, strict=True):
+            x = batch[0]
+            for layer in layers:
+                x = layer(x)
+            (lm_loss(x, batch)[0] * wj / sum(w)).backward()
+        opt.step()
+        opt.zero_grad()
+    return [p for layer in layers for p in layer.parameters()]
+
+
+def _masked(batch, keep: int):
+    x, y = batch
+    y = y.clone()
+    y[:, keep:] = -1  # different token counts per micro-batch
+    return x, y
+
+
+def _loss_ignoring(logits, batch):
+    target = batch[1]
+    loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-1)
+    return loss, (target != -1).sum()
+
+
+@pytest.mark.parametrize("schedule", ["paci", "1f1b_flush"])
+def test_one_stage_partial_window_is_normalized_by_its_true_size(schedule):
+    data = list(itertools.islice(batches(stdlib_bytes(50_000), 8, 2, 0), 7))  # windows of 3: 3 + 3 + 1
+    runtime = _single_stage(3, schedule=schedule)
+    for j, b in enumerate(data):
+        runtime.feed(b, j)
+    runtime.drain(step_partial_window=True)
+    for a, b in zip(runtime.stage.parameters(), _reference(data, 3), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert runtime.stage.stats.steps == 3
+
+
+def test_tokens_mode_weighs_micro_batches_by_item_count():
+    raw = list(itertools.islice(batches(stdlib_bytes(50_000), 8, 2, 0), 4))
+    data = [_masked(b, keep) for b, keep in zip(raw, (8, 2, 5, 1), strict=True)]
+    layers = build_layers(n_layer=1, dim=16, heads=2, block=8)
+    opt = torch.optim.SGD([p for layer in layers for p in layer.parameters()], lr=0.1)
+    stage = PipelineStage(layers, 0, 1, opt, _loss_ignoring, normalize="tokens")
+    runtime = PipelineRuntime(stage, "paci", 4, lambda b: b[0])
+    for j, b in enumerate(data):
+        runtime.feed(b, j)
+    runtime.drain()
+    ref_layers = build_layers(n_layer=1, dim=16, heads=2, block=8)
+    ref_opt = torch.optim.SGD([p for layer in ref_layers for p in layer.parameters()], lr=0.1)
+    # One batch holding all 4 micro-batches: the mean over every unmasked token of the window.
+    x = torch.cat([b[0] for b in data])
+    y = torch.cat([b[1] for b in data])
+    for layer in ref_layers:
+        x = layer(x)
+    _loss_ignoring(x, (None, y))[0].backward()
+    ref_opt.step()
+    for a, b in zip(stage.parameters(), [p for layer in ref_layers for p in layer.parameters()], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_tokens_mode_without_item_count_says_what_to_return():
+    layers = build_layers(n_layer=1, dim=16, heads=2, block=8)
+    stage = PipelineStage(layers, 0, 1, None, lambda out, b: lm_loss(out, b)[0], normalize="tokens")
+    runtime = PipelineRuntime(stage, "paci", 2, lambda b: b[0])
+    with pytest.raises(ValueError, match="return \\(loss, num_items\\)"):
+        runtime.feed(next(batches(stdlib_bytes(50_000), 8, 2, 0)), 0)
+
+
+def test_accumulation_state_round_trip_resumes_a_window():
+    data = list(itertools.islice(batches(stdlib_bytes(50_000), 8, 2, 0), 4))
+    whole = _single_stage(4)
+    for j, b in enumerate(data):
+        whole.feed(b, j)
+    whole.drain()
+
+    first = _single_stage(4)
+    for j, b in enumerate(data[:2]):
+        first.feed(b, j)
+    first.drain()  # mid-window: gradients stay accumulated
+    state = {k: v for k, v in first.stage.accumulation_state().items()}
+    second = _single_stage(4)
+    second.stage.load_accumulation_state(state)
+    for j, b in enumerate(data[2:], start=2):
+        second.feed(b, j)
+    second.drain()
+    for a, b in zip(second.stage.parameters(), whole.stage.parameters(), strict=True):
+        torch.testing.assert_close(a, b)
+    assert second.stage.stats.steps == 1
+
+
+def test_runtime_rejects_a_jump_with_micro_batches_in_flight():
+    layers = build_layers(n_layer=1, dim=16, heads=2, block=8)
+    stage = PipelineStage(layers[:1], 0, 2, None, None)
+    runtime = PipelineRuntime(stage, "paci", 2, lambda b: b[0], comm=object())  # type: ignore[arg-type]
+    runtime.comm = type("Sink", (), {"send": lambda *a: None, "flush": lambda self: None})()
+    batch = next(batches(stdlib_bytes(50_000), 8, 2, 0))
+    runtime.feed(batch, 0)
+    with pytest.raises(RuntimeError, match="still in flight"):
+        runtime.feed(batch, 5)
