@@ -35,6 +35,7 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, tmp: str, args: t
     except BaseException as err:  # noqa: BLE001 - the parent asserts on it
         out = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}
     out["seconds"] = time.monotonic() - start
+    out["finished_at"] = time.time()
     Path(tmp, f"result-{rank}.pkl").write_bytes(pickle.dumps(out))
     # Exit without tearing down the process group: a failed rank must not wait for its peers.
     os._exit(0)

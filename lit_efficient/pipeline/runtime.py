@@ -229,7 +229,7 @@ class PipelineRuntime:
             if not stage.is_first:
                 self.comm.send(input_grads, self.prev_rank, j, "gradients")  # type: ignore[union-attr]
         else:
-            stage.step()
+            stage.step(j)
         self._executed += 1
         self._last_executed = action
         self._tock()

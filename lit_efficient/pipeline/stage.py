@@ -36,15 +36,26 @@ from torch import Tensor, nn
 from lit_efficient.pipeline.comm import Payload
 
 Normalize = Literal["mean", "tokens"]
+OnNonFinite = Literal["raise", "skip"]
 LossFn = Callable[[Payload, Any], "Tensor | tuple[Tensor, Tensor | int]"]
 _RECENT = 4096  # per-micro-batch version records kept for inspection (bounded: runs are long)
 
 
-def run_layers(layers: Sequence[nn.Module], inputs: Payload) -> Payload:
-    """Run ``layers`` in order; a tuple output is unpacked into the next layer's arguments."""
+def run_layers(layers: Sequence[nn.Module], inputs: Payload, first_layer: int = 0) -> Payload:
+    """Run ``layers`` in order; a tuple output is unpacked into the next layer's arguments.
+
+    A layer that cannot consume its input fails with an error naming the layer and what it got, so a
+    layer list that does not chain is caught at the first micro-batch with a readable message.
+    """
     x = inputs
-    for layer in layers:
-        out = layer(*x)
+    for k, layer in enumerate(layers, start=first_layer):
+        try:
+            out = layer(*x)
+        except (TypeError, RuntimeError, ValueError) as err:
+            if type(err) not in (TypeError, RuntimeError, ValueError):
+                raise  # a subclass (e.g. a comm error) carries its own message and constructor
+            got = ", ".join(f"{type(t).__name__}{tuple(t.shape) if isinstance(t, Tensor) else ''}" for t in x)
+            raise type(err)(f"pipeline layer {k} ({type(layer).__name__}) failed on input ({got}): {err}") from err
         x = out if isinstance(out, tuple) else (out,)
     return x
 
@@ -58,6 +69,7 @@ class _InFlight:
     outputs: Payload | None = None  # keep-graph: outputs with their graph; recompute: None
     loss: Tensor | None = None  # last stage: the scaled loss to backpropagate
     weight: Tensor | None = None  # last stage: this micro-batch's share of the window
+    bad: Tensor | None = None  # last stage: 1.0 if the loss is NaN/Inf (checked on the device, no sync)
     rng: tuple[Tensor, Tensor | None] | None = None  # recompute: CPU and CUDA RNG states
 
 
@@ -76,6 +88,10 @@ class StageStats:
     versions: list[tuple[int, int, int]] = field(default_factory=list)
 
 
+class NonFiniteError(FloatingPointError):
+    """A NaN or Inf loss or gradient, reported with the stage, optimizer step and micro-batch."""
+
+
 class PipelineStage:
     """The layers of one stage with their optimizer.
 
@@ -91,6 +107,10 @@ class PipelineStage:
         normalize: ``"mean"`` weighs micro-batches equally; ``"tokens"`` by their item counts.
         forward_context: Factory of the context every forward runs in (autocast for bf16).
         device: Where this stage computes.
+        on_nonfinite: A NaN/Inf loss or gradient in a window: ``"raise"`` an error naming the stage, step
+            and micro-batch, or ``"skip"`` the window's update (every stage skips the same window: the
+            flag travels upstream with the gradients, and across replicas with the gradient reduction).
+        first_layer: Index of this stage's first layer in the whole model (for error messages).
     """
 
     def __init__(
@@ -105,9 +125,13 @@ class PipelineStage:
         normalize: Normalize = "mean",
         forward_context: Callable[[], AbstractContextManager] = nullcontext,
         device: torch.device | str = "cpu",
+        on_nonfinite: OnNonFinite = "raise",
+        first_layer: int = 0,
     ) -> None:
         if normalize not in ("mean", "tokens"):
             raise ValueError(f"normalize={normalize!r} is not one of 'mean', 'tokens'")
+        if on_nonfinite not in ("raise", "skip"):
+            raise ValueError(f"on_nonfinite={on_nonfinite!r} is not one of 'raise', 'skip'")
         self.layers = list(layers)
         self.stage = stage
         self.num_stages = num_stages
@@ -123,10 +147,15 @@ class PipelineStage:
         self.normalize = normalize
         self.forward_context = forward_context
         self.device = torch.device(device)
+        self.on_nonfinite = on_nonfinite
+        self.first_layer = first_layer
         self.version = 0
         self.stats = StageStats()
+        self.skipped_windows = 0
         self._in_flight: dict[int, _InFlight] = {}
-        self._weight_sum: Tensor | None = None
+        # Per window, on the device: [sum of micro-batch weights, number of non-finite losses seen
+        # downstream, first such micro-batch or -1]. Reduced across replicas with the gradients.
+        self._window: Tensor | None = None
         self._one = torch.ones((), dtype=torch.float64, device=self.device)
         # Hooks the runtime installs around the local step (data-parallel reduction, clipping,
         # replica averaging); each is optional.
@@ -146,15 +175,16 @@ class PipelineStage:
             record.rng = _capture_rng(self.device)
             record.inputs = tuple(None if t is None else t.detach() for t in inputs)
             with torch.no_grad(), self.forward_context():
-                outputs = run_layers(self.layers, inputs)
+                outputs = run_layers(self.layers, inputs, self.first_layer)
         else:
             with self.forward_context():
-                outputs = run_layers(self.layers, inputs)
+                outputs = run_layers(self.layers, inputs, self.first_layer)
             record.outputs = outputs
         result: Payload | Tensor = outputs
         if self.is_last:
             loss, weight = self._loss(outputs, batch)
             record.outputs, record.loss, record.weight = None, loss, weight
+            record.bad = (~torch.isfinite(loss.detach())).to(torch.float64)
             result = loss.detach()
         self._in_flight[microbatch] = record
         self.stats.forwards += 1
@@ -163,68 +193,101 @@ class PipelineStage:
         return result
 
     def backward(self, microbatch: int, grads: Payload | None = None) -> Payload:
-        """Backward of ``microbatch``; returns the input gradients followed by the micro-batch weight.
+        """Backward of ``microbatch``; returns the input gradients followed by its aux tensor.
 
         Args:
             microbatch: The micro-batch, whose forward ran on this stage.
-            grads: From the next stage: gradients of this stage's outputs followed by the weight;
-                None on the last stage.
+            grads: From the next stage: gradients of this stage's outputs followed by the aux tensor
+                ``[weight, non-finite flag]`` of the micro-batch; None on the last stage.
         """
         start = time.perf_counter()
         record = self._in_flight.pop(microbatch)
         if self.is_last:
-            assert record.loss is not None and record.weight is not None
-            weight = record.weight
+            assert record.loss is not None and record.weight is not None and record.bad is not None
+            aux = torch.stack([record.weight, record.bad])
             # Sum of item losses (tokens) or the micro-batch mean (mean); normalized at the step.
-            scaled = record.loss * weight if self.normalize == "tokens" else record.loss
+            scaled = record.loss * record.weight if self.normalize == "tokens" else record.loss
             scaled.backward()
         else:
             assert grads is not None
-            *output_grads, weight = grads
+            *output_grads, aux = grads
             outputs = record.outputs if record.outputs is not None else self._recompute(record)
             pairs = [(o, g) for o, g in zip(outputs, output_grads, strict=True) if g is not None and o.requires_grad]
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        self._weight_sum = weight.detach().clone() if self._weight_sum is None else self._weight_sum + weight
+        self._accumulate(microbatch, aux)
         input_grads = tuple(t.grad if isinstance(t, Tensor) and t.requires_grad else None for t in record.inputs)
         self._account(microbatch, record.version)
         self.stats.busy_seconds += time.perf_counter() - start
-        return (*input_grads, weight.detach())
+        return (*input_grads, aux.detach())
 
-    def step(self) -> None:
-        """Normalize the accumulated gradients by the window's weight and step optimizer and scheduler."""
+    def step(self, window: int = -1) -> None:
+        """Normalize the accumulated gradients by the window's weight and step optimizer and scheduler.
+
+        Args:
+            window: The optimizer step's number (for error messages).
+        """
         start = time.perf_counter()
         params = list(self.parameters())
         grads = [p.grad for p in params if p.grad is not None]
-        weight = self._weight_sum if self._weight_sum is not None else self._one
+        totals = self._window if self._window is not None else torch.stack([self._one, 0 * self._one, -self._one])
         if self.reduce_gradients is not None:
             # Replicas must reduce the same list of tensors: materialize grads of unused parameters.
             for p in params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
             grads = [p.grad for p in params]
-            weight = self.reduce_gradients(grads, weight)
+            totals = self.reduce_gradients(grads, totals)
         for g in grads:
-            g.div_(weight)
-        if self.clip_gradients is not None:
+            g.div_(totals[0])
+        update = self._check_finite(grads, totals, window)
+        if not update:
+            for p in params:
+                p.grad = None
+        elif self.clip_gradients is not None:
             self.clip_gradients(params)
         with _preserve_versions(params):
-            if self.optimizer is not None:
+            if update and self.optimizer is not None:
                 self.optimizer.step()
+            if self.optimizer is not None:
                 self.optimizer.zero_grad(set_to_none=True)
-            if self.scheduler is not None:
+            if update and self.scheduler is not None:
                 self.scheduler.step()
             if self.after_step is not None:
-                self.after_step()
+                self.after_step()  # also on a skipped window: replicas must keep syncing in step
         self.version += 1
-        self._weight_sum = None
+        self._window = None
         self.stats.steps += 1
         self.stats.busy_seconds += time.perf_counter() - start
+
+    def _check_finite(self, grads: list[Tensor], totals: Tensor, window: int) -> bool:
+        """Whether to apply the update; raises or skips on NaN/Inf as configured."""
+        norms = torch._foreach_norm(grads) if grads else [self._one]
+        own = (~torch.isfinite(torch.stack([n.to(torch.float64) for n in norms]).sum())).to(torch.float64)
+        # Host sync once per optimizer step (not per micro-batch): whether to step depends on it.
+        downstream_bad, own_bad, first_bad = torch.stack([totals[1], own, totals[2]]).tolist()
+        if not downstream_bad and not own_bad:
+            return True
+        where = f"stage {self.stage} (layers from {self.first_layer}), optimizer step {window}"
+        if downstream_bad:
+            message = f"non-finite loss at micro-batch {int(first_bad)} seen by {where}"
+        else:
+            message = f"non-finite gradients of the parameters of {where}"
+        if self.on_nonfinite == "skip" and downstream_bad:
+            self.skipped_windows += 1
+            return False
+        hint = (
+            " It arose in this stage's own gradients, so other stages may already have stepped: it cannot be "
+            "skipped consistently."
+            if self.on_nonfinite == "skip"
+            else " Set on_nonfinite='skip' to skip such windows on every stage, or lower the learning rate."
+        )
+        raise NonFiniteError(message + "." + hint)
 
     def evaluate(self, inputs: Payload) -> Payload:
         """Forward without gradients (validation, test, predict)."""
         start = time.perf_counter()
         with torch.no_grad(), self.forward_context():
-            outputs = run_layers(self.layers, inputs)
+            outputs = run_layers(self.layers, inputs, self.first_layer)
         self.stats.busy_seconds += time.perf_counter() - start
         return outputs
 
@@ -247,28 +310,28 @@ class PipelineStage:
     @property
     def window_weight(self) -> Tensor | None:
         """Weight accumulated since the last step (None when nothing was accumulated)."""
-        return self._weight_sum
+        return None if self._window is None else self._window[0]
 
     def discard_accumulation(self) -> None:
         """Forget in-flight micro-batches and accumulated gradients (after a failure or an aborted run)."""
         self._in_flight.clear()
-        self._weight_sum = None
+        self._window = None
         for p in self.parameters():
             p.grad = None
 
     def accumulation_state(self) -> dict[str, Any]:
         """Gradients and weight accumulated in a window not yet stepped (for checkpoints)."""
-        if self._weight_sum is None:
-            return {}
-        return {"weight": self._weight_sum, "grads": [p.grad for p in self.parameters()], "version": self.version}
+        if self._window is None:
+            return {"version": self.version}
+        return {"window": self._window, "grads": [p.grad for p in self.parameters()], "version": self.version}
 
     def load_accumulation_state(self, state: dict[str, Any]) -> None:
         """Inverse of `accumulation_state`."""
         self.version = state.get("version", self.version)
-        if not state or "weight" not in state:
-            self._weight_sum = None
+        if "window" not in state:
+            self._window = None
             return
-        self._weight_sum = state["weight"].to(self.device)
+        self._window = state["window"].to(self.device)
         for p, g in zip(self.parameters(), state["grads"], strict=True):
             p.grad = None if g is None else g.to(p.device)
 
@@ -303,7 +366,19 @@ class PipelineStage:
             inputs = tuple(_as_leaf(t) for t in record.inputs) if not self.is_first else record.inputs
             record.inputs = inputs
             with self.forward_context():
-                return run_layers(self.layers, inputs)
+                return run_layers(self.layers, inputs, self.first_layer)
+
+    def _accumulate(self, microbatch: int, aux: Tensor) -> None:
+        weight, bad = aux[0], aux[1]
+        first = torch.where(bad > 0, torch.full_like(weight, microbatch), -self._one)
+        if self._window is None:
+            self._window = torch.stack([weight, bad, first]).detach().clone()
+            return
+        w = self._window
+        # Keep the first non-finite micro-batch of the window: max() over -1 and indices would take
+        # the last, so only fill while still -1. All on the device: no sync per micro-batch.
+        first = torch.where(w[2] >= 0, w[2], first)
+        self._window = torch.stack([w[0] + weight, w[1] + bad, first])
 
     def _account(self, microbatch: int, forward_version: int) -> None:
         drift = self.version - forward_version

@@ -27,7 +27,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
@@ -74,6 +74,8 @@ class PACIStrategy(DDPStrategy):
             balances layer counts, ``"profile"`` times every layer on the device with a real
             micro-batch and minimizes the slowest stage; or an explicit list of layers per stage.
         p2p_timeout: Seconds a stage waits for a neighbour before failing with an error naming it.
+        on_nonfinite: A NaN/Inf loss or gradient: ``"raise"`` an error naming the stage, optimizer step and
+            micro-batch, or ``"skip"`` that window's update on every stage and replica alike.
         local_sgd_steps: None: replicas all-reduce gradients every step (DDP semantics). H: replicas
             train independently and average parameters every H optimizer steps (LocalSGD/DiLoCo).
         local_sgd_warmup_steps: Synchronous (average every step) optimizer steps before LocalSGD starts.
@@ -96,6 +98,7 @@ class PACIStrategy(DDPStrategy):
         recompute: bool = False,
         balance: Balance | list[int] = "parameters",
         p2p_timeout: float = 600.0,
+        on_nonfinite: Literal["raise", "skip"] = "raise",
         local_sgd_steps: int | None = None,
         local_sgd_warmup_steps: int = 0,
         outer_optimizer: Literal["average", "nesterov"] = "average",
@@ -106,7 +109,7 @@ class PACIStrategy(DDPStrategy):
         **kwargs: Any,
     ) -> None:
         _check_arguments(
-            pipeline_stages, schedule, balance, p2p_timeout, local_sgd_steps, local_sgd_warmup_steps,
+            pipeline_stages, schedule, balance, p2p_timeout, on_nonfinite, local_sgd_steps, local_sgd_warmup_steps,
             outer_optimizer, outer_lr, outer_momentum,
         )  # fmt: skip
         super().__init__(start_method=start_method, **kwargs)
@@ -115,6 +118,7 @@ class PACIStrategy(DDPStrategy):
         self.recompute = recompute
         self.balance = balance
         self.p2p_timeout = p2p_timeout
+        self.on_nonfinite = on_nonfinite
         self.local_sgd_steps = local_sgd_steps
         self.local_sgd_warmup_steps = local_sgd_warmup_steps
         self.outer_optimizer = outer_optimizer
@@ -170,8 +174,7 @@ class PACIStrategy(DDPStrategy):
             self._dp_groups[stage] = dist.new_group(self.topology.replica_ranks(stage))
         for replica in range(self.topology.num_replicas):
             self._pipeline_groups[replica] = dist.new_group(self.topology.pipeline_ranks(replica))
-        if self.local_sgd_steps is not None and self.topology.num_replicas == 1:
-            rank_zero_info(f"PACIStrategy(local_sgd_steps={self.local_sgd_steps}): one replica, nothing to average.")
+        _warn_single_replica(self.local_sgd_steps, self.topology)
 
     # -- setup / teardown -------------------------------------------------------------------------
 
@@ -206,6 +209,7 @@ class PACIStrategy(DDPStrategy):
             loss_fn=module.pipeline_loss, scheduler=self._step_schedulers() if fitting else None,
             recompute=self.recompute, normalize=_normalize_mode(trainer),
             forward_context=self.precision_plugin.forward_context, device=self.root_device,
+            on_nonfinite=self.on_nonfinite, first_layer=first,
         )  # fmt: skip
         if fitting:
             self._install_step_hooks(stage, trainer)
@@ -303,14 +307,19 @@ class PACIStrategy(DDPStrategy):
         if replicas > 1 and self.local_sgd_steps is None:
             group = self._dp_groups[self.stage]
 
-            def reduce_gradients(grads: list[Tensor], weight: Tensor) -> Tensor:
-                # Sum over replicas, weight included, so dividing by it gives the mean over all items.
-                total = weight.reshape(1).clone()
-                all_reduce_flat([*grads, total], group)
-                return total.reshape(())
+            def reduce_gradients(grads: list[Tensor], totals: Tensor) -> Tensor:
+                # Sum over replicas with the window's weight and non-finite count in the same
+                # collective: dividing by the summed weight gives the mean over every replica's items,
+                # and every replica sees every replica's NaN flag (so all skip the same window).
+                totals = totals.clone()
+                all_reduce_flat([*grads, totals[:2]], group)
+                return totals
 
             stage.reduce_gradients = reduce_gradients
         if self.local_sgd_steps is not None and replicas > 1:
+            # Each stage syncs inside its own dp group when its own step count says so (the same
+            # count on every replica): no cross-stage barrier, PACI stays asynchronous. The
+            # constructor is collective over the group (one broadcast of replica 0's weights).
             module = torch.nn.ModuleList(stage.layers)
             self.averager = ReplicaAverager(
                 module, self._dp_groups[self.stage], self.local_sgd_steps, self.local_sgd_warmup_steps,
@@ -362,10 +371,32 @@ class PACIStrategy(DDPStrategy):
             # A window of N micro-batches has been fed on every rank: count Lightning's optimizer
             # step (global_step) here; the stages step their optimizers on their own schedule.
             self._lightning_optimizers[0].step()
+            self._log_averaging()
         if loss is None:
             return None
         module.log("train_loss", loss, prog_bar=True, on_step=True, on_epoch=False, batch_size=_batch_size(batch))
         return {"loss": loss}
+
+    def _log_averaging(self) -> None:
+        """Log LocalSGD/DiLoCo's numbers from global rank 0, where the logger lives, once per window.
+
+        Both describe rank 0's stage (the last stage; its replicas' dp group), measured by the averager
+        at sync time, so logging them costs no collective and no host sync:
+
+        - ``localsgd/divergence``: relative L2 distance ``||w_local - w_mean|| / ||w_mean||`` of this
+          replica's stage parameters to the replicas' mean, just before the latest sync (held between
+          syncs; logged from the first sync on).
+        - ``localsgd/bytes_per_step``: payload bytes this rank's stage handed to averaging collectives
+          (the sync all-reduces; the one-time broadcast at construction excluded) divided by the
+          stage's optimizer steps so far: about ``sync_bytes / H``.
+        """
+        averager = self.averager
+        if averager is None or self.global_rank != 0:
+            return
+        log = dict(on_step=True, on_epoch=False, rank_zero_only=True)
+        self.lightning_module.log("localsgd/bytes_per_step", averager.bytes_per_step, **log)
+        if averager.last_divergence is not None:
+            self.lightning_module.log("localsgd/divergence", averager.last_divergence, **log)
 
     def _update_accumulation(self, trainer: Trainer, batch_idx: int) -> None:
         assert self.runtime is not None
@@ -582,6 +613,7 @@ def _check_arguments(
     schedule: str,
     balance: Any,
     timeout: float,
+    on_nonfinite: str,
     local_sgd_steps: int | None,
     warmup: int,
     outer: str,
@@ -599,6 +631,8 @@ def _check_arguments(
         raise ValueError(f"balance={balance!r} must be 'parameters', 'uniform', 'profile' or a list of layer counts")
     if not timeout > 0 or math.isinf(timeout):
         raise ValueError(f"p2p_timeout={timeout} must be a positive number of seconds")
+    if on_nonfinite not in ("raise", "skip"):
+        raise ValueError(f"on_nonfinite={on_nonfinite!r} must be 'raise' or 'skip'")
     if local_sgd_steps is not None and (not isinstance(local_sgd_steps, int) or local_sgd_steps < 1):
         raise ValueError(f"local_sgd_steps={local_sgd_steps!r} must be None (sync every step) or an integer >= 1")
     if not isinstance(warmup, int) or warmup < 0:
@@ -614,6 +648,15 @@ def _check_arguments(
         raise ValueError(f"outer_lr={outer_lr} must be > 0")
     if not 0 <= outer_momentum < 1:
         raise ValueError(f"outer_momentum={outer_momentum} must be in [0, 1)")
+
+
+def _warn_single_replica(local_sgd_steps: int | None, topology: Topology) -> None:
+    if local_sgd_steps is not None and topology.num_replicas == 1:
+        rank_zero_warn(
+            f"PACIStrategy(local_sgd_steps={local_sgd_steps}) has no effect: world size {topology.world_size} = "
+            f"pipeline_stages {topology.num_stages} x 1 data-parallel replica, so there is nothing to average. "
+            "Use more devices (a multiple of pipeline_stages) or drop local_sgd_steps."
+        )
 
 
 def _check_module(module: LightningModule, precision: Precision) -> None:
