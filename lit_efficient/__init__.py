@@ -2,11 +2,12 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lit_efficient.callbacks import GradientAccumulation
 from lit_efficient.protocol import PipelineModule
 from lit_efficient.strategies import PACIStrategy, consolidate_checkpoint
 
 # Registered once, here: `Trainer(strategy="paci")` and YAML `strategy: paci` / `1f1b_flush`.
 PACIStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["PACIStrategy", "PipelineModule", "consolidate_checkpoint"]
+__all__ = ["GradientAccumulation", "PACIStrategy", "PipelineModule", "consolidate_checkpoint"]
 __version__ = "0.1.0"

@@ -74,6 +74,8 @@ class ReplicaAverager:
             average, measured just before the latest sync; None before the first sync.
         bytes_communicated: Payload bytes this rank handed to collectives so far (as reported
             by comm), including the broadcast at construction.
+        setup_bytes: The part of `bytes_communicated` spent by the one-time broadcast at
+            construction (0 for a single replica).
     """
 
     def __init__(
@@ -110,6 +112,7 @@ class ReplicaAverager:
 
         self.last_divergence: float | None = None
         self.bytes_communicated = 0
+        self.setup_bytes = 0
         self._step = 0
         self._world = _group_size(group)
         # All parameters, frozen ones too: cheap insurance that replicas never drift apart if a
@@ -125,7 +128,8 @@ class ReplicaAverager:
             )
         else:
             # One model copy, once: DiLoCo anchors that start apart never meet again.
-            self.bytes_communicated += _broadcast_flat(self._synced_tensors(), group)
+            self.setup_bytes = _broadcast_flat(self._synced_tensors(), group)
+            self.bytes_communicated += self.setup_bytes
 
         self._anchor: list[Tensor] = []
         self._outer: torch.optim.SGD | None = None
@@ -140,6 +144,19 @@ class ReplicaAverager:
     def step(self) -> int:
         """Number of local optimizer steps seen so far (calls of `after_step`)."""
         return self._step
+
+    @property
+    def bytes_per_step(self) -> float:
+        """Payload bytes of this rank's syncs per local optimizer step so far (0.0 before the first step).
+
+        The one-time broadcast at construction is left out, as DDP's initial broadcast is left out of
+        its per-step traffic: after k steps with H between syncs (no warm-up) this is
+        ``(k // H) * sync_bytes / k``, which tends to ``sync_bytes / H``. Payload, not wire bytes: a
+        ring all-reduce over n ranks puts about ``2 (n - 1) / n`` times the payload on each link.
+        """
+        if self._step == 0:
+            return 0.0
+        return (self.bytes_communicated - self.setup_bytes) / self._step
 
     def is_sync_step(self, step: int) -> bool:
         """Whether local step ``step`` (1-based) ends with a sync: every step during warm-up,

@@ -18,7 +18,6 @@ from hypothesis import strategies as st
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lit_efficient import PACIStrategy
-from lit_efficient.pipeline.stage import NonFiniteError
 from tests.multiproc import spawn
 from tests.test_runtime_multiproc import _data, _pipeline
 from tests.test_strategy import _max_diff, _model, _ordered, _trainer

@@ -1,5 +1,6 @@
 """Lightning callbacks of lit_efficient."""
 
 from lit_efficient.callbacks.activation_checkpointing import ActivationCheckpointing
+from lit_efficient.callbacks.gradient_accumulation import GradientAccumulation
 
-__all__ = ["ActivationCheckpointing"]
+__all__ = ["ActivationCheckpointing", "GradientAccumulation"]

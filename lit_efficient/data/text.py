@@ -200,7 +200,9 @@ class TextDataModule(LightningDataModule):
                 f"TextDataModule(vocab_size={vocab_size}) is too small: text is byte-level and needs 256; "
                 f"a .bin needs its largest token id + 1 (or None to compute it)."
             )
-        self.save_hyperparameters()
+        # Loggers merge the module's and the data module's hparams and refuse keys whose values differ:
+        # a None vocab_size ("derive it") would clash with the model's 256, so save it only when given.
+        self.save_hyperparameters(ignore=["vocab_size"] if vocab_size is None else None)
         self.path = path
         self._source = source
         self.block_size = block_size
