@@ -308,7 +308,8 @@ def test_single_replica_warns_once_and_average_leaves_weights() -> None:
     assert len(record) == 1
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
-    assert avg.bytes_communicated == 0
+    assert avg.bytes_communicated == avg.setup_bytes == 0
+    assert avg.bytes_per_step == 0.0
     assert avg.last_divergence == 0.0
 
 

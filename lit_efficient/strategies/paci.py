@@ -233,6 +233,7 @@ class PACIStrategy(DDPStrategy):
         trainer = module._trainer if module is not None else None
         if module is not None and self._split is not None:
             if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+                _carry_step_count_to_automatic(trainer)
                 module.automatic_optimization = self._was_automatic
             healthy = not self._failed and trainer is not None and trainer.state.status == TrainerStatus.RUNNING
             if healthy:
@@ -606,6 +607,15 @@ class _SyncCallbackMetrics(Callback):
     @override
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._sync(trainer)
+
+
+def _carry_step_count_to_automatic(trainer: Trainer) -> None:
+    """Lightning reads ``global_step`` from the automatic-optimization counter once the module is back
+    in automatic mode; copy the count the pipeline advanced so it stays right after ``fit``."""
+    loop = trainer.fit_loop.epoch_loop
+    steps = loop.manual_optimization.optim_step_progress.total
+    auto = loop.automatic_optimization.optim_progress.optimizer.step.total
+    auto.ready, auto.completed = steps.ready, steps.completed
 
 
 def _check_arguments(
