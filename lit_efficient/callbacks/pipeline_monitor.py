@@ -1,0 +1,363 @@
+"""The `PipelineMonitor` callback: utilization, bubble, weight-version drift, throughput, memory, timeline.
+
+This file owns what the monitor measures on each rank, the one collective that brings every rank's
+numbers to global rank 0 every ``logging_interval`` optimizer steps, how rank 0 combines them into
+metrics, and the timeline picture (a Gantt PNG and a Chrome-trace JSON of forward / backward /
+optimizer step per stage). It measures nothing itself inside the pipeline: the numbers come from
+`PipelineRuntime.stats` (busy time inside a stage's compute over the time from its first to its last
+action) and the runtime's action timeline; the monitor resets the runtime's stats at the start of
+training and after every logged interval, so each logged value covers one interval.
+
+Metric keys (logged from global rank 0 through ``trainer.loggers``, at ``trainer.global_step``):
+
+- ``pipeline/utilization_stage{s}``: busy / elapsed of stage s, averaged over its replicas;
+- ``pipeline/bubble_fraction``: 1 - the mean of the stages' utilizations;
+- ``pipeline/drift_max_stage{s}``: the largest weight-version drift at stage s (max over replicas);
+- ``pipeline/drift_mean``: drift averaged over every backward of every rank;
+- ``throughput/tokens_per_sec``, ``throughput/samples_per_sec``: over rank 0's wall time of the
+  interval, counted across data-parallel replicas. Tokens are the ``numel`` of the batch's first
+  tensor (the input ids of a ``(x, y)`` batch), samples its first dimension;
+- ``memory/peak_bytes_stage{s}``: peak memory of stage s's processes (max over replicas): CUDA
+  ``max_memory_allocated`` on GPU, the process's peak resident set size on CPU.
+
+Under a strategy without a pipeline (single device, DDP) only throughput and memory (``stage0``) apply.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.loggers import WandbLogger
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor
+from typing_extensions import override
+
+from lit_efficient.pipeline.actions import Action
+from lit_efficient.pipeline.runtime import PipelineRuntime
+from lit_efficient.strategies.paci import PACIStrategy
+
+# The timeline records a bounded window: optimizer steps [_TIMELINE_START, _TIMELINE_START + _TIMELINE_STEPS).
+# Skipping the first step leaves out one-time costs (allocator warm-up, first kernel launches); a few
+# steps show the schedule's pattern while keeping memory bounded (one tuple per action).
+_TIMELINE_START = 1
+_TIMELINE_STEPS = 4
+TIMELINE_PNG = "pipeline_timeline.png"
+TIMELINE_JSON = "pipeline_timeline.json"
+_COLORS = {"F": "#4C72B0", "B": "#55A868", "STEP": "#C44E52"}
+_LABELS = {"F": "forward", "B": "backward", "STEP": "optimizer step"}
+
+
+class Row(NamedTuple):
+    """One rank's numbers for one interval: one row of the gathered tensor."""
+
+    stage: int
+    replica: int
+    pipeline: bool
+    busy: float
+    elapsed: float
+    drift_max: float
+    drift_sum: float
+    backwards: float
+    tokens: float
+    samples: float
+    peak_bytes: float
+
+
+class TimelineEvent(NamedTuple):
+    """One executed action of one rank, in seconds on a clock shared by all ranks."""
+
+    stage: int
+    replica: int
+    action: str
+    start: float
+    end: float
+
+
+class PipelineMonitor(Callback):
+    """Logs pipeline utilization, bubble, drift, throughput and peak memory; optionally draws the timeline.
+
+    Every ``logging_interval`` optimizer steps (a window end: the same batch on every rank) each rank
+    contributes a few numbers to one small all-gather, and global rank 0 logs the combined metrics.
+    With ``timeline=True`` the runtime records every action for a few optimizer steps after the first;
+    rank 0 then writes ``pipeline_timeline.png`` (Gantt chart per stage) and ``pipeline_timeline.json``
+    (Chrome trace, opens in Perfetto) into ``trainer.log_dir`` (or ``default_root_dir``) and logs the
+    picture to W&B when a ``WandbLogger`` is attached.
+
+    Args:
+        logging_interval: Optimizer steps between two logged values (each covers its interval).
+        timeline: Record a bounded window of the pipeline's actions and write the timeline files.
+    """
+
+    def __init__(self, logging_interval: int = 50, timeline: bool = False) -> None:
+        super().__init__()
+        if not isinstance(logging_interval, int) or isinstance(logging_interval, bool) or logging_interval < 1:
+            raise ValueError(
+                f"logging_interval={logging_interval!r} must be an integer >= 1 (optimizer steps between logs)"
+            )
+        if not isinstance(timeline, bool):
+            raise ValueError(f"timeline={timeline!r} must be True or False")
+        self.logging_interval = logging_interval
+        self.timeline = timeline
+        self.timeline_paths: list[Path] = []  # files written (rank 0), for the caller
+        self._tokens = 0
+        self._samples = 0
+        self._interval_start = 0.0
+        self._last_step = -1
+        self._logged_step = -1
+        self._recording = False
+        self._timeline_done = False
+        self._recorded: list[tuple[str, float, float]] | None = None  # this rank's window, until fit ends
+
+    # -- hooks -------------------------------------------------------------------------------------
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        runtime = _runtime(trainer)
+        if runtime is not None:
+            runtime.reset_stats()  # measure training only (not profiling or a sanity check)
+        device = trainer.strategy.root_device
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        self._tokens = self._samples = 0
+        self._interval_start = time.perf_counter()
+        self._last_step = self._logged_step = trainer.global_step
+        self._timeline_done = not self.timeline
+        self._recorded = None
+        if self.timeline and runtime is None:
+            rank_zero_warn(
+                f"PipelineMonitor(timeline=True) draws a pipeline's actions; {type(trainer.strategy).__name__} runs "
+                "none. Use PACIStrategy, or set timeline=False."
+            )
+            self._timeline_done = True
+        if not self._timeline_done and trainer.global_step >= _TIMELINE_START:
+            self._start_recording(runtime)  # resumed past the start: record the next steps
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        tokens, samples = _batch_size(batch)  # shapes only: no host sync
+        self._tokens += tokens
+        self._samples += samples
+        step = trainer.global_step
+        if step == self._last_step:
+            return  # inside a window
+        self._last_step = step
+        runtime = _runtime(trainer)
+        if not self._timeline_done:
+            if not self._recording and step >= _TIMELINE_START:
+                self._start_recording(runtime)
+            elif self._recording and step >= _TIMELINE_START + _TIMELINE_STEPS:
+                self._stop_recording(runtime)
+        if step % self.logging_interval == 0:
+            self._log(trainer, runtime)
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Every rank runs this hook, so the collectives below match. Log the unlogged tail of the run.
+        runtime = _runtime(trainer)
+        if self._recording:
+            self._stop_recording(runtime)
+        if trainer.global_step > self._logged_step:
+            self._log(trainer, runtime)
+        if self._recorded is not None:
+            self._write_timeline(trainer, self._recorded)
+            self._recorded = None
+
+    # -- metrics -----------------------------------------------------------------------------------
+
+    def _log(self, trainer: Trainer, runtime: PipelineRuntime | None) -> None:
+        row = _local_row(trainer, runtime, self._tokens, self._samples)
+        local = torch.tensor(row, dtype=torch.float64, device=trainer.strategy.root_device)
+        # Synchronization point every `logging_interval` optimizer steps: one all-gather of a few
+        # floats per rank, at a window end (the same batch on every rank). Under PACI it stalls the
+        # faster stages until the slowest reaches this batch; at one per interval (default 50 windows)
+        # that costs far less than the bubble it measures. The `.tolist()` below is the host sync.
+        gathered = trainer.strategy.all_gather(local) if trainer.world_size > 1 else local
+        wall = time.perf_counter() - self._interval_start
+        if trainer.is_global_zero:
+            rows = [Row(*r) for r in gathered.reshape(-1, len(Row._fields)).tolist()]
+            metrics = aggregate(rows, wall)
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)
+        if runtime is not None:
+            runtime.reset_stats()
+        self._tokens = self._samples = 0
+        self._interval_start = time.perf_counter()
+        self._logged_step = trainer.global_step
+
+    # -- timeline ----------------------------------------------------------------------------------
+
+    def _start_recording(self, runtime: PipelineRuntime | None) -> None:
+        if runtime is not None:
+            runtime.record_timeline(True)
+            self._recording = True
+
+    def _stop_recording(self, runtime: PipelineRuntime | None) -> None:
+        # Keep the window on this rank; gathering and drawing wait for the end of fit, so they neither
+        # stall the pipeline nor land inside a measured interval.
+        self._recording, self._timeline_done = False, True
+        if runtime is not None:
+            self._recorded = list(runtime.timeline or [])
+            runtime.record_timeline(False)
+
+    def _write_timeline(self, trainer: Trainer, local: list[tuple[str, float, float]]) -> None:
+        strategy = trainer.strategy
+        assert isinstance(strategy, PACIStrategy)
+        stage, replica = strategy.stage, strategy.replica
+        # Ranks on different hosts have different perf_counter origins: each reports its clock right
+        # after a barrier, and rank 0 shifts every rank's events onto its own clock (skew: the
+        # barrier's exit spread, well under one action). Two collectives, once per fit.
+        if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
+            dist.barrier()
+            payload = (stage, replica, time.perf_counter(), local)
+            gathered: list[Any] | None = [None] * trainer.world_size if trainer.is_global_zero else None
+            dist.gather_object(payload, gathered, dst=0)
+        else:
+            gathered = [(stage, replica, time.perf_counter(), local)]
+        folder = Path(trainer.log_dir or trainer.default_root_dir)  # log_dir broadcasts: every rank calls it
+        if not trainer.is_global_zero:
+            return
+        assert gathered is not None
+        reference = gathered[0][2]
+        events = [
+            TimelineEvent(s, r, action, start + reference - now, end + reference - now)
+            for s, r, now, recorded in gathered
+            for action, start, end in recorded
+        ]
+        folder.mkdir(parents=True, exist_ok=True)
+        json_path, png_path = folder / TIMELINE_JSON, folder / TIMELINE_PNG
+        json_path.write_text(json.dumps(chrome_trace(events)))
+        draw_gantt(events, png_path)
+        self.timeline_paths = [png_path, json_path]
+        for logger in trainer.loggers:
+            if isinstance(logger, WandbLogger):  # it imports wandb only inside log_image
+                logger.log_image(key="pipeline/timeline", images=[str(png_path)], step=trainer.global_step)
+
+
+# ------------------------------------------------------------------------ pure parts (unit-tested)
+
+
+def aggregate(rows: Sequence[Row], wall_seconds: float) -> dict[str, float]:
+    """Rank 0's metrics from every rank's `Row` of one interval of ``wall_seconds``."""
+    stages = sorted({int(r.stage) for r in rows})
+    by_stage = {s: [r for r in rows if int(r.stage) == s] for s in stages}
+    metrics: dict[str, float] = {}
+    if any(r.pipeline for r in rows):
+        utilization = {}
+        for s in stages:
+            values = [r.busy / r.elapsed if r.elapsed > 0 else 0.0 for r in by_stage[s]]
+            utilization[s] = sum(values) / len(values)
+            metrics[f"pipeline/utilization_stage{s}"] = utilization[s]
+            metrics[f"pipeline/drift_max_stage{s}"] = max(r.drift_max for r in by_stage[s])
+        metrics["pipeline/bubble_fraction"] = 1.0 - sum(utilization.values()) / len(utilization)
+        backwards = sum(r.backwards for r in rows)
+        metrics["pipeline/drift_mean"] = sum(r.drift_sum for r in rows) / backwards if backwards else 0.0
+    # Every stage of a replica sees the same micro-batches: count each replica once, at its first stage.
+    first = by_stage[stages[0]] if stages else []
+    per_sec = 1.0 / wall_seconds if wall_seconds > 0 else 0.0
+    metrics["throughput/tokens_per_sec"] = sum(r.tokens for r in first) * per_sec
+    metrics["throughput/samples_per_sec"] = sum(r.samples for r in first) * per_sec
+    for s in stages:
+        metrics[f"memory/peak_bytes_stage{s}"] = max(r.peak_bytes for r in by_stage[s])
+    return metrics
+
+
+def chrome_trace(events: Sequence[TimelineEvent]) -> dict[str, Any]:
+    """Chrome-trace / Perfetto JSON of ``events``: one process per replica, one thread per stage, µs from 0."""
+    origin = min((e.start for e in events), default=0.0)
+    trace: list[dict[str, Any]] = []
+    for replica in sorted({e.replica for e in events}):
+        trace.append({"name": "process_name", "ph": "M", "pid": replica, "args": {"name": f"replica {replica}"}})
+    for replica, stage in sorted({(e.replica, e.stage) for e in events}):
+        name = {"name": f"stage {stage}"}
+        trace.append({"name": "thread_name", "ph": "M", "pid": replica, "tid": stage, "args": name})
+    for e in sorted(events, key=lambda e: e.start):
+        kind = Action.parse(e.action).kind
+        trace.append({
+            "name": e.action, "cat": _LABELS[kind], "ph": "X", "ts": (e.start - origin) * 1e6,
+            "dur": max(0.0, e.end - e.start) * 1e6, "pid": e.replica, "tid": e.stage,
+        })  # fmt: skip
+    return {"traceEvents": trace, "displayTimeUnit": "ms"}
+
+
+def draw_gantt(events: Sequence[TimelineEvent], path: Path) -> None:
+    """A Gantt chart of ``events`` (one row per replica x stage, stage 0 on top) written to ``path`` (PNG)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # Agg: no display, no pyplot global state
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    rows = sorted({(e.replica, e.stage) for e in events})
+    origin = min((e.start for e in events), default=0.0)
+    fig = Figure(figsize=(12, 1.0 + 0.5 * max(1, len(rows))), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for y, (replica, stage) in enumerate(rows):
+        for kind, color in _COLORS.items():
+            spans = [
+                ((e.start - origin) * 1e3, max(0.0, e.end - e.start) * 1e3)
+                for e in events
+                if (e.replica, e.stage) == (replica, stage) and Action.parse(e.action).kind == kind
+            ]
+            if spans:
+                ax.broken_barh(spans, (y - 0.4, 0.8), facecolors=color)
+    replicas = {r for r, _ in rows}
+    ax.set_yticks(range(len(rows)), [f"replica {r} stage {s}" if len(replicas) > 1 else f"stage {s}" for r, s in rows])
+    ax.invert_yaxis()
+    ax.set_xlabel("time (ms)")
+    ax.set_title("pipeline timeline", loc="left")
+    handles = [Patch(color=c, label=_LABELS[k]) for k, c in _COLORS.items()]
+    ax.legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.0), ncols=3, frameon=False)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+# ------------------------------------------------------------------------ measurements of this rank
+
+
+def _runtime(trainer: Trainer) -> PipelineRuntime | None:
+    return trainer.strategy.runtime if isinstance(trainer.strategy, PACIStrategy) else None
+
+
+def _local_row(trainer: Trainer, runtime: PipelineRuntime | None, tokens: int, samples: int) -> Row:
+    peak = _peak_bytes(trainer.strategy.root_device)
+    if runtime is None:
+        return Row(0, trainer.global_rank, False, 0.0, 0.0, 0.0, 0.0, 0.0, tokens, samples, peak)
+    s = runtime.stats()
+    strategy = trainer.strategy
+    assert isinstance(strategy, PACIStrategy)
+    return Row(
+        strategy.stage, strategy.replica, True, s["busy_seconds"], s["elapsed_seconds"], s["drift_max"],
+        s["drift_mean"] * s["backwards"], s["backwards"], tokens, samples, peak,
+    )  # fmt: skip
+
+
+def _peak_bytes(device: torch.device) -> float:
+    if device.type == "cuda":
+        return float(torch.cuda.max_memory_allocated(device))
+    try:
+        import resource
+    except ImportError:  # Windows: no getrusage
+        return 0.0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return float(peak if sys.platform == "darwin" else peak * 1024)  # bytes on macOS, KiB on Linux
+
+
+def _batch_size(batch: Any) -> tuple[int, int]:
+    """(tokens, samples) of a batch: numel and first dimension of its first tensor."""
+    first = batch
+    while isinstance(first, (list, tuple)) and first:
+        first = first[0]
+    if isinstance(first, dict) and first:
+        first = next(iter(first.values()))
+    if not isinstance(first, Tensor) or first.dim() == 0:
+        return 0, 0
+    return first.numel(), int(first.shape[0])
