@@ -81,7 +81,10 @@ class StageStats:
     backwards: int = 0
     steps: int = 0
     max_in_flight: int = 0
-    busy_seconds: float = 0.0
+    busy_seconds: float = 0.0  # forward + backward + step (+ evaluation forwards)
+    forward_seconds: float = 0.0
+    backward_seconds: float = 0.0
+    step_seconds: float = 0.0
     drift_sum: int = 0
     drift_max: int = 0
     # (micro-batch, version at forward, version at backward) of the most recent micro-batches.
@@ -189,7 +192,9 @@ class PipelineStage:
         self._in_flight[microbatch] = record
         self.stats.forwards += 1
         self.stats.max_in_flight = max(self.stats.max_in_flight, len(self._in_flight))
-        self.stats.busy_seconds += time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        self.stats.forward_seconds += elapsed
+        self.stats.busy_seconds += elapsed
         return result
 
     def backward(self, microbatch: int, grads: Payload | None = None) -> Payload:
@@ -217,7 +222,9 @@ class PipelineStage:
         self._accumulate(microbatch, aux)
         input_grads = tuple(t.grad if isinstance(t, Tensor) and t.requires_grad else None for t in record.inputs)
         self._account(microbatch, record.version)
-        self.stats.busy_seconds += time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        self.stats.backward_seconds += elapsed
+        self.stats.busy_seconds += elapsed
         return (*input_grads, aux.detach())
 
     def step(self, window: int = -1) -> None:
@@ -257,7 +264,9 @@ class PipelineStage:
         self.version += 1
         self._window = None
         self.stats.steps += 1
-        self.stats.busy_seconds += time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        self.stats.step_seconds += elapsed
+        self.stats.busy_seconds += elapsed
 
     def _check_finite(self, grads: list[Tensor], totals: Tensor, window: int) -> bool:
         """Whether to apply the update; raises or skips on NaN/Inf as configured."""
