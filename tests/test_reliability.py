@@ -219,3 +219,51 @@ def test_module_without_protocol_is_refused_naming_the_methods(no_process_group_
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=1, logger=False)
     with pytest.raises(TypeError, match="pipeline_layers, pipeline_input, pipeline_loss"):
         trainer.fit(Plain(), train_dataloaders=[torch.zeros(1, 2)])
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    steps=st.one_of(
+        st.integers(-2, 8),
+        st.dictionaries(st.integers(-1, 4), st.integers(-1, 6), max_size=3),
+        st.sampled_from([1.5, "4", None]),
+    ),
+    normalize=st.sampled_from(["mean", "tokens", "sum", ""]),
+)
+def test_gradient_accumulation_arguments_fail_clearly_or_construct(steps, normalize):
+    from lit_efficient import GradientAccumulation
+
+    valid_steps = (isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1) or (
+        isinstance(steps, dict) and steps and all(k >= 0 and v >= 1 for k, v in steps.items())
+    )
+    if valid_steps and normalize in ("mean", "tokens"):
+        assert GradientAccumulation(steps, normalize).get_accumulate_grad_batches(0) >= 1
+    else:
+        with pytest.raises((ValueError, TypeError)) as info:
+            GradientAccumulation(steps, normalize)
+        assert "=" in str(info.value)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    modules=st.one_of(st.none(), st.lists(st.sampled_from(["Block", "", "Linear"]), max_size=3), st.just("Block")),
+    mode=st.sampled_from(["full", "selective", "none"]),
+    every_n=st.integers(-1, 3),
+    interval=st.integers(-1, 3),
+)
+def test_checkpointing_and_monitor_arguments_fail_clearly_or_construct(modules, mode, every_n, interval):
+    from lit_efficient import PipelineMonitor
+    from lit_efficient.callbacks import ActivationCheckpointing
+
+    ok = (modules is None or (isinstance(modules, list) and modules and all(modules))) and mode != "none"
+    ok = ok and every_n >= 1
+    if ok:
+        ActivationCheckpointing(modules=modules, mode=mode, every_n=every_n)
+    else:
+        with pytest.raises(ValueError, match="="):
+            ActivationCheckpointing(modules=modules, mode=mode, every_n=every_n)
+    if interval >= 1:
+        PipelineMonitor(logging_interval=interval)
+    else:
+        with pytest.raises(ValueError, match="="):
+            PipelineMonitor(logging_interval=interval)

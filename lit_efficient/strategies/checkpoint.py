@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -85,7 +87,7 @@ class PipelineCheckpointIO(TorchCheckpointIO):
                 f"{path} has no shard for stage {s.stage} (found {found}); it was written with another pipeline "
                 "layout: resume with the same pipeline_stages"
             )
-        return torch.load(shard, map_location="cpu", weights_only=False)
+        return load_shard(shard)
 
     @override
     def remove_checkpoint(self, path: Any) -> None:
@@ -102,9 +104,24 @@ def consolidate_checkpoint(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     meta = json.loads((path / META).read_text())
     state: dict[str, torch.Tensor] = {}
     for stage in range(meta["num_stages"]):
-        shard = torch.load(path / shard_name(stage, 0), map_location="cpu", weights_only=False)
+        shard = load_shard(path / shard_name(stage, 0))
         state.update(shard["state_dict"])
     return state
+
+
+def load_shard(path: Path) -> dict[str, Any]:
+    """Load one shard with ``weights_only=True`` (no arbitrary code on unpickling) when its content
+    allows; a checkpoint holding other Python objects (custom hyper-parameter types, say) falls
+    back to a full load, with a warning: only load such checkpoints from sources you trust."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        warnings.warn(
+            f"{path} holds objects weights_only=True refuses ({str(err).splitlines()[0][:200]}); loading it fully. "
+            "Only load checkpoints you trust.",
+            stacklevel=2,
+        )
+        return torch.load(path, map_location="cpu", weights_only=False)
 
 
 def _barrier(strategy: PACIStrategy) -> None:
