@@ -8,8 +8,9 @@ import math
 import pytest
 import torch
 
+from lit_efficient.data.corpus import embedded_corpus
 from lit_efficient.pipeline.comm import PointToPoint
-from lit_efficient.pipeline.demo import batches, build_layers, lm_loss, stdlib_bytes
+from lit_efficient.pipeline.demo import batches, build_layers, lm_loss
 from lit_efficient.pipeline.partition import partition_uniform, stage_bounds
 from lit_efficient.pipeline.runtime import PipelineRuntime
 from lit_efficient.pipeline.stage import PipelineStage
@@ -24,7 +25,7 @@ LR = 1e-2
 
 
 def _data(n: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return list(itertools.islice(batches(stdlib_bytes(200_000), MODEL["block"], BATCH, seed), n))
+    return list(itertools.islice(batches(embedded_corpus(200_000), MODEL["block"], BATCH, seed), n))
 
 
 def _optimizer(params):

@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from lit_efficient.pipeline.demo import batches, build_layers, lm_loss, stdlib_bytes
+from lit_efficient.data.corpus import embedded_corpus
+from lit_efficient.pipeline.demo import batches, build_layers, lm_loss
 from lit_efficient.pipeline.runtime import PipelineRuntime
 from lit_efficient.pipeline.stage import PipelineStage, _preserve_versions
 
@@ -71,7 +72,7 @@ def _loss_ignoring(logits, batch):
 
 @pytest.mark.parametrize("schedule", ["paci", "1f1b_flush"])
 def test_one_stage_partial_window_is_normalized_by_its_true_size(schedule):
-    data = list(itertools.islice(batches(stdlib_bytes(50_000), 8, 2, 0), 7))  # windows of 3: 3 + 3 + 1
+    data = list(itertools.islice(batches(embedded_corpus(50_000), 8, 2, 0), 7))  # windows of 3: 3 + 3 + 1
     runtime = _single_stage(3, schedule=schedule)
     for j, b in enumerate(data):
         runtime.feed(b, j)
@@ -82,7 +83,7 @@ def test_one_stage_partial_window_is_normalized_by_its_true_size(schedule):
 
 
 def test_tokens_mode_weighs_micro_batches_by_item_count():
-    raw = list(itertools.islice(batches(stdlib_bytes(50_000), 8, 2, 0), 4))
+    raw = list(itertools.islice(batches(embedded_corpus(50_000), 8, 2, 0), 4))
     data = [_masked(b, keep) for b, keep in zip(raw, (8, 2, 5, 1), strict=True)]
     layers = build_layers(n_layer=1, dim=16, heads=2, block=8)
     opt = torch.optim.SGD([p for layer in layers for p in layer.parameters()], lr=0.1)
@@ -109,11 +110,11 @@ def test_tokens_mode_without_item_count_says_what_to_return():
     stage = PipelineStage(layers, 0, 1, None, lambda out, b: lm_loss(out, b)[0], normalize="tokens")
     runtime = PipelineRuntime(stage, "paci", 2, lambda b: b[0])
     with pytest.raises(ValueError, match="return \\(loss, num_items\\)"):
-        runtime.feed(next(batches(stdlib_bytes(50_000), 8, 2, 0)), 0)
+        runtime.feed(next(batches(embedded_corpus(50_000), 8, 2, 0)), 0)
 
 
 def test_accumulation_state_round_trip_resumes_a_window():
-    data = list(itertools.islice(batches(stdlib_bytes(50_000), 8, 2, 0), 4))
+    data = list(itertools.islice(batches(embedded_corpus(50_000), 8, 2, 0), 4))
     whole = _single_stage(4)
     for j, b in enumerate(data):
         whole.feed(b, j)
@@ -139,7 +140,7 @@ def test_runtime_rejects_a_jump_with_micro_batches_in_flight():
     stage = PipelineStage(layers[:1], 0, 2, None, None)
     runtime = PipelineRuntime(stage, "paci", 2, lambda b: b[0], comm=object())  # type: ignore[arg-type]
     runtime.comm = type("Sink", (), {"send": lambda *a: None, "flush": lambda self: None})()
-    batch = next(batches(stdlib_bytes(50_000), 8, 2, 0))
+    batch = next(batches(embedded_corpus(50_000), 8, 2, 0))
     runtime.feed(batch, 0)
     with pytest.raises(RuntimeError, match="still in flight"):
         runtime.feed(batch, 5)

@@ -17,15 +17,14 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sysconfig
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lit_efficient.data.corpus import embedded_corpus
 from lit_efficient.pipeline.comm import PointToPoint
 from lit_efficient.pipeline.partition import partition_uniform, stage_bounds
 from lit_efficient.pipeline.runtime import PipelineRuntime
@@ -89,19 +88,6 @@ def lm_loss(logits: Tensor, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tenso
     return loss, torch.tensor(target.numel())
 
 
-def stdlib_bytes(limit: int = 2_000_000) -> bytes:
-    """Real text present on every machine: this interpreter's standard library sources, in a fixed order."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    chunks, size = [], 0
-    for path in sorted(root.glob("*.py")):
-        data = path.read_bytes()
-        chunks.append(data)
-        size += len(data)
-        if size >= limit:
-            break
-    return b"\n".join(chunks)[:limit]
-
-
 def batches(data: bytes, block: int, batch_size: int, seed: int):
     """Endless random (x, y) windows of ``block`` bytes, the same sequence on every rank."""
     tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
@@ -128,7 +114,7 @@ def train(args: argparse.Namespace) -> None:
     prev_rank, next_rank = topo.neighbours(rank)
     comm = PointToPoint(stage_idx, topo.stage_of, torch.device("cpu"), args.timeout) if args.stages > 1 else None
     runtime = PipelineRuntime(stage, args.schedule, args.accumulate, lambda b: b[0], comm, prev_rank, next_rank)
-    stream = batches(stdlib_bytes(), args.block, args.batch_size, args.seed)
+    stream = batches(embedded_corpus(2_000_000), args.block, args.batch_size, args.seed)
     window_losses: list[Tensor] = []
     for j in range(args.steps * args.accumulate):
         loss = runtime.feed(next(stream), j)
