@@ -195,17 +195,26 @@ class PointToPoint:
         me = f"stage {self.stage} (rank {self.rank})"
         them = f"stage {self._stage_of_rank(peer)} (rank {peer})"
         waiting = f"{what} of micro-batch {microbatch}"
-        if "timed out" in str(err).lower():
+        timed_out = "timed out" in str(err).lower()
+        if timed_out:
+            cause = read_failure()  # a stage further up may have timed out on the real culprit first
             message = (
                 f"{me} waited {self._timeout.total_seconds():.0f}s for {waiting} with {them} and got nothing: "
-                f"that stage is hung or much slower. If it is only slow, raise PACIStrategy(p2p_timeout=...)."
+                + (
+                    f"the pipeline stopped because {cause}"
+                    if cause
+                    else "that stage is hung or much slower. If it is only slow, raise PACIStrategy(p2p_timeout=...)."
+                )
             )
         else:
             cause = read_failure()
             message = f"{me} lost its connection to {them} while exchanging {waiting}: " + (
                 f"the pipeline stopped because {cause}" if cause else f"{them} died (killed? out of memory?)"
             )
-        report_failure(message)
+        if not timed_out:
+            # Only a confirmed failure is published: a timeout may be an innocent rank waiting on a
+            # chain that ends at the hung stage, and must not be named as the cause to the others.
+            report_failure(message)
         return message
 
 
