@@ -136,6 +136,7 @@ class PACIStrategy(DDPStrategy):
         self._pipeline_groups: dict[int, dist.ProcessGroup] = {}
         self._header_group: dist.ProcessGroup | None = None
         self._signal_group: dist.ProcessGroup | None = None
+        self._sigterm_pending: deque[tuple[dist.Work, Tensor]] = deque()
         self._was_automatic = True
         self._epoch_schedulers: list[Any] = []
         self._eval_index = 0
@@ -371,6 +372,7 @@ class PACIStrategy(DDPStrategy):
         if not hasattr(loop, "_broadcast_sigterm_tensor") or self.world_size == 1:
             return
         pending: deque[tuple[dist.Work, Tensor]] = deque()
+        self._sigterm_pending = pending  # finished in on_train_end: no collective outlives training
         lag, group = self.pipeline_stages, self._signal_group
 
         def broadcast_sigterm() -> None:
@@ -457,6 +459,11 @@ class PACIStrategy(DDPStrategy):
     def on_train_end(self) -> None:
         if self.runtime is not None:
             self.runtime.drain()
+        # Every rank started the same broadcasts; wait for the last ones so no asynchronous work is
+        # left in flight when the process group is torn down (a pending gloo work at exit aborts).
+        while self._sigterm_pending:
+            work, _ = self._sigterm_pending.popleft()
+            work.wait()
 
     @override
     def on_exception(self, exception: BaseException) -> None:
