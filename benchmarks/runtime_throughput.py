@@ -46,23 +46,18 @@ import itertools
 import json
 import math
 import os
-import pickle
 import platform
 import resource
 import statistics
 import sys
-import tempfile
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import Tensor
 
 from lit_efficient.data.corpus import embedded_corpus
@@ -74,6 +69,8 @@ from lit_efficient.pipeline.schedules import ScheduleName
 from lit_efficient.pipeline.simulate import simulate
 from lit_efficient.pipeline.stage import PipelineStage
 from lit_efficient.pipeline.topology import Topology
+from tests.multiproc import spawn as run_ranks
+from tests.multiproc import values
 
 RESULTS = Path(__file__).parent / "results"
 PLOTS = Path(__file__).parent / "plots"
@@ -83,40 +80,10 @@ SCHEDULE_PAIR: tuple[ScheduleName, ScheduleName] = ("1f1b_flush", "paci")
 # -- processes -------------------------------------------------------------------------------------
 
 
-def _entry(rank: int, worker: Callable[..., Any], world: int, tmp: str, config: dict[str, Any]) -> None:
-    torch.set_num_threads(1)  # one core per stage: the machine has as many cores as the real pipeline has stages
-    out: dict[str, Any]
-    try:
-        dist.init_process_group(
-            "gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world, timeout=timedelta(seconds=120)
-        )
-        out = {"ok": worker(rank, world, config)}
-    except BaseException as err:  # noqa: BLE001 - reported by the parent
-        out = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}
-    Path(tmp, f"result-{rank}.pkl").write_bytes(pickle.dumps(out))
-    os._exit(0)  # no process-group teardown: a failed rank must not wait for its peers
-
-
 def spawn(worker: Callable[..., Any], world: int, config: dict[str, Any], timeout: float) -> list[Any]:
-    """Run ``worker(rank, world, config)`` on ``world`` gloo ranks; their return values, rank 0 first."""
-    with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.start_processes(
-            _entry, args=(worker, world, tmp, config), nprocs=world, join=False, start_method="spawn"
-        )
-        deadline = time.monotonic() + timeout
-        for proc in ctx.processes:
-            proc.join(max(0.0, deadline - time.monotonic()))
-        results = []
-        for rank, proc in enumerate(ctx.processes):
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-            path = Path(tmp, f"result-{rank}.pkl")
-            results.append(pickle.loads(path.read_bytes()) if path.exists() else {"error": "hung (killed)"})
-    errors = [f"rank {r}: {res.get('traceback', res['error'])}" for r, res in enumerate(results) if "error" in res]
-    if errors:
-        raise RuntimeError("benchmark ranks failed:\n" + "\n".join(errors))
-    return [res["ok"] for res in results]
+    """Run ``worker(rank, world, config)`` on ``world`` gloo ranks (tests/multiproc.py's harness, one
+    thread per rank); their return values, rank 0 first, or an error with every rank's traceback."""
+    return values(run_ranks(worker, world, config, timeout=timeout))
 
 
 # -- one rank --------------------------------------------------------------------------------------

@@ -34,24 +34,19 @@ What is measured, and how:
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import logging
 import math
 import os
-import pickle
-import socket
 import statistics
-import tempfile
 import time
-import traceback
 import warnings
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
 from torch import nn
@@ -68,6 +63,8 @@ from benchmarks.runtime_throughput import (
 from lit_efficient.pipeline.comm import PointToPoint
 from lit_efficient.pipeline.partition import stage_bounds
 from lit_efficient.pipeline.topology import Topology
+from tests.multiproc import spawn as run_ranks
+from tests.multiproc import values
 
 PLOTS = Path(__file__).parent / "plots"
 S = 2
@@ -78,51 +75,18 @@ VARIANTS = ("trainer_paci", "trainer_flush", "bare_paci", "torch_1f1b", "torch_g
 # -- processes -------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, worker: Any, world: int, tmp: str, port: int, config: dict[str, Any]) -> None:
-    # What torchrun would set: Lightning's environment then treats the processes as launched externally.
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank),
-        NODE_RANK="0", OMP_NUM_THREADS="1",
-    )  # fmt: skip
-    torch.set_num_threads(1)  # one core per stage
+def _quiet_lightning(worker: Any, rank: int, world: int, config: dict[str, Any]) -> Any:
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning").setLevel(logging.ERROR)
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
-        out: dict[str, Any] = {"ok": worker(rank, world, config)}
-    except BaseException as err:  # noqa: BLE001 - reported by the parent
-        out = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}
-    Path(tmp, f"result-{rank}.pkl").write_bytes(pickle.dumps(out))
-    os._exit(0)
+    return worker(rank, world, config)
 
 
 def spawn_pair(worker: Any, config: dict[str, Any], timeout: float, world: int = S) -> list[Any]:
-    """Run ``worker(rank, world, config)`` on ``world`` gloo ranks that Lightning may also use."""
-    with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.start_processes(
-            _entry, args=(worker, world, tmp, _free_port(), config), nprocs=world, join=False, start_method="spawn"
-        )
-        deadline = time.monotonic() + timeout
-        for proc in ctx.processes:
-            proc.join(max(0.0, deadline - time.monotonic()))
-        results = []
-        for rank, proc in enumerate(ctx.processes):
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-            path = Path(tmp, f"result-{rank}.pkl")
-            results.append(pickle.loads(path.read_bytes()) if path.exists() else {"error": "hung (killed)"})
-    errors = [f"rank {r}: {res.get('traceback', res['error'])}" for r, res in enumerate(results) if "error" in res]
-    if errors:
-        raise RuntimeError("benchmark ranks failed:\n" + "\n".join(errors))
-    return [res["ok"] for res in results]
+    """Run ``worker(rank, world, config)`` on ``world`` gloo ranks that Lightning may also use
+    (tests/multiproc.py's harness with torchrun's environment, one thread per rank)."""
+    return values(run_ranks(functools.partial(_quiet_lightning, worker), world, config, timeout=timeout,
+                            torchrun_env=True))  # fmt: skip
 
 
 # -- the model and data (identical in every variant) -------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import socket
 import tempfile
 import time
 import traceback
@@ -22,15 +23,29 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _entry(rank: int, fn: Callable[..., Any], world_size: int, tmp: str, args: tuple) -> None:
-    torch.set_num_threads(1)
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, fn: Callable[..., Any], world_size: int, tmp: str, port: int | None, args: tuple) -> None:
+    torch.set_num_threads(1)  # one core per rank: tests and benchmarks run one thread per stage
     start = time.monotonic()
     out: dict[str, Any]
     try:
+        if port is None:
+            init = f"file://{tmp}/rendezvous"
+        else:
+            # What torchrun would set: a Lightning Trainer inside the rank treats it as launched externally.
+            os.environ.update(
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world_size), RANK=str(rank),
+                LOCAL_RANK=str(rank), NODE_RANK="0", OMP_NUM_THREADS="1",
+            )  # fmt: skip
+            init = "env://"
         dist.init_process_group(
-            "gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world_size,
-            timeout=timedelta(seconds=60),
-        )  # fmt: skip
+            "gloo", init_method=init, rank=rank, world_size=world_size, timeout=timedelta(seconds=300)
+        )
         out = {"ok": fn(rank, world_size, *args)}
     except BaseException as err:  # noqa: BLE001 - the parent asserts on it
         out = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}
@@ -41,15 +56,23 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, tmp: str, args: t
     os._exit(0)
 
 
-def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0) -> list[dict[str, Any]]:
+def spawn(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, torchrun_env: bool = False
+) -> list[dict[str, Any]]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; one result dict per rank.
 
     Each dict has ``ok`` (the return value) or ``error`` (with ``traceback``), and ``seconds``;
-    a rank killed at the deadline has ``error="hung"``.
+    a rank killed at the deadline has ``error="hung"``. ``torchrun_env`` sets the variables torchrun
+    would (a free port on localhost), for ranks that run a Lightning Trainer on the same group.
+    Benchmarks use this harness too.
     """
     with tempfile.TemporaryDirectory() as tmp:
         ctx = mp.start_processes(
-            _entry, args=(fn, world_size, tmp, args), nprocs=world_size, join=False, start_method="spawn"
+            _entry,
+            args=(fn, world_size, tmp, _free_port() if torchrun_env else None, args),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
         )
         deadline = time.monotonic() + timeout
         for proc in ctx.processes:
