@@ -245,7 +245,21 @@ class PACIStrategy(DDPStrategy):
             if healthy:
                 self._gather_model_on_rank_zero()
         self.runtime = None
+        self._destroy_groups()
         super().teardown()
+
+    def _destroy_groups(self) -> None:
+        """Release the subgroups this strategy made, now, rather than at interpreter exit: a gloo group
+        whose worker threads are still alive when Python finalizes aborts the process ("terminate called
+        without an active exception", seen at the exit of spawned ranks). Local: no collective."""
+        if not dist.is_initialized():
+            return
+        groups = [*self._dp_groups.values(), *self._pipeline_groups.values(), self._signal_group, self._header_group]
+        for group in groups:
+            if group is not None:
+                dist.destroy_process_group(group)
+        self._dp_groups, self._pipeline_groups = {}, {}
+        self._signal_group = self._header_group = None
 
     def _gather_model_on_rank_zero(self) -> None:
         """Rebuild the whole model on global rank 0 (CPU) so the user's object is complete after fit."""
