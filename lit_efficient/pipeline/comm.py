@@ -8,6 +8,7 @@ that names it instead of a hang.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -45,9 +46,19 @@ class PipelineCommError(RuntimeError):
 # A message is a fixed-size int64 header followed by one payload transfer per tensor. The header
 # carries the micro-batch index (checked on arrival: a mismatch is a schedule bug, caught at once)
 # and each tensor's dtype and shape, so stages can exchange tuples of any shape and dtype, and
-# shapes may change between micro-batches (variable sequence lengths) at the cost of one small
-# extra message. Headers always travel on a CPU (gloo) group: reading one on the host costs no
-# device synchronization when payloads go over NCCL.
+# shapes may change between micro-batches (variable sequence lengths). Headers always travel on a
+# CPU (gloo) group: reading one on the host costs no device synchronization when payloads go over
+# NCCL.
+#
+# Gloo transfers are rendezvous: data moves only once the receiver has posted its irecv, so each
+# posted-then-awaited receive costs a round trip through both processes' gloo threads, and on a
+# busy CPU that is a scheduling delay, not microseconds. Reading the header before posting the
+# payload irecvs would put two of them on the pipeline's critical path. Instead both ends of a
+# channel (one sender, one receiver) remember the specs of the last message on it, and the receiver
+# posts the header AND payload irecvs of those specs at once (possibly early, see `prepost`).
+# When the specs change, the sender first sends placeholder payloads of the old specs, which the
+# already-posted irecvs absorb, then the real ones: a shape change costs one wasted transfer, the
+# steady state none.
 _HEADER_LEN = 256
 _NONE = -1
 _DTYPES = (
@@ -58,6 +69,8 @@ _DTYPE_CODE = {dtype: code for code, dtype in enumerate(_DTYPES)}
 _ABORT_KEY = "lit_efficient/abort"
 
 Payload = tuple[Tensor | None, ...]
+Spec = tuple[torch.dtype, tuple[int, ...]] | None  # a payload tensor's dtype and shape; None for None
+Specs = tuple[Spec, ...]
 
 
 def encode_header(microbatch: int, tensors: Payload) -> list[int]:
@@ -78,10 +91,10 @@ def encode_header(microbatch: int, tensors: Payload) -> list[int]:
     return fields
 
 
-def decode_header(fields: list[int]) -> tuple[int, list[tuple[torch.dtype, tuple[int, ...]] | None]]:
+def decode_header(fields: list[int]) -> tuple[int, list[Spec]]:
     """Inverse of `encode_header`: the micro-batch and, per tensor, its dtype and shape (None for None)."""
     microbatch, count, pos = fields[0], fields[1], 2
-    specs: list[tuple[torch.dtype, tuple[int, ...]] | None] = []
+    specs: list[Spec] = []
     for _ in range(count):
         code = fields[pos]
         if code == _NONE:
@@ -94,6 +107,17 @@ def decode_header(fields: list[int]) -> tuple[int, list[tuple[torch.dtype, tuple
     return microbatch, specs
 
 
+@dataclass
+class _PostedRecv:
+    """The irecvs posted for the next message of one channel: header plus payloads of ``specs``."""
+
+    header: Tensor
+    header_work: dist.Work
+    specs: Specs
+    buffers: list[Tensor]
+    works: list[dist.Work]
+
+
 class PointToPoint:
     """Activations and gradients between neighbouring stages of one pipeline.
 
@@ -102,6 +126,10 @@ class PointToPoint:
     block with ``timeout`` seconds; a peer that died surfaces within seconds as a closed
     connection, one that hangs after ``timeout``, and either way the error names the peer's stage
     and rank and the micro-batch being waited for.
+
+    Each (sender, receiver) pair is one FIFO channel whose two ends track the specs of its last
+    message (see the protocol note above), so every rank must send and receive through one
+    `PointToPoint` in the order its schedule says, which the pipeline's schedules guarantee.
 
     Args:
         stage: This rank's stage (for messages).
@@ -130,7 +158,19 @@ class PointToPoint:
         self._header_group = header_group if header_group is not None else group
         # (work, tensor kept alive until sent, peer, micro-batch, what)
         self._pending: list[tuple[dist.Work, Tensor, int, int, str]] = []
+        self._sent_specs: dict[int, Specs] = {}  # per destination: specs of the last message sent
+        self._recv_specs: dict[int, Specs] = {}  # per source: specs of the last message received
+        self._posted: dict[int, _PostedRecv] = {}  # per source: irecvs posted for its next message
         self.bytes_sent = 0
+
+    @property
+    def can_prepost(self) -> bool:
+        """Whether receives may be posted ahead of the schedule's order.
+
+        On NCCL, point-to-point operations between two ranks execute in issue order on one stream,
+        so an early irecv would queue ahead of a send the peer is waiting for: deadlock.
+        """
+        return self._device.type == "cpu"
 
     def send(self, tensors: Payload, dst: int, microbatch: int, what: str) -> None:
         """Start sending ``tensors`` (None entries allowed) for ``microbatch`` to global rank ``dst``."""
@@ -139,31 +179,58 @@ class PointToPoint:
         fields = encode_header(microbatch, tensors)
         header[: len(fields)] = torch.tensor(fields, dtype=torch.int64)
         self._isend(header, dst, self._header_group, microbatch, what)
+        specs = _specs_of(tensors)
+        expected = self._sent_specs.get(dst)
+        if expected is not None and expected != specs:
+            for spec in expected:  # placeholders for the payload irecvs the receiver already posted
+                if spec is not None:
+                    placeholder = torch.empty(spec[1], dtype=spec[0], device=self._device)
+                    self._isend(placeholder, dst, self._group, microbatch, what)
         for t in tensors:
             if t is not None:
                 payload = t.detach().contiguous()
                 self._isend(payload, dst, self._group, microbatch, what)
                 self.bytes_sent += payload.numel() * payload.element_size()
+        self._sent_specs[dst] = specs
+
+    def prepost(self, src: int) -> None:
+        """Post the irecvs for the next message from ``src`` now, if not already posted.
+
+        Call it only for a message that is certain to come (the caller's schedule says so): a
+        posted receive cannot be withdrawn, and one left posted would swallow an unrelated later
+        message. Does nothing where `can_prepost` is False.
+        """
+        if self.can_prepost and src not in self._posted:
+            self._posted[src] = self._post(src)
 
     def recv(self, src: int, microbatch: int, what: str) -> Payload:
         """Receive the ``what`` of ``microbatch`` from global rank ``src``; blocks up to the timeout."""
-        header = torch.empty(_HEADER_LEN, dtype=torch.int64)
-        self._wait(dist.irecv(header, src, group=self._header_group), src, microbatch, what)
-        got, specs = decode_header(header.tolist())
+        posted = self._posted.pop(src, None) or self._post(src)
+        self._wait(posted.header_work, src, microbatch, what)
+        got, specs = decode_header(posted.header.tolist())
         if got != microbatch:
             raise PipelineCommError(
                 f"stage {self.stage} (rank {self.rank}) expected {what} of micro-batch {microbatch} from rank "
                 f"{src} but received micro-batch {got}: the two stages run different schedules"
             )
-        out: list[Tensor | None] = []
-        for spec in specs:
-            if spec is None:
-                out.append(None)
-                continue
-            buf = torch.empty(spec[1], dtype=spec[0], device=self._device)
-            self._wait(dist.irecv(buf, src, group=self._group), src, microbatch, what)
-            out.append(buf)
-        return tuple(out)
+        for work in posted.works:  # the payloads, or the placeholders sent because the specs changed
+            self._wait(work, src, microbatch, what)
+        buffers = posted.buffers
+        if tuple(specs) != posted.specs:
+            buffers = [torch.empty(s[1], dtype=s[0], device=self._device) for s in specs if s is not None]
+            for buf in buffers:
+                self._wait(dist.irecv(buf, src, group=self._group), src, microbatch, what)
+        self._recv_specs[src] = tuple(specs)
+        filled = iter(buffers)
+        return tuple(None if spec is None else next(filled) for spec in specs)
+
+    def _post(self, src: int) -> _PostedRecv:
+        header = torch.empty(_HEADER_LEN, dtype=torch.int64)
+        header_work = dist.irecv(header, src, group=self._header_group)
+        specs = self._recv_specs.get(src, ())
+        buffers = [torch.empty(s[1], dtype=s[0], device=self._device) for s in specs if s is not None]
+        works = [dist.irecv(buf, src, group=self._group) for buf in buffers]
+        return _PostedRecv(header, header_work, specs, buffers, works)
 
     def flush(self) -> None:
         """Wait for every send in flight (before a checkpoint, at the end of training)."""
@@ -216,6 +283,10 @@ class PointToPoint:
             # chain that ends at the hung stage, and must not be named as the cause to the others.
             report_failure(message)
         return message
+
+
+def _specs_of(tensors: Payload) -> Specs:
+    return tuple(None if t is None else (t.dtype, tuple(t.shape)) for t in tensors)
 
 
 def report_failure(message: str) -> None:

@@ -10,6 +10,11 @@ in step through the blocking receives alone: no barrier, no coordinator.
 micro-batches fed so far, which agrees with the unbounded one on everything already executed
 (checked), so it is exact at any point: before evaluation, checkpoints and the end of training,
 and at an epoch's end, where it also steps a partial last window.
+
+Receives are posted before they are needed wherever the next message is certain (why that matters:
+comm.py): a stage's gradient receive while it has micro-batches in flight, and its activation
+receive after every feed, which `drain` matches with an end-of-segment marker when no further
+micro-batch comes, so nothing stays posted once the pipeline is drained.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from lit_efficient.pipeline.comm import Payload, PointToPoint
 from lit_efficient.pipeline.schedules import ScheduleName, stage_actions
 from lit_efficient.pipeline.stage import PipelineStage
 
+_END_OF_SEGMENT = -1  # the micro-batch index drain()'s marker message carries
 InputFn = Callable[[Any], "Tensor | tuple[Tensor, ...]"]
 
 
@@ -109,6 +115,10 @@ class PipelineRuntime:
             self._execute(self._next_action)
             self._next_action = next(self._stream)
         self._batch = None
+        if not self.stage.is_first:
+            # The next message from the previous stage is the next micro-batch's activations or, if
+            # none is fed before drain(), the end-of-segment marker: either way certain to come.
+            self.comm.prepost(self.prev_rank)  # type: ignore[union-attr, arg-type]
         return self._last_loss
 
     def drain(self, step_partial_window: bool = False) -> None:
@@ -135,6 +145,7 @@ class PipelineRuntime:
                 raise RuntimeError(f"drain: the finite stream has {skipped} where {self._last_executed} ran")
             for action in finite:
                 self._execute(action)
+            self._end_segment()
         elif step_partial_window and self.stage.window_weight is not None:
             self._execute(Action(self.stage.stage, "STEP", max(self._fed - 1, 0) // self.accumulate))
         self._stream = None
@@ -226,9 +237,11 @@ class PipelineRuntime:
                 self._last_loss = out  # type: ignore[assignment]
             else:
                 self.comm.send(out, self.next_rank, j, "activations")  # type: ignore[arg-type, union-attr]
+                self._prepost_gradients()
         elif action.kind == "B":
             grads = None if stage.is_last else self._recv(self.next_rank, j, "gradients")
             input_grads = stage.backward(j, grads)
+            self._prepost_gradients()
             if not stage.is_first:
                 self.comm.send(input_grads, self.prev_rank, j, "gradients")  # type: ignore[union-attr]
         else:
@@ -238,6 +251,23 @@ class PipelineRuntime:
         self._tock()
         if self.timeline is not None:
             self.timeline.append((str(action), start, self._clock_end))
+
+    def _end_segment(self) -> None:
+        # Matches the activation receive that feed() left posted (see there). Every rank of the
+        # pipeline drains at the same point of the same stream, so the markers pair up.
+        if self.comm is None:
+            return
+        if not self.stage.is_last:
+            self.comm.send((), self.next_rank, _END_OF_SEGMENT, "end-of-segment marker")  # type: ignore[arg-type]
+        if not self.stage.is_first:
+            self.comm.recv(self.prev_rank, _END_OF_SEGMENT, "end-of-segment marker")  # type: ignore[arg-type]
+
+    def _prepost_gradients(self) -> None:
+        # Every micro-batch forwarded here gets its gradients back (drain() guarantees it), so while
+        # one is in flight the next gradient message is certain and its receive can wait posted,
+        # off the critical path (see comm.py). Nothing stays posted once the stage is drained.
+        if not self.stage.is_last and self.stage.in_flight > 0:
+            self.comm.prepost(self.next_rank)  # type: ignore[union-attr, arg-type]
 
     def _recv(self, src: int | None, microbatch: int, what: str) -> Payload:
         start = time.perf_counter()

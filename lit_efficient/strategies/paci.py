@@ -135,6 +135,7 @@ class PACIStrategy(DDPStrategy):
         self._dp_groups: dict[int, dist.ProcessGroup] = {}
         self._pipeline_groups: dict[int, dist.ProcessGroup] = {}
         self._header_group: dist.ProcessGroup | None = None
+        self._p2p_group: dist.ProcessGroup | None = None
         self._signal_group: dist.ProcessGroup | None = None
         self._sigterm_pending: deque[tuple[dist.Work, Tensor]] = deque()
         self._was_automatic = True
@@ -173,6 +174,10 @@ class PACIStrategy(DDPStrategy):
         self.topology = Topology.for_world(self.world_size, self.pipeline_stages)
         backend = dist.get_backend()
         # Every rank creates every group, in the same order: new_group is collective.
+        # Stage-to-stage transfers get a group of their own: a receive posted ahead (comm.py) that an
+        # exception leaves unmatched then dies with the group in teardown instead of lingering on
+        # the default group, where it would swallow a message of a later fit in this process.
+        self._p2p_group = dist.new_group()
         self._header_group = None if backend == "gloo" else dist.new_group(backend="gloo")
         for stage in range(self.pipeline_stages):
             self._dp_groups[stage] = dist.new_group(self.topology.replica_ranks(stage))
@@ -223,8 +228,9 @@ class PACIStrategy(DDPStrategy):
         comm = None
         if self.pipeline_stages > 1:
             comm = PointToPoint(
-                self.stage, self.topology.stage_of, self.root_device, self.p2p_timeout, header_group=self._header_group
-            )
+                self.stage, self.topology.stage_of, self.root_device, self.p2p_timeout,
+                group=self._p2p_group, header_group=self._header_group,
+            )  # fmt: skip
         self.runtime = PipelineRuntime(
             stage, self.schedule, max(1, trainer.accumulate_grad_batches), module.pipeline_input, comm, prev_rank,
             next_rank,
@@ -254,12 +260,13 @@ class PACIStrategy(DDPStrategy):
         without an active exception", seen at the exit of spawned ranks). Local: no collective."""
         if not dist.is_initialized():
             return
-        groups = [*self._dp_groups.values(), *self._pipeline_groups.values(), self._signal_group, self._header_group]
+        groups = [*self._dp_groups.values(), *self._pipeline_groups.values()]
+        groups += [self._signal_group, self._header_group, self._p2p_group]
         for group in groups:
             if group is not None:
                 dist.destroy_process_group(group)
         self._dp_groups, self._pipeline_groups = {}, {}
-        self._signal_group = self._header_group = None
+        self._signal_group = self._header_group = self._p2p_group = None
 
     def _gather_model_on_rank_zero(self) -> None:
         """Rebuild the whole model on global rank 0 (CPU) so the user's object is complete after fit."""
