@@ -222,6 +222,7 @@ def test_console_script_quickstart_offline_wandb_run(tmp_path):
     own = runs / "lit-efficient" / run_id
     assert yaml.safe_load((own / "config.yaml").read_text())["trainer"]["max_steps"] == 2
     assert list((own / "checkpoints").glob("*.ckpt"))
+    assert (own / "pipeline_timeline.png").is_file() and (own / "pipeline_timeline.json").is_file()
     # Nothing from W&B outside save_dir: its cache and logs were pointed under runs/wandb.
     assert not [p for p in home.rglob("*") if "wandb" in str(p.relative_to(home)).lower()]
 

@@ -89,7 +89,8 @@ class PipelineMonitor(Callback):
     With ``timeline=True`` the runtime records every action for a few optimizer steps after the first;
     rank 0 then writes ``pipeline_timeline.png`` (Gantt chart per stage) and ``pipeline_timeline.json``
     (Chrome trace, opens in Perfetto) into ``trainer.log_dir`` (or ``default_root_dir``) and logs the
-    picture to W&B when a ``WandbLogger`` is attached.
+    picture to W&B when a ``WandbLogger`` is attached; with W&B, whose ``log_dir`` is the ``save_dir``
+    every run shares, they go to the run's own ``<save_dir>/<project>/<run id>/``, beside its checkpoints.
 
     Args:
         logging_interval: Optimizer steps between two logged values (each covers its interval).
@@ -227,6 +228,11 @@ class PipelineMonitor(Callback):
         if not trainer.is_global_zero:
             return
         assert gathered is not None
+        for logger in trainer.loggers:
+            if isinstance(logger, WandbLogger):  # log_dir is the save_dir all runs share; this run's own
+                # folder is where Lightning puts its checkpoints: <save_dir>/<project>/<run id>/.
+                folder = Path(logger.save_dir or folder) / str(logger.name) / str(logger.version)
+                break
         reference = gathered[0][2]
         events = [
             TimelineEvent(s, r, action, start + reference - now, end + reference - now)
