@@ -162,3 +162,19 @@ def test_validate_and_test_metrics_equal_unsplit_model():
         assert want.keys() == got.keys()
         for key in want:
             assert got[key] == pytest.approx(want[key], rel=1e-5), key
+
+
+def test_validation_metrics_cover_every_replica():
+    """2 stages x 2 replicas: each replica validates half of the batches (DistributedSampler), and
+    val_loss and val_ppl are the means over all of them, as on one device over the same batches."""
+    model = _model()
+    single = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, limit_val_batches=6,
+                       enable_model_summary=False)  # fmt: skip
+    want = single.validate(model, datamodule=_data(), verbose=False)[0]
+    strategy = PACIStrategy(pipeline_stages=2, start_method="spawn")
+    piped = L.Trainer(accelerator="cpu", devices=4, strategy=strategy, logger=False, enable_progress_bar=False,
+                      limit_val_batches=3, enable_model_summary=False)  # fmt: skip
+    got = piped.validate(model, datamodule=_data(), verbose=False)[0]
+    assert want.keys() == got.keys() == {"val_loss", "val_ppl"}
+    for key in want:
+        assert got[key] == pytest.approx(want[key], rel=1e-5), key

@@ -313,7 +313,8 @@ class GPT(LightningModule):
         logits = self(self.pipeline_input(batch))
         loss, _ = self.pipeline_loss(logits, batch)
         batch_size = batch[0].size(0)
-        self.log(f"{prefix}_loss", loss, prog_bar=prefix == "val", batch_size=batch_size)
+        # sync_dist: with data-parallel replicas each validates its share; the logged loss is their mean.
+        self.log(f"{prefix}_loss", loss, prog_bar=prefix == "val", batch_size=batch_size, sync_dist=True)
         ppl.update(logits.float(), batch[1])
         self.log(f"{prefix}_ppl", ppl, batch_size=batch_size)
         return loss
