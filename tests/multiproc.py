@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from lightning.pytorch.strategies import DDPStrategy
 
 
 def _free_port() -> int:
@@ -92,3 +93,18 @@ def values(results: list[dict[str, Any]]) -> list[Any]:
     errors = [f"rank {r}: {res.get('traceback', res['error'])}" for r, res in enumerate(results) if "error" in res]
     assert not errors, "\n".join(errors)
     return [res["ok"] for res in results]
+
+
+class SpawnedDDP(DDPStrategy):
+    """Lightning's DDPStrategy(start_method="spawn") for reference runs, releasing the process group
+    at the end of each spawned rank's run: Lightning leaves it to interpreter finalization, where
+    gloo's threads intermittently abort the rank ("terminate called without an active exception",
+    pytorch#179291) and fail a test that had passed. PACIStrategy does the same in its teardown."""
+
+    def __init__(self) -> None:
+        super().__init__(start_method="spawn")
+
+    def teardown(self) -> None:
+        super().teardown()
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -22,12 +22,12 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.loops.optimization.automatic import ClosureResult
-from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lit_efficient import GradientAccumulation, PACIStrategy
 from lit_efficient.models import GPT
+from tests.multiproc import SpawnedDDP
 
 VOCAB, BLOCK, BATCH, N, LR = 32, 8, 2, 3, 0.5
 MICRO_BATCHES = 7  # per replica and epoch: windows of 3, 3 and a partial 1
@@ -142,7 +142,7 @@ def test_ddp_equals_one_big_batch_over_replicas(normalize):
     ds = _dataset(2 * BATCH * MICRO_BATCHES)
     model = _model()
     start = copy.deepcopy(model)
-    strategy = DDPStrategy(start_method="spawn")
+    strategy = SpawnedDDP()
     callbacks = [GradientAccumulation(N, normalize=normalize)]
     trainer = _trainer(strategy, 2, callbacks=callbacks, use_distributed_sampler=False)
     trainer.fit(model, datamodule=_Shards(ds))

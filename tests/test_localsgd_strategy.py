@@ -19,13 +19,13 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from lightning.pytorch.strategies import DDPStrategy
 
 from lit_efficient import PACIStrategy
 from lit_efficient.data import TextDataModule
 from lit_efficient.models import GPT
 from lit_efficient.pipeline.topology import Topology
 from lit_efficient.strategies.paci import _warn_single_replica
+from tests.multiproc import SpawnedDDP
 
 BLOCK = 32
 
@@ -149,7 +149,7 @@ def test_sync_every_step_with_sgd_equals_ddp():
     steps, lr = 3, 0.5
     ddp, local = _model(SGDGPT, learning_rate=lr), _model(SGDGPT, learning_rate=lr)
     start = copy.deepcopy(ddp)
-    _trainer(DDPStrategy(start_method="spawn"), 2, steps).fit(ddp, datamodule=_data())
+    _trainer(SpawnedDDP(), 2, steps).fit(ddp, datamodule=_data())
     strategy = PACIStrategy(pipeline_stages=1, local_sgd_steps=1, start_method="spawn")
     _trainer(strategy, 2, steps).fit(local, datamodule=_data())
     assert _max_diff(ddp, start) > 1e-3, "training must move the weights for the comparison to mean anything"

@@ -15,6 +15,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lit_efficient import PACIStrategy, consolidate_checkpoint
 from lit_efficient.data import TextDataModule
 from lit_efficient.models import GPT
+from tests.multiproc import SpawnedDDP
 
 pytestmark = pytest.mark.multiproc
 
@@ -89,7 +90,7 @@ def test_flush_in_trainer_equals_single_device():
 def test_pipeline_times_data_parallel_equals_ddp():
     steps = 2
     ddp, piped = _model(), _model()
-    _trainer(L.pytorch.strategies.DDPStrategy(start_method="spawn"), 2, steps).fit(ddp, datamodule=_data())
+    _trainer(SpawnedDDP(), 2, steps).fit(ddp, datamodule=_data())
     strategy = PACIStrategy(pipeline_stages=2, schedule="1f1b_flush", start_method="spawn")
     _trainer(strategy, 4, steps).fit(piped, datamodule=_data())
     assert _max_diff(piped, ddp) <= 1e-5

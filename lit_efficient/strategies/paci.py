@@ -27,6 +27,7 @@ import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -243,16 +244,22 @@ class PACIStrategy(DDPStrategy):
     def teardown(self) -> None:
         module = self.lightning_module
         trainer = module._trainer if module is not None else None
+        healthy = not self._failed and trainer is not None and trainer.state.status == TrainerStatus.RUNNING
         if module is not None and self._split is not None:
             if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
                 _carry_step_count_to_automatic(trainer)
                 module.automatic_optimization = self._was_automatic
-            healthy = not self._failed and trainer is not None and trainer.state.status == TrainerStatus.RUNNING
             if healthy:
                 self._gather_model_on_rank_zero()
         self.runtime = None
         self._destroy_groups()
         super().teardown()
+        if healthy and isinstance(self.launcher, _MultiProcessingLauncher) and dist.is_initialized():
+            # A spawned (or forked) rank lives for this one run and ends right after it: release the
+            # default group too while the interpreter is whole. Left to finalization, its gloo threads
+            # can abort the process ("terminate called without an active exception", pytorch#179291).
+            # Only on success: after a failure a peer may be gone, and the process exits anyway.
+            dist.destroy_process_group()
 
     def _destroy_groups(self) -> None:
         """Release the subgroups this strategy made, now, rather than at interpreter exit: a gloo group
