@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 
@@ -160,6 +161,85 @@ def test_paci_measured_drift_equals_bound(accumulate):
         assert st["drift_max"] == bound, st
         assert st["max_in_flight"] <= 4 - st["stage"]
         assert st["steps"] == 4
+
+
+def _forward_version(stage: int, stages: int, j: int, accumulate: int) -> int:
+    """Optimizer steps stage ``stage`` has taken when it runs micro-batch ``j``'s forward (DESIGN.md 2):
+    1F1B with at most S-s in flight puts F(j) right after B(j-(S-s)) and that backward's step, if any."""
+    done = j - (stages - stage) + 1  # backwards finished before F(j)
+    return max(0, done // accumulate)
+
+
+def _paci_emulation(data, stages: int, accumulate: int, bounds) -> list[list[torch.nn.Module]]:
+    """PACI with recompute=True, emulated in one process from its definition, not from the runtime: each
+    stage forwards micro-batch j on the weights of `_forward_version`; its backward recomputes the stage
+    on the current weights (window j // N's) from the input it was sent, and stage s steps after its
+    N-th backward of a window."""
+    layers = build_layers(**MODEL)
+    stage_layers = [layers[lo:hi] for lo, hi in bounds]
+    opts = [_optimizer([p for layer in mine for p in layer.parameters()]) for mine in stage_layers]
+    versions = [[copy.deepcopy(mine)] for mine in stage_layers]  # versions[s][v]: stage s after v steps
+
+    def run(mods, x):
+        for layer in mods:
+            x = layer(x)
+        return x
+
+    for j, batch in enumerate(data):
+        inputs = []  # what each stage received for micro-batch j, computed at forward-time versions
+        x = batch[0]
+        with torch.no_grad():
+            for s in range(stages):
+                inputs.append(x)
+                x = run(versions[s][_forward_version(s, stages, j, accumulate)], x)
+        grad = None
+        for s in reversed(range(stages)):
+            x = inputs[s].clone().requires_grad_(s > 0)
+            out = run(stage_layers[s], x)
+            if s == stages - 1:
+                (lm_loss(out, batch)[0] / accumulate).backward()
+            else:
+                out.backward(grad)
+            grad = x.grad
+        if (j + 1) % accumulate == 0:
+            for s in range(stages):
+                opts[s].step()
+                opts[s].zero_grad()
+                versions[s].append(copy.deepcopy(stage_layers[s]))
+    return stage_layers
+
+
+def _paci_against_emulation(rank, world, accumulate, windows):
+    data = _data(accumulate * windows)
+    runtime, (lo, hi) = _pipeline(rank, world, "paci", accumulate, world, recompute=True)
+    for j, batch in enumerate(data):
+        runtime.feed(batch, j)
+    runtime.drain()
+    bounds = stage_bounds(partition_uniform(len(build_layers(**MODEL)), world))
+    s = runtime.stage.stage
+    emulated = _paci_emulation(data, world, accumulate, bounds)[s]
+    flush = _reference(data, accumulate)[lo:hi]
+    got = [p for layer in runtime.stage.layers for p in layer.parameters()]
+    want = [p for layer in emulated for p in layer.parameters()]
+    sync = [p for layer in flush for p in layer.parameters()]
+    return {
+        "stage": s,
+        "diff": max((a - b).abs().max().item() for a, b in zip(got, want, strict=True)),
+        "from_flush": max((a - b).abs().max().item() for a, b in zip(got, sync, strict=True)),
+        "drift_max": runtime.stats()["drift_max"],
+    }
+
+
+@pytest.mark.parametrize(("stages", "accumulate"), [(2, 2), (2, 8), (4, 2)])
+def test_paci_equals_its_definition(stages, accumulate):
+    """Multi-process PACI (recompute) against a one-process emulation of its semantics, to float rounding.
+
+    Stage 0 of every configuration trains on stale inputs (drift >= 1), so its weights leave flush's."""
+    results = values(spawn(_paci_against_emulation, stages, accumulate, 3))
+    for r in results:
+        assert r["diff"] <= 1e-5, r
+    first = next(r for r in results if r["stage"] == 0)
+    assert first["drift_max"] >= 1 and first["from_flush"] > 1e-4, results  # staleness happened and mattered
 
 
 def _loss_curve(rank, world, schedule):
