@@ -217,9 +217,9 @@ class PointToPoint:
             self._wait(work, src, microbatch, what)
         buffers = posted.buffers
         if tuple(specs) != posted.specs:
-            buffers = [torch.empty(s[1], dtype=s[0], device=self._device) for s in specs if s is not None]
-            for buf in buffers:
-                self._wait(dist.irecv(buf, src, group=self._group), src, microbatch, what)
+            buffers, works = self._post_payloads(src, tuple(specs))
+            for work in works:
+                self._wait(work, src, microbatch, what)
         self._recv_specs[src] = tuple(specs)
         filled = iter(buffers)
         return tuple(None if spec is None else next(filled) for spec in specs)
@@ -228,9 +228,11 @@ class PointToPoint:
         header = torch.empty(_HEADER_LEN, dtype=torch.int64)
         header_work = dist.irecv(header, src, group=self._header_group)
         specs = self._recv_specs.get(src, ())
-        buffers = [torch.empty(s[1], dtype=s[0], device=self._device) for s in specs if s is not None]
-        works = [dist.irecv(buf, src, group=self._group) for buf in buffers]
-        return _PostedRecv(header, header_work, specs, buffers, works)
+        return _PostedRecv(header, header_work, specs, *self._post_payloads(src, specs))
+
+    def _post_payloads(self, src: int, specs: Specs) -> tuple[list[Tensor], list[dist.Work]]:
+        buffers = [torch.empty(spec[1], dtype=spec[0], device=self._device) for spec in specs if spec is not None]
+        return buffers, [dist.irecv(buf, src, group=self._group) for buf in buffers]
 
     def flush(self) -> None:
         """Wait for every send in flight (before a checkpoint, at the end of training)."""
