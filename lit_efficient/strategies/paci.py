@@ -69,7 +69,8 @@ class PACIStrategy(DDPStrategy):
     Args:
         pipeline_stages: Number of stages S each pipeline is split into; must divide the world size.
         schedule: ``"paci"``: asynchronous, bubble-free 1F1B in which each stage steps after its own
-            N-th backward (weight-version drift at most ceil((S-1-s)/N)); ``"1f1b_flush"``: the
+            N-th backward (weight-version drift at most ceil((S-1-s)/N); the stale forwards cost more at
+            high learning rates, so warm up at least as long as for flush); ``"1f1b_flush"``: the
             synchronous baseline, exactly large-batch SGD, idle (S-1)/(N+S-1) of the time.
         recompute: Keep only each micro-batch's stage input and RNG state and recompute the forward
             at backward (less activation memory, about one extra forward); default keeps the graph.
