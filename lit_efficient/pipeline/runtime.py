@@ -12,9 +12,9 @@ micro-batches fed so far, which agrees with the unbounded one on everything alre
 and at an epoch's end, where it also steps a partial last window.
 
 Receives are posted before they are needed wherever the next message is certain (why that matters:
-comm.py): a stage's gradient receive while it has micro-batches in flight, and its activation
-receive after every feed, which `drain` matches with an end-of-segment marker when no further
-micro-batch comes, so nothing stays posted once the pipeline is drained.
+comm.py): a stage's gradient receive while it has micro-batches in flight, and its next activation
+receive as soon as the current one arrives, which `drain` matches with an end-of-segment marker
+when no further micro-batch comes, so nothing stays posted once the pipeline is drained.
 """
 
 from __future__ import annotations
@@ -115,10 +115,6 @@ class PipelineRuntime:
             self._execute(self._next_action)
             self._next_action = next(self._stream)
         self._batch = None
-        if not self.stage.is_first:
-            # The next message from the previous stage is the next micro-batch's activations or, if
-            # none is fed before drain(), the end-of-segment marker: either way certain to come.
-            self.comm.prepost(self.prev_rank)  # type: ignore[union-attr, arg-type]
         return self._last_loss
 
     def drain(self, step_partial_window: bool = False) -> None:
@@ -232,6 +228,10 @@ class PipelineRuntime:
                 inputs = _as_payload(self.input_fn(self._batch))  # type: ignore[misc]
             else:
                 inputs = self._recv(self.prev_rank, j, "activations")
+                # What the previous stage sends next is the next micro-batch's activations or, if none
+                # is fed before drain(), the end-of-segment marker: certain either way, so post it now,
+                # before this stage's own sends keep the link busy.
+                self.comm.prepost(self.prev_rank)  # type: ignore[union-attr, arg-type]
             out = stage.forward(j, inputs, self._batch)
             if stage.is_last:
                 self._last_loss = out  # type: ignore[assignment]
@@ -253,7 +253,7 @@ class PipelineRuntime:
             self.timeline.append((str(action), start, self._clock_end))
 
     def _end_segment(self) -> None:
-        # Matches the activation receive that feed() left posted (see there). Every rank of the
+        # Matches the activation receive the last forward left posted (see _execute). Every rank of the
         # pipeline drains at the same point of the same stream, so the markers pair up.
         if self.comm is None:
             return
