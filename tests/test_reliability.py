@@ -267,3 +267,21 @@ def test_checkpointing_and_monitor_arguments_fail_clearly_or_construct(modules, 
     else:
         with pytest.raises(ValueError, match="="):
             PipelineMonitor(logging_interval=interval)
+
+
+class _Opaque:
+    """Not a tensor, not on torch's weights_only allow-list: only a full unpickle restores it."""
+
+
+def test_shard_loading_obeys_weights_only(tmp_path):
+    from lit_efficient.strategies.checkpoint import load_shard
+
+    path = tmp_path / "stage0-replica0.pt"
+    torch.save({"state_dict": {"w": torch.ones(2)}, "extra": _Opaque()}, path)
+    with pytest.raises(Exception, match="weights_only|Unpickl"):
+        load_shard(path, weights_only=True)  # asked for safe loading: never silently a full unpickle
+    assert isinstance(load_shard(path, weights_only=False)["extra"], _Opaque)
+    with pytest.warns(UserWarning, match="Only load checkpoints you trust"):
+        assert isinstance(load_shard(path)["extra"], _Opaque)  # unspecified: safe first, then full with a warning
+    torch.save({"state_dict": {"w": torch.ones(2)}}, path)
+    assert torch.equal(load_shard(path, weights_only=True)["state_dict"]["w"], torch.ones(2))

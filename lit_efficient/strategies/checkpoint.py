@@ -87,7 +87,7 @@ class PipelineCheckpointIO(TorchCheckpointIO):
                 f"{path} has no shard for stage {s.stage} (found {found}); it was written with another pipeline "
                 "layout: resume with the same pipeline_stages"
             )
-        return load_shard(shard)
+        return load_shard(shard, weights_only)
 
     @override
     def remove_checkpoint(self, path: Any) -> None:
@@ -109,10 +109,14 @@ def consolidate_checkpoint(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_shard(path: Path) -> dict[str, Any]:
-    """Load one shard with ``weights_only=True`` (no arbitrary code on unpickling) when its content
-    allows; a checkpoint holding other Python objects (custom hyper-parameter types, say) falls
-    back to a full load, with a warning: only load such checkpoints from sources you trust."""
+def load_shard(path: Path, weights_only: bool | None = None) -> dict[str, Any]:
+    """Load one shard. ``weights_only`` True or False, as the caller asked (``trainer.fit(...,
+    weights_only=...)``), is obeyed as is. None (the default): ``weights_only=True`` (no arbitrary code
+    on unpickling) when the content allows; a checkpoint holding other Python objects (custom
+    hyper-parameter types, say) falls back to a full load, with a warning: only load such checkpoints
+    from sources you trust."""
+    if weights_only is not None:
+        return torch.load(path, map_location="cpu", weights_only=weights_only)
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
