@@ -25,13 +25,13 @@ from typing import Any
 import yaml
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI, SaveConfigCallback
-from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 import lit_efficient  # noqa: F401 - registers the strategy names "paci" and "1f1b_flush"
 from lit_efficient.data import TextDataModule
 from lit_efficient.models import GPT
+from lit_efficient.runs import run_dir
 
 DEFAULT_SAVE_DIR = "runs"
 WANDB_PROJECT = "lit-efficient"
@@ -74,16 +74,6 @@ def dump_all(parser: LightningArgumentParser, config: Any) -> str:
         return parser.dump(config, skip_unset=False)
     except TypeError:  # jsonargparse < 4.49 spells it skip_none
         return parser.dump(config, skip_none=False)
-
-
-def run_dir(trainer: Trainer) -> Path:
-    """The run's own directory, the parent of Lightning's default checkpoint directory."""
-    if not trainer.loggers:
-        return Path(trainer.default_root_dir)
-    logger: Logger = trainer.loggers[0]
-    save_dir = logger.save_dir if logger.save_dir is not None else trainer.default_root_dir
-    version = logger.version if isinstance(logger.version, str) else f"version_{logger.version}"
-    return Path(save_dir, str(logger.name), version)
 
 
 def free_path(path: Path) -> Path:

@@ -267,3 +267,37 @@ def test_pipeline_run_logs_every_key_matches_simulator_and_draws_timeline(tmp_pa
 def _span(spans: list[dict], stage: int) -> float:
     mine = [e for e in spans if e["tid"] == stage]
     return max(e["ts"] + e["dur"] for e in mine) - min(e["ts"] for e in mine)
+
+
+class _RecordingRuntime:
+    """Just what the monitor's timeline bookkeeping touches on a runtime."""
+
+    def __init__(self) -> None:
+        self.timeline = None
+
+    def record_timeline(self, enabled: bool = True) -> None:
+        self.timeline = [] if enabled else None
+
+    def reset_stats(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("resumed_at", [0, 7])
+def test_timeline_records_the_same_number_of_windows_after_a_resume(resumed_at, monkeypatch):
+    """A fit resumed at step 7 records as many windows as a fresh one, starting after its first window."""
+    from types import SimpleNamespace
+
+    import lit_efficient.callbacks.pipeline_monitor as pm
+
+    runtime = _RecordingRuntime()
+    monkeypatch.setattr(pm, "_runtime", lambda trainer: runtime)
+    trainer = SimpleNamespace(global_step=resumed_at, strategy=SimpleNamespace(root_device=torch.device("cpu")))
+    monitor = PipelineMonitor(logging_interval=1000, timeline=True)
+    monitor.on_train_start(trainer, None)
+    recorded = []
+    for step in range(resumed_at + 1, resumed_at + 10):
+        trainer.global_step = step
+        monitor.on_train_batch_end(trainer, None, None, torch.zeros(2, 3), 0)
+        if runtime.timeline is not None:
+            recorded.append(step)
+    assert recorded == list(range(max(resumed_at + 1, 1), max(resumed_at + 1, 1) + 4)), recorded

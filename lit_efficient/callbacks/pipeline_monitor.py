@@ -37,16 +37,17 @@ import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_warn
-from torch import Tensor
 from typing_extensions import override
 
 from lit_efficient.pipeline.actions import Action
 from lit_efficient.pipeline.runtime import PipelineRuntime
-from lit_efficient.strategies.paci import PACIStrategy
+from lit_efficient.runs import run_dir
+from lit_efficient.strategies.paci import PACIStrategy, first_tensor
 
-# The timeline records a bounded window: optimizer steps [_TIMELINE_START, _TIMELINE_START + _TIMELINE_STEPS).
-# Skipping the first step leaves out one-time costs (allocator warm-up, first kernel launches); a few
-# steps show the schedule's pattern while keeping memory bounded (one tuple per action).
+# The timeline records a bounded window: _TIMELINE_STEPS optimizer steps from the first window end at
+# or after step _TIMELINE_START (a resumed fit: its first window end). Skipping the first window leaves
+# out one-time costs (allocator warm-up, first kernel launches); a few steps show the schedule's
+# pattern while keeping memory bounded (one tuple per action).
 _TIMELINE_START = 1
 _TIMELINE_STEPS = 4
 TIMELINE_PNG = "pipeline_timeline.png"
@@ -114,6 +115,9 @@ class PipelineMonitor(Callback):
         self._last_step = -1
         self._logged_step = -1
         self._recording = False
+        self._stop_step = 0
+        self._eval_seconds = 0.0  # validation inside the current interval: not training time
+        self._eval_start = 0.0
         self._timeline_done = False
         self._recorded: list[tuple[str, float, float]] | None = None  # this rank's window, until fit ends
 
@@ -129,23 +133,22 @@ class PipelineMonitor(Callback):
             torch.cuda.reset_peak_memory_stats(device)
         self._tokens = self._samples = 0
         self._interval_start = time.perf_counter()
+        self._eval_seconds = 0.0
         self._last_step = self._logged_step = trainer.global_step
         self._timeline_done = not self.timeline
-        self._recorded = None
+        self._recording, self._recorded = False, None
         if self.timeline and runtime is None:
             rank_zero_warn(
                 f"PipelineMonitor(timeline=True) draws a pipeline's actions; {type(trainer.strategy).__name__} runs "
                 "none. Use PACIStrategy, or set timeline=False."
             )
             self._timeline_done = True
-        if not self._timeline_done and trainer.global_step >= _TIMELINE_START:
-            self._start_recording(runtime)  # resumed past the start: record the next steps
 
     @override
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        tokens, samples = _batch_size(batch)  # shapes only: no host sync
+        tokens, samples = _tokens_and_samples(batch)  # shapes only: no host sync
         self._tokens += tokens
         self._samples += samples
         step = trainer.global_step
@@ -155,11 +158,20 @@ class PipelineMonitor(Callback):
         runtime = _runtime(trainer)
         if not self._timeline_done:
             if not self._recording and step >= _TIMELINE_START:
-                self._start_recording(runtime)
-            elif self._recording and step >= _TIMELINE_START + _TIMELINE_STEPS:
+                self._start_recording(runtime, step)
+            elif self._recording and step >= self._stop_step:
                 self._stop_recording(runtime)
         if step % self.logging_interval == 0:
             self._log(trainer, runtime)
+
+    @override
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._eval_start = time.perf_counter()
+
+    @override
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.training:  # validation inside fit: keep it out of the interval's training time
+            self._eval_seconds += time.perf_counter() - self._eval_start
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -183,7 +195,7 @@ class PipelineMonitor(Callback):
         # faster stages until the slowest reaches this batch; at one per interval (default 50 windows)
         # that costs far less than the bubble it measures. The `.tolist()` below is the host sync.
         gathered = trainer.strategy.all_gather(local) if trainer.world_size > 1 else local
-        wall = time.perf_counter() - self._interval_start
+        wall = time.perf_counter() - self._interval_start - self._eval_seconds
         if trainer.is_global_zero:
             rows = [Row(*r) for r in gathered.reshape(-1, len(Row._fields)).tolist()]
             metrics = aggregate(rows, wall)
@@ -193,14 +205,16 @@ class PipelineMonitor(Callback):
             runtime.reset_stats()
         self._tokens = self._samples = 0
         self._interval_start = time.perf_counter()
+        self._eval_seconds = 0.0
         self._logged_step = trainer.global_step
 
     # -- timeline ----------------------------------------------------------------------------------
 
-    def _start_recording(self, runtime: PipelineRuntime | None) -> None:
+    def _start_recording(self, runtime: PipelineRuntime | None, step: int) -> None:
+        # _TIMELINE_STEPS windows from here, also when a resumed fit starts past _TIMELINE_START.
         if runtime is not None:
             runtime.record_timeline(True)
-            self._recording = True
+            self._recording, self._stop_step = True, step + _TIMELINE_STEPS
 
     def _stop_recording(self, runtime: PipelineRuntime | None) -> None:
         # Keep the window on this rank; gathering and drawing wait for the end of fit, so they neither
@@ -224,15 +238,10 @@ class PipelineMonitor(Callback):
             dist.gather_object(payload, gathered, dst=0)
         else:
             gathered = [(stage, replica, time.perf_counter(), local)]
-        folder = Path(trainer.log_dir or trainer.default_root_dir)  # log_dir broadcasts: every rank calls it
         if not trainer.is_global_zero:
             return
         assert gathered is not None
-        for logger in trainer.loggers:
-            if isinstance(logger, WandbLogger):  # log_dir is the save_dir all runs share; this run's own
-                # folder is where Lightning puts its checkpoints: <save_dir>/<project>/<run id>/.
-                folder = Path(logger.save_dir or folder) / str(logger.name) / str(logger.version)
-                break
+        folder = run_dir(trainer)
         reference = gathered[0][2]
         events = [
             TimelineEvent(s, r, action, start + reference - now, end + reference - now)
@@ -357,13 +366,7 @@ def _peak_bytes(device: torch.device) -> float:
     return float(peak if sys.platform == "darwin" else peak * 1024)  # bytes on macOS, KiB on Linux
 
 
-def _batch_size(batch: Any) -> tuple[int, int]:
+def _tokens_and_samples(batch: Any) -> tuple[int, int]:
     """(tokens, samples) of a batch: numel and first dimension of its first tensor."""
-    first = batch
-    while isinstance(first, (list, tuple)) and first:
-        first = first[0]
-    if isinstance(first, dict) and first:
-        first = next(iter(first.values()))
-    if not isinstance(first, Tensor) or first.dim() == 0:
-        return 0, 0
-    return first.numel(), int(first.shape[0])
+    first = first_tensor(batch)
+    return (0, 0) if first is None else (first.numel(), int(first.shape[0]))

@@ -786,9 +786,20 @@ def _first_training_batch(trainer: Trainer) -> Any:
     return batch
 
 
+def first_tensor(batch: Any) -> Tensor | None:
+    """The batch's first tensor with a batch dimension (through nested tuples, lists and dicts), or None.
+    Its first dimension is the micro-batch size the strategy and `PipelineMonitor` count."""
+    first = batch
+    while isinstance(first, (list, tuple)) and first:
+        first = first[0]
+    if isinstance(first, dict) and first:
+        first = next(iter(first.values()))
+    return first if isinstance(first, Tensor) and first.dim() > 0 else None
+
+
 def _batch_size(batch: Any) -> int | None:
-    first = batch[0] if isinstance(batch, (tuple, list)) else batch
-    return int(first.shape[0]) if isinstance(first, Tensor) and first.dim() > 0 else None
+    first = first_tensor(batch)
+    return None if first is None else int(first.shape[0])
 
 
 def _check_checkpoint_layout(state: dict[str, Any], strategy: PACIStrategy) -> None:
