@@ -20,21 +20,19 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import platform
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from benchmarks.harness import write_json
 from lit_efficient.callbacks import ActivationCheckpointing
 from lit_efficient.callbacks.activation_checkpointing import SavedActivationMeter
 from lit_efficient.models import GPT
 
-RESULTS = Path(__file__).parent / "results"
 MODES = ("none", "selective", "full")
 
 
@@ -146,9 +144,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.repeats} interleaved repeats\n"
     )
     print(table(result))
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / args.out
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    path = write_json(args.out, result)
     print(f"\nwrote {path}")
 
 

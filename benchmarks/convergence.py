@@ -34,10 +34,9 @@ from typing import Any
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from benchmarks.runtime_throughput import machine, write_json
+from benchmarks.harness import PLOTS, envelope, machine, pyplot, save_figure, write_json
 from benchmarks.trainer_vs_torch_pipelining import spawn_pair
 
-PLOTS = Path(__file__).parent / "plots"
 SCHEDULES = ("1f1b_flush", "paci")
 # Run name -> (schedule, recompute); "paci_recompute" is a diagnostic: PACI with the forward recomputed
 # at backward, so each stage's weight gradient uses its current weights throughout.
@@ -141,11 +140,7 @@ def summarize(runs: dict[str, dict[str, Any]], tokens_per_step: int) -> dict[str
 
 
 def plot(runs: dict[str, dict[str, Any]], tokens_per_step: int, path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (ax_tok, ax_time) = plt.subplots(1, 2, figsize=(11, 4))
     for schedule, run in runs.items():
         steps, seconds, losses = zip(*run["val"], strict=True)
@@ -158,9 +153,7 @@ def plot(runs: dict[str, dict[str, Any]], tokens_per_step: int, path: Path, titl
         ax.grid(alpha=0.3)
         ax.legend()
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, 110)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -207,12 +200,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rank0 = spawn_pair(_worker, config, timeout=1800)[0]
     runs = {run["schedule"]: run for run in rank0}
     summary = summarize(runs, tokens_per_step) if {"1f1b_flush", "paci"} <= set(runs) else {}
-    payload = {
-        "benchmark": "convergence",
-        "command": "python -m benchmarks.convergence" + (" --quick" if args.quick else ""),
-        "machine": before, "loadavg_end": os.getloadavg(), "config": config,
-        "wall_seconds": time.perf_counter() - start, "summary": summary, "runs": runs,
-    }  # fmt: skip
+    payload = envelope("convergence", args.quick, before, config, start, summary=summary, runs=runs)
     path = write_json(args.out, payload)
     title = (
         f"GPT {args.layers}x{args.dim}, block {args.block}, S=2, N={args.accumulate}, micro-batch {args.batch_size}; "

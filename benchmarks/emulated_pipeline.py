@@ -30,21 +30,19 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from benchmarks.harness import PLOTS, machine, write_json
 from benchmarks.runtime_throughput import (
-    PLOTS,
     RATIO_HEADER,
     RankSetup,
     TimedStage,
     fmt_pair,
     interleaved,
     link_latency,
-    machine,
     plan,
     plot_ratios,
     ratio_cells,
     spawn,
-    summarize,
-    write_json,
+    summarize_all,
 )
 from lit_efficient.pipeline.comm import PointToPoint
 from lit_efficient.pipeline.topology import Topology
@@ -136,10 +134,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for stages in args.stages:
         config = vars(args) | {"plan": {n: plan(n, stages, args.timed_microbatches) for n in args.accumulate}}
         ranks = spawn(_worker, stages, config, timeout=1800)
-        for n in args.accumulate:
-            warm, windows = config["plan"][n]
-            per_rank = [{"stage": r["stage"], "latency": r["latency"], **r["per_n"][n]} for r in ranks]
-            rows.append(summarize(per_rank, stages, n, warm, windows, 1) | {"warm": warm, "windows": windows})
+        rows += summarize_all(ranks, stages, args.accumulate, config["plan"], 1)
     wall = time.perf_counter() - start
     result = {
         "benchmark": "emulated_pipeline",

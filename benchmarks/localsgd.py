@@ -32,23 +32,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import time
 from pathlib import Path
 from typing import Any
 
 import lightning as L
-import torch
 from lightning.pytorch.callbacks import Callback
 
+from benchmarks.harness import PLOTS, machine, pyplot, save_figure, write_json
 from lit_efficient import PACIStrategy
 from lit_efficient.data import TextDataModule
 from lit_efficient.models import GPT
 
-ROOT = Path(__file__).resolve().parent
-RESULTS = ROOT / "results"
-PLOTS = ROOT / "plots"
 REPLICAS = 2
 
 
@@ -147,15 +142,10 @@ RUNS: list[tuple[str, dict[str, Any], bool]] = [
 
 def plot(runs: list[dict[str, Any]], path: Path, title: str) -> None:
     """Validation loss against training tokens, one line per run."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     curves = [run for run in runs if len(run["val"]) > 1]
     if not curves:
         return
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = pyplot().subplots(figsize=(6, 4))
     for run in curves:
         tokens, loss = zip(*run["val"], strict=True)
         ax.plot([t / 1e3 for t in tokens], loss, marker="o", markersize=3, label=run["name"])
@@ -168,10 +158,7 @@ def plot(runs: list[dict[str, Any]], path: Path, title: str) -> None:
     ax.set_title(f"{title}\nloss before training {start:.2f} (off the chart)", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    PLOTS.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, 120)
 
 
 def table(runs: list[dict[str, Any]]) -> str:
@@ -235,20 +222,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if not args.only or name in args.only
         ]
     del args.tmp
+    about = machine()
     result = {
         "config": vars(args),
-        "machine": {
-            "nproc": len(os.sched_getaffinity(0)),
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-            "loadavg": os.getloadavg(),
-        },
+        "machine": {k: about[k] for k in ("nproc", "torch", "python", "loadavg")},
         "runs": runs,
         "table": table(runs),
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / args.out
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    path = write_json(args.out, result)
     title = (
         f"GPT {args.layers}x{args.dim}, 2 replicas, N={args.accumulate}, batch {args.batch_size}x{args.block}, "
         f"AdamW {args.lr} (inner)"

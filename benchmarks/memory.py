@@ -24,14 +24,14 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 import resource
 import time
 from typing import Any
 
 import torch
 
-from benchmarks.runtime_throughput import SavedTensorMeter, machine, write_json
+from benchmarks.harness import envelope, machine, write_json
+from benchmarks.runtime_throughput import SavedTensorMeter
 from benchmarks.trainer_vs_torch_pipelining import build_data, build_model, spawn_pair, stage_layers
 from lit_efficient.pipeline.comm import PointToPoint
 from lit_efficient.pipeline.runtime import PipelineRuntime
@@ -133,12 +133,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "tracked": [a["tracked_bytes"] / b["tracked_bytes"] for a, b in zip(p, f, strict=True)],
             "rss_growth": [a["rss_growth_bytes"] / max(b["rss_growth_bytes"], 1) for a, b in zip(p, f, strict=True)],
         }
-    payload = {
-        "benchmark": "memory",
-        "command": "python -m benchmarks.memory" + (" --quick" if args.quick else ""),
-        "machine": before, "loadavg_end": os.getloadavg(), "config": vars(args),
-        "wall_seconds": time.perf_counter() - start, "rows": rows, "paci_over_flush": ratios,
-    }  # fmt: skip
+    payload = envelope("memory", args.quick, before, vars(args), start, rows=rows, paci_over_flush=ratios)
     path = write_json(args.out, payload)
     print(table(payload))
     print(f"wrote {path} in {payload['wall_seconds']:.0f} s")

@@ -32,7 +32,7 @@ What is measured, and how:
   JSON for context only.
 
 Also the shared harness of `benchmarks.emulated_pipeline`: spawning, segments, interleaving, the
-simulator's prediction of a timed span, and machine description.
+simulator's prediction of a timed span, and the per-N summary (machine description: `benchmarks.harness`).
 
     python -m benchmarks.runtime_throughput            # full run: ~3 min on a quiet 2-core machine,
                                                        # up to ~12 min when each round waits 15 s
@@ -43,10 +43,8 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import math
 import os
-import platform
 import resource
 import statistics
 import sys
@@ -60,6 +58,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from benchmarks.harness import PLOTS, machine, pyplot, save_figure, write_json
 from lit_efficient.data.corpus import embedded_corpus
 from lit_efficient.pipeline.comm import PointToPoint
 from lit_efficient.pipeline.demo import batches, build_layers, lm_loss
@@ -72,8 +71,6 @@ from lit_efficient.pipeline.topology import Topology
 from tests.multiproc import spawn as run_ranks
 from tests.multiproc import values
 
-RESULTS = Path(__file__).parent / "results"
-PLOTS = Path(__file__).parent / "plots"
 QUIET = 0.15  # a round is "quiet" when other processes used under this many cores during both segments
 SCHEDULE_PAIR: tuple[ScheduleName, ScheduleName] = ("1f1b_flush", "paci")
 
@@ -465,30 +462,30 @@ def summarize(
     return out
 
 
+def summarize_all(
+    ranks: list[dict[str, Any]],
+    stages: int,
+    accumulate: Sequence[int],
+    plan: dict[int, tuple[int, int]],
+    items: int,
+) -> list[dict[str, Any]]:
+    """`summarize` for every N in ``accumulate``, in order, from the ranks' results of one process group.
+
+    ``ranks[r]`` holds rank r's ``stage``, ``latency`` and ``per_n[N]`` (its ``segments``, and
+    optionally ``memory``); ``plan[N]`` is (warm windows, timed windows). Each row also gets them.
+    """
+    rows = []
+    for n in accumulate:
+        warm, windows = plan[n]
+        per_rank = [{"stage": r["stage"], "latency": r["latency"], **r["per_n"][n]} for r in ranks]
+        rows.append(summarize(per_rank, stages, n, warm, windows, items) | {"warm": warm, "windows": windows})
+    return rows
+
+
 def _median_costs(segments: list[dict[str, Any]], schedule: str) -> dict[str, float]:
     # Medians, not means: one segment slowed by another process must not move the simulator's input.
     mine = [s["costs"] for s in segments if s["schedule"] == schedule]
     return {k: statistics.median(c[k] for c in mine) for k in mine[0]}
-
-
-def machine() -> dict[str, Any]:
-    """The machine the numbers come from (cores, CPU model, versions, load)."""
-    model = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "nproc": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-        "cpu": model,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "loadavg": os.getloadavg(),
-    }
 
 
 def fmt_pair(values: Sequence[float], scale: float = 1.0, spec: str = ".0f") -> str:
@@ -496,23 +493,11 @@ def fmt_pair(values: Sequence[float], scale: float = 1.0, spec: str = ".0f") -> 
     return " / ".join(format(v * scale, spec) for v in values)
 
 
-def write_json(name: str, payload: dict[str, Any]) -> Path:
-    """Write ``payload`` under benchmarks/results/ and return the path."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / name
-    path.write_text(json.dumps(payload, indent=2, default=float) + "\n")
-    return path
-
-
 def plot_ratios(rows: list[dict[str, Any]], title: str, path: Path) -> None:
     """Left: measured, simulated and ideal PACI/flush per configuration. Right: every round's ratio
     over the ideal against the foreign load it ran under (what makes a shared machine miss theory).
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     series = [
         ("ratio_measured", "measured, all rounds"),
         ("ratio_quiet", "measured, quiet rounds"),
@@ -546,10 +531,7 @@ def plot_ratios(rows: list[dict[str, Any]], title: str, path: Path) -> None:
     scatter.set_xlabel("foreign load during the round (cores of 2)")
     scatter.set_ylabel("measured ratio / ideal, per round")
     scatter.legend(fontsize=7)
-    fig.tight_layout()
-    PLOTS.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, 120)
 
 
 # -- the real-compute benchmark ---------------------------------------------------------------------
@@ -618,11 +600,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ranks = spawn(_worker, stages, config, timeout=1800)
     wall = time.perf_counter() - start
     items = args.batch_size * args.block
-    rows = []
-    for n in args.accumulate:
-        warm, windows = config["plan"][n]
-        per_rank = [{"stage": r["stage"], "latency": r["latency"], **r["per_n"][n]} for r in ranks]
-        rows.append(summarize(per_rank, stages, n, warm, windows, items) | {"warm": warm, "windows": windows})
+    rows = summarize_all(ranks, stages, args.accumulate, config["plan"], items)
     result = {
         "benchmark": "runtime_throughput",
         "command": "python -m benchmarks.runtime_throughput " + " ".join(sys.argv[1:] if argv is None else argv),

@@ -26,11 +26,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.runtime_throughput import machine, write_json
+from benchmarks.harness import PLOTS, RESULTS, machine, pyplot, save_figure, write_json
 from lit_efficient.pipeline.simulate import simulate
 
-ROOT = Path(__file__).parent
-RESULTS, PLOTS = ROOT / "results", ROOT / "plots"
 COLORS = {2: "tab:blue", 4: "tab:orange", 8: "tab:green", 16: "tab:red"}
 
 
@@ -73,11 +71,7 @@ def measured_points() -> list[dict[str, Any]]:
 
 
 def plot(grid: dict[str, Any], points: list[dict[str, Any]], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 5))
     for key, curve in grid.items():
         schedule, stages = key.split("/")
@@ -99,9 +93,7 @@ def plot(grid: dict[str, Any], points: list[dict[str, Any]], path: Path, title: 
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2, loc="lower right")
     ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, 110)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -42,7 +42,6 @@ import os
 import statistics
 import time
 import warnings
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -51,22 +50,14 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 
-from benchmarks.runtime_throughput import (
-    RankSetup,
-    TimedStage,
-    machine,
-    machine_cpu_seconds,
-    run_segment,
-    wait_for_quiet,
-    write_json,
-)
+from benchmarks.harness import envelope, machine, write_json
+from benchmarks.runtime_throughput import RankSetup, TimedStage, machine_cpu_seconds, run_segment, wait_for_quiet
 from lit_efficient.pipeline.comm import PointToPoint
 from lit_efficient.pipeline.partition import stage_bounds
 from lit_efficient.pipeline.topology import Topology
 from tests.multiproc import spawn as run_ranks
 from tests.multiproc import values
 
-PLOTS = Path(__file__).parent / "plots"
 S = 2
 QUIET_CORES = 0.5  # a round is "quiet" when other processes used under this many cores in every segment
 VARIANTS = ("trainer_paci", "trainer_flush", "bare_paci", "torch_1f1b", "torch_gpipe")
@@ -403,12 +394,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     before = machine()
     results = spawn_pair(_worker, config, timeout=1500)
     rows = summarize(results, config)
-    payload = {
-        "benchmark": "trainer_vs_torch_pipelining",
-        "command": "python -m benchmarks.trainer_vs_torch_pipelining" + (" --quick" if args.quick else ""),
-        "machine": before, "loadavg_end": os.getloadavg(), "config": config,
-        "wall_seconds": time.perf_counter() - start, "rows": rows, "raw": results,
-    }  # fmt: skip
+    payload = envelope("trainer_vs_torch_pipelining", args.quick, before, config, start, rows=rows, raw=results)
     path = write_json(args.out, payload)
     print(table(rows))
     print(f"wrote {path} in {payload['wall_seconds']:.0f} s; load {before['loadavg']} -> {payload['loadavg_end']}")

@@ -1,0 +1,81 @@
+"""Shared benchmark plumbing: output folders, machine description, JSON and figures."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RESULTS = Path(__file__).parent / "results"
+PLOTS = Path(__file__).parent / "plots"
+
+
+def machine() -> dict[str, Any]:
+    """The machine the numbers come from (cores, CPU model, versions, load)."""
+    model = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "nproc": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "cpu": model,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "loadavg": os.getloadavg(),
+    }
+
+
+def write_json(name: str, payload: dict[str, Any]) -> Path:
+    """Write ``payload`` under benchmarks/results/ and return the path."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / name
+    path.write_text(json.dumps(payload, indent=2, default=float) + "\n")
+    return path
+
+
+def envelope(
+    name: str, quick: bool, before: dict[str, Any], config: dict[str, Any], start: float, **extra: Any
+) -> dict[str, Any]:
+    """A result's common head (benchmark, command, machine, end load, config, wall time), then ``extra``.
+
+    ``before`` is `machine()` taken at the start, ``start`` the `time.perf_counter()` of the start.
+    """
+    return {
+        "benchmark": name,
+        "command": f"python -m benchmarks.{name}" + (" --quick" if quick else ""),
+        "machine": before,
+        "loadavg_end": os.getloadavg(),
+        "config": config,
+        "wall_seconds": time.perf_counter() - start,
+        **extra,
+    }
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot on the non-interactive Agg backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig: Any, path: Path, dpi: int) -> None:
+    """Lay ``fig`` out, write it to ``path`` (creating its folder) and close it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
