@@ -39,6 +39,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lit_efficient.pipeline.stage import item_count
 from lit_efficient.strategies.paci import PACIStrategy
 
 Normalize = Literal["mean", "tokens"]
@@ -156,7 +157,7 @@ class GradientAccumulation(Callback):
                 "GradientAccumulation(normalize='tokens') saw a backward without a training_step result; "
                 "it supports Lightning's automatic optimization only"
             )
-        weight = torch.as_tensor(items, device=loss.device).to(_weight_dtype(loss.device))
+        weight = item_count(items, loss.device, _weight_dtype(loss.device))
         self._weight = weight if self._weight is None else self._weight + weight
         # Undo Lightning's 1/N and weigh by the items: the parameters accumulate sum_i(items_i * grad_i).
         factor = weight * trainer.accumulate_grad_batches

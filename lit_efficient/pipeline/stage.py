@@ -363,7 +363,7 @@ class PipelineStage:
                 "GradientAccumulation(normalize='tokens') needs pipeline_loss to return (loss, num_items); "
                 "it returned only the loss. Return the item count too, or use normalize='mean'."
             )
-        return loss, torch.as_tensor(items, device=self.device).to(torch.float64)
+        return loss, item_count(items, self.device, torch.float64)
 
     def _recompute(self, record: _InFlight) -> Payload:
         assert record.rng is not None
@@ -398,6 +398,15 @@ class PipelineStage:
         s.versions.append((microbatch, forward_version, self.version))
         if len(s.versions) > 2 * _RECENT:
             del s.versions[:-_RECENT]
+
+
+def item_count(items: Tensor | int | float, device: torch.device, dtype: torch.dtype) -> Tensor:
+    """A micro-batch's item count as a 0-d ``dtype`` tensor on ``device``, without a host sync per
+    micro-batch: a Python number is filled on the device (`torch.as_tensor` would copy it from the host
+    and wait for the device's queue), a tensor is cast and moved without blocking."""
+    if isinstance(items, Tensor):
+        return items.to(device=device, dtype=dtype, non_blocking=True).reshape(())
+    return torch.full((), float(items), dtype=dtype, device=device)
 
 
 def _as_leaf(t: Tensor | None) -> Tensor | None:
