@@ -1,6 +1,8 @@
 """The embedded default corpus and plain-file reading: real text that ships with Python itself.
 
-No Lightning here, so the pure-PyTorch pipeline demo reads the same corpus as `TextDataModule`.
+One reader shared by `TextDataModule` and the pipeline demo, so both train on the same bytes. The
+module uses no Lightning, which keeps the demo's own code pure PyTorch; importing it still runs the
+package's ``__init__`` (which does import Lightning), like any ``lit_efficient`` module.
 """
 
 from __future__ import annotations

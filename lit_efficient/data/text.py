@@ -1,9 +1,10 @@
 """Byte-level language-modelling data: the embedded default corpus and user-supplied paths.
 
-This file owns reading a corpus into one flat token array (bytes 0..255 for text, uint16 ids for a
-nanoGPT `.bin`), the contiguous train/validation split, the fixed-block datasets and the
-`TextDataModule` that serves them. Nothing here downloads: the default corpus is the Python
-standard library source of the running interpreter, which every machine that runs this has.
+This file owns turning a corpus into one flat token array (bytes 0..255 for text, uint16 ids for a
+nanoGPT `.bin`; finding and concatenating the files is `corpus.py`'s), the contiguous
+train/validation split, the fixed-block datasets and the `TextDataModule` that serves them. Nothing
+here downloads: the default corpus is the Python standard library source of the running
+interpreter, which every machine that runs this has.
 """
 
 from __future__ import annotations
