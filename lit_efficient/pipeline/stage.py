@@ -81,14 +81,19 @@ class StageStats:
     backwards: int = 0
     steps: int = 0
     max_in_flight: int = 0
-    busy_seconds: float = 0.0  # forward + backward + step (+ evaluation forwards)
     forward_seconds: float = 0.0
     backward_seconds: float = 0.0
     step_seconds: float = 0.0
+    evaluate_seconds: float = 0.0
     drift_sum: int = 0
     drift_max: int = 0
     # (micro-batch, version at forward, version at backward) of the most recent micro-batches.
     versions: list[tuple[int, int, int]] = field(default_factory=list)
+
+    @property
+    def busy_seconds(self) -> float:
+        """Time in compute: forward, backward, optimizer step and evaluation forwards."""
+        return self.forward_seconds + self.backward_seconds + self.step_seconds + self.evaluate_seconds
 
 
 class NonFiniteError(FloatingPointError):
@@ -192,9 +197,7 @@ class PipelineStage:
         self._in_flight[microbatch] = record
         self.stats.forwards += 1
         self.stats.max_in_flight = max(self.stats.max_in_flight, len(self._in_flight))
-        elapsed = time.perf_counter() - start
-        self.stats.forward_seconds += elapsed
-        self.stats.busy_seconds += elapsed
+        self.stats.forward_seconds += time.perf_counter() - start
         return result
 
     def backward(self, microbatch: int, grads: Payload | None = None) -> Payload:
@@ -222,9 +225,7 @@ class PipelineStage:
         self._accumulate(microbatch, aux)
         input_grads = tuple(t.grad if isinstance(t, Tensor) and t.requires_grad else None for t in record.inputs)
         self._account(microbatch, record.version)
-        elapsed = time.perf_counter() - start
-        self.stats.backward_seconds += elapsed
-        self.stats.busy_seconds += elapsed
+        self.stats.backward_seconds += time.perf_counter() - start
         return (*input_grads, aux.detach())
 
     def step(self, window: int = -1) -> None:
@@ -264,9 +265,7 @@ class PipelineStage:
         self.version += 1
         self._window = None
         self.stats.steps += 1
-        elapsed = time.perf_counter() - start
-        self.stats.step_seconds += elapsed
-        self.stats.busy_seconds += elapsed
+        self.stats.step_seconds += time.perf_counter() - start
 
     def _check_finite(self, grads: list[Tensor], totals: Tensor, window: int) -> bool:
         """Whether to apply the update; raises or skips on NaN/Inf as configured."""
@@ -297,7 +296,7 @@ class PipelineStage:
         start = time.perf_counter()
         with torch.no_grad(), self.forward_context():
             outputs = run_layers(self.layers, inputs, self.first_layer)
-        self.stats.busy_seconds += time.perf_counter() - start
+        self.stats.evaluate_seconds += time.perf_counter() - start
         return outputs
 
     # -- state -----------------------------------------------------------------------------------
