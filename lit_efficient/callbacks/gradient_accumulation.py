@@ -30,7 +30,7 @@ uses ``ManualResult``). The callback plugs in a subclass of Lightning's ``Closur
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, get_args
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -39,11 +39,10 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lit_efficient.pipeline.stage import item_count
+from lit_efficient.pipeline.stage import Normalize, item_count
 from lit_efficient.strategies.paci import PACIStrategy
 
-Normalize = Literal["mean", "tokens"]
-_NORMALIZE = ("mean", "tokens")
+_NORMALIZE = get_args(Normalize)
 
 
 class GradientAccumulation(Callback):

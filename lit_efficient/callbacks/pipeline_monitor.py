@@ -17,8 +17,9 @@ Metric keys (logged from global rank 0 through ``trainer.loggers``, at ``trainer
 - ``throughput/tokens_per_sec``, ``throughput/samples_per_sec``: over rank 0's wall time of the
   interval, counted across data-parallel replicas. Tokens are the ``numel`` of the batch's first
   tensor (the input ids of a ``(x, y)`` batch), samples its first dimension;
-- ``memory/peak_bytes_stage{s}``: peak memory of stage s's processes (max over replicas): CUDA
-  ``max_memory_allocated`` on GPU, the process's peak resident set size on CPU.
+- ``memory/peak_bytes_stage{s}``: peak memory of stage s's processes (max over replicas) since training
+  started, not per interval: CUDA ``max_memory_allocated`` on GPU (reset at train start), the process's
+  peak resident set size on CPU (since the process started).
 
 Under a strategy without a pipeline (single device, DDP) only throughput and memory (``stage0``) apply.
 """
@@ -351,7 +352,7 @@ def _local_row(trainer: Trainer, runtime: PipelineRuntime | None, tokens: int, s
     assert isinstance(strategy, PACIStrategy)
     return Row(
         strategy.stage, strategy.replica, True, s["busy_seconds"], s["elapsed_seconds"], s["drift_max"],
-        s["drift_mean"] * s["backwards"], s["backwards"], tokens, samples, peak,
+        runtime.stage.stats.drift_sum, s["backwards"], tokens, samples, peak,
     )  # fmt: skip
 
 
