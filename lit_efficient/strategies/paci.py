@@ -43,6 +43,7 @@ from lit_efficient.pipeline.stage import PipelineStage
 from lit_efficient.pipeline.topology import Topology
 from lit_efficient.protocol import PIPELINE_METHODS, missing_pipeline_methods
 from lit_efficient.strategies.checkpoint import PipelineCheckpointIO
+from lit_efficient.strategies.hooks import drain_before, undo_drain_before, warn_uncalled_hooks
 from lit_efficient.strategies.profile import profile_layers
 from lit_efficient.strategies.split import (
     LayerOnOtherStage,
@@ -238,6 +239,14 @@ class PACIStrategy(DDPStrategy):
             next_rank,
         )  # fmt: skip
         _point_metrics_at(module, self._dp_groups[self.pipeline_stages - 1])
+        if fitting:
+            drain_before(module, "on_validation_model_zero_grad", self.drain)
+            warn_uncalled_hooks(module, trainer.callbacks)
+        if self.topology.num_replicas == 1:
+            # One replica: every stage reads the user's own loader, so the pipeline sees exactly the
+            # batches one device would. Lightning would wrap it in a shuffling DistributedSampler
+            # of one replica (a different order) because the world has several processes.
+            trainer._accelerator_connector.use_distributed_sampler = False
         if not any(isinstance(cb, _SyncCallbackMetrics) for cb in trainer.callbacks):
             trainer.callbacks.insert(0, _SyncCallbackMetrics())
 
@@ -246,6 +255,8 @@ class PACIStrategy(DDPStrategy):
         module = self.lightning_module
         trainer = module._trainer if module is not None else None
         healthy = not self._failed and trainer is not None and trainer.state.status == TrainerStatus.RUNNING
+        if module is not None:
+            undo_drain_before(module, "on_validation_model_zero_grad")
         if module is not None and self._split is not None:
             if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
                 _carry_step_count_to_automatic(trainer)
@@ -505,9 +516,22 @@ class PACIStrategy(DDPStrategy):
 
     # -- evaluation -------------------------------------------------------------------------------
 
-    def _start_evaluation(self) -> None:
+    def drain(self) -> None:
+        """Finish every micro-batch in flight on this rank's stage (call it on every rank alike).
+
+        Afterwards the model is consistent: every stage has taken exactly the optimizer steps of the
+        windows completed so far (``trainer.global_step`` at a window end), and an incomplete window's
+        gradients stay accumulated for the next batches. Between batches, under ``schedule="paci"``,
+        stage s has otherwise taken ``ceil((S-1-s)/N)`` steps fewer than the last stage. The strategy
+        drains by itself before validation (and its zero-grad hook), checkpoints, an epoch's end and
+        the end of training; a callback that needs a consistent model at another point calls this.
+        It costs the pipeline's warm-up once more (S-1 slots) at the next batch.
+        """
         if self.runtime is not None:
             self.runtime.drain()
+
+    def _start_evaluation(self) -> None:
+        self.drain()
         self._eval_index = 0
 
     @override
