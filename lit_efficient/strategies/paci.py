@@ -172,6 +172,44 @@ class PACIStrategy(DDPStrategy):
         return {"num_replicas": topo.num_replicas, "rank": topo.replica_of(self.global_rank)}
 
     @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        launcher = self._launcher
+        if launcher is None:
+            return
+        launch = launcher.launch
+
+        def checked_launch(function: Any, *args: Any, trainer: Trainer | None = None, **kwargs: Any) -> Any:
+            # In the one process that starts the others: a configuration error is one message here,
+            # not one traceback per rank after the processes have started.
+            if trainer is not None:
+                self._check_before_launch(trainer)
+            return launch(function, *args, trainer=trainer, **kwargs)
+
+        launcher.launch = checked_launch  # type: ignore[method-assign]
+
+    def _check_before_launch(self, trainer: Trainer) -> None:
+        """Refuse a layout or accumulation setting that cannot work, before any process starts."""
+        world = self.num_nodes * self.num_processes
+        if world > 1 and world % self.pipeline_stages:
+            raise ValueError(
+                f"PACIStrategy(pipeline_stages={self.pipeline_stages}) does not divide the world size {world} "
+                f"(devices={self.num_processes} x num_nodes={self.num_nodes}): world size = pipeline_stages x "
+                "data-parallel replicas. Use a number of devices that is a multiple of pipeline_stages, or "
+                "pipeline_stages that divides it."
+            )
+        accumulate = trainer.accumulate_grad_batches
+        if not isinstance(accumulate, int) or accumulate < 1:
+            raise ValueError(
+                f"Trainer(accumulate_grad_batches={accumulate!r}): micro-batches per optimizer step must be an "
+                "integer >= 1. Set it to N, or leave it at 1 and use GradientAccumulation(steps=N)."
+            )
+        for callback in trainer.callbacks:
+            check = getattr(callback, "check_accumulation_source", None)
+            if callable(check):
+                check(trainer)
+
+    @override
     def setup_environment(self) -> None:
         super().setup_environment()
         self.topology = Topology.for_world(self.world_size, self.pipeline_stages)
