@@ -22,6 +22,8 @@ What is measured, and how:
 - Peak saved-activation bytes per rank: `layer_costs.DetachedMeter` (bytes of distinct storages
   autograd keeps for backward, parameters excluded) is active in every segment of every variant
   and its peak is taken over the timed windows.
+- Load: ``os.getloadavg()`` before each segment and the foreign load (cores other processes used
+  during it: /proc/stat busy time minus both ranks' CPU), min / median / max per N in the JSON.
 - Bubble-free bound: 512 tokens / the busiest rank's busy time per micro-batch of ``bare_paci``.
 - Per-layer costs F, B, I, W (torch's own split-backward functions) and saved bytes, measured on
   rank 0 while rank 1 waits; the simulator fed with them and the measured link latency predicts
@@ -48,14 +50,22 @@ from torch import nn
 
 from benchmarks.harness import envelope, machine, write_json
 from benchmarks.layer_costs import DetachedMeter, measure_layers, predict
-from benchmarks.runtime_throughput import RankSetup, TimedStage, link_latency, run_segment
+from benchmarks.runtime_throughput import RankSetup, TimedStage, link_latency, machine_cpu_seconds, run_segment
 from benchmarks.runtime_throughput import wait_for_quiet as wait_quiet
-from benchmarks.trainer_vs_torch_pipelining import BALANCE, WindowClock, build_data, build_model, spawn_pair
+from benchmarks.trainer_vs_torch_pipelining import (
+    BALANCE,
+    WindowClock,
+    build_data,
+    build_model,
+    foreign_load,
+    spawn_pair,
+)
 from lit_efficient.pipeline.comm import PointToPoint
 from lit_efficient.pipeline.partition import stage_bounds
 from lit_efficient.pipeline.topology import Topology
 
 S = 2
+QUIET_CORES = 0.5  # a segment is "quiet" when other processes used under this many cores during it
 CHUNK_BALANCE = (2, 1, 1, 2)  # four stages over the six layers: [embed, b0] [b1] [b2] [b3, head]
 TORCH = {  # variant -> (torch class, placement of its stages)
     "torch_gpipe": ("ScheduleGPipe", "one"),
@@ -169,7 +179,7 @@ def run_torch(model: Any, rank: int, data: list[Any], variant: str, n: int, warm
     return {
         "span": span, "windows": windows, "saved_peak": meter.peak,
         "busy_fraction": (cpu[-1] - cpu[warm - 1]) / span, "runtime_utilization": None,
-        "last_stage": len(balance) - 1 in mine,
+        "last_stage": len(balance) - 1 in mine, "first_stage": 0 in mine,
     }  # fmt: skip
 
 
@@ -215,6 +225,7 @@ def _worker(rank: int, world: int, config: dict[str, Any]) -> dict[str, Any]:
                     continue
                 dist.barrier()
                 load = os.getloadavg()[0]
+                busy0, cpu0, t0 = machine_cpu_seconds()[0], time.process_time(), time.perf_counter()
                 try:
                     if variant == "trainer_paci":
                         out = run_trainer(config, n, warm, windows)
@@ -233,6 +244,11 @@ def _worker(rank: int, world: int, config: dict[str, Any]) -> dict[str, Any]:
                     failed[(variant, n)] = next(e for e in errors if e)
                     continue
                 out.setdefault("last_stage", s == S - 1)
+                out.setdefault("first_stage", s == 0)
+                # Machine-wide busy CPU and this rank's own CPU over the segment: the parent subtracts both
+                # ranks' CPU to get the foreign load (cores other processes used meanwhile).
+                out.update(seconds=time.perf_counter() - t0, machine_busy=machine_cpu_seconds()[0] - busy0,
+                           own_cpu=time.process_time() - cpu0)  # fmt: skip
                 segments.append({**out, "variant": variant, "N": n, "round": r, "loadavg": load})
     return {"rank": rank, "stage": s, "segments": segments, "costs": costs, "latency": latency,
             "step": stage.per_call()["step"], "failed": [[v, n, e] for (v, n), e in failed.items()]}  # fmt: skip
@@ -242,9 +258,13 @@ def _worker(rank: int, world: int, config: dict[str, Any]) -> dict[str, Any]:
 
 
 def summarize(results: list[dict[str, Any]], config: dict[str, Any]) -> list[dict[str, Any]]:
-    """One row per N: per variant tokens/s, busy fraction and saved peak per rank, ratios and errors."""
+    """One row per N: per variant tokens/s, busy fraction and saved peak per rank, ratios and errors.
+
+    Per-rank lists start with the rank that holds the first model stage (the one with the most in flight).
+    """
     tokens = config["batch_size"] * config["block"]
     errors = {(v, n): e for res in results for v, n, e in res["failed"]}
+    foreign = foreign_load(results)
     rows = []
     for n in config["accumulate"]:
         variants: dict[str, Any] = {}
@@ -258,7 +278,9 @@ def summarize(results: list[dict[str, Any]], config: dict[str, Any]) -> list[dic
                 if seg["last_stage"]:
                     rates.append(seg["windows"] * n * tokens / seg["span"])
                     per_round.setdefault(seg["round"], {})[v] = rates[-1]
-            by_rank = [[seg for rk, seg in segs if rk == r] for r in range(S)]
+            # Per rank, the rank holding the first model stage first (our runtime puts it on rank 1, torch on 0).
+            by_rank = sorted(([seg for rk, seg in segs if rk == r] for r in range(S)),
+                             key=lambda x: not (x and x[0]["first_stage"]))  # fmt: skip
             if v == "bare_paci":
                 busy_mb = [statistics.median(seg["busy_per_microbatch"] for seg in segs_r) for segs_r in by_rank]
             variants[v] = {
@@ -274,8 +296,9 @@ def summarize(results: list[dict[str, Any]], config: dict[str, Any]) -> list[dic
             v["of_bound"] = v["tokens_per_s"] / bound if v["tokens_per_s"] else None
         rows.append({
             "N": n, "S": S, "bound_tokens_per_s": bound, "variants": variants,
-            "paci_over": {p: {v: _ratio(p, v, per_round) for v in VARIANTS if v != p} for p in PACI},
+            "paci_over": {p: {v: _ratio(p, v, per_round, foreign, n) for v in VARIANTS if v != p} for p in PACI},
             "loadavg": _spread([seg["loadavg"] for res in results for seg in res["segments"] if seg["N"] == n]),
+            "foreign_load_cores": _spread([f for (n_, _, _), f in foreign.items() if n_ == n]),
         })  # fmt: skip
     return rows
 
@@ -289,14 +312,21 @@ def _spread(values: list[float]) -> list[float]:
     return [min(values), statistics.median(values), max(values)] if values else []
 
 
-def _ratio(a: str, b: str, per_round: dict[int, dict[str, float]]) -> dict[str, Any]:
-    """a's tokens/s over b's, in each round (adjacent segments) and their median; empty when either failed."""
-    rounds = [p[a] / p[b] for p in per_round.values() if a in p and b in p]
-    return {"rounds": rounds, "median": statistics.median(rounds) if rounds else None}
+def _ratio(
+    a: str, b: str, per_round: dict[int, dict[str, float]], foreign: dict[tuple[int, int, str], float], n: int
+) -> dict[str, Any]:
+    """a's tokens/s over b's per round (segments of one round run minutes apart at most) and the median;
+    the same over the rounds where both segments were quiet. None where either failed."""
+    both = {r: p[a] / p[b] for r, p in per_round.items() if a in p and b in p}
+    quiet = [x for r, x in both.items() if max(foreign[(n, r, a)], foreign[(n, r, b)]) < QUIET_CORES]
+    return {
+        "rounds": list(both.values()), "median": statistics.median(both.values()) if both else None,
+        "quiet_rounds": quiet, "median_quiet": statistics.median(quiet) if quiet else None,
+    }  # fmt: skip
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    """Markdown: tokens/s, PACI (Trainer) over each, and saved-activation peak (MiB, max over ranks)."""
+    """Markdown per N and variant: tokens/s, Trainer PACI over it (median of rounds), busy and saved peak per rank."""
     head = "| N | variant | tokens/s | of bound | Trainer PACI / it | busy/elapsed per rank | saved peak MiB per rank |"
     lines = [head, "|---|---|---|---|---|---|---|"]
     for row in rows:
@@ -311,6 +341,25 @@ def table(rows: list[dict[str, Any]]) -> str:
                 f"| {row['N']} | {v} | {x['tokens_per_s']:.0f} | {x['of_bound']:.2f} | "
                 f"{'-' if ratio is None else f'{ratio:.2f}'} | {busy} | {mem} |"
             )
+    return "\n".join(lines)
+
+
+def prediction_table(predictions: list[dict[str, Any]]) -> str:
+    """Markdown: the simulator's steady state per (S, N, schedule) from the measured layer costs."""
+    lines = [
+        "| S | N | schedule | throughput / bound | PACI speedup | own busy / period | peak activations MiB, "
+        "first rank / max | transfers per micro-batch |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in predictions:
+        if r["error"]:
+            lines.append(f"| {r['S']} | {r['N']} | {r['schedule']} | refused: {r['error'][:60]} | | | | |")
+            continue
+        peak = [b / 2**20 for b in r["peak_activation_bytes_per_rank"]]
+        lines.append(
+            f"| {r['S']} | {r['N']} | {r['schedule']} | {r['of_bound']:.2f} | {r['paci_speedup']:.2f} | "
+            f"{r['utilization']:.2f} | {peak[0]:.0f} / {max(peak):.0f} | {r['transfers_per_microbatch']} |"
+        )
     return "\n".join(lines)
 
 
@@ -355,6 +404,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                        predictions=predictions, raw=results)  # fmt: skip
     path = write_json(args.out, payload)
     print(table(rows))
+    print(prediction_table(predictions))
     print(f"wrote {path} in {payload['wall_seconds']:.0f} s; load {before['loadavg']} -> {payload['loadavg_end']}")
     return payload
 
