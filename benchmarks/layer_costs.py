@@ -118,13 +118,16 @@ def predict(
     comm: float,
     step: float,
 ) -> list[dict[str, Any]]:
-    """One row per (ranks, N, plan): the simulator's steady state and memory for GPT costs.
+    """One row per (ranks, N, plan, split costs): the simulator's steady state and memory for GPT costs.
 
     At 2 ranks the layouts are the measured ones (`benchmarks.zero_bubble`). ``comm`` is the
     one-way latency of a transfer between ranks; ``step`` one rank's optimizer step, split over
     its chunks. ``paci_speedup`` is the steady window period of the plan over PACI's; ``of_bound``
     the bubble-free bound's over the plan's; ``utilization`` busy (its own F, B, I, W) over period.
+    Plans with a split backward also get a row with ``split_costs="as_fused"``: I and W scaled
+    (in their measured proportion) to add up to the fused B, the zero-bubble paper's assumption.
     """
+    fused = {kind: {**c, **_as_fused(c)} for kind, c in costs.items()}
     rows = []
     for p in ranks:
         one = gpt_stages(costs, p, 1)
@@ -132,43 +135,57 @@ def predict(
             # Bubble-free bound of the unsplit work: the busiest rank's N forwards and full backwards and
             # its step, with no wait. A split backward (I + W) that costs more than B shows up against it.
             bound = max(n * (c["forward"] + c["backward"]) + step for c in one)
-            periods: dict[str, float] = {}
+            block = []
             for name in PLANS:
-                row: dict[str, Any] = {"S": p, "N": n, "schedule": name, "error": None}
-                try:
-                    plan = build_plan(name, p, n, windows=WINDOWS)
-                except ValueError as err:
-                    rows.append({**row, **dict.fromkeys(_PREDICTED)} | {"error": str(err)})
-                    continue
-                chunks = plan.num_stages // p
-                st = gpt_stages(costs, p, chunks)
-                result = simulate_plan(
-                    plan,
-                    forward=[c["forward"] for c in st],
-                    backward=[c["backward"] for c in st],
-                    input_grad=[c["input_grad"] for c in st],
-                    weight_grad=[c["weight_grad"] for c in st],
-                    comm=comm,
-                    step=step / chunks,
-                    activation=[c["saved_bytes"] for c in st],
-                )
-                ends = [max(s.end for s in result.timeline if s.action.kind == "STEP" and s.action.index == k)
-                        for k in (WINDOWS - 2, WINDOWS - 1)]  # fmt: skip
-                periods[name] = ends[1] - ends[0]  # the last window, once the earlier ones have filled the pipe
-                busy = [b / WINDOWS for b in result.busy]
-                rows.append({
-                    **row, "period_s": periods[name],
-                    "of_bound": bound / periods[name],
-                    "utilization": sum(busy) / len(busy) / periods[name],
-                    "utilization_per_rank": [b / periods[name] for b in busy],
-                    "peak_activation_bytes_per_rank": list(result.peak_activations),
-                    "transfers_per_microbatch": sum(plan.rank_of[s] != plan.rank_of[s + 1]
-                                                    for s in range(plan.num_stages - 1)),
-                })  # fmt: skip
-            for row in rows:
-                if row["S"] == p and row["N"] == n:
-                    row["paci_speedup"] = periods[row["schedule"]] / periods["paci"] if row["period_s"] else None
+                for split, layer_costs in (("measured", costs), ("as_fused", fused)):
+                    if split == "as_fused" and name not in SPLIT:
+                        continue
+                    row: dict[str, Any] = {"S": p, "N": n, "schedule": name, "split_costs": split, "error": None}
+                    try:
+                        row.update(_steady(name, p, n, layer_costs, comm, step), error=None)
+                        row["of_bound"] = bound / row["period_s"]
+                    except ValueError as err:
+                        row.update(dict.fromkeys(_PREDICTED), error=str(err))
+                    block.append(row)
+            paci = next(r["period_s"] for r in block if r["schedule"] == "paci")
+            for row in block:
+                row["paci_speedup"] = row["period_s"] / paci if row["period_s"] else None
+            rows += block
     return rows
+
+
+SPLIT = ("zb1p", "zbv", "dualpipev")  # the plans that run I and W
+
+
+def _as_fused(c: dict[str, float]) -> dict[str, float]:
+    scale = c["backward"] / (c["input_grad"] + c["weight_grad"])
+    return {"input_grad": c["input_grad"] * scale, "weight_grad": c["weight_grad"] * scale}
+
+
+def _steady(name: str, p: int, n: int, costs: dict[str, dict[str, float]], comm: float, step: float) -> dict[str, Any]:
+    """Simulate `WINDOWS` windows of ``name``; the last window's period, busy fractions and memory."""
+    plan = build_plan(name, p, n, windows=WINDOWS)  # type: ignore[arg-type]
+    chunks = plan.num_stages // p
+    st = gpt_stages(costs, p, chunks)
+    result = simulate_plan(
+        plan,
+        forward=[c["forward"] for c in st],
+        backward=[c["backward"] for c in st],
+        input_grad=[c["input_grad"] for c in st],
+        weight_grad=[c["weight_grad"] for c in st],
+        comm=comm,
+        step=step / chunks,
+        activation=[c["saved_bytes"] for c in st],
+    )
+    ends = [max(s.end for s in result.timeline if s.action.kind == "STEP" and s.action.index == k)
+            for k in (WINDOWS - 2, WINDOWS - 1)]  # fmt: skip
+    period = ends[1] - ends[0]  # the last window, once the earlier ones have filled the pipe
+    busy = [b / WINDOWS / period for b in result.busy]
+    return {
+        "period_s": period, "utilization": sum(busy) / len(busy), "utilization_per_rank": busy,
+        "peak_activation_bytes_per_rank": list(result.peak_activations),
+        "transfers_per_microbatch": sum(plan.rank_of[s] != plan.rank_of[s + 1] for s in range(plan.num_stages - 1)),
+    }  # fmt: skip
 
 
 _PREDICTED = (

@@ -29,14 +29,16 @@ What is measured, and how:
   rank 0 while rank 1 waits; the simulator fed with them and the measured link latency predicts
   the same S=2 comparison and S=4 / S=8 (`benchmarks.layer_costs`).
 
-    python -m benchmarks.zero_bubble            # full run, ~5 minutes on 2 cores
+    python -m benchmarks.zero_bubble            # full run, ~8 minutes on 2 busy cores
     python -m benchmarks.zero_bubble --quick    # smoke run (< 1 minute); what the test runs
+    python -m benchmarks.zero_bubble --predict-from zero_bubble.json   # redo the predictions only
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import math
 import os
 import statistics
@@ -48,7 +50,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from benchmarks.harness import envelope, machine, write_json
+from benchmarks.harness import RESULTS, envelope, machine, write_json
 from benchmarks.layer_costs import DetachedMeter, measure_layers, predict
 from benchmarks.runtime_throughput import RankSetup, TimedStage, link_latency, machine_cpu_seconds, run_segment
 from benchmarks.runtime_throughput import wait_for_quiet as wait_quiet
@@ -353,14 +355,18 @@ def prediction_table(predictions: list[dict[str, Any]]) -> str:
     ]
     for r in predictions:
         if r["error"]:
-            lines.append(f"| {r['S']} | {r['N']} | {r['schedule']} | refused: {r['error'][:60]} | | | | |")
+            lines.append(f"| {r['S']} | {r['N']} | {_name(r)} | refused: {r['error'][:60]} | | | | |")
             continue
         peak = [b / 2**20 for b in r["peak_activation_bytes_per_rank"]]
         lines.append(
-            f"| {r['S']} | {r['N']} | {r['schedule']} | {r['of_bound']:.2f} | {r['paci_speedup']:.2f} | "
+            f"| {r['S']} | {r['N']} | {_name(r)} | {r['of_bound']:.2f} | {r['paci_speedup']:.2f} | "
             f"{r['utilization']:.2f} | {peak[0]:.0f} / {max(peak):.0f} | {r['transfers_per_microbatch']} |"
         )
     return "\n".join(lines)
+
+
+def _name(row: dict[str, Any]) -> str:
+    return row["schedule"] + (" (I+W = B)" if row["split_costs"] == "as_fused" else "")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -378,6 +384,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cost-reps", type=int, default=7, help="repetitions of each per-layer cost measurement")
     p.add_argument("--quiet-wait", type=float, default=10.0, help="max seconds to wait for a quiet machine per round")
     p.add_argument("--out", default="zero_bubble.json", help="file name under benchmarks/results/ (or a path)")
+    p.add_argument("--predict-from", help="only redo the simulator's predictions from the costs in this result file")
     args = p.parse_args(argv)
     args.layers = 4  # the fixed splits above are for 4 blocks
     if args.quick:
@@ -387,19 +394,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _predictions(costs: dict[str, Any], accumulate: list[int]) -> list[dict[str, Any]]:
+    return predict(costs["layers"], [2, 4, 8], sorted({*accumulate, 16, 32}), costs["link_latency_s"], costs["step_s"])
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    if args.predict_from:  # no processes: the simulator only, on the costs an earlier run measured
+        path = RESULTS / args.predict_from
+        payload = json.loads(path.read_text())
+        payload["predictions"] = _predictions(payload["costs"], payload["config"]["accumulate"])
+        path.write_text(json.dumps(payload, indent=2, default=float) + "\n")
+        print(prediction_table(payload["predictions"]))
+        return payload
     plan = {str(n): (1 if args.quick else 2, max(2, args.timed_microbatches // n)) for n in args.accumulate}
     config = {**vars(args), "plan": plan, "tokens_per_microbatch": args.batch_size * args.block}
     start = time.perf_counter()
     before = machine()
     results = sorted(spawn_pair(_worker, config, timeout=1500), key=lambda r: r["rank"])
     rows = summarize(results, config)
-    costs = results[0]["costs"]
     latency = next(r["latency"] for r in results if not math.isnan(r["latency"]))  # NaN on the last stage
-    step = max(r["step"] for r in results)
-    predictions = predict(costs, [2, 4, 8], sorted({*args.accumulate, 16, 32}), comm=latency, step=step)
-    measured = {"layers": costs, "link_latency_s": latency, "step_s": step}
+    measured = {"layers": results[0]["costs"], "link_latency_s": latency, "step_s": max(r["step"] for r in results)}
+    predictions = _predictions(measured, args.accumulate)
     payload = envelope("zero_bubble", args.quick, before, config, start, costs=measured, rows=rows,
                        predictions=predictions, raw=results)  # fmt: skip
     path = write_json(args.out, payload)
