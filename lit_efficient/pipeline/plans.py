@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -310,8 +310,3 @@ def _dualpipev(rank: int, p: int, n: int) -> list[Task]:
     for _ in range(rank + 1):
         weight_if_pending()
     return out.tasks
-
-
-def format_tasks(tasks: Iterable[Task]) -> str:
-    """Space-separated string form of a rank's tasks."""
-    return " ".join(str(t) for t in tasks)
