@@ -1,7 +1,7 @@
 """Discrete-event simulator of pipeline schedules: makespan, utilization, bubble, drift and memory from costs.
 
 This file owns the cost model that benchmarks and `PipelineMonitor` compare measurements against,
-and the closed forms of DESIGN.md section 3 (`flush_utilization`, `paci_drift_bound`). It is pure:
+and the closed forms of docs/DESIGN.md section 3 (`flush_utilization`, `paci_drift_bound`). It is pure:
 the input is per-stage action streams of `schedules.py` (or hand-written strings), or a rank-level
 `plans.Plan` (several model stages per rank, split backward), the output a `SimulationResult`.
 
