@@ -41,6 +41,7 @@ from lit_efficient.pipeline.runtime import PipelineRuntime
 from lit_efficient.pipeline.schedules import SCHEDULES, ScheduleName
 from lit_efficient.pipeline.stage import PipelineStage
 from lit_efficient.pipeline.topology import Topology
+from lit_efficient.progress import swap_stock_progress_bar
 from lit_efficient.protocol import PIPELINE_METHODS, missing_pipeline_methods
 from lit_efficient.strategies.checkpoint import (
     assemble,
@@ -289,6 +290,7 @@ class PACIStrategy(DDPStrategy):
             # batches one device would. Lightning would wrap it in a shuffling DistributedSampler
             # of one replica (a different order) because the world has several processes.
             trainer._accelerator_connector.use_distributed_sampler = False
+        swap_stock_progress_bar(trainer)
         if not any(isinstance(cb, _SyncCallbackMetrics) for cb in trainer.callbacks):
             trainer.callbacks.insert(0, _SyncCallbackMetrics())
 

@@ -1,0 +1,54 @@
+"""Progress bars whose training total counts dataloader batches, not optimizer steps.
+
+Lightning's bars bound an epoch's total by ``max_steps - global_step`` when ``max_steps`` ends the
+run, and count it as batches: with N micro-batches per step the bar shows ``12/3`` and the Rich bar's
+epoch label reads ``Epoch 0/-2``. Under pipelining N is the rule, so `PACIStrategy` swaps Lightning's
+stock bars for these subclasses in ``setup``; they are ordinary callbacks for any other strategy too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+from typing_extensions import override
+
+
+class _BatchTotal:
+    trainer: Any
+
+    @property
+    def total_train_batches(self) -> int | float:
+        """Dataloader batches left in this epoch: ``max_steps`` counts windows of N batches."""
+        trainer = self.trainer
+        if trainer.max_epochs == -1 and trainer.max_steps is not None and trainer.max_steps > 0:
+            loop = trainer.fit_loop.epoch_loop
+            done = loop.batch_progress.current.ready  # restarts at 0 each epoch (mid-epoch on resume)
+            remaining = (trainer.max_steps - trainer.global_step) * max(1, trainer.accumulate_grad_batches)
+            return min(trainer.num_training_batches, done + remaining)
+        return trainer.num_training_batches
+
+
+class StepAwareTQDMProgressBar(_BatchTotal, TQDMProgressBar):
+    """Lightning's `TQDMProgressBar` with the training total in batches under gradient accumulation."""
+
+
+class StepAwareRichProgressBar(_BatchTotal, RichProgressBar):
+    """Lightning's `RichProgressBar` with the training total in batches, and no ``/-2`` after the epoch
+    when ``max_steps`` (not ``max_epochs``) ends the run."""
+
+    @override
+    def _get_train_description(self, current_epoch: int) -> str:
+        description = super()._get_train_description(current_epoch)
+        if self.trainer.max_epochs == -1:
+            description = description.replace("/-2", "")
+        return description
+
+
+def swap_stock_progress_bar(trainer: Any) -> None:
+    """Give the trainer's progress bar, if it is one of Lightning's two stock bars, its subclass here.
+    The object, its settings and its place among the callbacks stay; only the total changes."""
+    bar = trainer.progress_bar_callback
+    swaps = {TQDMProgressBar: StepAwareTQDMProgressBar, RichProgressBar: StepAwareRichProgressBar}
+    if bar is not None and type(bar) in swaps:
+        bar.__class__ = swaps[type(bar)]

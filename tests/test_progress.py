@@ -1,0 +1,44 @@
+"""The progress bars' training total counts dataloader batches when max_steps counts windows of N."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+
+from lit_efficient.progress import StepAwareRichProgressBar, StepAwareTQDMProgressBar, swap_stock_progress_bar
+
+
+def _trainer(max_steps, global_step, accumulate, batches=1000, done=0, max_epochs=-1):
+    progress = SimpleNamespace(current=SimpleNamespace(ready=done))
+    loop = SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=progress))
+    return SimpleNamespace(max_epochs=max_epochs, max_steps=max_steps, global_step=global_step,
+                           accumulate_grad_batches=accumulate, num_training_batches=batches, fit_loop=loop)  # fmt: skip
+
+
+def test_total_is_the_batches_left_not_the_steps_left():
+    bar = StepAwareTQDMProgressBar()
+    bar._trainer = _trainer(max_steps=3, global_step=0, accumulate=4)
+    assert bar.total_train_batches == 12  # Lightning's own bar says 3
+    bar._trainer = _trainer(max_steps=300, global_step=100, accumulate=4)
+    assert bar.total_train_batches == 800
+    bar._trainer = _trainer(max_steps=300, global_step=0, accumulate=4, batches=500)
+    assert bar.total_train_batches == 500  # the epoch ends first
+    bar._trainer = _trainer(max_steps=-1, global_step=0, accumulate=4, batches=500, max_epochs=3)
+    assert bar.total_train_batches == 500
+
+
+def test_stock_bars_are_swapped_in_place_and_others_left_alone():
+    for stock, ours in (
+        (TQDMProgressBar(refresh_rate=7), StepAwareTQDMProgressBar),
+        (RichProgressBar(), StepAwareRichProgressBar),
+    ):
+        trainer = SimpleNamespace(progress_bar_callback=stock)
+        swap_stock_progress_bar(trainer)
+        assert type(stock) is ours
+    custom = type("MyBar", (TQDMProgressBar,), {})()
+    swap_stock_progress_bar(SimpleNamespace(progress_bar_callback=custom))
+    assert type(custom).__name__ == "MyBar"
+    rich = StepAwareRichProgressBar()
+    rich._trainer = _trainer(max_steps=3, global_step=0, accumulate=4)
+    assert rich._get_train_description(0).strip() == "Epoch 0"
