@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import shutil
+import warnings
 from collections import deque
 from contextlib import contextmanager
 from pathlib import Path
@@ -285,6 +286,10 @@ class PACIStrategy(DDPStrategy):
         if fitting:
             drain_before(module, "on_validation_model_zero_grad", self.drain)
             warn_uncalled_hooks(module, trainer.callbacks)
+            # Lightning warns that under manual optimization ModelCheckpoint(every_n_train_steps) saves the
+            # state after the step. Manual optimization is this strategy's inside, and after the step (of
+            # a drained pipeline) is exactly what a user's automatic-optimization checkpoint holds too.
+            warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
         if self.topology.num_replicas == 1:
             # One replica: every stage reads the user's own loader, so the pipeline sees exactly the
             # batches one device would. Lightning would wrap it in a shuffling DistributedSampler
