@@ -9,6 +9,7 @@ exactly large-batch SGD, so every layout must continue to the same weights.
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -30,7 +31,9 @@ def _flush(stages: int = 2) -> PACIStrategy:
 def _checkpoint_at_step_3(strategy, devices, directory) -> tuple[GPT, str]:
     model = _model()
     ckpt = ModelCheckpoint(dirpath=directory, every_n_train_steps=3, filename="{step}")
-    _trainer(strategy, devices, 3, callbacks=[ckpt], enable_checkpointing=True).fit(model, datamodule=_ordered())
+    weights = ModelCheckpoint(dirpath=directory, every_n_train_steps=3, filename="weights", save_weights_only=True)
+    trainer = _trainer(strategy, devices, 3, callbacks=[ckpt, weights], enable_checkpointing=True)
+    trainer.fit(model, datamodule=_ordered())
     return model, str(directory / "step=3.ckpt")
 
 
@@ -61,6 +64,9 @@ def test_the_checkpoint_is_one_file_that_one_device_loads(saved):
     assert _max_diff(plain, saved["piped"]) == 0.0
     checkpoint = torch.load(path, weights_only=True)
     assert checkpoint["global_step"] == 3 and checkpoint["pipeline"]["layout"]["num_stages"] == 2
+    weights = Path(path).with_name("weights.ckpt")  # ModelCheckpoint(save_weights_only=True)
+    assert "optimizer_states" not in torch.load(weights, weights_only=True)
+    assert _max_diff(GPT.load_from_checkpoint(weights), saved["piped"]) == 0.0
     validator = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, limit_val_batches=2,
                           enable_model_summary=False)  # fmt: skip
     want = validator.validate(copy.deepcopy(saved["piped"]), datamodule=_ordered(), verbose=False)[0]

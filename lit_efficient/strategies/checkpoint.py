@@ -59,7 +59,7 @@ def rank_share(
     share = dict(extras)
     if keep_weights:
         share["state_dict"] = _cpu(checkpoint["state_dict"])
-        if optimizer is not None:
+        if optimizer is not None and checkpoint.get("optimizer_states"):  # none under save_weights_only
             share["groups"] = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
             share["optimizer"] = _cpu(checkpoint["optimizer_states"][0])
             share["lr_schedulers"] = _cpu(checkpoint.get("lr_schedulers", []))
