@@ -73,13 +73,14 @@ def _sgd(params):
     return torch.optim.SGD(params, lr=0.05, momentum=0.9)
 
 
-def _fit(module, strategy, devices, accumulate, max_steps, **kw):
+def _fit(module, strategy, devices, accumulate, max_steps, datamodule=None, **kw):
+    """A fit with the Trainer's defaults besides quiet output; returns the module (whole after fit)."""
     trainer = L.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, max_steps=max_steps,
         accumulate_grad_batches=accumulate, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, **kw,
     )  # fmt: skip
-    trainer.fit(module)
+    trainer.fit(module, datamodule=datamodule)
     return module
 
 
@@ -135,13 +136,7 @@ def test_paci_validation_zero_grad_hook_changes_nothing():
 
 
 def _fit_with_data(module, strategy, devices, accumulate, max_steps, **kw):
-    trainer = L.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, max_steps=max_steps,
-        accumulate_grad_batches=accumulate, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, **kw,
-    )  # fmt: skip
-    trainer.fit(module, datamodule=_text_data())
-    return module
+    return _fit(module, strategy, devices, accumulate, max_steps, datamodule=_text_data(), **kw)
 
 
 def test_one_replica_sees_the_batches_one_device_sees():
