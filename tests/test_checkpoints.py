@@ -28,10 +28,18 @@ def _flush(stages: int = 2) -> PACIStrategy:
     return PACIStrategy(pipeline_stages=stages, schedule="1f1b_flush", start_method="spawn")
 
 
+class _WeightsOnly(ModelCheckpoint):
+    """A second ModelCheckpoint beside the first needs a state key of its own."""
+
+    @property
+    def state_key(self) -> str:
+        return "weights-only"
+
+
 def _checkpoint_at_step_3(strategy, devices, directory) -> tuple[GPT, str]:
     model = _model()
     ckpt = ModelCheckpoint(dirpath=directory, every_n_train_steps=3, filename="{step}")
-    weights = ModelCheckpoint(dirpath=directory, every_n_train_steps=3, filename="weights", save_weights_only=True)
+    weights = _WeightsOnly(dirpath=directory, every_n_train_steps=3, filename="weights", save_weights_only=True)
     trainer = _trainer(strategy, devices, 3, callbacks=[ckpt, weights], enable_checkpointing=True)
     trainer.fit(model, datamodule=_ordered())
     return model, str(directory / "step=3.ckpt")
