@@ -170,6 +170,9 @@ class PipelineStage:
         self.reduce_gradients: Callable[[list[Tensor], Tensor], Tensor] | None = None
         self.clip_gradients: Callable[[list[nn.Parameter]], None] | None = None
         self.after_step: Callable[[], None] | None = None
+        # Combines the gradient of a parameter tied with another stage (lit_efficient.pipeline.tied)
+        # after normalization, before the update; called on every applied update.
+        self.exchange_tied: Callable[[], None] | None = None
 
     # -- compute ---------------------------------------------------------------------------------
 
@@ -181,7 +184,7 @@ class PipelineStage:
         record = _InFlight(version=self.version, inputs=inputs)
         if self.recompute:
             record.rng = _capture_rng(self.device)
-            record.inputs = tuple(None if t is None else t.detach() for t in inputs)
+            record.inputs = tuple(None if t is None else t.detach().requires_grad_(t.requires_grad) for t in inputs)
             with torch.no_grad(), self.forward_context():
                 outputs = run_layers(self.layers, inputs, self.first_layer)
         else:
@@ -248,6 +251,8 @@ class PipelineStage:
         for g in grads:
             g.div_(totals[0])
         update = self._check_finite(grads, totals, window)
+        if update and self.exchange_tied is not None:
+            self.exchange_tied()  # a weight shared with another stage: combine the copies' gradients
         if not update:
             for p in params:
                 p.grad = None
@@ -409,11 +414,13 @@ def item_count(items: Tensor | int | float, device: torch.device, dtype: torch.d
 
 
 def _as_leaf(t: Tensor | None) -> Tensor | None:
-    """A received tensor as an input leaf: floating ones collect the gradient to send back."""
+    """A received tensor as an input leaf: one that required grad on the sending side (comm carries the
+    flag) collects the gradient to send back; side inputs (masks, rotary tables) get none."""
     if t is None:
         return None
+    needs_grad = t.requires_grad and t.is_floating_point()
     t = t.detach()
-    return t.requires_grad_() if t.is_floating_point() else t
+    return t.requires_grad_() if needs_grad else t
 
 
 def _capture_rng(device: torch.device) -> tuple[Tensor, Tensor | None]:
