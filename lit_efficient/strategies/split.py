@@ -172,7 +172,10 @@ def unsplit(split: Split, state_dicts: dict[int, dict[str, torch.Tensor]], devic
             continue
         part = current.structure.to_empty(device=device)
         if k in state_dicts:
-            part.load_state_dict(state_dicts[k])
+            # Non-persistent buffers (e.g. a rotary inv_freq table) travel too: to_empty leaves them garbage.
+            unexpected = part.load_state_dict(state_dicts[k], strict=False).unexpected_keys
+            for key in unexpected:
+                part.get_buffer(key).copy_(state_dicts[k][key])
         _set(parent, name, part)
     for tie in split.ties:
         (pa, na), (pb, nb) = tie.first, tie.last
@@ -186,11 +189,14 @@ def unsplit(split: Split, state_dicts: dict[int, dict[str, torch.Tensor]], devic
 def local_layer_state_dicts(split: Split) -> dict[int, dict[str, torch.Tensor]]:
     """This rank's parts' state dicts on CPU, keyed by part index (for `unsplit` on another rank)."""
     first, last = split.bounds
-    return {
-        k: {key: v.detach().cpu() for key, v in _get(parent, name).state_dict().items()}
-        for k, (i, parent, name) in enumerate(split.slots)
-        if first <= i < last
-    }
+    return {k: _part_state(_get(parent, name)) for k, (i, parent, name) in enumerate(split.slots) if first <= i < last}
+
+
+def _part_state(part: nn.Module) -> dict[str, torch.Tensor]:
+    state = {key: v.detach().cpu() for key, v in part.state_dict().items()}
+    for key, buf in part.named_buffers():
+        state.setdefault(key, buf.detach().cpu())  # non-persistent ones: not in state_dict, needed by unsplit
+    return state
 
 
 def _slots(module: nn.Module, layers: Sequence[nn.Module]) -> list[tuple[int, nn.Module, str]]:
