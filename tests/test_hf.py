@@ -193,9 +193,29 @@ def _max_diff(a: nn.Module, b: nn.Module) -> float:
     return max((sa[k].float() - sb[k].float()).abs().max().item() for k in sa)
 
 
+TIED_NAMES = ("model.transformer.wte.weight", "model.lm_head.weight")
+
+
+class DumpTiedCopies(PACIStrategy):
+    """Each rank writes its copy of the tied weight once the pipeline is drained at the end of training
+    (a callback's on_train_end runs before the strategy drains; its teardown after rank 0 re-gathered)."""
+
+    def __init__(self, path: Path, **kw) -> None:
+        super().__init__(start_method="spawn", **kw)
+        self.path = path
+
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        mine = {n: p.detach().clone() for n, p in self.lightning_module.named_parameters() if n in TIED_NAMES}
+        torch.save(mine, self.path / f"copy{self.global_rank}.pt")
+
+    def copies(self) -> list[dict[str, torch.Tensor]]:
+        return [torch.load(self.path / f"copy{r}.pt") for r in range(self.pipeline_stages)]
+
+
 class RecordRanks(Callback):
-    """Each rank writes its copy of the tied weights and the loss history; rank 0 also whether, after the
-    strategy gathered the model, the head and the embedding are one parameter again."""
+    """Rank 0 writes the losses it saw (it holds the last stage) and whether, after the strategy gathered the
+    model, the head and the embedding are one parameter again."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -205,16 +225,11 @@ class RecordRanks(Callback):
         if outputs is not None and "loss" in outputs:
             self.losses.append(float(outputs["loss"]))
 
-    def on_train_end(self, trainer, pl_module) -> None:
-        names = {"model.transformer.wte.weight", "model.lm_head.weight", "model.model.embed_tokens.weight"}
-        mine = {n: p.detach().clone() for n, p in pl_module.named_parameters() if n in names}
-        torch.save({"tied": mine, "losses": self.losses}, self.path / f"rank{trainer.global_rank}.pt")
-
     def teardown(self, trainer, pl_module, stage) -> None:
         if trainer.global_rank == 0:
             model = pl_module.model
             tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
-            (self.path / "tie.json").write_text(json.dumps({"tied": tied}))
+            (self.path / "rank0.json").write_text(json.dumps({"tied": tied, "losses": self.losses}))
 
 
 @pytest.mark.multiproc
@@ -222,14 +237,14 @@ def test_stock_gpt2_tied_flush_equals_single_device_and_reloads(tmp_path):
     single, piped = SGDLM(gpt2()), SGDLM(gpt2())
     start = {k: v.clone() for k, v in single.state_dict().items()}
     _trainer("auto", 1, 3).fit(single, datamodule=_data())
-    strategy = PACIStrategy(pipeline_stages=2, schedule="1f1b_flush", start_method="spawn")
+    strategy = DumpTiedCopies(tmp_path, pipeline_stages=2, schedule="1f1b_flush")
     _trainer(strategy, 2, 3, callbacks=[RecordRanks(tmp_path)]).fit(piped, datamodule=_data())
     assert max((single.state_dict()[k] - v).abs().max().item() for k, v in start.items()) > 1e-3
     assert _max_diff(piped, single) <= 1e-5
     # The two stages' copies of the tied weight are identical, and one parameter again on rank 0.
-    copies = [torch.load(tmp_path / f"rank{r}.pt")["tied"] for r in range(2)]
-    assert torch.equal(copies[1]["model.transformer.wte.weight"], copies[0]["model.lm_head.weight"])
-    assert json.loads((tmp_path / "tie.json").read_text())["tied"]
+    last, first = strategy.copies()  # rank 0 holds the last stage
+    assert torch.equal(first["model.transformer.wte.weight"], last["model.lm_head.weight"])
+    assert json.loads((tmp_path / "rank0.json").read_text())["tied"]
     # save_pretrained after the pipelined fit reloads to identical logits.
     piped.model.save_pretrained(tmp_path / "hf")
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
@@ -268,11 +283,11 @@ def test_parameterless_stage_fails_on_every_rank_before_training():
 @pytest.mark.multiproc
 def test_stock_gpt2_tied_paci_trains_and_keeps_the_copies_equal(tmp_path):
     module = HFCausalLM(gpt2(), learning_rate=3e-3, warmup_steps=2, max_steps=30)
-    strategy = PACIStrategy(pipeline_stages=2, schedule="paci", start_method="spawn")
+    strategy = DumpTiedCopies(tmp_path, pipeline_stages=2, schedule="paci")
     _trainer(strategy, 2, 30, callbacks=[RecordRanks(tmp_path)]).fit(module, datamodule=_data())
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
-    assert torch.equal(ranks[1]["tied"]["model.transformer.wte.weight"], ranks[0]["tied"]["model.lm_head.weight"])
-    losses = ranks[0]["losses"]  # rank 0 holds the last stage
+    last, first = strategy.copies()
+    assert torch.equal(first["model.transformer.wte.weight"], last["model.lm_head.weight"])
+    losses = json.loads((tmp_path / "rank0.json").read_text())["losses"]
     assert len(losses) == 120
     first, last = sum(losses[:16]) / 16, sum(losses[-16:]) / 16
     assert last < first - 0.5, (first, last)
