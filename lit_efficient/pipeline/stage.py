@@ -161,6 +161,7 @@ class PipelineStage:
         self.stats = StageStats()
         self.skipped_windows = 0
         self._in_flight: dict[int, _InFlight] = {}
+        self._output_grad_flags: dict[tuple, tuple[bool, ...]] = {}  # recompute: see _forward_without_graph
         # Per window, on the device: [sum of micro-batch weights, number of non-finite losses seen
         # downstream, first such micro-batch or -1]. Reduced across replicas with the gradients.
         self._window: Tensor | None = None
@@ -185,8 +186,7 @@ class PipelineStage:
         if self.recompute:
             record.rng = _capture_rng(self.device)
             record.inputs = tuple(None if t is None else t.detach().requires_grad_(t.requires_grad) for t in inputs)
-            with torch.no_grad(), self.forward_context():
-                outputs = run_layers(self.layers, inputs, self.first_layer)
+            outputs = self._forward_without_graph(inputs)
         else:
             with self.forward_context():
                 outputs = run_layers(self.layers, inputs, self.first_layer)
@@ -368,6 +368,24 @@ class PipelineStage:
                 "it returned only the loss. Return the item count too, or use normalize='mean'."
             )
         return loss, item_count(items, self.device, torch.float64)
+
+    def _forward_without_graph(self, inputs: Payload) -> Payload:
+        """Recompute mode's forward: no graph kept, but each output still says whether it will need a
+        gradient (the next stage sends one back only for those). That is structural, so it is learned once
+        per input pattern from a forward with autograd on (its graph freed at once) and reused."""
+        key = tuple(None if t is None else t.requires_grad for t in inputs)
+        flags = self._output_grad_flags.get(key)
+        with torch.set_grad_enabled(flags is None), self.forward_context():
+            outputs = run_layers(self.layers, inputs, self.first_layer)
+        if flags is None:
+            flags = tuple(isinstance(t, Tensor) and t.requires_grad for t in outputs)
+            self._output_grad_flags[key] = flags
+        elif len(flags) != len(outputs):  # a new output pattern for a known input one: assume every float needs one
+            flags = tuple(isinstance(t, Tensor) and t.is_floating_point() for t in outputs)
+        return tuple(
+            t.detach().requires_grad_(f) if isinstance(t, Tensor) and t.is_floating_point() else t
+            for t, f in zip(outputs, flags, strict=True)
+        )
 
     def _recompute(self, record: _InFlight) -> Payload:
         assert record.rng is not None
