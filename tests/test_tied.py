@@ -181,3 +181,38 @@ def test_split_keeps_a_real_copy_on_each_side_and_unsplit_ties_again():
     unsplit(split, {0: fresh.layers[0].state_dict(), 1: fresh.layers[1].state_dict()}, torch.device("cpu"))
     assert torch.equal(model.layers[0].weight, fresh.layers[0].weight)
     assert model.layers[3].weight is model.layers[0].weight
+
+
+def test_header_carries_which_tensors_need_a_gradient():
+    from lit_efficient.pipeline.comm import decode_header, decode_requires_grad, encode_header
+
+    hidden = torch.zeros(2, 3, requires_grad=True)
+    fields = encode_header(5, (hidden, torch.ones(3), None, torch.arange(4)))
+    assert decode_requires_grad(fields) == [True, False, False, False]
+    assert decode_header(fields) == (5, [(torch.float32, (2, 3)), (torch.float32, (3,)), None, (torch.int64, (4,))])
+
+
+@pytest.mark.multiproc
+def test_gpt_tie_weights_pipelines_exactly_under_flush():
+    """GPT(tie_weights=True) with its own AdamW (weight decay on matrices, none on the tied table, on
+    either stage): 2 stages of 1F1B-flush equal one device."""
+    import lightning as L
+
+    from lit_efficient import PACIStrategy
+    from lit_efficient.data import TextDataModule
+    from lit_efficient.models import GPT
+
+    def fit(strategy, devices):
+        L.seed_everything(0)
+        model = GPT(n_layer=2, n_head=2, n_embd=32, block_size=32, warmup_steps=2, max_steps=20, learning_rate=3e-3,
+                    tie_weights=True)  # fmt: skip
+        L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=3, accumulate_grad_batches=4,
+                  logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                  limit_val_batches=0, use_distributed_sampler=False).fit(
+            model, datamodule=TextDataModule(block_size=32, batch_size=4, max_bytes=60_000, seed=1))  # fmt: skip
+        return model
+
+    single = fit("auto", 1)
+    piped = fit(PACIStrategy(pipeline_stages=2, schedule="1f1b_flush", start_method="spawn"), 2)
+    sa, sb = single.state_dict(), piped.state_dict()
+    assert max((sa[k] - sb[k]).abs().max().item() for k in sa) <= 1e-5
