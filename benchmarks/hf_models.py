@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+import sys
 import time
 from typing import Any
 
@@ -239,6 +240,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--val-batches", type=int, default=8)
     p.add_argument("--max-bytes", type=int, default=2_000_000)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--suffix", default="", help="appended to the result's file name (e.g. _lr5e-4)")
     args = p.parse_args(argv)
     if args.quick:
         args.steps, args.val_batches, args.warmup, args.warmup_steps = 24, 2, 4, 4
@@ -251,9 +253,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for part in PARTS if args.part == "all" else [args.part]:
         start, before = time.perf_counter(), machine()
         payload = PARTS[part](args)
-        name = f"hf_{part}" + ("_quick" if args.quick else "")
+        name = f"hf_{part}{args.suffix}" + ("_quick" if args.quick else "")
         result = envelope("hf_models", args.quick, before, payload.pop("config"), start, part=part, **payload)
-        result["command"] = f"python -m benchmarks.hf_models {part}" + (" --quick" if args.quick else "")
+        result["command"] = "python -m benchmarks.hf_models " + " ".join(argv if argv is not None else sys.argv[1:])
         write_json(f"{name}.json", result)
         results[part] = result
         print(part, {k: v for k, v in result.items() if k not in ("runs", "machine", "config")})
