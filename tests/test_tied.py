@@ -195,7 +195,8 @@ def test_header_carries_which_tensors_need_a_gradient():
 @pytest.mark.multiproc
 def test_gpt_tie_weights_pipelines_exactly_under_flush():
     """GPT(tie_weights=True) with its own AdamW (weight decay on matrices, none on the tied table, on
-    either stage): 2 stages of 1F1B-flush equal one device."""
+    either stage) and gradient-norm clipping (the tied gradient counted once): 2 stages of 1F1B-flush
+    equal one device."""
     import lightning as L
 
     from lit_efficient import PACIStrategy
@@ -208,7 +209,7 @@ def test_gpt_tie_weights_pipelines_exactly_under_flush():
                     tie_weights=True)  # fmt: skip
         L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=3, accumulate_grad_batches=4,
                   logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                  limit_val_batches=0, use_distributed_sampler=False).fit(
+                  limit_val_batches=0, use_distributed_sampler=False, gradient_clip_val=0.1).fit(
             model, datamodule=TextDataModule(block_size=32, batch_size=4, max_bytes=60_000, seed=1))  # fmt: skip
         return model
 
