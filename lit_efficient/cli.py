@@ -1,7 +1,8 @@
 """The ``lit-efficient`` command line: LightningCLI over `GPT` and `TextDataModule`, with W&B kept local.
 
-This file owns the CLI's wiring and nothing else: which classes it exposes (any `GPT` or
-`TextDataModule` subclass, GPT and TextDataModule by default), the links that keep the data and the
+This file owns the CLI's wiring and nothing else: which classes it exposes (any LightningModule taking
+``vocab_size`` and ``block_size``, such as `GPT` or `HFCausalLM`, and any `TextDataModule` subclass; GPT
+and TextDataModule by default), the links that keep the data and the
 model consistent (``data.block_size`` and ``data.vocab_size`` feed the model's), the default
 logger (W&B, offline, under ``runs/``), where W&B may write, and where the resolved run config is
 saved. Every option's help text comes from the docstrings of the classes it configures.
@@ -30,7 +31,7 @@ from typing_extensions import override
 
 import lit_efficient  # noqa: F401 - registers the strategy names "paci" and "1f1b_flush"
 from lit_efficient.data import TextDataModule
-from lit_efficient.models import GPT
+from lit_efficient.models import GPT, HFCausalLM  # noqa: F401 - HFCausalLM: known to --model by name
 from lit_efficient.runs import run_dir
 
 DEFAULT_SAVE_DIR = "runs"
@@ -112,7 +113,7 @@ class LitEfficientCLI(LightningCLI):
         kwargs.setdefault("save_config_kwargs", {"config_filename": "config.yaml", "overwrite": False})
         kwargs.setdefault("parser_kwargs", {"description": "Pipeline-parallel training for PyTorch Lightning."})
         super().__init__(
-            GPT,
+            LightningModule,  # GPT by default (below), HFCausalLM or any module with vocab_size/block_size
             TextDataModule,
             subclass_mode_model=True,
             subclass_mode_data=True,

@@ -46,8 +46,12 @@ def _args(*names: str) -> list[str]:
     return [f"--config={CONFIGS / name}" for name in names]
 
 
+HF_CONFIGS = ["hf_llama.yaml"]  # standalone (not overlays): a Hugging Face model through HFCausalLM
+
+
 def test_every_shipped_config_is_covered():
-    assert sorted(p.name for p in CONFIGS.glob("*.y*ml")) == sorted(["quickstart.yaml", *OVERLAYS, *GPU_CONFIGS])
+    shipped = sorted(p.name for p in CONFIGS.glob("*.y*ml"))
+    assert shipped == sorted(["quickstart.yaml", *OVERLAYS, *GPU_CONFIGS, *HF_CONFIGS])
 
 
 @pytest.mark.parametrize("stack", [["quickstart.yaml"], *(["quickstart.yaml", o] for o in OVERLAYS),
@@ -130,3 +134,16 @@ def test_overlay_trains_a_few_steps(overlay, tmp_path):
         "ActivationCheckpointing" if overlay == "checkpointing.yaml" else "ModelCheckpoint"
     )
     assert list((run / "checkpoints").glob("*.ckpt"))
+
+
+@pytest.mark.multiproc
+def test_hf_llama_config_builds_and_trains_a_few_steps(tmp_path):
+    pytest.importorskip("transformers")
+    logger = [f"--trainer.default_root_dir={tmp_path}", "--trainer.logger=false", "--trainer.callbacks=[]"]
+    short = [a for a in SHORT if "logger" not in a] + ["--model.init_args.model.num_hidden_layers=2"]
+    cli = LitEfficientCLI(args=["fit", *_args(*HF_CONFIGS), *short, *logger])
+    model = cli.model.model
+    assert type(model).__name__ == "LlamaForCausalLM" and model.config.tie_word_embeddings
+    assert model.config.vocab_size == cli.datamodule.vocab_size == 256  # linked from the data
+    assert cli.trainer.strategy.pipeline_stages == 2
+    assert math.isfinite(float(cli.trainer.callback_metrics["train_loss"]))  # rank 0's, from the spawned ranks

@@ -176,8 +176,9 @@ class GPT(LightningModule):
         dropout: Dropout probability on embeddings, attention and residual branches (0 disables it).
         bias: Biases in Linear and LayerNorm layers, like GPT-2 (False is slightly faster and as good).
         tie_weights: Share the LM head weight with the token embedding. The two then live in the
-            first and the last pipeline layer, so a tied model cannot be pipelined across stages;
-            use it only for single-device or DDP training.
+            first and the last pipeline layer; under `PACIStrategy` each of those stages holds a copy
+            kept equal by the tied-weight rule (exact under 1F1B-flush, the embedding-side gradient
+            applied ceil(S/N) steps late under PACI; see `lit_efficient.pipeline.tied`).
         learning_rate: Peak AdamW learning rate, reached at the end of warmup.
         weight_decay: Decoupled weight decay of the matrix weights (see `configure_optimizers`).
         betas: AdamW (beta1, beta2).
@@ -340,8 +341,11 @@ class GPT(LightningModule):
         hp = self.hparams
         embedding_params = {id(p) for m in self.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
         decay, no_decay = [], []
-        for _, param in self.named_parameters():
-            if param.ndim >= 2 and id(param) not in embedding_params:
+        for name, param in self.named_parameters():
+            # By name too: on the last pipeline stage the token table is elsewhere, and the tied head's copy
+            # must get the same settings as the embedding's, or the two copies would drift apart.
+            tied_head = hp.tie_weights and name == "head.lm_head.weight"
+            if param.ndim >= 2 and id(param) not in embedding_params and not tied_head:
                 decay.append(param)
             else:
                 no_decay.append(param)

@@ -66,6 +66,7 @@ _DTYPES = (
     torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
 )  # fmt: skip
 _DTYPE_CODE = {dtype: code for code, dtype in enumerate(_DTYPES)}
+_REQUIRES_GRAD = 64  # added to a tensor's dtype code when it requires grad on the sending side
 _ABORT_KEY = "lit_efficient/abort"
 
 Payload = tuple[Tensor | None, ...]
@@ -82,7 +83,9 @@ def encode_header(microbatch: int, tensors: Payload) -> list[int]:
             continue
         if t.dtype not in _DTYPE_CODE:
             raise TypeError(f"cannot send a {t.dtype} tensor between stages; supported: {list(_DTYPE_CODE)}")
-        fields += [_DTYPE_CODE[t.dtype], t.dim(), *t.shape]
+        # The receiver makes a tensor a gradient-collecting leaf only if it required grad here: side
+        # inputs (rotary cos/sin, float masks) then get no gradient computed or sent back.
+        fields += [_DTYPE_CODE[t.dtype] + _REQUIRES_GRAD * t.requires_grad, t.dim(), *t.shape]
     if len(fields) > _HEADER_LEN:
         raise ValueError(
             f"a stage boundary carries {len(tensors)} tensors whose shapes need {len(fields)} header fields "
@@ -93,18 +96,31 @@ def encode_header(microbatch: int, tensors: Payload) -> list[int]:
 
 def decode_header(fields: list[int]) -> tuple[int, list[Spec]]:
     """Inverse of `encode_header`: the micro-batch and, per tensor, its dtype and shape (None for None)."""
+    microbatch, specs, _ = _decode(fields)
+    return microbatch, specs
+
+
+def decode_requires_grad(fields: list[int]) -> list[bool]:
+    """Per tensor of a header: whether it required grad on the sending side (False for None)."""
+    return _decode(fields)[2]
+
+
+def _decode(fields: list[int]) -> tuple[int, list[Spec], list[bool]]:
     microbatch, count, pos = fields[0], fields[1], 2
     specs: list[Spec] = []
+    grads: list[bool] = []
     for _ in range(count):
         code = fields[pos]
         if code == _NONE:
             specs.append(None)
+            grads.append(False)
             pos += 1
             continue
         ndim = fields[pos + 1]
-        specs.append((_DTYPES[code], tuple(fields[pos + 2 : pos + 2 + ndim])))
+        specs.append((_DTYPES[code % _REQUIRES_GRAD], tuple(fields[pos + 2 : pos + 2 + ndim])))
+        grads.append(code >= _REQUIRES_GRAD)
         pos += 2 + ndim
-    return microbatch, specs
+    return microbatch, specs, grads
 
 
 @dataclass
@@ -207,7 +223,8 @@ class PointToPoint:
         """Receive the ``what`` of ``microbatch`` from global rank ``src``; blocks up to the timeout."""
         posted = self._posted.pop(src, None) or self._post(src)
         self._wait(posted.header_work, src, microbatch, what)
-        got, specs = decode_header(posted.header.tolist())
+        fields = posted.header.tolist()
+        got, specs = decode_header(fields)
         if got != microbatch:
             raise PipelineCommError(
                 f"stage {self.stage} (rank {self.rank}) expected {what} of micro-batch {microbatch} from rank "
@@ -222,7 +239,11 @@ class PointToPoint:
                 self._wait(work, src, microbatch, what)
         self._recv_specs[src] = tuple(specs)
         filled = iter(buffers)
-        return tuple(None if spec is None else next(filled) for spec in specs)
+        received = tuple(None if spec is None else next(filled) for spec in specs)
+        return tuple(
+            t.requires_grad_() if t is not None and grad else t
+            for t, grad in zip(received, decode_requires_grad(fields), strict=True)
+        )
 
     def _post(self, src: int) -> _PostedRecv:
         header = torch.empty(_HEADER_LEN, dtype=torch.int64)
@@ -312,3 +333,61 @@ def read_failure() -> str | None:
     except Exception:  # noqa: BLE001
         return None
     return None
+
+
+class TiedExchange:
+    """Gradients of a tied parameter between the first and the last stage of one pipeline.
+
+    The two ranks share a two-rank group of their own, so these messages never interleave with the
+    stage-to-stage stream of `PointToPoint`. Every message has the parameter's shape and dtype, so
+    there is no header. Sends are non-blocking (the tensor is kept alive until it is received);
+    receives wait up to ``timeout`` and fail naming the peer.
+
+    Args:
+        stage: This rank's stage (for messages).
+        peer: Global rank of the other copy's stage.
+        peer_stage: That rank's stage (for messages).
+        group: The two-rank group of this rank and ``peer``.
+        timeout: Seconds a receive waits before declaring the peer hung.
+    """
+
+    def __init__(self, stage: int, peer: int, peer_stage: int, group: dist.ProcessGroup, timeout: float) -> None:
+        self.stage = stage
+        self.peer = peer
+        self.peer_stage = peer_stage
+        self._group = group
+        self._timeout = timedelta(seconds=timeout)
+        self._pending: list[tuple[dist.Work, Tensor]] = []
+        self.bytes_sent = 0
+
+    def all_reduce(self, t: Tensor) -> None:
+        """Sum ``t`` in place with the peer's tensor (both ranks call it at the same step)."""
+        self._wait(dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self._group, async_op=True), "all-reduce")
+        self.bytes_sent += t.numel() * t.element_size()
+
+    def send(self, t: Tensor) -> None:
+        """Start sending ``t`` to the peer; ``t`` must not be changed until `flush` (or a later send) reaps it."""
+        self._pending = [(w, x) for w, x in self._pending if not w.is_completed()]
+        self._pending.append((dist.isend(t, self.peer, group=self._group), t))
+        self.bytes_sent += t.numel() * t.element_size()
+
+    def recv(self, like: Tensor) -> Tensor:
+        """The next tensor the peer sent, shaped like ``like``; blocks up to the timeout."""
+        buf = torch.empty_like(like)
+        self._wait(dist.irecv(buf, self.peer, group=self._group), "receive")
+        return buf
+
+    def flush(self) -> None:
+        """Wait for every send in flight."""
+        for work, _ in self._pending:
+            self._wait(work, "send")
+        self._pending.clear()
+
+    def _wait(self, work: dist.Work, what: str) -> None:
+        try:
+            work.wait(self._timeout)
+        except RuntimeError as err:
+            raise PipelineCommError(
+                f"stage {self.stage} (rank {dist.get_rank()}) failed the tied-weight gradient {what} with stage "
+                f"{self.peer_stage} (rank {self.peer}): {err}"
+            ) from err

@@ -161,6 +161,7 @@ class PipelineStage:
         self.stats = StageStats()
         self.skipped_windows = 0
         self._in_flight: dict[int, _InFlight] = {}
+        self._output_grad_flags: dict[tuple, tuple[bool, ...]] = {}  # recompute: see _forward_without_graph
         # Per window, on the device: [sum of micro-batch weights, number of non-finite losses seen
         # downstream, first such micro-batch or -1]. Reduced across replicas with the gradients.
         self._window: Tensor | None = None
@@ -170,6 +171,9 @@ class PipelineStage:
         self.reduce_gradients: Callable[[list[Tensor], Tensor], Tensor] | None = None
         self.clip_gradients: Callable[[list[nn.Parameter]], None] | None = None
         self.after_step: Callable[[], None] | None = None
+        # Combines the gradient of a parameter tied with another stage (lit_efficient.pipeline.tied)
+        # after normalization, before the update; called on every applied update.
+        self.exchange_tied: Callable[[], None] | None = None
 
     # -- compute ---------------------------------------------------------------------------------
 
@@ -181,9 +185,8 @@ class PipelineStage:
         record = _InFlight(version=self.version, inputs=inputs)
         if self.recompute:
             record.rng = _capture_rng(self.device)
-            record.inputs = tuple(None if t is None else t.detach() for t in inputs)
-            with torch.no_grad(), self.forward_context():
-                outputs = run_layers(self.layers, inputs, self.first_layer)
+            record.inputs = tuple(None if t is None else t.detach().requires_grad_(t.requires_grad) for t in inputs)
+            outputs = self._forward_without_graph(inputs)
         else:
             with self.forward_context():
                 outputs = run_layers(self.layers, inputs, self.first_layer)
@@ -248,6 +251,8 @@ class PipelineStage:
         for g in grads:
             g.div_(totals[0])
         update = self._check_finite(grads, totals, window)
+        if update and self.exchange_tied is not None:
+            self.exchange_tied()  # a weight shared with another stage: combine the copies' gradients
         if not update:
             for p in params:
                 p.grad = None
@@ -364,6 +369,24 @@ class PipelineStage:
             )
         return loss, item_count(items, self.device, torch.float64)
 
+    def _forward_without_graph(self, inputs: Payload) -> Payload:
+        """Recompute mode's forward: no graph kept, but each output still says whether it will need a
+        gradient (the next stage sends one back only for those). That is structural, so it is learned once
+        per input pattern from a forward with autograd on (its graph freed at once) and reused."""
+        key = tuple(None if t is None else t.requires_grad for t in inputs)
+        flags = self._output_grad_flags.get(key)
+        with torch.set_grad_enabled(flags is None), self.forward_context():
+            outputs = run_layers(self.layers, inputs, self.first_layer)
+        if flags is None:
+            flags = tuple(isinstance(t, Tensor) and t.requires_grad for t in outputs)
+            self._output_grad_flags[key] = flags
+        elif len(flags) != len(outputs):  # a new output pattern for a known input one: assume every float needs one
+            flags = tuple(isinstance(t, Tensor) and t.is_floating_point() for t in outputs)
+        return tuple(
+            t.detach().requires_grad_(f) if isinstance(t, Tensor) and t.is_floating_point() else t
+            for t, f in zip(outputs, flags, strict=True)
+        )
+
     def _recompute(self, record: _InFlight) -> Payload:
         assert record.rng is not None
         devices = [self.device] if self.device.type == "cuda" else []
@@ -409,11 +432,13 @@ def item_count(items: Tensor | int | float, device: torch.device, dtype: torch.d
 
 
 def _as_leaf(t: Tensor | None) -> Tensor | None:
-    """A received tensor as an input leaf: floating ones collect the gradient to send back."""
+    """A received tensor as an input leaf: one that required grad on the sending side (comm carries the
+    flag) collects the gradient to send back; side inputs (masks, rotary tables) get none."""
     if t is None:
         return None
+    needs_grad = t.requires_grad and t.is_floating_point()
     t = t.detach()
-    return t.requires_grad_() if t.is_floating_point() else t
+    return t.requires_grad_() if needs_grad else t
 
 
 def _capture_rng(device: torch.device) -> tuple[Tensor, Tensor | None]:

@@ -41,6 +41,7 @@ from lit_efficient.pipeline.partition import check_sizes, partition_balanced, pa
 from lit_efficient.pipeline.runtime import PipelineRuntime
 from lit_efficient.pipeline.schedules import SCHEDULES, ScheduleName
 from lit_efficient.pipeline.stage import PipelineStage
+from lit_efficient.pipeline.tied import finish_tied
 from lit_efficient.pipeline.topology import Topology
 from lit_efficient.progress import swap_stock_progress_bar
 from lit_efficient.protocol import PIPELINE_METHODS, missing_pipeline_methods
@@ -63,11 +64,14 @@ from lit_efficient.strategies.profile import profile_layers
 from lit_efficient.strategies.split import (
     LayerOnOtherStage,
     Split,
+    check_sharing,
+    check_stage_parameters,
     layer_parameter_counts,
     local_layer_state_dicts,
     split_module,
     unsplit,
 )
+from lit_efficient.strategies.tied import counted_in_global_norm, install_tied_weights, is_tied, tie_groups
 
 Balance = Literal["parameters", "uniform", "profile"]
 _PRECISIONS = ("32-true", "bf16-mixed")
@@ -159,6 +163,8 @@ class PACIStrategy(DDPStrategy):
         self._epoch_schedulers: list[Any] = []
         self._eval_index = 0
         self._failed = False
+        self._tie_groups: dict[int, dist.ProcessGroup] = {}
+        self._tied: list[Any] = []
 
     # -- process layout ---------------------------------------------------------------------------
 
@@ -244,7 +250,8 @@ class PACIStrategy(DDPStrategy):
         _check_module(module, self.precision_plugin)
         layers = list(module.pipeline_layers())
         sizes = self._stage_sizes(module, layers, trainer)
-        self._split = split_module(module, layers, sizes, self.stage)
+        ties = check_sharing(module, layers, sizes)  # a tied embedding: see lit_efficient.pipeline.tied
+        self._split = split_module(module, layers, sizes, self.stage, ties)
         self.model = self.precision_plugin.convert_module(module)
         self.model_to_device()
         fitting = trainer.state.fn == TrainerFn.FITTING
@@ -271,6 +278,13 @@ class PACIStrategy(DDPStrategy):
         if fitting:
             self._install_step_hooks(stage, trainer)
             self._replace_sigterm_barrier(trainer)
+        if ties:
+            self._tie_groups = self._tie_groups or tie_groups(self.topology)  # collective: every rank
+            if fitting:
+                self._tied = install_tied_weights(
+                    stage, self._split, self.schedule, max(1, trainer.accumulate_grad_batches), self.topology,
+                    self.global_rank, self._tie_groups[self.replica], self.p2p_timeout,
+                )  # fmt: skip
         prev_rank, next_rank = self.topology.neighbours(self.global_rank)
         comm = None
         if self.pipeline_stages > 1:
@@ -329,11 +343,11 @@ class PACIStrategy(DDPStrategy):
         if not dist.is_initialized():
             return
         groups = [*self._dp_groups.values(), *self._pipeline_groups.values()]
-        groups += [self._signal_group, self._header_group, self._p2p_group]
+        groups += [self._signal_group, self._header_group, self._p2p_group, *self._tie_groups.values()]
         for group in groups:
             if group is not None:
                 dist.destroy_process_group(group)
-        self._dp_groups, self._pipeline_groups = {}, {}
+        self._dp_groups, self._pipeline_groups, self._tie_groups = {}, {}, {}
         self._signal_group = self._header_group = self._p2p_group = None
 
     def _gather_model_on_rank_zero(self) -> None:
@@ -367,6 +381,7 @@ class PACIStrategy(DDPStrategy):
             sizes = partition_balanced([max(c, 1) for c in counts], self.pipeline_stages)
         else:
             sizes = self._profiled_sizes(module, layers, trainer)
+        check_stage_parameters(counts, sizes)
         rank_zero_info(f"PACIStrategy: {len(layers)} layers over {self.pipeline_stages} stages as {sizes}")
         return sizes
 
@@ -434,10 +449,16 @@ class PACIStrategy(DDPStrategy):
         exact = self.schedule == "1f1b_flush" and self.pipeline_stages > 1
 
         def clip_norm(params: list[torch.nn.Parameter]) -> None:
+            if not exact:  # a tied weight's copies must scale alike: paci clips it by its own norm
+                for p in params:
+                    if is_tied(p) and p.grad is not None:
+                        torch.nn.utils.clip_grad_norm_([p], value)
+                params = [p for p in params if not is_tied(p)]
             grads = [p.grad for p in params if p.grad is not None]
             squared = torch.zeros(1, device=self.root_device, dtype=torch.float32)
-            for g in grads:
-                squared += g.detach().float().pow(2).sum()
+            for p in params:
+                if p.grad is not None and counted_in_global_norm(p):
+                    squared += p.grad.detach().float().pow(2).sum()
             if exact:
                 # flush: every stage steps together, so the global norm across stages is exact.
                 all_reduce_flat([squared], group)
@@ -548,6 +569,8 @@ class PACIStrategy(DDPStrategy):
     def on_train_end(self) -> None:
         if self.runtime is not None:
             self.runtime.drain()
+        finish_tied(self._tied)
+        self._tied = []
         # Every rank started the same broadcasts; wait for the last ones so no asynchronous work is
         # left in flight when the process group is torn down (a pending gloo work at exit aborts).
         while self._sigterm_pending:

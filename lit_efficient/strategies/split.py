@@ -5,12 +5,23 @@ tree, for a `LayerOnOtherStage` placeholder without parameters, so ``module.para
 ``configure_optimizers`` and ``state_dict`` see exactly this stage, under the unsplit module's
 key names. The placeholder remembers the layer's structure on the meta device (no memory), which
 is what lets `unsplit` rebuild the whole model on one rank from the stages' state dicts.
+
+A pipeline layer is either a registered submodule, or an *adapter*: a module kept out of the module
+tree (e.g. in a plain list) whose children are registered submodules, such as the decoder layers of
+a Hugging Face model wrapped to pass side inputs along (`lit_efficient.models.HFCausalLM`). The
+parts that move between stages are then the adapter's children, at their own places in the tree, so
+the module's ``state_dict`` keys stay the wrapped model's own.
+
+This file also checks what sharing a split can honour: a module registered at two places is refused
+(moving one copy to another stage would leave the other on the meta device), and a parameter may be
+shared across stages only by the first and the last layer (a tied embedding, see
+`lit_efficient.pipeline.tied`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -42,13 +53,33 @@ class LayerOnOtherStage(nn.Module):
         return f"layer={self.index}, stage={self.stage}"
 
 
+@dataclass(frozen=True)
+class Tie:
+    """A parameter shared by the first and the last pipeline layer (a tied input embedding and LM head).
+
+    Attributes:
+        name: The parameter's name in the module where the first layer holds it.
+        alias: Its name where the last layer holds it.
+        first: (part index, name inside the part) of the first layer's copy.
+        last: (part index, name inside the part) of the last layer's copy.
+    """
+
+    name: str
+    alias: str
+    first: tuple[int, str]
+    last: tuple[int, str]
+
+
 @dataclass
 class Split:
-    """Where each layer went: ``sizes[s]`` layers on stage s, and the slots of the moved-out layers."""
+    """Where each layer went: ``sizes[s]`` layers on stage s, and the slots of the moved-out parts."""
 
     sizes: list[int]
     stage: int
-    slots: list[tuple[nn.Module, str]]  # (parent, attribute name) of every layer, in order
+    # (layer index, parent, attribute name) of every part, in layer order: a registered layer is one
+    # part; an adapter layer has one part per child.
+    slots: list[tuple[int, nn.Module, str]]
+    ties: list[Tie] = field(default_factory=list)
 
     @property
     def bounds(self) -> tuple[int, int]:
@@ -67,16 +98,10 @@ class Split:
 
 
 def layer_parameter_counts(module: nn.Module, layers: Sequence[nn.Module]) -> list[int]:
-    """Parameters per layer, after checking that every parameter belongs to exactly one layer."""
-    owner: dict[int, int] = {}
-    for i, layer in enumerate(layers):
-        for p in layer.parameters():
-            if id(p) in owner and owner[id(p)] != i:
-                raise ValueError(
-                    f"a parameter is shared by pipeline layers {owner[id(p)]} and {i} (tied weights?). "
-                    "Layers on different stages cannot share parameters: untie them (e.g. GPT(tie_weights=False))."
-                )
-            owner[id(p)] = i
+    """Parameters per layer, after checking that every parameter belongs to a layer and no part of a
+    layer is registered twice. A parameter shared by two layers counts in both (see `check_sharing`)."""
+    _check_registered_once(module, layers)
+    owner: set[int] = {id(p) for layer in layers for p in layer.parameters()}
     outside = [name for name, p in module.named_parameters() if id(p) not in owner]
     if outside:
         raise ValueError(
@@ -86,45 +111,95 @@ def layer_parameter_counts(module: nn.Module, layers: Sequence[nn.Module]) -> li
     return [sum(p.numel() for p in layer.parameters()) for layer in layers]
 
 
-def split_module(module: nn.Module, layers: Sequence[nn.Module], sizes: Sequence[int], stage: int) -> Split:
-    """Replace every layer outside ``stage`` with a placeholder, in place; returns the record."""
+def check_sharing(module: nn.Module, layers: Sequence[nn.Module], sizes: Sequence[int]) -> list[Tie]:
+    """The parameters shared across stages, each a `Tie` of the first and the last layer; raises for any
+    other sharing (between other layers on different stages, or by more than two layers)."""
+    names = _parameter_names(module)
+    stage_of = [s for s, size in enumerate(sizes) for _ in range(size)]
+    users: dict[int, list[int]] = {}
+    params: dict[int, nn.Parameter] = {}
+    for i, layer in enumerate(layers):
+        for p in layer.parameters():
+            if i not in users.setdefault(id(p), []):
+                users[id(p)].append(i)
+            params[id(p)] = p
+    ties = []
+    last = len(layers) - 1
+    for key, idx in users.items():
+        if len({stage_of[i] for i in idx}) < 2:
+            continue  # shared within one stage: that stage holds the one copy
+        where = ", ".join(f"{i} ({type(layers[i]).__name__})" for i in idx)
+        pname = names.get(key, ["?"])[0]
+        if idx != [0, last]:
+            raise ValueError(
+                f"parameter '{pname}' is shared by pipeline layers {where}, which land on different stages. Only a "
+                "weight tied between the first and the last layer (input embedding and LM head) can be shared across "
+                "stages; untie the others, or choose balance= so that the layers sharing it sit on one stage."
+            )
+        ties.append(_tie(module, layers, params[key]))
+    return ties
+
+
+def split_module(
+    module: nn.Module, layers: Sequence[nn.Module], sizes: Sequence[int], stage: int, ties: Sequence[Tie] = ()
+) -> Split:
+    """Replace every part of a layer outside ``stage`` with a placeholder, in place; returns the record."""
     slots = _slots(module, layers)
-    split = Split(list(sizes), stage, slots)
+    split = Split(list(sizes), stage, slots, list(ties))
     first, last = split.bounds
-    for i, ((parent, name), layer) in enumerate(zip(slots, layers, strict=True)):
+    for i, parent, name in slots:
+        part = _get(parent, name)
         if first <= i < last:
-            if isinstance(layer, LayerOnOtherStage):
+            if isinstance(part, LayerOnOtherStage):
                 raise ValueError(
                     f"layer {i} is needed on stage {stage} but this rank holds no weights for it (the module was "
                     "split by an earlier run with another layout). Load a consolidated checkpoint into a fresh module."
                 )
             continue
-        if not isinstance(layer, LayerOnOtherStage):
-            layer = LayerOnOtherStage(i, split.stage_of_layer(i), layer.to("meta"))
-        layer.stage = split.stage_of_layer(i)
-        _set(parent, name, layer)
+        if not isinstance(part, LayerOnOtherStage):
+            part = LayerOnOtherStage(i, split.stage_of_layer(i), _to_meta(part))
+        part.stage = split.stage_of_layer(i)
+        _set(parent, name, part)
     return split
 
 
 def unsplit(split: Split, state_dicts: dict[int, dict[str, torch.Tensor]], device: torch.device) -> None:
-    """Put every layer back, rebuilding moved-out ones from ``state_dicts[layer index]`` on ``device``."""
-    for i, (parent, name) in enumerate(split.slots):
+    """Put every part back, rebuilding moved-out ones from ``state_dicts[part index]`` on ``device``,
+    and tie the shared parameters again (the two stages' copies become one parameter)."""
+    for k, (_, parent, name) in enumerate(split.slots):
         current = _get(parent, name)
         if not isinstance(current, LayerOnOtherStage):
             continue
-        layer = current.structure.to_empty(device=device)
-        if i in state_dicts:
-            layer.load_state_dict(state_dicts[i])
-        _set(parent, name, layer)
+        part = current.structure.to_empty(device=device)
+        if k in state_dicts:
+            # Non-persistent buffers (e.g. a rotary inv_freq table) travel too: to_empty leaves them garbage.
+            unexpected = part.load_state_dict(state_dicts[k], strict=False).unexpected_keys
+            for key in unexpected:
+                part.get_buffer(key).copy_(state_dicts[k][key])
+        _set(parent, name, part)
+    for tie in split.ties:
+        (pa, na), (pb, nb) = tie.first, tie.last
+        owner = _get(*split.slots[pa][1:])
+        holder_path, _, attr = nb.rpartition(".")
+        holder = _get(*split.slots[pb][1:])
+        holder = holder.get_submodule(holder_path) if holder_path else holder
+        setattr(holder, attr, owner.get_parameter(na))
 
 
 def local_layer_state_dicts(split: Split) -> dict[int, dict[str, torch.Tensor]]:
-    """This rank's layers' state dicts on CPU, keyed by layer index (for `unsplit` on another rank)."""
+    """This rank's parts' state dicts on CPU, keyed by part index (for `unsplit` on another rank)."""
     first, last = split.bounds
-    return {i: {k: v.detach().cpu() for k, v in _get(*split.slots[i]).state_dict().items()} for i in range(first, last)}
+    return {k: _part_state(_get(parent, name)) for k, (i, parent, name) in enumerate(split.slots) if first <= i < last}
 
 
-def _slots(module: nn.Module, layers: Sequence[nn.Module]) -> list[tuple[nn.Module, str]]:
+def _part_state(part: nn.Module) -> dict[str, torch.Tensor]:
+    state = {key: v.detach().cpu() for key, v in part.state_dict().items()}
+    for key, buf in part.named_buffers():
+        state.setdefault(key, buf.detach().cpu())  # non-persistent ones: not in state_dict, needed by unsplit
+    return state
+
+
+def _slots(module: nn.Module, layers: Sequence[nn.Module]) -> list[tuple[int, nn.Module, str]]:
     where: dict[int, tuple[nn.Module, str]] = {}
     for parent in module.modules():
         for name, child in parent._modules.items():
@@ -132,13 +207,84 @@ def _slots(module: nn.Module, layers: Sequence[nn.Module]) -> list[tuple[nn.Modu
                 where.setdefault(id(child), (parent, name))
     slots = []
     for i, layer in enumerate(layers):
-        if id(layer) not in where:
+        if id(layer) in where:
+            slots.append((i, *where[id(layer)]))
+            continue
+        children = [child for child in layer.children()]
+        if not children or any(id(c) not in where for c in children) or next(layer.parameters(False), None) is not None:
             raise ValueError(
                 f"pipeline_layers()[{i}] ({type(layer).__name__}) is not a submodule of the module: register every "
-                "pipeline layer as an attribute or in an nn.ModuleList so the stage can find and keep it"
+                "pipeline layer as an attribute or in an nn.ModuleList so the stage can find and keep it (or, for an "
+                "adapter around registered modules, keep the adapter out of the module tree and give it no parameters "
+                "of its own)"
             )
-        slots.append(where[id(layer)])
+        slots += [(i, *where[id(c)]) for c in children]
     return slots
+
+
+def _check_registered_once(module: nn.Module, layers: Sequence[nn.Module]) -> None:
+    """A module reachable at two places would keep a copy on every stage (and the moved-out copy's parameters
+    on the meta device: the 'Cannot copy out of meta tensor' error at setup). Refuse it, naming both places."""
+    paths: dict[int, list[str]] = {}
+    for name, m in module.named_modules(remove_duplicate=False):
+        paths.setdefault(id(m), []).append(name)
+    for i, layer in enumerate(layers):
+        for m in layer.modules():
+            found = paths.get(id(m), [])
+            if len(found) > 1:
+                raise ValueError(
+                    f"pipeline_layers()[{i}] ({type(layer).__name__}) contains a {type(m).__name__} registered twice "
+                    f"in {type(module).__name__}, as '{found[0]}' and '{found[1]}' (e.g. the original model kept "
+                    "as an attribute next to wrappers around its own layers). Register each layer once: keep "
+                    "wrappers out of the module tree (in a plain list) or drop the original model's attribute; for a "
+                    "Hugging Face model use lit_efficient.models.HFCausalLM(model)."
+                )
+
+
+def _parameter_names(module: nn.Module) -> dict[int, list[str]]:
+    names: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return names
+
+
+def _tie(module: nn.Module, layers: Sequence[nn.Module], param: nn.Parameter) -> Tie:
+    slots = _slots(module, layers)
+    last = len(layers) - 1
+
+    def locate(layer_index: int) -> tuple[int, str]:
+        for k, (i, parent, name) in enumerate(slots):
+            if i != layer_index:
+                continue
+            for pname, p in _get(parent, name).named_parameters(remove_duplicate=False):
+                if p is param:
+                    return k, pname
+        raise AssertionError("a tied parameter must be found in both layers")
+
+    first_part, last_part = locate(0), locate(last)
+    prefix = {id(_get(parent, name)): _qualname(module, _get(parent, name)) for _, parent, name in slots}
+    parts = [_get(*slots[k][1:]) for k in (first_part[0], last_part[0])]
+    name = f"{prefix[id(parts[0])]}.{first_part[1]}".lstrip(".")
+    alias = f"{prefix[id(parts[1])]}.{last_part[1]}".lstrip(".")
+    return Tie(name, alias, first_part, last_part)
+
+
+def _qualname(module: nn.Module, target: nn.Module) -> str:
+    for name, m in module.named_modules():
+        if m is target:
+            return name
+    return ""
+
+
+def _to_meta(part: nn.Module) -> nn.Module:
+    """``part`` moved to the meta device with new parameter objects: a parameter it shares with a layer kept on
+    this stage (a tied embedding) stays real there. (``Module.to`` would change a shared parameter in place.)"""
+    overwrite = torch.__future__.get_overwrite_module_params_on_conversion()
+    torch.__future__.set_overwrite_module_params_on_conversion(True)
+    try:
+        return part.to("meta")
+    finally:
+        torch.__future__.set_overwrite_module_params_on_conversion(overwrite)
 
 
 def _get(parent: nn.Module, name: str) -> nn.Module:
@@ -147,3 +293,18 @@ def _get(parent: nn.Module, name: str) -> nn.Module:
 
 def _set(parent: nn.Module, name: str, layer: nn.Module) -> None:
     parent._modules[name] = layer
+
+
+def check_stage_parameters(counts: Sequence[int], sizes: Sequence[int]) -> None:
+    """Refuse, before training, a split that leaves a stage without parameters: it would have nothing to
+    optimize (torch refuses an empty optimizer on that rank while its peers hang on it)."""
+    first = 0
+    for stage, size in enumerate(sizes):
+        if sum(counts[first : first + size]) == 0:
+            raise ValueError(
+                f"stage {stage} would hold pipeline layers {first}..{first + size - 1}, which have no parameters. "
+                f"Give every stage a layer with weights: balance='parameters', an explicit balance=[...] (layers per "
+                f"stage; sizes {list(sizes)} now), or fewer pipeline_stages; or fold the parameter-free layers into "
+                "a neighbouring layer in pipeline_layers()."
+            )
+        first += size

@@ -1,0 +1,78 @@
+"""Wiring a weight tied between the first and the last stage into a strategy's stages.
+
+The rule lives in `lit_efficient.pipeline.tied`, the transport in `comm.TiedExchange`; this file
+only finds this rank's copies, makes the two-rank groups and installs the hooks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch.distributed as dist
+from torch import nn
+
+from lit_efficient.pipeline.comm import TiedExchange
+from lit_efficient.pipeline.schedules import ScheduleName
+from lit_efficient.pipeline.stage import PipelineStage
+from lit_efficient.pipeline.tied import TiedWeight, tie_delay
+from lit_efficient.pipeline.topology import Topology
+from lit_efficient.strategies.split import Split
+
+TIED_ATTR = "_lit_efficient_tied"  # set on a tied copy: clipping treats it once, see `tied_aware_norm`
+
+
+def tie_groups(topology: Topology) -> dict[int, dist.ProcessGroup]:
+    """One two-rank group per replica: its first and its last stage. Collective: every rank calls it."""
+    first, last = 0, topology.num_stages - 1
+    return {
+        r: dist.new_group(sorted({topology.rank_of(first, r), topology.rank_of(last, r)}))
+        for r in range(topology.num_replicas)
+    }
+
+
+def install_tied_weights(
+    stage: PipelineStage,
+    split: Split,
+    schedule: ScheduleName,
+    accumulate: int,
+    topology: Topology,
+    rank: int,
+    group: dist.ProcessGroup,
+    timeout: float,
+) -> list[TiedWeight]:
+    """Install the tied-weight rule on ``stage`` (first or last) for every tie of ``split``."""
+    s, last = topology.stage_of(rank), topology.num_stages - 1
+    if not split.ties or s not in (0, last):
+        return []
+    replica = topology.replica_of(rank)
+    peer_stage = last if s == 0 else 0
+    peer = topology.rank_of(peer_stage, replica)
+    exchange = TiedExchange(s, peer, peer_stage, group, timeout)
+    tied = []
+    for tie in split.ties:
+        part, name = tie.first if s == 0 else tie.last
+        _, parent, attr = split.slots[part]
+        param = parent._modules[attr].get_parameter(name)  # type: ignore[union-attr]
+        setattr(param, TIED_ATTR, s == 0)  # True on the copy counted in a pipeline-wide norm
+        tied.append(TiedWeight(param, s == 0, schedule, tie_delay(topology.num_stages, accumulate), exchange))
+    stage.exchange_tied = _all(tied)
+    return tied
+
+
+def _all(tied: list[TiedWeight]) -> Callable[[], None]:
+    def exchange() -> None:
+        for t in tied:
+            t()
+
+    return exchange
+
+
+def counted_in_global_norm(param: nn.Parameter) -> bool:
+    """Whether a pipeline-wide gradient norm counts ``param``: a tied weight's second copy holds the same
+    gradient as the first, so the exact (flush) norm counts it once."""
+    return getattr(param, TIED_ATTR, True)
+
+
+def is_tied(param: nn.Parameter) -> bool:
+    """Whether ``param`` is one copy of a weight tied across stages."""
+    return hasattr(param, TIED_ATTR)

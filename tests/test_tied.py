@@ -1,0 +1,219 @@
+"""The tied-weight rule (lit_efficient.pipeline.tied) on real processes against a one-process emulation of
+its documented semantics, and the sharing patterns a split accepts or refuses."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lit_efficient.pipeline.comm import PointToPoint, TiedExchange
+from lit_efficient.pipeline.demo import build_layers, lm_loss
+from lit_efficient.pipeline.partition import partition_uniform, stage_bounds
+from lit_efficient.pipeline.runtime import PipelineRuntime
+from lit_efficient.pipeline.stage import PipelineStage
+from lit_efficient.pipeline.tied import TiedWeight, finish_tied, tie_delay
+from lit_efficient.pipeline.topology import Topology
+from lit_efficient.strategies.split import check_sharing, split_module, unsplit
+from tests.multiproc import spawn, values
+from tests.test_runtime_multiproc import MODEL, _data, _forward_version
+
+LR = 0.05
+
+
+def _tied_layers() -> list[nn.Module]:
+    """The demo model with its head tied to the token embedding (both 256 x dim)."""
+    layers = build_layers(**MODEL)
+    layers[-1].out.weight = layers[0].tok.weight
+    return layers
+
+
+def _unique(layers):
+    seen: dict[int, nn.Parameter] = {}
+    for layer in layers:
+        for p in layer.parameters():
+            seen.setdefault(id(p), p)
+    return list(seen.values())
+
+
+def _optimizer(params):
+    return torch.optim.SGD(params, lr=LR, momentum=0.9)
+
+
+def _run_pipeline(rank, world, schedule, accumulate, windows):
+    topo = Topology.for_world(world, world)
+    s = topo.stage_of(rank)
+    layers = _tied_layers()
+    lo, hi = stage_bounds(partition_uniform(len(layers), world))[s]
+    mine = layers[lo:hi]
+    stage = PipelineStage(mine, s, world, _optimizer(_unique(mine)), lm_loss, recompute=True)
+    group = dist.new_group([topo.rank_of(0), topo.rank_of(world - 1)])  # every rank creates it
+    tied = []
+    if s in (0, world - 1):
+        peer_stage = world - 1 - s
+        exchange = TiedExchange(s, topo.rank_of(peer_stage), peer_stage, group, 60.0)
+        tied = [TiedWeight(layers[0].tok.weight, s == 0, schedule, tie_delay(world, accumulate), exchange)]
+        stage.exchange_tied = tied[0]
+    comm = PointToPoint(s, topo.stage_of, torch.device("cpu"), 60.0)
+    runtime = PipelineRuntime(stage, schedule, accumulate, lambda b: b[0], comm, *topo.neighbours(rank))
+    for j, batch in enumerate(_data(accumulate * windows)):
+        runtime.feed(batch, j)
+    runtime.drain()
+    finish_tied(tied)
+    return {"stage": s, "params": [p.detach().clone() for p in stage.parameters()]}
+
+
+def _emulate(data, stages: int, accumulate: int, schedule: str) -> list[list[nn.Module]]:
+    """The rule as documented, in one process: every stage holds its own copy of the tied weight; PACI
+    forwards on the weights of `_forward_version` and backpropagates through the current ones (recompute);
+    at update k both copies step with G_k = g_last_k + g_first_{k-d} (paci, d = ceil(S/N)) or
+    g_first_k + g_last_k (flush)."""
+    bounds = stage_bounds(partition_uniform(len(_tied_layers()), stages))
+    full = _tied_layers()
+    stage_layers = [copy.deepcopy(full[lo:hi]) for lo, hi in bounds]  # separate copies: the tie is cut
+    first_copy, last_copy = stage_layers[0][0].tok.weight, stage_layers[-1][-1].out.weight
+    opts = [_optimizer(_unique(mine)) for mine in stage_layers]
+    versions = [[copy.deepcopy(mine)] for mine in stage_layers]
+    delay = tie_delay(stages, accumulate)
+    pending: list[torch.Tensor] = []
+
+    def run(mods, x):
+        for layer in mods:
+            x = layer(x)
+        return x
+
+    for j, batch in enumerate(data):
+        inputs, x = [], batch[0]
+        with torch.no_grad():
+            for s in range(stages):
+                inputs.append(x)
+                v = _forward_version(s, stages, j, accumulate) if schedule == "paci" else len(versions[s]) - 1
+                x = run(versions[s][v], x)
+        grad = None
+        for s in reversed(range(stages)):
+            x = inputs[s].clone().requires_grad_(s > 0)
+            out = run(stage_layers[s], x)
+            if s == stages - 1:
+                (lm_loss(out, batch)[0] / accumulate).backward()
+            else:
+                out.backward(grad)
+            grad = x.grad
+        if (j + 1) % accumulate == 0:
+            g_first, g_last = first_copy.grad.clone(), last_copy.grad.clone()
+            if schedule == "paci":
+                pending.append(g_first)
+                combined = g_last + (pending.pop(0) if len(pending) > delay else 0)
+            else:
+                combined = g_first + g_last
+            first_copy.grad.copy_(combined)
+            last_copy.grad.copy_(combined)
+            for s in range(stages):
+                opts[s].step()
+                opts[s].zero_grad()
+                versions[s].append(copy.deepcopy(stage_layers[s]))
+    return stage_layers
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize(
+    ("schedule", "stages", "accumulate"), [("1f1b_flush", 2, 4), ("paci", 2, 2), ("paci", 4, 2)]
+)  # paci at S=4, N=2: delay 2
+def test_tied_rule_equals_its_definition(schedule, stages, accumulate):
+    windows = 4
+    results = values(spawn(_run_pipeline, stages, schedule, accumulate, windows))
+    data = _data(accumulate * windows)
+    emulated = _emulate(data, stages, accumulate, schedule)
+    by_stage = {r["stage"]: r["params"] for r in results}
+    for s, mine in enumerate(emulated):
+        want = _unique(mine)
+        assert len(want) == len(by_stage[s])
+        diff = max((a - b).abs().max().item() for a, b in zip(by_stage[s], want, strict=True))
+        assert diff <= 1e-5, (s, diff)
+    first, last = by_stage[0][0], by_stage[stages - 1][-2]  # tok.weight first; out.weight before out.bias
+    assert first.shape == last.shape and torch.equal(first, last)  # the copies are identical after the run
+    if schedule == "1f1b_flush":  # flush is the unsplit tied model's SGD
+        layers = _tied_layers()
+        opt = _optimizer(_unique(layers))
+        for j, batch in enumerate(data):
+            x = batch[0]
+            for layer in layers:
+                x = layer(x)
+            (lm_loss(x, batch)[0] / accumulate).backward()
+            if (j + 1) % accumulate == 0:
+                opt.step()
+                opt.zero_grad()
+        assert (layers[0].tok.weight - first).abs().max().item() <= 1e-5
+
+
+def test_tie_delay_is_the_smallest_that_never_waits():
+    assert [tie_delay(s, n) for s, n in [(2, 4), (2, 2), (2, 1), (4, 2), (8, 8), (8, 4)]] == [1, 1, 2, 2, 1, 2]
+
+
+class _Model(nn.Module):
+    def __init__(self, share: tuple[int, int] | None) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(4))
+        if share is not None:
+            self.layers[share[1]].weight = self.layers[share[0]].weight
+
+
+def test_only_first_and_last_layer_may_share_across_stages():
+    model = _Model((0, 3))
+    (tie,) = check_sharing(model, list(model.layers), [2, 2])
+    assert (tie.name, tie.alias) == ("layers.0.weight", "layers.3.weight")
+    model = _Model((1, 2))
+    assert check_sharing(model, list(model.layers), [3, 1]) == []  # both on stage 0: one copy
+    with pytest.raises(ValueError, match=r"'layers.1.weight' is shared by pipeline layers 1 \(Linear\), 2 \(Linear\)"):
+        check_sharing(model, list(model.layers), [2, 2])
+
+
+def test_split_keeps_a_real_copy_on_each_side_and_unsplit_ties_again():
+    model = _Model((0, 3))
+    layers = list(model.layers)
+    ties = check_sharing(model, layers, [2, 2])
+    split = split_module(model, layers, [2, 2], 1, ties)  # this rank: stage 1, holding layers 2 and 3
+    assert type(model.layers[0]).__name__ == "LayerOnOtherStage"
+    assert model.layers[3].weight.device.type == "cpu"  # the tied copy stayed real (Module.to would not)
+    fresh = _Model(None)
+    unsplit(split, {0: fresh.layers[0].state_dict(), 1: fresh.layers[1].state_dict()}, torch.device("cpu"))
+    assert torch.equal(model.layers[0].weight, fresh.layers[0].weight)
+    assert model.layers[3].weight is model.layers[0].weight
+
+
+def test_header_carries_which_tensors_need_a_gradient():
+    from lit_efficient.pipeline.comm import decode_header, decode_requires_grad, encode_header
+
+    hidden = torch.zeros(2, 3, requires_grad=True)
+    fields = encode_header(5, (hidden, torch.ones(3), None, torch.arange(4)))
+    assert decode_requires_grad(fields) == [True, False, False, False]
+    assert decode_header(fields) == (5, [(torch.float32, (2, 3)), (torch.float32, (3,)), None, (torch.int64, (4,))])
+
+
+@pytest.mark.multiproc
+def test_gpt_tie_weights_pipelines_exactly_under_flush():
+    """GPT(tie_weights=True) with its own AdamW (weight decay on matrices, none on the tied table, on
+    either stage) and gradient-norm clipping (the tied gradient counted once): 2 stages of 1F1B-flush
+    equal one device."""
+    import lightning as L
+
+    from lit_efficient import PACIStrategy
+    from lit_efficient.data import TextDataModule
+    from lit_efficient.models import GPT
+
+    def fit(strategy, devices):
+        L.seed_everything(0)
+        model = GPT(n_layer=2, n_head=2, n_embd=32, block_size=32, warmup_steps=2, max_steps=20, learning_rate=3e-3,
+                    tie_weights=True)  # fmt: skip
+        L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=3, accumulate_grad_batches=4,
+                  logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                  limit_val_batches=0, use_distributed_sampler=False, gradient_clip_val=0.1).fit(
+            model, datamodule=TextDataModule(block_size=32, batch_size=4, max_bytes=60_000, seed=1))  # fmt: skip
+        return model
+
+    single = fit("auto", 1)
+    piped = fit(PACIStrategy(pipeline_stages=2, schedule="1f1b_flush", start_method="spawn"), 2)
+    sa, sb = single.state_dict(), piped.state_dict()
+    assert max((sa[k] - sb[k]).abs().max().item() for k in sa) <= 1e-5
