@@ -180,3 +180,29 @@ def test_metrics_logged_in_pipeline_loss_reach_the_logger(tmp_path):
     metrics = json.loads(out.read_text())
     assert metrics["train_items"] == 4 * 32  # batch_size x block tokens, every micro-batch
     assert "train_loss" in metrics
+
+
+class _RecordSteps(L.Callback):
+    """What a user's end-of-training callback sees: each stage's optimizer steps against global_step."""
+
+    def __init__(self, path) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        runtime = trainer.strategy.runtime
+        record = {
+            "global_step": trainer.global_step,
+            "steps": runtime.stage.stats.steps,
+            "in_flight": runtime.stage.in_flight,
+        }
+        (self.path / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+def test_callbacks_at_the_end_of_training_see_every_stage_stepped(tmp_path):
+    """max_steps ends the run mid-epoch: Lightning calls the callbacks' on_train_end before the strategy's,
+    so without a drain first stage 0 would still hold its last micro-batch and one step less."""
+    strategy = PACIStrategy(pipeline_stages=2, schedule="paci", start_method="spawn")
+    _fit_with_data(_model(), strategy, 2, 4, 3, limit_val_batches=0, callbacks=[_RecordSteps(tmp_path)])
+    for rank in range(2):
+        record = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert record == {"global_step": 3, "steps": 3, "in_flight": 0}, (rank, record)

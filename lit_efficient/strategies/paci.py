@@ -850,8 +850,14 @@ class _SchedulerGroup:
 
 
 class _SyncCallbackMetrics(Callback):
-    """Copies rank 0's callback metrics (it holds the last stage) to every rank before checkpoint and
-    early-stopping callbacks read them, so all ranks take the same decisions."""
+    """The strategy's own callback, first among the trainer's callbacks.
+
+    Copies rank 0's callback metrics (it holds the last stage) to every rank before checkpoint and
+    early-stopping callbacks read them, so all ranks take the same decisions; and drains the pipeline
+    before any other callback's ``on_train_epoch_end`` and ``on_train_end``: Lightning calls the
+    callbacks' hooks before the strategy's, and a run stopped by ``max_steps`` mid-epoch would otherwise
+    show them stage 0 still one step behind (docs/DESIGN.md section 7).
+    """
 
     def _sync(self, trainer: Trainer) -> None:
         if trainer.world_size == 1:
@@ -867,7 +873,12 @@ class _SyncCallbackMetrics(Callback):
 
     @override
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        trainer.strategy.drain()  # type: ignore[attr-defined]
         self._sync(trainer)
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        trainer.strategy.drain()  # type: ignore[attr-defined]
 
 
 def _carry_step_count_to_automatic(trainer: Trainer) -> None:
