@@ -42,9 +42,8 @@ def local_pipeline(
         rank = topo.rank_of(stage.stage)
         prev_rank, next_rank = topo.neighbours(rank)
         comm = exchange.endpoint(rank, stage.stage, topo.stage_of) if len(stages) > 1 else None
-        runtimes.append(
-            PipelineRuntime(stage, schedule, accumulate, input_fn if stage.is_first else None, comm, prev_rank, next_rank)
-        )
+        first_input = input_fn if stage.is_first else None
+        runtimes.append(PipelineRuntime(stage, schedule, accumulate, first_input, comm, prev_rank, next_rank))
     return LocalPipeline(runtimes)
 
 
