@@ -52,25 +52,38 @@ class PipelineCheckpointIO(TorchCheckpointIO):
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir(parents=True)
         _barrier(s)
-        shard = partial / shard_name(s.stage, s.replica)
-        tmp = shard.with_suffix(".tmp")
-        torch.save(checkpoint, tmp)
-        os.replace(tmp, shard)  # a shard is complete or absent, never half-written
+        _write_shard(checkpoint, partial / shard_name(s.stage, s.replica))
         _barrier(s)
         if s.is_global_zero:
-            meta = {
-                "num_stages": s.pipeline_stages,
-                "num_replicas": s.topology.num_replicas,  # type: ignore[union-attr]
-                "sizes": checkpoint["pipeline"]["sizes"],
-                "schedule": s.schedule,
-            }
-            (partial / META).write_text(json.dumps(meta))
-            old = path.with_name(path.name + ".old")
-            if path.exists():
-                shutil.rmtree(old, ignore_errors=True)
-                os.replace(path, old)
-            os.replace(partial, path)
+            self._publish(partial, path, checkpoint["pipeline"]["sizes"])
+
+    def save_shards(self, checkpoints: list[dict[str, Any]], path: str | os.PathLike) -> None:
+        """Write every stage's shard of one replica from this process (a pipeline run in one process), in
+        the format `save_sharded` writes from S processes, and publish the directory atomically."""
+        path = Path(path)
+        partial = path.with_name(path.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        for checkpoint in checkpoints:
+            state = checkpoint["pipeline"]
+            _write_shard(checkpoint, partial / shard_name(state["stage"], state["replica"]))
+        self._publish(partial, path, checkpoints[0]["pipeline"]["sizes"])
+
+    def _publish(self, partial: Path, path: Path, sizes: list[int]) -> None:
+        s = self.strategy
+        meta = {
+            "num_stages": s.pipeline_stages,
+            "num_replicas": s.topology.num_replicas,  # type: ignore[union-attr]
+            "sizes": sizes,
+            "schedule": s.schedule,
+        }
+        (partial / META).write_text(json.dumps(meta))
+        old = path.with_name(path.name + ".old")
+        if path.exists():
             shutil.rmtree(old, ignore_errors=True)
+            os.replace(path, old)
+        os.replace(partial, path)
+        shutil.rmtree(old, ignore_errors=True)
 
     @override
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
@@ -126,6 +139,12 @@ def load_shard(path: Path, weights_only: bool | None = None) -> dict[str, Any]:
             stacklevel=2,
         )
         return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def _write_shard(checkpoint: dict[str, Any], shard: Path) -> None:
+    tmp = shard.with_suffix(".tmp")
+    torch.save(checkpoint, tmp)
+    os.replace(tmp, shard)  # a shard is complete or absent, never half-written
 
 
 def _barrier(strategy: PACIStrategy) -> None:

@@ -24,9 +24,10 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, Strategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -43,6 +44,7 @@ from lit_efficient.pipeline.stage import PipelineStage
 from lit_efficient.pipeline.topology import Topology
 from lit_efficient.protocol import PIPELINE_METHODS, missing_pipeline_methods
 from lit_efficient.strategies.checkpoint import PipelineCheckpointIO
+from lit_efficient.strategies.in_process import InProcessPipeline
 from lit_efficient.strategies.profile import profile_layers
 from lit_efficient.strategies.split import (
     LayerOnOtherStage,
@@ -60,7 +62,9 @@ _PRECISIONS = ("32-true", "bf16-mixed")
 class PACIStrategy(DDPStrategy):
     """Pipeline-parallel training: split the model into stages over processes and run PACI or 1F1B-flush.
 
-    ``world_size = pipeline_stages x data-parallel replicas``. Each replica's stages sit on
+    ``world_size = pipeline_stages x data-parallel replicas``; with one device (``devices=1``) the whole
+    pipeline runs in this process instead, bit-identical to ``pipeline_stages`` processes (see
+    `lit_efficient.pipeline.local`). Each replica's stages sit on
     contiguous ranks, its last stage on the lowest one, so global rank 0 holds the loss, logs and
     shows the progress bar. A dataloader batch is one micro-batch; N micro-batches (from
     ``GradientAccumulation(steps=N)`` or ``Trainer(accumulate_grad_batches=N)``) make one optimizer
@@ -144,6 +148,12 @@ class PACIStrategy(DDPStrategy):
         self._epoch_schedulers: list[Any] = []
         self._eval_index = 0
         self._failed = False
+        self._in_process: InProcessPipeline | None = None
+
+    @property
+    def in_process(self) -> bool:
+        """Whether all stages run in this process: one device in all and ``pipeline_stages`` > 1."""
+        return self.pipeline_stages > 1 and self.num_nodes * self.num_processes == 1
 
     # -- process layout ---------------------------------------------------------------------------
 
@@ -151,6 +161,8 @@ class PACIStrategy(DDPStrategy):
     def stage(self) -> int:
         """This rank's pipeline stage."""
         assert self.topology is not None, "the strategy is not set up yet"
+        if self._in_process is not None:
+            return self._in_process.selected
         return self.topology.stage_of(self.global_rank)
 
     @property
@@ -167,11 +179,26 @@ class PACIStrategy(DDPStrategy):
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # Every stage of a replica reads the same micro-batch stream; replicas read different ones.
-        topo = Topology.for_world(self.num_nodes * self.num_processes, self.pipeline_stages)
+        world = self.pipeline_stages if self.in_process else self.num_nodes * self.num_processes
+        topo = Topology.for_world(world, self.pipeline_stages)
         return {"num_replicas": topo.num_replicas, "rank": topo.replica_of(self.global_rank)}
 
     @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if self.in_process:
+            self._launcher = None  # one process does it all: nothing to launch, whatever start_method says
+
+    @override
     def setup_environment(self) -> None:
+        if self.in_process:
+            # No peer, so no process group: Lightning's collectives see a world of one. Re-seed as every
+            # rank of a process pipeline does (Lightning's setup_distributed), so the streams agree.
+            reset_seed()
+            Strategy.setup_environment(self)
+            self.topology = Topology(self.pipeline_stages)
+            self._in_process = InProcessPipeline(self)
+            return
         super().setup_environment()
         self.topology = Topology.for_world(self.world_size, self.pipeline_stages)
         backend = dist.get_backend()
@@ -193,6 +220,9 @@ class PACIStrategy(DDPStrategy):
     @override
     def setup(self, trainer: Trainer) -> None:
         assert self.accelerator is not None and self.topology is not None
+        if self._in_process is not None:
+            self._in_process.setup(trainer)
+            return
         self.accelerator.setup(trainer)
         module = self.lightning_module
         assert module is not None
@@ -250,7 +280,7 @@ class PACIStrategy(DDPStrategy):
             if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
                 _carry_step_count_to_automatic(trainer)
                 module.automatic_optimization = self._was_automatic
-            if healthy:
+            if healthy and self._in_process is None:  # in one process the module was never split
                 self._gather_model_on_rank_zero()
         self.runtime = None
         self._destroy_groups()
@@ -370,7 +400,7 @@ class PACIStrategy(DDPStrategy):
     def _clipper(self, value: float, algorithm: str):
         if algorithm == "value":
             return lambda params: torch.nn.utils.clip_grad_value_(params, value)
-        group = self._pipeline_groups[self.replica]
+        group = self._pipeline_groups.get(self.replica)  # None in one process, where flush refuses norm clipping
         exact = self.schedule == "1f1b_flush" and self.pipeline_stages > 1
 
         def clip_norm(params: list[torch.nn.Parameter]) -> None:
@@ -553,12 +583,14 @@ class PACIStrategy(DDPStrategy):
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         # Metrics logged with sync_dist=True come from the last stage of each replica only: reduce
         # them across that stage's replicas, not the world (other stages never log them).
-        if group is None and self.topology is not None:
+        if group is None and self.topology is not None and self._in_process is None:
             group = self._dp_groups[self.stage]
         return super().reduce(tensor, group=group, reduce_op=reduce_op)
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        if not dist.is_initialized():
+            return decision  # in one process: nobody to agree with
         flag = torch.tensor(int(decision), device=self.root_device)
         dist.all_reduce(flag, op=dist.ReduceOp.SUM)
         return bool(flag == self.world_size) if all else bool(flag > 0)
@@ -601,6 +633,8 @@ class PACIStrategy(DDPStrategy):
                 f"{checkpoint_path} is not a PACIStrategy checkpoint (a directory of stage shards). To resume, pass "
                 "the checkpoint directory; to start from plain weights, load them into the module before trainer.fit."
             )
+        if self._in_process is not None:
+            return self._in_process.load_checkpoint(checkpoint_path, weights_only)
         return self.checkpoint_io.load_checkpoint(checkpoint_path, weights_only=weights_only)
 
     @override
@@ -611,6 +645,8 @@ class PACIStrategy(DDPStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        if self._in_process is not None:
+            return self._in_process.load_optimizer_state_dict(checkpoint)
         super().load_optimizer_state_dict(checkpoint)
         state = checkpoint.get("pipeline", {})
         if self.runtime is not None and state.get("accumulation"):
@@ -624,6 +660,8 @@ class PACIStrategy(DDPStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        if self._in_process is not None:
+            return self._in_process.save_checkpoint(checkpoint, filepath)
         checkpoint["pipeline"] = self.pipeline_state()
         self.checkpoint_io.save_sharded(checkpoint, filepath)
 
