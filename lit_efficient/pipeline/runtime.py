@@ -312,7 +312,11 @@ class PipelineRuntime:
                 # is fed before drain(), the end-of-segment marker: certain either way, so post it now,
                 # before this stage's own sends keep the link busy.
                 self.comm.prepost(self.prev_rank)  # type: ignore[union-attr, arg-type]
-            out = stage.forward(j, inputs, self._batch)
+            # Windows that close before B(j): every one from the oldest micro-batch in flight's to j's own
+            # (1F1B backwards in order, a STEP right after each window's last backward).
+            oldest = stage.oldest_in_flight
+            pending = j // self.accumulate - (j if oldest is None else oldest) // self.accumulate
+            out = stage.forward(j, inputs, self._batch, pending_steps=pending)
             if stage.is_last:
                 self._last_loss = out  # type: ignore[assignment]
             else:

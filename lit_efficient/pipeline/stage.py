@@ -34,6 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from lit_efficient.pipeline.comm import Payload
+from lit_efficient.pipeline.staleness import StalenessCorrection
 
 Normalize = Literal["mean", "tokens"]
 OnNonFinite = Literal["raise", "skip"]
@@ -176,13 +177,23 @@ class PipelineStage:
         self.reduce_gradients: Callable[[list[Tensor], Tensor], Tensor] | None = None
         self.clip_gradients: Callable[[list[nn.Parameter]], None] | None = None
         self.after_step: Callable[[], None] | None = None
+        # PACI staleness correction (staleness.py): around stale forwards and the local step. None: off.
+        self.correction: StalenessCorrection | None = None
 
     # -- compute ---------------------------------------------------------------------------------
 
-    def forward(self, microbatch: int, inputs: Payload, batch: Any = None) -> Payload | Tensor:
-        """Forward of ``microbatch``; returns the outputs to send on, or the loss on the last stage."""
+    def forward(self, microbatch: int, inputs: Payload, batch: Any = None, pending_steps: int = 0) -> Payload | Tensor:
+        """Forward of ``microbatch``; returns the outputs to send on, or the loss on the last stage.
+
+        Args:
+            pending_steps: Optimizer steps this stage takes before this micro-batch's backward (its drift,
+                known from the schedule); only a staleness correction reads it.
+        """
         start = time.perf_counter()
-        with self._own_rng():
+        correct = nullcontext()
+        if self.correction is not None:
+            correct = self.correction.forward_context(list(self.parameters()), self.optimizer, pending_steps)
+        with self._own_rng(), correct:
             result = self._forward(microbatch, inputs, batch)
         self.stats.forwards += 1
         self.stats.max_in_flight = max(self.stats.max_in_flight, len(self._in_flight))
@@ -271,7 +282,8 @@ class PipelineStage:
             self.clip_gradients(params)
         with _preserve_versions(params):
             if update and self.optimizer is not None:
-                self.optimizer.step()
+                with self.correction.step_context(self.optimizer, self.version) if self.correction else nullcontext():
+                    self.optimizer.step()
             if self.optimizer is not None:
                 self.optimizer.zero_grad(set_to_none=True)
             if update and self.scheduler is not None:
@@ -325,6 +337,11 @@ class PipelineStage:
                 if id(p) not in seen:
                     seen.add(id(p))
                     yield p
+
+    @property
+    def oldest_in_flight(self) -> int | None:
+        """The earliest micro-batch whose forward ran here and whose backward has not (None if none)."""
+        return min(self._in_flight, default=None)
 
     @property
     def in_flight(self) -> int:

@@ -125,6 +125,7 @@ class InProcessPipeline:
             )  # fmt: skip
             if fitting:
                 s._install_step_hooks(stage, trainer)
+                stage.correction = s.correction_for(stage_index, trainer)
             stages.append(stage)
         if fitting:
             s.optimizers = optimizers  # Lightning sees all S (checkpoints, LR monitors), in stage order

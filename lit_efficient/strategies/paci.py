@@ -41,6 +41,7 @@ from lit_efficient.pipeline.partition import check_sizes, partition_balanced, pa
 from lit_efficient.pipeline.runtime import PipelineRuntime
 from lit_efficient.pipeline.schedules import SCHEDULES, ScheduleName
 from lit_efficient.pipeline.stage import PipelineStage
+from lit_efficient.pipeline.staleness import CORRECTIONS, CorrectionName, StalenessCorrection, make_correction
 from lit_efficient.pipeline.topology import Topology
 from lit_efficient.protocol import PIPELINE_METHODS, missing_pipeline_methods
 from lit_efficient.strategies.checkpoint import PipelineCheckpointIO
@@ -93,6 +94,12 @@ class PACIStrategy(DDPStrategy):
         outer_lr: DiLoCo outer learning rate (needs ``outer_optimizer="nesterov"``).
         outer_momentum: DiLoCo outer Nesterov momentum (needs ``outer_optimizer="nesterov"``).
         average_buffers: Also average floating-point buffers (e.g. BatchNorm statistics) at each sync.
+        staleness_correction: PACI only, default off: ``"lr_scale"`` scales each stale stage's learning rate
+            by ``(1 + d_s) ** -(1 - min(1, k / staleness_anneal_steps))`` with d_s = ceil((S-1-s)/N) and k its
+            step (PipeMare); ``"weight_prediction"`` runs each stale forward on weights extrapolated by the
+            optimizer's pending update times its delay, the backward on the real ones (one weight-sized
+            buffer per stage). See `lit_efficient.pipeline.staleness`.
+        staleness_anneal_steps: Optimizer steps over which ``"lr_scale"`` returns to the plain learning rate.
         start_method: How processes are launched: ``"popen"`` re-runs the script per rank (also under
             torchrun/SLURM), ``"spawn"`` starts them from this process (notebooks, tests).
         **kwargs: Passed to Lightning's ``DDPStrategy`` (accelerator, cluster_environment, timeout, ...).
@@ -114,6 +121,8 @@ class PACIStrategy(DDPStrategy):
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
         average_buffers: bool = True,
+        staleness_correction: CorrectionName | None = None,
+        staleness_anneal_steps: int = 100,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **kwargs: Any,
     ) -> None:
@@ -121,7 +130,15 @@ class PACIStrategy(DDPStrategy):
             pipeline_stages, schedule, balance, p2p_timeout, on_nonfinite, local_sgd_steps, local_sgd_warmup_steps,
             outer_optimizer, outer_lr, outer_momentum,
         )  # fmt: skip
+        if staleness_correction is not None and staleness_correction not in CORRECTIONS:
+            raise ValueError(
+                f"staleness_correction={staleness_correction!r} is not one of {', '.join(CORRECTIONS)} (or None: off)"
+            )
+        if not isinstance(staleness_anneal_steps, int) or staleness_anneal_steps < 1:
+            raise ValueError(f"staleness_anneal_steps={staleness_anneal_steps!r} must be an integer >= 1")
         super().__init__(start_method=start_method, **kwargs)
+        self.staleness_correction = staleness_correction
+        self.staleness_anneal_steps = staleness_anneal_steps
         self.pipeline_stages = pipeline_stages
         self.schedule: ScheduleName = schedule
         self.recompute = recompute
@@ -257,6 +274,7 @@ class PACIStrategy(DDPStrategy):
         if fitting:
             self._install_step_hooks(stage, trainer)
             self._replace_sigterm_barrier(trainer)
+            stage.correction = self.correction_for(self.stage, trainer)
         prev_rank, next_rank = self.topology.neighbours(self.global_rank)
         comm = None
         if self.pipeline_stages > 1:
@@ -367,6 +385,14 @@ class PACIStrategy(DDPStrategy):
                 )
             (step_wise if config.interval == "step" else self._epoch_schedulers).append(config)
         return _SchedulerGroup(step_wise) if step_wise else None
+
+    def correction_for(self, stage: int, trainer: Trainer) -> StalenessCorrection | None:
+        """The staleness correction of ``stage`` (None: off, or nothing to correct there)."""
+        accumulate = max(1, trainer.accumulate_grad_batches)
+        return make_correction(
+            self.staleness_correction, self.schedule, stage, self.pipeline_stages, accumulate,
+            self.staleness_anneal_steps,
+        )  # fmt: skip
 
     def _install_step_hooks(self, stage: PipelineStage, trainer: Trainer) -> None:
         assert self.topology is not None
