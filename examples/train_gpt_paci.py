@@ -1,4 +1,4 @@
-"""Train a small GPT with a 2-stage PACI pipeline through the Python API (DESIGN.md's user contract).
+"""Train a small GPT with a 2-stage PACI pipeline through the Python API (docs/DESIGN.md's user contract).
 
     python examples/train_gpt_paci.py
 

@@ -1,7 +1,7 @@
 """LocalSGD and DiLoCo: keep the data-parallel replicas of one pipeline stage in step.
 
 This module owns the periodic synchronization of a stage's weights across its data-parallel
-("dp") group (DESIGN.md section 3): which local steps synchronize, the averaging and outer
+("dp") group (docs/DESIGN.md section 3): which local steps synchronize, the averaging and outer
 Nesterov math, the DiLoCo anchor and outer momentum, and their checkpoint state. It is pure
 PyTorch (no Lightning); every collective goes through `lit_efficient.pipeline.comm`, except one
 broadcast at construction that comm does not offer yet (`_broadcast_flat`, marked for moving).

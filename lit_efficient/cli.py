@@ -25,7 +25,7 @@ from typing import Any
 import yaml
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI, SaveConfigCallback
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 import lit_efficient  # noqa: F401 - registers the strategy names "paci" and "1f1b_flush"
@@ -151,6 +151,19 @@ class LitEfficientCLI(LightningCLI):
                 init = logger.init_args
                 offline = bool(init.get("offline")) or "offline" in (init.get("mode"), os.environ.get("WANDB_MODE"))
                 keep_wandb_local(init.get("save_dir") or init.get("dir") or ".", offline)
+
+    def after_fit(self) -> None:
+        """Say where the run's checkpoint is, and how to resume from it, or that none was saved."""
+        callbacks = self.trainer.checkpoint_callbacks
+        saved = [p for cb in callbacks for p in (cb.best_model_path, cb.last_model_path) if p]  # type: ignore[attr-defined]
+        if saved:
+            rank_zero_info(f"lit-efficient: checkpoint {saved[0]} (resume: --ckpt_path {saved[0]})")
+            return
+        why = "no ModelCheckpoint callback" if not callbacks else "its ModelCheckpoint never triggered"
+        rank_zero_warn(
+            f"lit-efficient: the run ended without saving a checkpoint ({why}). Add a ModelCheckpoint (the "
+            "quickstart config has one), with every_n_train_steps or a validation for it to act on."
+        )
 
 
 def main(args: ArgsType = None) -> None:

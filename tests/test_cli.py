@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 import os
 import shutil
 import struct
@@ -192,6 +193,17 @@ def read_offline_run(run_dir: Path) -> tuple[dict, list[dict]]:
 
 
 @pytest.mark.multiproc
+def test_fit_says_where_its_checkpoint_is_or_that_there_is_none(tmp_path, caplog):
+    root = f"--trainer.default_root_dir={tmp_path}"
+    with caplog.at_level(logging.INFO):
+        _cli("fit", *TINY, root, "--trainer.logger=false", "--trainer.max_steps=1", run=True)
+    (saved,) = tmp_path.rglob("*.ckpt")
+    assert f"lit-efficient: checkpoint {saved} (resume: --ckpt_path {saved})" in caplog.text
+    with pytest.warns(UserWarning, match=r"ended without saving a checkpoint \(no ModelCheckpoint callback\)"):
+        _cli("fit", *TINY, root, "--trainer.logger=false", "--trainer.max_steps=1",
+             "--trainer.enable_checkpointing=false", run=True)  # fmt: skip
+
+
 def test_console_script_quickstart_offline_wandb_run(tmp_path):
     home, runs = tmp_path / "home", tmp_path / "runs"
     home.mkdir()
@@ -221,7 +233,8 @@ def test_console_script_quickstart_offline_wandb_run(tmp_path):
     run_id = run_dir.name.rsplit("-", 1)[1]
     own = runs / "lit-efficient" / run_id
     assert yaml.safe_load((own / "config.yaml").read_text())["trainer"]["max_steps"] == 2
-    assert list((own / "checkpoints").glob("*.ckpt"))
+    (checkpoint,) = (own / "checkpoints").glob("*.ckpt")
+    assert f"lit-efficient: checkpoint {checkpoint.resolve()}" in done.stdout + done.stderr
     assert (own / "pipeline_timeline.png").is_file() and (own / "pipeline_timeline.json").is_file()
     # Nothing from W&B outside save_dir: its cache and logs were pointed under runs/wandb.
     assert not [p for p in home.rglob("*") if "wandb" in str(p.relative_to(home)).lower()]

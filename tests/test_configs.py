@@ -57,7 +57,7 @@ def test_cpu_configs_parse_and_build_their_trainer(stack, tmp_path):
                           run=False)  # fmt: skip
     strategy = cli.trainer.strategy
     assert type(strategy).__name__ == "PACIStrategy" and strategy.pipeline_stages == 2
-    assert cli.trainer.accumulate_grad_batches == 1  # N comes from GradientAccumulation, applied at setup
+    assert cli.trainer.accumulate_grad_batches == 4  # N; GradientAccumulation (steps=None) normalizes
     names = [type(cb).__name__ for cb in cli.trainer.callbacks]
     assert {"GradientAccumulation", "PipelineMonitor", "ModelCheckpoint"} <= set(names)
     assert cli.model.hparams.block_size == cli.datamodule.block_size == 64
@@ -73,6 +73,19 @@ def test_cpu_configs_parse_and_build_their_trainer(stack, tmp_path):
         assert strategy.schedule == "paci"
 
 
+def test_command_line_sets_n_for_the_shipped_configs(tmp_path):
+    """The documented override: --trainer.accumulate_grad_batches N, with the config's GradientAccumulation."""
+    cli = LitEfficientCLI(
+        args=[*_args("quickstart.yaml"), "--trainer.accumulate_grad_batches=8", "--trainer.logger=false",
+              f"--trainer.default_root_dir={tmp_path}"],
+        run=False,
+    )  # fmt: skip
+    accumulation = next(cb for cb in cli.trainer.callbacks if type(cb).__name__ == "GradientAccumulation")
+    accumulation.setup(cli.trainer, cli.model, "fit")  # the conflict check and the value it applies
+    assert cli.trainer.accumulate_grad_batches == 8
+    assert accumulation.get_accumulate_grad_batches(0) == 8
+
+
 @pytest.mark.parametrize("name", GPU_CONFIGS)
 def test_gpu_configs_parse_with_the_paper_recipe(name):
     config = _ParseOnly(args=_args(name), run=False).config
@@ -86,7 +99,8 @@ def test_gpu_configs_parse_with_the_paper_recipe(name):
     assert (model.learning_rate, tuple(model.betas), model.weight_decay) == (3e-4, (0.9, 0.95), 0.1)
     assert model.warmup_steps == round(0.01 * trainer.max_steps) and model.min_lr_ratio == 0.1
     accumulation = next(cb for cb in trainer.callbacks if cb.class_path.endswith("GradientAccumulation"))
-    assert data.batch_size * accumulation.init_args.steps == 128  # the paper's global batch
+    assert accumulation.init_args.steps is None  # N is the Trainer's, so the command line can set it
+    assert data.batch_size * trainer.accumulate_grad_batches == 128  # the paper's global batch
 
 
 def test_gpu_paci_and_flush_differ_only_in_schedule():

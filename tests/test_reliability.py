@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lit_efficient import PACIStrategy
+from lit_efficient import GradientAccumulation, PACIStrategy
 from tests.multiproc import spawn
 from tests.test_runtime_multiproc import _data, _pipeline
 from tests.test_strategy import _max_diff, _model, _ordered, _trainer
@@ -231,8 +231,6 @@ def test_module_without_protocol_is_refused_naming_the_methods(no_process_group_
     normalize=st.sampled_from(["mean", "tokens", "sum", ""]),
 )
 def test_gradient_accumulation_arguments_fail_clearly_or_construct(steps, normalize):
-    from lit_efficient import GradientAccumulation
-
     valid_steps = (isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1) or (
         isinstance(steps, dict) and steps and all(k >= 0 and v >= 1 for k, v in steps.items())
     )
@@ -285,3 +283,25 @@ def test_shard_loading_obeys_weights_only(tmp_path):
         assert isinstance(load_shard(path)["extra"], _Opaque)  # unspecified: safe first, then full with a warning
     torch.save({"state_dict": {"w": torch.ones(2)}}, path)
     assert torch.equal(load_shard(path, weights_only=True)["state_dict"]["w"], torch.ones(2))
+
+
+@pytest.mark.parametrize(
+    ("devices", "trainer_kw", "callbacks", "match"),
+    [
+        (3, {}, [], r"pipeline_stages=2\) does not divide the world size 3"),
+        (2, {"accumulate_grad_batches": 0}, [], r"accumulate_grad_batches=0\): .* integer >= 1"),
+        (2, {"accumulate_grad_batches": 2}, ["ga4"], r"accumulate_grad_batches=2\) and GradientAccumulation"),
+    ],
+)
+def test_configuration_errors_fail_before_any_process_starts(devices, trainer_kw, callbacks, match):
+    """One message from the launching process, before it starts any rank (which would each raise)."""
+    cbs = [GradientAccumulation(steps=4) for name in callbacks if name == "ga4"]
+    strategy = PACIStrategy(pipeline_stages=2, start_method="spawn")
+    trainer = L.Trainer(
+        accelerator="cpu", devices=devices, strategy=strategy, max_steps=1, logger=False, callbacks=cbs, **trainer_kw
+    )
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=match):
+        trainer.fit(_model())
+    assert time.monotonic() - started < 5, "it must fail before the processes start, not in them"
+    assert not torch.distributed.is_initialized()

@@ -163,21 +163,24 @@ def test_paci_measured_drift_equals_bound(accumulate):
         assert st["steps"] == 4
 
 
-def _forward_version(stage: int, stages: int, j: int, accumulate: int) -> int:
-    """Optimizer steps stage ``stage`` has taken when it runs micro-batch ``j``'s forward (DESIGN.md 2):
-    1F1B with at most S-s in flight puts F(j) right after B(j-(S-s)) and that backward's step, if any."""
-    done = j - (stages - stage) + 1  # backwards finished before F(j)
-    return max(0, done // accumulate)
+def _forward_version(stage: int, stages: int, j: int, accumulate: int, segment_start: int = 0) -> int:
+    """Optimizer steps stage ``stage`` has taken when it runs micro-batch ``j``'s forward (docs/DESIGN.md):
+    1F1B with at most S-s in flight puts F(j) right after B(j-(S-s)) and that backward's step, if any.
+    A drain before micro-batch ``segment_start`` finished every backward before it."""
+    done = segment_start + max(0, j - segment_start - (stages - stage) + 1)  # backwards finished before F(j)
+    return done // accumulate
 
 
-def _paci_emulation(data, stages: int, accumulate: int, bounds) -> list[list[torch.nn.Module]]:
+def _paci_emulation(
+    data, stages: int, accumulate: int, bounds, drains=frozenset(), optimizer=_optimizer
+) -> list[list[torch.nn.Module]]:
     """PACI with recompute=True, emulated in one process from its definition, not from the runtime: each
     stage forwards micro-batch j on the weights of `_forward_version`; its backward recomputes the stage
     on the current weights (window j // N's) from the input it was sent, and stage s steps after its
-    N-th backward of a window."""
+    N-th backward of a window. ``drains``: micro-batches before which the pipeline was drained."""
     layers = build_layers(**MODEL)
     stage_layers = [layers[lo:hi] for lo, hi in bounds]
-    opts = [_optimizer([p for layer in mine for p in layer.parameters()]) for mine in stage_layers]
+    opts = [optimizer([p for layer in mine for p in layer.parameters()]) for mine in stage_layers]
     versions = [[copy.deepcopy(mine)] for mine in stage_layers]  # versions[s][v]: stage s after v steps
 
     def run(mods, x):
@@ -185,13 +188,15 @@ def _paci_emulation(data, stages: int, accumulate: int, bounds) -> list[list[tor
             x = layer(x)
         return x
 
+    segment_start = 0
     for j, batch in enumerate(data):
+        segment_start = j if j in drains else segment_start
         inputs = []  # what each stage received for micro-batch j, computed at forward-time versions
         x = batch[0]
         with torch.no_grad():
             for s in range(stages):
                 inputs.append(x)
-                x = run(versions[s][_forward_version(s, stages, j, accumulate)], x)
+                x = run(versions[s][_forward_version(s, stages, j, accumulate, segment_start)], x)
         grad = None
         for s in reversed(range(stages)):
             x = inputs[s].clone().requires_grad_(s > 0)

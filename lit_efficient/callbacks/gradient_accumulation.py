@@ -55,7 +55,9 @@ class GradientAccumulation(Callback):
 
     Args:
         steps: Micro-batches per optimizer step: an integer N >= 1, or a schedule ``{epoch: N}``
-            (0-indexed epochs; each N holds from its epoch on, epochs before the first key use 1).
+            (0-indexed epochs; each N holds from its epoch on, epochs before the first key use 1), or
+            None: N is ``Trainer(accumulate_grad_batches)`` and this callback only normalizes (the
+            shipped configs do this, so ``--trainer.accumulate_grad_batches 8`` sets N on the command line).
         normalize: ``"mean"``: every micro-batch weighs 1 (the step's gradient is the mean of the
             micro-batch mean-loss gradients). ``"tokens"``: the gradient is the item-weighted mean over
             the whole window and all data-parallel replicas, exact when micro-batches hold different
@@ -64,11 +66,12 @@ class GradientAccumulation(Callback):
             to return ``(mean_loss, count)``.
     """
 
-    def __init__(self, steps: int | dict[int, int] = 1, normalize: Normalize = "mean") -> None:
+    def __init__(self, steps: int | dict[int, int] | None = None, normalize: Normalize = "mean") -> None:
         super().__init__()
         self.steps = steps
         self.normalize: Normalize = normalize
-        self._schedule = _check_steps(steps)
+        # None: the Trainer's value, read in setup (1 until then).
+        self._schedule = {0: 1} if steps is None else _check_steps(steps)
         if normalize not in _NORMALIZE:
             raise ValueError(
                 f"normalize={normalize!r} is not one of 'mean', 'tokens': use 'mean' to weigh micro-batches "
@@ -102,11 +105,11 @@ class GradientAccumulation(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        self._check_single_source(trainer)
-        self._warn_batchnorm(pl_module)
+        self.check_accumulation_source(trainer)
         self._strategy_normalizes = isinstance(trainer.strategy, PACIStrategy)
         # Before strategy.setup: PACIStrategy, configure_optimizers and estimated_stepping_batches read it.
         self._apply(trainer, trainer.current_epoch)
+        self._warn_batchnorm(pl_module)
         if self.normalize == "tokens" and not self._strategy_normalizes:
             self._capture_num_items(trainer)
 
@@ -212,6 +215,8 @@ class GradientAccumulation(Callback):
 
     def _apply(self, trainer: Trainer, epoch: int) -> None:
         """The one place this callback changes trainer state."""
+        if self.steps is None:
+            self._schedule = {0: trainer.accumulate_grad_batches}  # the Trainer owns N: nothing to write
         self._applied = self.get_accumulate_grad_batches(epoch)
         trainer.accumulate_grad_batches = self._applied
 
@@ -220,9 +225,11 @@ class GradientAccumulation(Callback):
         self._weight: Tensor | None = None
         self._pending_items: Any = None
 
-    def _check_single_source(self, trainer: Trainer) -> None:
+    def check_accumulation_source(self, trainer: Trainer) -> None:
+        """Raise if N is also set elsewhere to another value (Trainer(accumulate_grad_batches), another
+        accumulation callback). PACIStrategy calls it before launching processes, so the error is one."""
         current = trainer.accumulate_grad_batches
-        user_set = current != 1 and current != self._applied
+        user_set = self.steps is not None and current != 1 and current != self._applied
         if user_set and any(n != current for n in self._schedule.values()):
             raise ValueError(
                 f"Trainer(accumulate_grad_batches={current}) and GradientAccumulation(steps={self.steps!r}) set "

@@ -33,6 +33,7 @@ from torch import nn
 from lit_efficient.pipeline.local import LocalPipeline, local_pipeline
 from lit_efficient.pipeline.stage import PipelineStage
 from lit_efficient.strategies.checkpoint import load_shard, shard_name
+from lit_efficient.strategies.hooks import drain_before, warn_uncalled_hooks
 from lit_efficient.strategies.split import LayerOnOtherStage, Split
 
 if TYPE_CHECKING:
@@ -77,6 +78,7 @@ class InProcessPipeline:
 
         s = self.strategy
         assert s.accelerator is not None and s.lightning_module is not None
+        s._check_before_launch(trainer)  # nothing is launched here, so the check runs now
         s.accelerator.setup(trainer)
         module = s.lightning_module
         _check_module(module, s.precision_plugin)
@@ -135,6 +137,11 @@ class InProcessPipeline:
         accumulate = max(1, trainer.accumulate_grad_batches)
         s.runtime = local_pipeline(stages, s.schedule, accumulate, module.pipeline_input)  # type: ignore[assignment]
         self.pipeline.selected = self.selected
+        if fitting:
+            drain_before(module, "on_validation_model_zero_grad", s.drain)
+            warn_uncalled_hooks(module, trainer.callbacks)
+        # One replica: the user's own loader, as on S processes (PACIStrategy.setup says why).
+        trainer._accelerator_connector.use_distributed_sampler = False
 
     # -- checkpoints ------------------------------------------------------------------------------------
 

@@ -45,6 +45,7 @@ from lit_efficient.pipeline.staleness import CORRECTIONS, CorrectionName, Stalen
 from lit_efficient.pipeline.topology import Topology
 from lit_efficient.protocol import PIPELINE_METHODS, missing_pipeline_methods
 from lit_efficient.strategies.checkpoint import PipelineCheckpointIO
+from lit_efficient.strategies.hooks import drain_before, undo_drain_before, warn_uncalled_hooks
 from lit_efficient.strategies.in_process import InProcessPipeline
 from lit_efficient.strategies.profile import profile_layers
 from lit_efficient.strategies.split import (
@@ -206,6 +207,41 @@ class PACIStrategy(DDPStrategy):
         super()._configure_launcher()
         if self.in_process:
             self._launcher = None  # one process does it all: nothing to launch, whatever start_method says
+            return
+        launcher = self._launcher
+        if launcher is None:
+            return
+        launch = launcher.launch
+
+        def checked_launch(function: Any, *args: Any, trainer: Trainer | None = None, **kwargs: Any) -> Any:
+            # In the one process that starts the others: a configuration error is one message here,
+            # not one traceback per rank after the processes have started.
+            if trainer is not None:
+                self._check_before_launch(trainer)
+            return launch(function, *args, trainer=trainer, **kwargs)
+
+        launcher.launch = checked_launch  # type: ignore[method-assign]
+
+    def _check_before_launch(self, trainer: Trainer) -> None:
+        """Refuse a layout or accumulation setting that cannot work, before any process starts."""
+        world = self.num_nodes * self.num_processes
+        if world > 1 and world % self.pipeline_stages:
+            raise ValueError(
+                f"PACIStrategy(pipeline_stages={self.pipeline_stages}) does not divide the world size {world} "
+                f"(devices={self.num_processes} x num_nodes={self.num_nodes}): world size = pipeline_stages x "
+                "data-parallel replicas. Use a number of devices that is a multiple of pipeline_stages, or "
+                "pipeline_stages that divides it."
+            )
+        accumulate = trainer.accumulate_grad_batches
+        if not isinstance(accumulate, int) or accumulate < 1:
+            raise ValueError(
+                f"Trainer(accumulate_grad_batches={accumulate!r}): micro-batches per optimizer step must be an "
+                "integer >= 1. Set it to N, or leave it at 1 and use GradientAccumulation(steps=N)."
+            )
+        for callback in trainer.callbacks:
+            check = getattr(callback, "check_accumulation_source", None)
+            if callable(check):
+                check(trainer)
 
     @override
     def setup_environment(self) -> None:
@@ -287,6 +323,14 @@ class PACIStrategy(DDPStrategy):
             next_rank,
         )  # fmt: skip
         _point_metrics_at(module, self._dp_groups[self.pipeline_stages - 1])
+        if fitting:
+            drain_before(module, "on_validation_model_zero_grad", self.drain)
+            warn_uncalled_hooks(module, trainer.callbacks)
+        if self.topology.num_replicas == 1:
+            # One replica: every stage reads the user's own loader, so the pipeline sees exactly the
+            # batches one device would. Lightning would wrap it in a shuffling DistributedSampler
+            # of one replica (a different order) because the world has several processes.
+            trainer._accelerator_connector.use_distributed_sampler = False
         if not any(isinstance(cb, _SyncCallbackMetrics) for cb in trainer.callbacks):
             trainer.callbacks.insert(0, _SyncCallbackMetrics())
 
@@ -295,6 +339,8 @@ class PACIStrategy(DDPStrategy):
         module = self.lightning_module
         trainer = module._trainer if module is not None else None
         healthy = not self._failed and trainer is not None and trainer.state.status == TrainerStatus.RUNNING
+        if module is not None:
+            undo_drain_before(module, "on_validation_model_zero_grad")
         if module is not None and self._split is not None:
             if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
                 _carry_step_count_to_automatic(trainer)
@@ -562,9 +608,22 @@ class PACIStrategy(DDPStrategy):
 
     # -- evaluation -------------------------------------------------------------------------------
 
-    def _start_evaluation(self) -> None:
+    def drain(self) -> None:
+        """Finish every micro-batch in flight on this rank's stage (call it on every rank alike).
+
+        Afterwards the model is consistent: every stage has taken exactly the optimizer steps of the
+        windows completed so far (``trainer.global_step`` at a window end), and an incomplete window's
+        gradients stay accumulated for the next batches. Between batches, under ``schedule="paci"``,
+        stage s has otherwise taken ``ceil((S-1-s)/N)`` steps fewer than the last stage. The strategy
+        drains by itself before validation (and its zero-grad hook), checkpoints, an epoch's end and
+        the end of training; a callback that needs a consistent model at another point calls this.
+        It costs the pipeline's warm-up once more (S-1 slots) at the next batch.
+        """
         if self.runtime is not None:
             self.runtime.drain()
+
+    def _start_evaluation(self) -> None:
+        self.drain()
         self._eval_index = 0
 
     @override

@@ -1,0 +1,119 @@
+"""The Lightning hooks PACIStrategy changes or never calls, between two training batches.
+
+docs/DESIGN.md section 7 is the table this module implements: the one hook that must see a drained
+pipeline before it runs (`drain_before`), and the hooks the stages replace by their own work, which
+a user who overrides them is told about once (`warn_uncalled_hooks`) instead of finding their code
+silently dead.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from lightning.pytorch import Callback, LightningModule
+from lightning.pytorch.utilities import rank_zero_warn
+
+# Called by Lightning's automatic-optimization loop or precision plugin; under PACIStrategy the
+# stages run forward, backward, clipping and their local steps themselves, so none of these runs.
+MODULE_HOOKS_NOT_CALLED = (
+    "on_before_backward",
+    "on_after_backward",
+    "on_before_optimizer_step",
+    "on_before_zero_grad",
+    "optimizer_step",
+    "optimizer_zero_grad",
+    "lr_scheduler_step",
+    "configure_gradient_clipping",
+)
+CALLBACK_HOOKS_NOT_CALLED = MODULE_HOOKS_NOT_CALLED[:4]  # the callback spellings of the first four
+# What the strategy logs itself from the last stage, so a training_step logging only this loses nothing.
+STRATEGY_LOGGED = frozenset({"train_loss"})
+_LOG_CALL = re.compile(r"self\.log(_dict)?\(\s*(?:f?[\"']([^\"']+)[\"'])?")
+
+
+def drain_before(module: LightningModule, hook: str, drain: Callable[[], None]) -> None:
+    """Make ``module.<hook>`` drain the pipeline first, until `undo_drain_before`.
+
+    Lightning calls ``on_validation_model_zero_grad`` (default: ``zero_grad()``) between two training
+    batches, on every rank, when a validation is due at a window end, before the validation loop (and
+    its ``on_validation_start``) begins. Under PACI the earlier stages still hold micro-batches of that
+    window in flight there, and their accumulated gradients would be wiped. Draining first finishes
+    and steps the window, so the zero-grad then finds nothing, as it does on one device.
+    """
+    original = getattr(module, hook)
+
+    def drained_hook(*args: Any, **kwargs: Any) -> Any:
+        drain()
+        return original(*args, **kwargs)
+
+    setattr(module, hook, drained_hook)
+
+
+def undo_drain_before(module: LightningModule, hook: str) -> None:
+    """Give the module its own ``hook`` back (the instance attribute shadowed the class's)."""
+    module.__dict__.pop(hook, None)
+
+
+def uncalled_hooks(module: LightningModule, callbacks: Iterable[Callback]) -> list[str]:
+    """The overridden hooks that will not run under PACIStrategy, as ``Owner.hook`` names.
+
+    The package's own callbacks are left out: they know the strategy and act through it.
+    """
+    found = [
+        f"{type(module).__name__}.{hook}"
+        for hook in MODULE_HOOKS_NOT_CALLED
+        if getattr(type(module), hook, None) is not getattr(LightningModule, hook)
+    ]
+    for callback in callbacks:
+        if type(callback).__module__.startswith("lit_efficient."):
+            continue
+        found += [
+            f"{type(callback).__name__}.{hook}"
+            for hook in CALLBACK_HOOKS_NOT_CALLED
+            if getattr(type(callback), hook, None) is not getattr(Callback, hook)
+        ]
+    return found
+
+
+def training_step_logs(module: LightningModule) -> list[str]:
+    """What the module's ``training_step`` passes to ``self.log``/``self.log_dict`` beyond what the strategy
+    logs itself: the keys it names literally, or ``log_dict(...)`` / ``log(<expression>)`` otherwise."""
+    try:
+        source = inspect.getsource(type(module).training_step)
+    except (OSError, TypeError):  # no source (a REPL, a compiled module): nothing to tell
+        return []
+    logged = []
+    for match in _LOG_CALL.finditer(source):
+        key = match.group(2)
+        if match.group(1):
+            logged.append("log_dict(...)")
+        elif key is None:
+            logged.append("log(<computed name>)")
+        elif key not in STRATEGY_LOGGED:
+            logged.append(key)
+    return logged
+
+
+def warn_uncalled_hooks(module: LightningModule, callbacks: Iterable[Callback]) -> None:
+    """One warning (rank zero) naming every override and training-step metric PACIStrategy will not run."""
+    hooks = uncalled_hooks(module, callbacks)
+    logged = training_step_logs(module)
+    if not hooks and not logged:
+        return
+    parts = []
+    if hooks:
+        parts.append(
+            f"these overridden hooks never run under PACIStrategy: {', '.join(hooks)} (the pipeline stages run "
+            "forward, backward, gradient clipping from Trainer(gradient_clip_val=...) and their own optimizer steps)"
+        )
+    if logged:
+        parts.append(
+            f"{type(module).__name__}.training_step is never called under PACIStrategy (the loss comes from "
+            f"pipeline_loss), so what it logs is not logged: {', '.join(logged)}. Log per-micro-batch training "
+            "metrics with self.log inside pipeline_loss, which runs on the last stage (global rank 0) during the "
+            "training step; the strategy logs train_loss itself"
+        )
+    rank_zero_warn("; ".join(parts) + ". See docs/DESIGN.md section 7.")
