@@ -83,17 +83,22 @@ def test_nan_loss_skips_the_same_window_on_every_stage():
 
 
 class _CrashWhileSaving(PACIStrategy):
-    """Rank 1 dies after rank 0 wrote its shard of the second checkpoint: a crash between shards."""
+    """Rank 0 dies while writing the second checkpoint's file, half of it on disk."""
 
     def save_checkpoint(self, checkpoint, filepath, storage_options=None):
-        if self.global_rank == 1 and "step=6" in str(filepath):
-            time.sleep(2.0)  # rank 0 writes its shard meanwhile
-            os._exit(1)
+        if self.global_rank == 0 and "step=6" in str(filepath):
+            import lit_efficient.strategies.checkpoint as io
+
+            def half_then_die(obj, path):
+                Path(path).write_bytes(b"PK\x03\x04 half a zip")
+                os._exit(1)
+
+            io.torch.save = half_then_die  # the module's torch: only this process, which dies
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
 
 @pytest.mark.multiproc
-def test_crash_between_shards_keeps_the_previous_checkpoint(tmp_path):
+def test_crash_while_saving_keeps_the_previous_checkpoint(tmp_path):
     full = _model()
     _trainer(PACIStrategy(schedule="1f1b_flush", start_method="spawn"), 2, 6).fit(full, datamodule=_ordered())
 
@@ -103,11 +108,7 @@ def test_crash_between_shards_keeps_the_previous_checkpoint(tmp_path):
         _trainer(crashing, 2, 9, callbacks=[ckpt], enable_checkpointing=True).fit(_model(), datamodule=_ordered())
     assert not (tmp_path / "step=6.ckpt").exists(), "a half-written checkpoint must never appear"
     previous = tmp_path / "step=3.ckpt"
-    assert sorted(p.name for p in previous.iterdir()) == ["pipeline.json", "stage0-replica0.pt", "stage1-replica0.pt"]
-
-    with pytest.raises(Exception, match="stages with layers"):  # a mismatched layout is refused clearly
-        other = PACIStrategy(schedule="1f1b_flush", balance=[1, 3], start_method="spawn")
-        _trainer(other, 2, 6).fit(_model(), datamodule=_ordered(), ckpt_path=str(previous))
+    assert previous.is_file() and torch.load(previous, weights_only=True)["global_step"] == 3
 
     resumed = _model()
     strategy = PACIStrategy(schedule="1f1b_flush", start_method="spawn")
@@ -272,7 +273,7 @@ class _Opaque:
 
 
 def test_shard_loading_obeys_weights_only(tmp_path):
-    from lit_efficient.strategies.checkpoint import load_shard
+    from lit_efficient.strategies.checkpoint import load_file as load_shard
 
     path = tmp_path / "stage0-replica0.pt"
     torch.save({"state_dict": {"w": torch.ones(2)}, "extra": _Opaque()}, path)

@@ -1,4 +1,4 @@
-"""Pure tests of the pipeline simulator against hand timelines and the closed forms of DESIGN.md section 3."""
+"""Pure tests of the pipeline simulator against hand timelines and the closed forms of docs/DESIGN.md section 3."""
 
 from __future__ import annotations
 

@@ -134,9 +134,7 @@ def test_checkpoint_resume_follows_uninterrupted_run(tmp_path):
     ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, filename="{step}")
     trainer(3, callbacks=[ckpt], enable_checkpointing=True).fit(first, datamodule=_ordered())
     path = tmp_path / "step=3.ckpt"
-    assert path.is_dir() and sorted(p.name for p in path.iterdir()) == [
-        "pipeline.json", "stage0-replica0.pt", "stage1-replica0.pt"
-    ]  # fmt: skip
+    assert path.is_file()  # one ordinary Lightning file (tests/test_checkpoints.py: it loads anywhere)
     resumed = _model()
     trainer(6).fit(resumed, datamodule=_ordered(), ckpt_path=str(path))
     assert _max_diff(resumed, first) > 1e-3

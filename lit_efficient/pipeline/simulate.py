@@ -1,21 +1,23 @@
-"""Discrete-event simulator of pipeline schedules: makespan, utilization, bubble and drift from costs.
+"""Discrete-event simulator of pipeline schedules: makespan, utilization, bubble, drift and memory from costs.
 
 This file owns the cost model that benchmarks and `PipelineMonitor` compare measurements against,
-and the closed forms of DESIGN.md section 3 (`flush_utilization`, `paci_drift_bound`). It is pure:
-the input is the per-stage action streams of `schedules.py` (or hand-written strings), the output
-a `SimulationResult`.
+and the closed forms of docs/DESIGN.md section 3 (`flush_utilization`, `paci_drift_bound`). It is pure:
+the input is per-stage action streams of `schedules.py` (or hand-written strings), or a rank-level
+`plans.Plan` (several model stages per rank, split backward), the output a `SimulationResult`.
 
-Model: every stage runs its own stream strictly in order, one action at a time. An action starts
-when its stage is free and its dependencies have finished (plus ``comm`` when the dependency crossed
-a link between stages):
+Model: every rank (a stage, in a stream of `schedules.py`) runs its own list strictly in order, one
+task at a time. A task starts when its rank is free and its dependencies have finished (plus
+``comm`` when the dependency crossed a link between ranks):
 
-- ``F(j)`` on stage s > 0 needs ``F(j)`` on stage s-1;
-- ``B(j)`` needs ``F(j)`` on its own stage and, unless it is the last stage, ``B(j)`` on stage s+1;
-- ``STEP`` needs nothing but its place in the stream and takes ``step`` time.
+- ``F(j)`` on model stage s > 0 needs ``F(j)`` on stage s-1;
+- ``B(j)`` (full backward) or ``I(j)`` (its input-gradient half) needs ``F(j)`` on its own stage
+  and, unless it is the last stage, the input gradient of stage s+1 (its ``B(j)`` or ``I(j)``);
+- ``W(j)`` (weight-gradient half) needs ``I(j)`` on its own stage;
+- ``STEP`` needs nothing but its place in the list and takes ``step`` time.
 
-Since the only shared resource is the stage itself, start = max(stage free, dependencies done) is
-exact, and the order in which stages are visited does not change the result. A plan in which no
-stage can progress before all have finished is a deadlock and raises `DeadlockError`.
+Since the only shared resource is the rank itself, start = max(rank free, dependencies done) is
+exact, and the order in which ranks are visited does not change the result. A plan in which no
+rank can progress before all have finished is a deadlock and raises `DeadlockError`.
 """
 
 from __future__ import annotations
@@ -23,12 +25,22 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from lit_efficient.pipeline.actions import Action, parse_actions
+from lit_efficient.pipeline.plans import Plan
 from lit_efficient.pipeline.schedules import ScheduleName, stage_actions
 
-_Key = tuple[int, str, int]  # (stage, kind, micro-batch) of a finished F/B
+# (model stage, what finished, micro-batch): "F" its forward, "G" its input gradient (B or I), "W".
+_Key = tuple[int, str, int]
+
+
+class _TaskLike(Protocol):
+    """What the simulator reads of an `actions.Action` or a `plans.Task`."""
+
+    stage: int
+    kind: str
+    index: int
 
 
 class DeadlockError(RuntimeError):
@@ -36,10 +48,10 @@ class DeadlockError(RuntimeError):
 
 
 class Slot(NamedTuple):
-    """One executed action: ``stage`` ran ``action`` during ``[start, end)``."""
+    """One executed task: ``stage`` (the rank, for a `Plan`) ran ``action`` during ``[start, end)``."""
 
     stage: int
-    action: Action
+    action: Any  # an `actions.Action` for `simulate_streams`, a `plans.Task` for `simulate_plan`
     start: float
     end: float
 
@@ -47,6 +59,9 @@ class Slot(NamedTuple):
 @dataclass(frozen=True)
 class SimulationResult:
     """What one simulated run of a plan did.
+
+    "Stage" below is the unit that runs one list: a stage for `simulate_streams`, a rank for
+    `simulate_plan`.
 
     Args:
         makespan: Time from the first action's start (0) to the last action's end.
@@ -59,6 +74,8 @@ class SimulationResult:
             stages are balanced) to the end of stage 0's last forward (after which stage 0, and
             then each later stage, only drains). Stage 0 is the last to reach steady state and the
             first to leave it, so this window lies inside every stage's steady state.
+        peak_activations: Per stage, the most micro-batch activations held at once (from a forward
+            to its B or W), in units of one micro-batch through everything the stage holds.
     """
 
     makespan: float
@@ -66,6 +83,7 @@ class SimulationResult:
     timeline: tuple[Slot, ...]
     drift: tuple[dict[int, int], ...]
     steady_window: tuple[float, float] | None
+    peak_activations: tuple[float, ...] = ()
 
     @property
     def num_stages(self) -> int:
@@ -81,6 +99,16 @@ class SimulationResult:
     def bubble_fraction(self) -> float:
         """Idle fraction of the whole run: 1 - mean utilization."""
         return 1.0 - sum(self.utilization) / self.num_stages
+
+    @property
+    def bubble_rate(self) -> float:
+        """The zero-bubble paper's bubble rate: idle time over busy time, (makespan - busy) / busy, mean stage.
+
+        1F1B-flush with balanced stages: (p-1)/N; the same idle expressed as a fraction of the
+        makespan is `bubble_fraction` ((p-1)/(N+p-1)).
+        """
+        busy = sum(self.busy) / self.num_stages
+        return (self.makespan - busy) / busy if busy > 0 else 0.0
 
     @property
     def max_drift(self) -> tuple[int, ...]:
@@ -167,43 +195,94 @@ def simulate_streams(
         "B": _per_stage("backward", backward, num_stages),
         "STEP": _per_stage("step", step, num_stages),
     }
-    _check_cost("comm", comm)
+    return _run(plans, tuple(range(num_stages)), durations, comm, [1.0] * num_stages, "stage")
 
+
+def simulate_plan(
+    plan: Plan,
+    forward: float | Sequence[float] = 1.0,
+    backward: float | Sequence[float] = 2.0,
+    input_grad: float | Sequence[float] | None = None,
+    weight_grad: float | Sequence[float] | None = None,
+    comm: float = 0.0,
+    step: float = 0.0,
+    activation: Sequence[float] | None = None,
+) -> SimulationResult:
+    """Simulate a rank-level `plans.Plan`; the result's "stages" are its ranks.
+
+    Args:
+        plan: Per rank, its tasks in order (`plans.build_plan`).
+        forward: F time of one micro-batch, for every model stage or per model stage.
+        backward: Full-backward (``B``) time, likewise.
+        input_grad: ``I`` time; default half of ``backward``.
+        weight_grad: ``W`` time; default half of ``backward``.
+        comm: Latency added to every dependency that crosses from one rank to another.
+        step: Time of one ``STEP`` (one model stage's optimizer step).
+        activation: Per model stage, the size of one micro-batch's activations; default 1 / (model
+            stages on its rank), so a rank's whole share of the model holds 1 per micro-batch.
+    """
+    n = plan.num_stages
+    full = _per_stage("backward", backward, n)
+    half = tuple(b / 2 for b in full)
+    durations = {
+        "F": _per_stage("forward", forward, n),
+        "B": full,
+        "I": half if input_grad is None else _per_stage("input_grad", input_grad, n),
+        "W": half if weight_grad is None else _per_stage("weight_grad", weight_grad, n),
+        "STEP": _per_stage("step", step, n),
+    }
+    on_rank = [plan.rank_of.count(plan.rank_of[s]) for s in range(n)]
+    sizes = [1.0 / c for c in on_rank] if activation is None else list(_per_stage("activation", activation, n))
+    return _run([list(t) for t in plan.tasks], plan.rank_of, durations, comm, sizes, "rank")
+
+
+def _run(
+    plans: list[list[_TaskLike]],
+    rank_of: Sequence[int],
+    durations: dict[str, tuple[float, ...]],
+    comm: float,
+    sizes: Sequence[float],
+    unit: str,
+) -> SimulationResult:
+    """The event loop: each rank runs ``plans[rank]`` in order, a task as soon as its rank and inputs are free."""
+    _check_cost("comm", comm)
+    num_ranks = len(plans)
     done: dict[_Key, float] = {}
     slots: list[list[Slot]] = [[] for _ in plans]
-    free = [0.0] * num_stages
+    free = [0.0] * num_ranks
     remaining = sum(len(p) for p in plans)
     sweep = 0
     while remaining:
         # Alternate the visiting order: forwards flow down and backwards flow up, so each sweep
-        # direction advances one of them across all stages in one pass (fewer passes, same result).
-        order = range(num_stages) if sweep % 2 == 0 else range(num_stages - 1, -1, -1)
+        # direction advances one of them across all ranks in one pass (fewer passes, same result).
+        order = range(num_ranks) if sweep % 2 == 0 else range(num_ranks - 1, -1, -1)
         sweep += 1
         progressed = 0
-        for s in order:
-            plan = plans[s]
-            while len(slots[s]) < len(plan):
-                action = plan[len(slots[s])]
-                ready = _ready_at(action, num_stages, done, comm)
+        for r in order:
+            plan = plans[r]
+            while len(slots[r]) < len(plan):
+                task = plan[len(slots[r])]
+                ready = _ready_at(task, rank_of, done, comm)
                 if ready is None:
                     break
-                start = max(free[s], ready)
-                free[s] = start + durations[action.kind][s]
-                slots[s].append(Slot(s, action, start, free[s]))
-                if action.kind != "STEP":
-                    done[(s, action.kind, action.index)] = free[s]
+                start = max(free[r], ready)
+                free[r] = start + durations[task.kind][task.stage]
+                slots[r].append(Slot(r, task, start, free[r]))
+                for key in _produces(task):
+                    done[key] = free[r]
                 progressed += 1
         if not progressed:
-            raise _deadlock(plans, slots, done)
+            raise _deadlock(plans, slots, done, rank_of, unit)
         remaining -= progressed
 
-    timeline = tuple(slot for stage_slots in slots for slot in stage_slots)
+    timeline = tuple(slot for rank_slots in slots for slot in rank_slots)
     return SimulationResult(
         makespan=max((slot.end for slot in timeline), default=0.0),
-        busy=tuple(sum(slot.end - slot.start for slot in stage_slots) for stage_slots in slots),
+        busy=tuple(sum(slot.end - slot.start for slot in rank_slots) for rank_slots in slots),
         timeline=timeline,
         drift=tuple(_drift(plan) for plan in plans),
         steady_window=_steady_window(slots[0]),
+        peak_activations=tuple(_peak(plan, sizes) for plan in plans),
     )
 
 
@@ -221,59 +300,97 @@ def paci_drift_bound(num_stages: int, accumulate: int, stage: int) -> int:
     return -(-(num_stages - 1 - stage) // accumulate)  # integer ceil, no float rounding
 
 
-def _dependencies(action: Action, num_stages: int) -> list[tuple[_Key, bool]]:
-    """What ``action`` waits for, each with whether it crosses a link (and so pays ``comm``)."""
-    s, j = action.stage, action.index
-    if action.kind == "F":
-        return [((s - 1, "F", j), True)] if s > 0 else []
-    if action.kind == "B":
+def _dependencies(task: _TaskLike, rank_of: Sequence[int]) -> list[tuple[_Key, bool]]:
+    """What ``task`` waits for, each with whether it crosses a link between ranks (and so pays ``comm``)."""
+    s, j = task.stage, task.index
+    if task.kind == "F":
+        return [((s - 1, "F", j), rank_of[s - 1] != rank_of[s])] if s > 0 else []
+    if task.kind in ("B", "I"):
         own = [((s, "F", j), False)]
-        return own + [((s + 1, "B", j), True)] if s < num_stages - 1 else own
+        return own + [((s + 1, "G", j), rank_of[s + 1] != rank_of[s])] if s < len(rank_of) - 1 else own
+    if task.kind == "W":
+        return [((s, "G", j), False)]
     return []
 
 
-def _ready_at(action: Action, num_stages: int, done: dict[_Key, float], comm: float) -> float | None:
-    """When the dependencies of ``action`` are met, or None if one has not run yet."""
+def _produces(task: _TaskLike) -> tuple[_Key, ...]:
+    """What a finished ``task`` makes available: B is I and W in one."""
+    s, j = task.stage, task.index
+    return {"F": ((s, "F", j),), "B": ((s, "G", j), (s, "W", j)), "I": ((s, "G", j),), "W": ((s, "W", j),)}.get(
+        task.kind, ()
+    )
+
+
+def _ready_at(task: _TaskLike, rank_of: Sequence[int], done: dict[_Key, float], comm: float) -> float | None:
+    """When the dependencies of ``task`` are met, or None if one has not run yet."""
     ready = 0.0
-    for key, crosses in _dependencies(action, num_stages):
+    for key, crosses in _dependencies(task, rank_of):
         if key not in done:
             return None
         ready = max(ready, done[key] + (comm if crosses else 0.0))
     return ready
 
 
-def _deadlock(plans: list[list[Action]], slots: list[list[Slot]], done: dict[_Key, float]) -> DeadlockError:
+def _deadlock(
+    plans: list[list[_TaskLike]], slots: list[list[Slot]], done: dict[_Key, float], rank_of: Sequence[int], unit: str
+) -> DeadlockError:
+    split = {(t.stage, t.index) for plan in plans for t in plan if t.kind == "I"}
     waits = []
-    for s, plan in enumerate(plans):
-        if len(slots[s]) < len(plan):
-            action = plan[len(slots[s])]
-            missing = [k for k, _ in _dependencies(action, len(plans)) if k not in done]
-            names = " and ".join(str(Action(*k)) for k in missing)  # type: ignore[arg-type]
-            waits.append(f"stage {s} waits at {action} for {names}")
+    for r, plan in enumerate(plans):
+        if len(slots[r]) < len(plan):
+            task = plan[len(slots[r])]
+            missing = [k for k, _ in _dependencies(task, rank_of) if k not in done]
+            # "G" (an input gradient) is named as the task that makes it: I in a split plan, else B.
+            names = " and ".join(
+                f"{s}{'I' if kind == 'G' and (s, j) in split else 'B' if kind == 'G' else kind}{j}"
+                for s, kind, j in missing
+            )
+            waits.append(f"{unit} {r} waits at {task} for {names}")
     return DeadlockError(
-        "deadlock: no stage can progress; "
+        f"deadlock: no {unit} can progress; "
         + "; ".join(waits)
-        + ". Each stage must order its actions so that what it waits for is reachable in the others' streams."
+        + f". Each {unit} must order its tasks so that what it waits for is reachable in the others' lists."
     )
 
 
-def _drift(plan: Sequence[Action]) -> dict[int, int]:
-    """Steps between each micro-batch's F and B; stream order is execution order on a stage."""
+def _drift(plan: Sequence[_TaskLike]) -> dict[int, int]:
+    """Steps between each micro-batch's F and its B (or I); list order is execution order on a rank.
+
+    A rank holding several model stages reports, per micro-batch, the largest drift over them.
+    """
     steps = 0
-    steps_at_forward: dict[int, int] = {}
+    steps_at_forward: dict[tuple[int, int], int] = {}
     drift: dict[int, int] = {}
-    for action in plan:
-        if action.kind == "STEP":
+    for task in plan:
+        key = (task.stage, task.index)
+        if task.kind == "STEP":
             steps += 1
-        elif action.kind == "F":
-            steps_at_forward[action.index] = steps
-        elif action.index in steps_at_forward:
-            drift[action.index] = steps - steps_at_forward[action.index]
+        elif task.kind == "F":
+            steps_at_forward[key] = steps
+        elif task.kind in ("B", "I") and key in steps_at_forward:
+            drift[task.index] = max(drift.get(task.index, 0), steps - steps_at_forward[key])
     return drift
 
 
+def _peak(plan: Sequence[_TaskLike], sizes: Sequence[float]) -> float:
+    """Most activation held at once: a forward's from its F to its B, or to its W when split.
+
+    W needs the inputs of the stage's matmuls, most of what forward saved, so a split backward
+    keeps the activation until W. Allocation and release both happen on the rank that holds the
+    stage, so list order is time order and the peak needs no timing.
+    """
+    held = peak = 0.0
+    for task in plan:
+        if task.kind == "F":
+            held += sizes[task.stage]
+            peak = max(peak, held)
+        elif task.kind in ("B", "W"):
+            held -= sizes[task.stage]
+    return peak
+
+
 def _steady_window(first_stage: list[Slot]) -> tuple[float, float] | None:
-    backwards = [slot.start for slot in first_stage if slot.action.kind == "B"]
+    backwards = [slot.start for slot in first_stage if slot.action.kind in ("B", "I")]
     forwards = [slot.end for slot in first_stage if slot.action.kind == "F"]
     if not backwards or not forwards or max(forwards) <= min(backwards):
         return None  # too few micro-batches: stage 0 finished all forwards before its first backward

@@ -1,133 +1,281 @@
-"""Sharded pipeline checkpoints: one file per (stage, replica) in a directory, written atomically.
+"""Pipeline checkpoints as one ordinary Lightning file that loads anywhere and survives a change of layout.
 
-A checkpoint path names a directory. Every rank writes its shard (its stage's weights, optimizer,
-scheduler, accumulation, averaging and RNG state, plus Lightning's loop and callback state) into
-``<path>.partial``; once all shards are complete, global rank 0 swaps the directory into place
-with renames. A crash while saving leaves the previous checkpoint whole.
+Saving is collective: every rank hands its stage's share of Lightning's checkpoint dict to global
+rank 0, which writes one ``.ckpt`` file atomically (a temporary file, then a rename: a crash while
+saving leaves the previous checkpoint whole). The file is what one device would have written:
+
+- ``state_dict``: the whole unsplit model, under the module's own key names;
+- ``optimizer_states``: one optimizer in the unsplit index space, each parameter group the
+  concatenation, stage by stage, of that group's parameters on every stage (the order
+  ``configure_optimizers`` gives them on the whole module, since the stages hold consecutive layers);
+- ``lr_schedulers``, loops, callbacks, ``hyper_parameters``: Lightning's own, from rank 0 (the
+  pipeline is drained, so every stage's scheduler has taken the same steps);
+- ``pipeline``: what only a pipeline has, keyed by parameter name wherever it can be: the layout it
+  was written by, every group's parameter names, accumulated gradients of an unfinished window,
+  per-rank RNG, and the LocalSGD/DiLoCo state and the diverged replicas' weights.
+
+So ``Module.load_from_checkpoint(path)`` and ``ckpt_path=path`` under one device or DDP read it as
+theirs, and `PACIStrategy` resumes it with any number of stages or replicas: each stage takes its
+parameters, optimizer state and accumulated gradients by name. What cannot carry over to another
+layout (per-rank RNG, the averager's per-stage state) is dropped with a warning.
+
+Directories of per-stage shards written by earlier versions still resume on their own layout, and
+`consolidate_checkpoint` reads both.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import pickle
-import shutil
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-import torch.distributed as dist
-from lightning.pytorch.plugins.io import TorchCheckpointIO
-from typing_extensions import override
+from torch import Tensor, nn
 
-if TYPE_CHECKING:
-    from lit_efficient.strategies.paci import PACIStrategy
-
-META = "pipeline.json"
+FORMAT = 2  # `pipeline["format"]`; 1 is the directory of shards
+LEGACY_META = "pipeline.json"
 
 
-def shard_name(stage: int, replica: int) -> str:
-    """File name of one rank's shard inside a checkpoint directory."""
-    return f"stage{stage}-replica{replica}.pt"
+# -- saving -----------------------------------------------------------------------------------------
 
 
-class PipelineCheckpointIO(TorchCheckpointIO):
-    """Reads and writes the sharded checkpoints of a `PACIStrategy`.
+def rank_share(
+    checkpoint: dict[str, Any], module: nn.Module, optimizer: Any, extras: dict[str, Any], keep_weights: bool
+) -> dict[str, Any]:
+    """What this rank contributes to the file: its stage's weights and optimizer under parameter names.
 
     Args:
-        strategy: The strategy whose stage and replica name this rank's shard.
+        checkpoint: Lightning's checkpoint dict as this rank built it (its stage's keys only).
+        module: The split module (its parameters are this stage's).
+        optimizer: This stage's optimizer, or None.
+        extras: ``stage``, ``replica`` and the pipeline state of this rank (accumulation, RNG, averager).
+        keep_weights: Send weights and optimizer state (replica 0 always; other replicas when they diverge).
     """
-
-    def __init__(self, strategy: PACIStrategy) -> None:
-        super().__init__()
-        self.strategy = strategy
-
-    def save_sharded(self, checkpoint: dict[str, Any], path: str | os.PathLike) -> None:
-        """Collective: every rank writes its shard; rank 0 publishes the directory atomically."""
-        s = self.strategy
-        path = Path(path)
-        partial = path.with_name(path.name + ".partial")
-        if s.is_global_zero:
-            shutil.rmtree(partial, ignore_errors=True)
-            partial.mkdir(parents=True)
-        _barrier(s)
-        _write_shard(checkpoint, partial / shard_name(s.stage, s.replica))
-        _barrier(s)
-        if s.is_global_zero:
-            self._publish(partial, path, checkpoint["pipeline"]["sizes"])
-
-    def save_shards(self, checkpoints: list[dict[str, Any]], path: str | os.PathLike) -> None:
-        """Write every stage's shard of one replica from this process (a pipeline run in one process), in
-        the format `save_sharded` writes from S processes, and publish the directory atomically."""
-        path = Path(path)
-        partial = path.with_name(path.name + ".partial")
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-        for checkpoint in checkpoints:
-            state = checkpoint["pipeline"]
-            _write_shard(checkpoint, partial / shard_name(state["stage"], state["replica"]))
-        self._publish(partial, path, checkpoints[0]["pipeline"]["sizes"])
-
-    def _publish(self, partial: Path, path: Path, sizes: list[int]) -> None:
-        s = self.strategy
-        meta = {
-            "num_stages": s.pipeline_stages,
-            "num_replicas": s.topology.num_replicas,  # type: ignore[union-attr]
-            "sizes": sizes,
-            "schedule": s.schedule,
-        }
-        (partial / META).write_text(json.dumps(meta))
-        old = path.with_name(path.name + ".old")
-        if path.exists():
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(path, old)
-        os.replace(partial, path)
-        shutil.rmtree(old, ignore_errors=True)
-
-    @override
-    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
-        path = Path(path)
-        if not path.is_dir():  # a plain file: the spawn launcher's hand-back of rank 0's weights
-            return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
-        s = self.strategy
-        shard = path / shard_name(s.stage, s.replica)
-        if not shard.exists():  # more replicas than when saved: start them from replica 0
-            shard = path / shard_name(s.stage, 0)
-        if not shard.exists():
-            found = sorted(p.name for p in path.glob("*.pt"))
-            raise FileNotFoundError(
-                f"{path} has no shard for stage {s.stage} (found {found}); it was written with another pipeline "
-                "layout: resume with the same pipeline_stages"
-            )
-        return load_shard(shard, weights_only)
-
-    @override
-    def remove_checkpoint(self, path: Any) -> None:
-        shutil.rmtree(path, ignore_errors=True)
+    names = {id(p): n for n, p in module.named_parameters()}
+    share = dict(extras)
+    if keep_weights:
+        share["state_dict"] = _cpu(checkpoint["state_dict"])
+        if optimizer is not None:
+            share["groups"] = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+            share["optimizer"] = _cpu(checkpoint["optimizer_states"][0])
+            share["lr_schedulers"] = _cpu(checkpoint.get("lr_schedulers", []))
+    return share
 
 
-def consolidate_checkpoint(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """The unsplit module's ``state_dict`` from a pipeline checkpoint directory (replica 0's shards).
+def assemble(checkpoint: dict[str, Any], shares: list[dict[str, Any]], layout: dict[str, Any]) -> dict[str, Any]:
+    """Rank 0: Lightning's dict of rank 0 with the whole model and optimizer merged from every share."""
+    primary = sorted((s for s in shares if s["replica"] == 0), key=lambda s: s["stage"])
+    out = dict(checkpoint)
+    out["state_dict"] = {k: v for s in primary for k, v in s["state_dict"].items()}
+    pipeline: dict[str, Any] = {"format": FORMAT, "layout": layout, "ranks": {}, "replicas": {}}
+    if all("optimizer" in s for s in primary):
+        merged, names, slots = _merge_optimizers(primary)
+        out["optimizer_states"] = [merged]
+        out["lr_schedulers"] = _merge_schedulers(primary, slots, len(names))
+        pipeline["param_names"] = names
+        pipeline["optimizer_by_name"] = {n: st for s in primary for n, st in _by_name(s, slots).items()}
+    for s in shares:
+        key = f"stage{s['stage']}-replica{s['replica']}"
+        pipeline["ranks"][key] = {k: s[k] for k in ("accumulation", "rng", "averager") if k in s}
+        if s["replica"] > 0 and "state_dict" in s:
+            pipeline["replicas"][key] = {"state_dict": s["state_dict"], "optimizer_by_name": _by_name(s, slots)}
+    out["pipeline"] = pipeline
+    return out
 
-    Load it into a fresh module for inference or to continue with another strategy:
-    ``GPT(...).load_state_dict(consolidate_checkpoint("last.ckpt"))``.
-    """
+
+def write_atomically(checkpoint: dict[str, Any], path: str | os.PathLike) -> None:
+    """Write the file under a temporary name and rename it into place: complete or absent."""
     path = Path(path)
-    meta = json.loads((path / META).read_text())
-    state: dict[str, torch.Tensor] = {}
-    for stage in range(meta["num_stages"]):
-        shard = load_shard(path / shard_name(stage, 0))
-        state.update(shard["state_dict"])
-    return state
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".partial")
+    torch.save(checkpoint, tmp)
+    os.replace(tmp, path)
 
 
-def load_shard(path: Path, weights_only: bool | None = None) -> dict[str, Any]:
-    """Load one shard. ``weights_only`` True or False, as the caller asked (``trainer.fit(...,
-    weights_only=...)``), is obeyed as is. None (the default): ``weights_only=True`` (no arbitrary code
-    on unpickling) when the content allows; a checkpoint holding other Python objects (custom
-    hyper-parameter types, say) falls back to a full load, with a warning: only load such checkpoints
-    from sources you trust."""
+def group_key(group: dict[str, Any]) -> str:
+    """What makes parameter groups of different stages one group of the unsplit optimizer: equal
+    hyper-parameters besides the learning rate (which a per-stage scheduler or correction may set)."""
+    return repr(sorted((k, v) for k, v in group.items() if k not in ("params", "lr", "initial_lr")))
+
+
+def _merge_optimizers(primary: list[dict[str, Any]]) -> tuple[dict[str, Any], list[list[str]], dict]:
+    """One optimizer state in the unsplit index space. A stage may lack a group (no biases on an
+    embedding stage), so groups are matched by `group_key`, in order of first appearance, stage by stage.
+    Returns the state, the names per merged group and ``slots[(stage, local group)] = merged group``."""
+    keys: list[str] = []
+    slots: dict[tuple[int, int], int] = {}
+    for s in primary:
+        for g, group in enumerate(s["optimizer"]["param_groups"]):
+            key = group_key(group)
+            if key not in keys:
+                keys.append(key)
+            slots[(s["stage"], g)] = keys.index(key)
+    groups: list[dict[str, Any]] = [{} for _ in keys]
+    names: list[list[str]] = [[] for _ in keys]
+    members: list[list[tuple[int, Any]]] = [[] for _ in keys]  # (share, local index) per merged group
+    for i, s in enumerate(primary):
+        for g, group in enumerate(s["optimizer"]["param_groups"]):
+            m = slots[(s["stage"], g)]
+            groups[m] = groups[m] or {k: v for k, v in group.items() if k != "params"}
+            names[m] += s["groups"][g]
+            members[m] += [(i, local) for local in group["params"]]
+    state, index = {}, 0
+    for m, group in enumerate(groups):
+        group["params"] = []
+        for i, local in members[m]:
+            if local in primary[i]["optimizer"]["state"]:
+                state[index] = primary[i]["optimizer"]["state"][local]
+            group["params"].append(index)
+            index += 1
+    return {"state": state, "param_groups": groups}, names, slots
+
+
+def _merge_schedulers(primary: list[dict[str, Any]], slots: dict, num_groups: int) -> list[dict[str, Any]]:
+    """Each scheduler's state with its per-group lists (``base_lrs``, ``_last_lr``) over the merged groups."""
+    merged = []
+    for c, first in enumerate(primary[0].get("lr_schedulers", [])):
+        state = dict(first)
+        for key, value in first.items():
+            if not isinstance(value, list) or len(value) != len(primary[0]["groups"]):
+                continue
+            out: list[Any] = [None] * num_groups
+            for s in primary:
+                for g, v in enumerate(s["lr_schedulers"][c][key]):
+                    out[slots[(s["stage"], g)]] = v
+            state[key] = out
+        merged.append(state)
+    return merged
+
+
+def regroup_schedulers(states: list[dict[str, Any]], group_map: list[int], num_groups: int) -> list[dict[str, Any]]:
+    """Scheduler states over the checkpoint's groups -> over this stage's (``group_map[local] = saved``)."""
+    out = []
+    for state in states:
+        state = dict(state)
+        for key, value in state.items():
+            if isinstance(value, list) and len(value) == num_groups:
+                state[key] = [value[g] for g in group_map]
+        out.append(state)
+    return out
+
+
+def _by_name(share: dict[str, Any], slots: dict) -> dict[str, Any]:
+    """``{name: (merged group, group hyper-parameters, optimizer state)}`` of one share."""
+    if "optimizer" not in share:
+        return {}
+    local = share["optimizer"]
+    out = {}
+    for g, (group, names) in enumerate(zip(local["param_groups"], share["groups"], strict=True)):
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        for local_index, name in zip(group["params"], names, strict=True):
+            out[name] = (slots.get((share["stage"], g), g), hyper, local["state"].get(local_index, {}))
+    return out
+
+
+# -- loading ----------------------------------------------------------------------------------------
+
+
+def local_state_dict(checkpoint: dict[str, Any], module: nn.Module, replica_key: str | None) -> dict[str, Tensor]:
+    """The checkpoint's weights for this stage's keys (a diverged replica's own, when it was saved)."""
+    source = checkpoint["state_dict"]
+    replicas = checkpoint.get("pipeline", {}).get("replicas", {})
+    if replica_key is not None and replica_key in replicas:
+        source = {**source, **replicas[replica_key]["state_dict"]}
+    keys = module.state_dict().keys()
+    return {k: source[k] for k in keys if k in source}
+
+
+def local_optimizer_state(
+    checkpoint: dict[str, Any], module: nn.Module, optimizer: Any, replica_key: str | None, names_by_group: Any
+) -> tuple[dict[str, Any], list[int]]:
+    """This stage's optimizer state dict, taken from the checkpoint by parameter name, and for each of
+    its groups the checkpoint's group it came from (to regroup the schedulers' per-group lists).
+
+    Args:
+        checkpoint: The loaded file.
+        module: The split module.
+        optimizer: This stage's optimizer.
+        replica_key: ``stage{s}-replica{r}`` of this rank (a diverged replica's own state wins).
+        names_by_group: For a checkpoint without ``pipeline.param_names`` (one device, DDP): a callable
+            returning the unsplit optimizer's names per group, by the concatenation rule (collective).
+    """
+    pipeline = checkpoint.get("pipeline", {})
+    by_name = dict(pipeline.get("optimizer_by_name") or {})
+    if replica_key is not None and replica_key in pipeline.get("replicas", {}):
+        by_name.update(pipeline["replicas"][replica_key]["optimizer_by_name"])
+    if not by_name:
+        by_name = _from_index_space(checkpoint["optimizer_states"][0], pipeline.get("param_names") or names_by_group())
+    params = dict(module.named_parameters())
+    names = {id(p): n for n, p in params.items()}
+    groups, state, index, group_map = [], {}, 0, []
+    for group in optimizer.param_groups:
+        mine = [names[id(p)] for p in group["params"]]
+        missing = [n for n in mine if n not in by_name]
+        if missing:
+            raise KeyError(
+                f"the checkpoint has no optimizer state for {missing[:3]}{' ...' if len(missing) > 3 else ''}: it "
+                "was written for another model, or its optimizer covered other parameters"
+            )
+        saved_group, hyper, _ = by_name[mine[0]]
+        group_map.append(saved_group)
+        entry = dict(hyper, params=[])
+        for name in mine:
+            saved = by_name[name][2]
+            _check_shapes(name, saved, params[name])
+            if saved:
+                state[index] = saved
+            entry["params"].append(index)
+            index += 1
+        groups.append(entry)
+    return {"state": state, "param_groups": groups}, group_map
+
+
+def local_accumulation(checkpoint: dict[str, Any], names: list[str]) -> dict[str, Any] | None:
+    """An unfinished window's gradients for this stage's parameters ``names``, or None when there is none."""
+    ranks = checkpoint.get("pipeline", {}).get("ranks", {})
+    windows = [r["accumulation"] for r in ranks.values() if r.get("accumulation", {}).get("window") is not None]
+    if not windows:
+        return None
+    grads = {n: g for w in windows for n, g in w["grads"].items()}
+    return {"window": windows[0]["window"], "grads": [grads.get(n) for n in names]}
+
+
+def _from_index_space(saved: dict[str, Any], names_by_group: list[list[str]]) -> dict[str, Any]:
+    groups = saved["param_groups"]
+    if [len(g["params"]) for g in groups] != [len(n) for n in names_by_group]:
+        raise ValueError(
+            f"the checkpoint's optimizer has groups of {[len(g['params']) for g in groups]} parameters, the stages "
+            f"of this pipeline together {[len(n) for n in names_by_group]}: configure_optimizers builds other groups "
+            "than when it was saved. Load only the weights (Module.load_from_checkpoint) and start a new optimizer."
+        )
+    out = {}
+    for g, (group, names) in enumerate(zip(groups, names_by_group, strict=True)):
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        for index, name in zip(group["params"], names, strict=True):
+            out[name] = (g, hyper, saved["state"].get(index, {}))
+    return out
+
+
+def _check_shapes(name: str, state: dict[str, Any], param: nn.Parameter) -> None:
+    for key, value in state.items():
+        if isinstance(value, Tensor) and value.dim() > 0 and value.shape != param.shape:
+            raise ValueError(
+                f"the checkpoint's optimizer state {key!r} for {name} has shape {tuple(value.shape)}, the parameter "
+                f"{tuple(param.shape)}: configure_optimizers orders parameters unlike the pipeline's layers. Order "
+                "each parameter group by module order, or load only the weights."
+            )
+
+
+def load_file(path: str | os.PathLike, weights_only: bool | None = None) -> dict[str, Any]:
+    """Load one checkpoint file on the CPU. ``weights_only`` True or False, as the caller asked
+    (``trainer.fit(..., weights_only=...)``), is obeyed as is. None (the default): ``weights_only=True``
+    (no arbitrary code on unpickling) when the content allows; a checkpoint holding other Python objects
+    (custom hyper-parameter types, say) falls back to a full load, with a warning: only load such
+    checkpoints from sources you trust."""
     if weights_only is not None:
         return torch.load(path, map_location="cpu", weights_only=weights_only)
     try:
@@ -141,12 +289,72 @@ def load_shard(path: Path, weights_only: bool | None = None) -> dict[str, Any]:
         return torch.load(path, map_location="cpu", weights_only=False)
 
 
-def _write_shard(checkpoint: dict[str, Any], shard: Path) -> None:
-    tmp = shard.with_suffix(".tmp")
-    torch.save(checkpoint, tmp)
-    os.replace(tmp, shard)  # a shard is complete or absent, never half-written
+load_shard = load_file  # the name of earlier versions
 
 
-def _barrier(strategy: PACIStrategy) -> None:
-    if dist.is_initialized():
-        dist.barrier(group=strategy._header_group)
+def legacy_shard(path: Path, stage: int, replica: int) -> Path:
+    """This rank's shard in a directory checkpoint of earlier versions (replica 0's for new replicas)."""
+    shard = path / f"stage{stage}-replica{replica}.pt"
+    if not shard.exists():
+        shard = path / f"stage{stage}-replica0.pt"
+    if not shard.exists():
+        found = sorted(p.name for p in path.glob("*.pt"))
+        raise FileNotFoundError(
+            f"{path} has no shard for stage {stage} (found {found}); this directory checkpoint of an earlier "
+            "version resumes only on its own layout. Convert it with consolidate_checkpoint and load the weights."
+        )
+    return shard
+
+
+def consolidate_checkpoint(path: str | os.PathLike) -> dict[str, Tensor]:
+    """The unsplit module's ``state_dict`` from a pipeline checkpoint (a file, or an earlier version's
+    directory of shards). For a file this is its ``state_dict``; ``Module.load_from_checkpoint(path)``
+    reads the same file directly: ``GPT(...).load_state_dict(consolidate_checkpoint("last.ckpt"))``."""
+    path = Path(path)
+    if not path.is_dir():
+        return load_file(path)["state_dict"]
+    meta = json.loads((path / LEGACY_META).read_text())
+    state: dict[str, Tensor] = {}
+    for stage in range(meta["num_stages"]):
+        state.update(load_file(path / f"stage{stage}-replica0.pt")["state_dict"])
+    return state
+
+
+def _cpu(obj: Any) -> Any:
+    if isinstance(obj, Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cpu(v) for v in obj)
+    return obj
+
+
+def to_automatic_loops(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """Copy the optimizer-step count of the manual loop (the pipeline runs the module under manual
+    optimization) into the automatic loop's, where one device and DDP read ``global_step`` from."""
+    loop = checkpoint.get("loops", {}).get("fit_loop", {})
+    manual = loop.get(_MANUAL)
+    automatic = loop.get(_AUTOMATIC)
+    if manual is not None and automatic is not None:
+        steps = copy.deepcopy(manual)
+        automatic["optimizer"]["step"] = steps
+        zero = automatic["optimizer"]["zero_grad"]
+        for scope in ("total", "current"):
+            zero[scope].update(
+                ready=steps[scope]["ready"], started=steps[scope]["ready"], completed=steps[scope]["completed"]
+            )
+    return checkpoint
+
+
+def from_automatic_loops(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """The other way, for a checkpoint written under automatic optimization (one device, DDP)."""
+    loop = checkpoint.get("loops", {}).get("fit_loop", {})
+    manual, automatic = loop.get(_MANUAL), loop.get(_AUTOMATIC)
+    if manual is not None and automatic is not None and manual["total"]["completed"] == 0:
+        loop[_MANUAL] = copy.deepcopy(automatic["optimizer"]["step"])
+    return checkpoint
+
+
+_MANUAL = "epoch_loop.manual_optimization.optim_step_progress"
+_AUTOMATIC = "epoch_loop.automatic_optimization.optim_progress"

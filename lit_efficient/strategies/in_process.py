@@ -9,8 +9,9 @@ each process would have done for its own stage, done S times in one:
   the optimizer and LR schedulers its rank would build (its own parameter groups, its own schedule
   stepping with its own steps);
 - no process group is created (there is no peer): Lightning's collectives see a world of one;
-- checkpoints are the S stage shards the processes would write, in the same format, so either
-  layout resumes from the other's.
+- a checkpoint is the one file S processes would write (each stage's share assembled as rank 0
+  does), and each stage reads its part back by parameter name as its rank would, so either layout
+  resumes from the other's.
 
 Not supported in one process: gradient-norm clipping under ``1f1b_flush`` (its exact global norm is a
 collective across stages at the step, which one process cannot run between two stages' turns) and
@@ -21,18 +22,24 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
 from lightning.pytorch import Trainer
-from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
 from lit_efficient.pipeline.local import LocalPipeline, local_pipeline
 from lit_efficient.pipeline.stage import PipelineStage
-from lit_efficient.strategies.checkpoint import load_shard, shard_name
+from lit_efficient.strategies.checkpoint import (
+    assemble,
+    group_key,
+    local_accumulation,
+    local_optimizer_state,
+    rank_share,
+    regroup_schedulers,
+    to_automatic_loops,
+    write_atomically,
+)
 from lit_efficient.strategies.hooks import drain_before, warn_uncalled_hooks
 from lit_efficient.strategies.split import LayerOnOtherStage, Split
 
@@ -146,63 +153,70 @@ class InProcessPipeline:
     # -- checkpoints ------------------------------------------------------------------------------------
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any) -> None:
-        """Write the S shards the processes would, then publish the directory atomically."""
+        """The one file S processes would write: each stage's share as its rank builds it, assembled."""
         s = self.strategy
         module = s.lightning_module
         assert module is not None
-        layers = list(module.pipeline_layers())
-        full = checkpoint["state_dict"]
-        offsets = [sum(self._scheduler_counts[:k]) for k in range(len(self._scheduler_counts) + 1)]
-        shards = []
+        shares, views = [], []
         for stage in range(s.pipeline_stages):
-            with only_stage(module, layers, self.sizes, stage):
-                keys = list(module.state_dict().keys())
-            shard = dict(checkpoint, state_dict={k: full[k] for k in keys})
-            if "optimizer_states" in checkpoint:  # absent when saving weights only
-                shard["optimizer_states"] = [checkpoint["optimizer_states"][stage]]
-            if "lr_schedulers" in checkpoint and self._scheduler_counts:
-                shard["lr_schedulers"] = checkpoint["lr_schedulers"][offsets[stage] : offsets[stage + 1]]
-            with self.select(stage):
-                shard["pipeline"] = s.pipeline_state()
-            shards.append(shard)
-        s.checkpoint_io.save_shards(shards, filepath)
-
-    def load_checkpoint(self, path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Every stage's shard of replica 0, merged into one checkpoint in the order Lightning restores it."""
-        path = Path(path)
-        shards = []
-        for stage in range(self.strategy.pipeline_stages):
-            file = path / shard_name(stage, 0)
-            if not file.exists():
-                found = sorted(p.name for p in path.glob("*.pt"))
-                raise FileNotFoundError(
-                    f"{path} has no shard for stage {stage} (found {found}); it was written with another pipeline "
-                    "layout: resume with the same pipeline_stages"
-                )
-            shards.append(load_shard(file, weights_only))
-        last = shards[-1]  # the last stage's shard is rank 0's: loops, callbacks and metrics as Lightning left them
-        merged = dict(last)
-        merged["state_dict"] = {k: v for shard in shards for k, v in shard["state_dict"].items()}
-        if all("optimizer_states" in shard for shard in shards):
-            merged["optimizer_states"] = [state for shard in shards for state in shard["optimizer_states"]]
-        if all("lr_schedulers" in shard for shard in shards):
-            merged["lr_schedulers"] = [state for shard in shards for state in shard["lr_schedulers"]]
-        merged["pipeline"] = dict(last.get("pipeline", {}), stages=[shard.get("pipeline", {}) for shard in shards])
-        return merged
+            with self._as_rank(stage, checkpoint) as view:
+                optimizer = s.optimizers[stage] if s.optimizers else None
+                shares.append(rank_share(view, module, optimizer, s.pipeline_state(), True))
+                views.append(view)
+        # Lightning's dict as rank 0 (the last stage) built it: its schedulers, its keys.
+        write_atomically(to_automatic_loops(assemble(views[-1], shares, s.layout())), filepath)
 
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
-        """Optimizers of every stage, then each stage's accumulation and random stream."""
+        """Every stage takes its optimizer state, schedulers, accumulation and streams by parameter name, as
+        its rank would (`PACIStrategy.load_optimizer_state_dict`)."""
         s = self.strategy
-        DDPStrategy.load_optimizer_state_dict(s, checkpoint)
-        states = checkpoint.get("pipeline", {}).get("stages", [])
-        for rt, state in zip(self.pipeline.runtimes, states, strict=False):
-            if state.get("accumulation"):
-                rt.stage.load_accumulation_state(state["accumulation"])
-        rng = checkpoint.get("pipeline", {}).get("rng")
-        if rng is not None:
-            torch.set_rng_state(rng["cpu"])
-            if "cuda" in rng and s.root_device.type == "cuda":
-                torch.cuda.set_rng_state(rng["cuda"], s.root_device)
+        module = s.lightning_module
+        assert module is not None
+        names = {id(p): n for n, p in module.named_parameters()}
+        group_names = self._group_names(names)
+        saved_schedulers = checkpoint.get("lr_schedulers", [])
+        pipeline = checkpoint.get("pipeline", {})
+        same_layout = pipeline.get("layout") == s.layout()
+        schedulers = []
+        for stage, rt in enumerate(self.pipeline.runtimes):
+            with self.select(stage), only_stage(module, list(module.pipeline_layers()), self.sizes, stage):
+                if s.optimizers:
+                    state, group_map = local_optimizer_state(
+                        checkpoint, module, s.optimizers[stage], s._rank_key(), lambda: group_names
+                    )
+                    s.optimizers[stage].load_state_dict(state)
+                    saved_groups = len(checkpoint["optimizer_states"][0]["param_groups"])
+                    schedulers += regroup_schedulers(saved_schedulers, group_map, saved_groups)
+                accumulation = local_accumulation(checkpoint, [names[id(p)] for p in rt.stage.parameters()])
+                mine = pipeline.get("ranks", {}).get(s._rank_key(), {}) if same_layout else {}
+                s._load_rank_state(mine, accumulation)
+        if s.optimizers:
+            checkpoint["lr_schedulers"] = schedulers  # Lightning restores them next, in stage order
+
+    @contextmanager
+    def _as_rank(self, stage: int, checkpoint: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        """``stage``'s view: the strategy acts for it, the module holds only its layers, and Lightning's dict is
+        the one its rank would have built (its keys, its optimizer, its schedulers)."""
+        s = self.strategy
+        module = s.lightning_module
+        assert module is not None
+        offsets = [sum(self._scheduler_counts[:k]) for k in range(len(self._scheduler_counts) + 1)]
+        with self.select(stage), only_stage(module, list(module.pipeline_layers()), self.sizes, stage):
+            keys = module.state_dict().keys()
+            view = dict(checkpoint, state_dict={k: checkpoint["state_dict"][k] for k in keys})
+            if "optimizer_states" in checkpoint:
+                view["optimizer_states"] = [checkpoint["optimizer_states"][stage]]
+            if "lr_schedulers" in checkpoint and self._scheduler_counts:
+                view["lr_schedulers"] = checkpoint["lr_schedulers"][offsets[stage] : offsets[stage + 1]]
+            yield view
+
+    def _group_names(self, names: dict[int, str]) -> list[list[str]]:
+        """`PACIStrategy._group_names` without the collective: every stage is here."""
+        merged: dict[str, list[str]] = {}
+        for optimizer in self.strategy.optimizers:
+            for group in optimizer.param_groups:
+                merged.setdefault(group_key(group), []).extend(names[id(p)] for p in group["params"])
+        return list(merged.values())
 
 
 @contextmanager
