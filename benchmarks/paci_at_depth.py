@@ -50,7 +50,7 @@ RUNS = {  # name -> (schedule, staleness_correction)
     "paci+lr_scale": ("paci", "lr_scale"),
     "paci+weight_prediction": ("paci", "weight_prediction"),
 }
-PAPER = {8: 1.69, 16: 1.41}  # PACI / flush time-to-accuracy, GPT-2 Medium, 8 stages (DESIGN.md section 3)
+PAPER = {8: 1.69, 16: 1.41}  # PACI / flush time-to-accuracy, GPT-2 Medium, 8 stages (docs/DESIGN.md section 3)
 
 
 def _model(config: dict[str, Any], lr: float, steps: int):
