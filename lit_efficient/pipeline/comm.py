@@ -3,10 +3,15 @@
 Stages and averagers describe what they need (tensors, a peer, a group); this module issues the
 torch.distributed calls, owns every `Work` handle, and turns a dead or silent peer into an error
 that names it instead of a hang.
+
+It also owns the other transport: `LocalExchange`, mailboxes between the stages of a pipeline that
+runs whole in one process (``Trainer(devices=1)``). Both answer the same calls; the runtime only asks
+`ready` before a receive, which a blocking transport always answers yes.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -179,6 +184,10 @@ class PointToPoint:
         self._posted: dict[int, _PostedRecv] = {}  # per source: irecvs posted for its next message
         self.bytes_sent = 0
 
+    def ready(self, src: int) -> bool:
+        """Whether a receive from ``src`` may be issued now: always, since it blocks until the message comes."""
+        return True
+
     @property
     def can_prepost(self) -> bool:
         """Whether receives may be posted ahead of the schedule's order.
@@ -306,6 +315,85 @@ class PointToPoint:
             # chain that ends at the hung stage, and must not be named as the cause to the others.
             report_failure(message)
         return message
+
+
+class LocalExchange:
+    """The links between the stages of one pipeline that runs in a single process.
+
+    One FIFO mailbox per (sender, receiver) pair of (virtual) ranks, the same channels the process
+    transport has. Payloads are handed over as detached tensors, not copies: a sender never writes
+    to what it sent (it keeps it only for its own backward, if at all), so a copy would double the
+    activations at every stage boundary for nothing.
+    """
+
+    def __init__(self) -> None:
+        self._boxes: dict[tuple[int, int], deque[tuple[int, Payload]]] = {}
+
+    def endpoint(self, rank: int, stage: int, stage_of_rank: Callable[[int], int]) -> LocalPointToPoint:
+        """The transport of the stage that plays ``rank``."""
+        return LocalPointToPoint(self, rank, stage, stage_of_rank)
+
+    def box(self, src: int, dst: int) -> deque[tuple[int, Payload]]:
+        """The mailbox of messages from ``src`` to ``dst``."""
+        return self._boxes.setdefault((src, dst), deque())
+
+    @property
+    def pending(self) -> int:
+        """Messages sent and not yet received (0 once the pipeline is drained)."""
+        return sum(len(box) for box in self._boxes.values())
+
+
+class LocalPointToPoint:
+    """`PointToPoint`'s calls over a `LocalExchange`: sends never wait, a receive takes the next message.
+
+    Args:
+        exchange: The mailboxes shared by the pipeline's stages.
+        rank: The (virtual) global rank this stage plays, as in the multi-process layout.
+        stage: This stage (for messages).
+        stage_of_rank: Maps a rank to its stage (for messages).
+    """
+
+    can_prepost = False  # nothing to post: a message is in its mailbox or not
+
+    def __init__(self, exchange: LocalExchange, rank: int, stage: int, stage_of_rank: Callable[[int], int]) -> None:
+        self.exchange = exchange
+        self.rank = rank
+        self.stage = stage
+        self._stage_of_rank = stage_of_rank
+        self.bytes_sent = 0
+
+    def ready(self, src: int) -> bool:
+        """Whether the next message from ``src`` has arrived."""
+        return bool(self.exchange.box(src, self.rank))
+
+    def send(self, tensors: Payload, dst: int, microbatch: int, what: str) -> None:
+        """Put ``tensors`` for ``microbatch`` into ``dst``'s mailbox."""
+        payload = tuple(None if t is None else t.detach() for t in tensors)
+        self.bytes_sent += sum(t.numel() * t.element_size() for t in payload if t is not None)
+        self.exchange.box(self.rank, dst).append((microbatch, payload))
+
+    def prepost(self, src: int) -> None:
+        """Nothing to do in one process."""
+
+    def recv(self, src: int, microbatch: int, what: str) -> Payload:
+        """The next message from ``src``, which must be ``microbatch``'s ``what``."""
+        box = self.exchange.box(src, self.rank)
+        me, them = f"stage {self.stage}", f"stage {self._stage_of_rank(src)}"
+        if not box:
+            raise PipelineCommError(
+                f"{me} of the in-process pipeline needs {what} of micro-batch {microbatch} from {them}, which has "
+                "not sent it: the stages wait on each other (a schedule bug)"
+            )
+        got, payload = box.popleft()
+        if got != microbatch:
+            raise PipelineCommError(
+                f"{me} expected {what} of micro-batch {microbatch} from {them} but received micro-batch {got}: "
+                "the two stages run different schedules"
+            )
+        return payload
+
+    def flush(self) -> None:
+        """Nothing in flight: sends complete at once."""
 
 
 def _specs_of(tensors: Payload) -> Specs:

@@ -11,6 +11,13 @@ micro-batches fed so far, which agrees with the unbounded one on everything alre
 (checked), so it is exact at any point: before evaluation, checkpoints and the end of training,
 and at an epoch's end, where it also steps a partial last window.
 
+Over an in-process transport (a whole pipeline in one process, comm.py) a stage must not wait for
+a message another stage of the same process has yet to send: before every action that receives, the
+runtime asks the transport whether the message is there and, if not, pauses and returns; `resume`
+continues, and `lit_efficient.pipeline.local.LocalPipeline` round-robins the stages until each is
+quiescent. Over processes the question is always answered yes and the receive blocks, as before: the
+same stream, the same actions, in the same order on each stage.
+
 Receives are posted before they are needed wherever the next message is certain (why that matters:
 comm.py): a stage's gradient receive while it has micro-batches in flight, and its next activation
 receive as soon as the current one arrives, which `drain` matches with an end-of-segment marker
@@ -19,6 +26,7 @@ when no further micro-batch comes, so nothing stays posted once the pipeline is 
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -31,6 +39,7 @@ from lit_efficient.pipeline.schedules import ScheduleName, stage_actions
 from lit_efficient.pipeline.stage import PipelineStage
 
 _END_OF_SEGMENT = -1  # the micro-batch index drain()'s marker message carries
+_SEGMENT_END: Any = object()  # drain()'s last pseudo-action: exchange the end-of-segment markers
 InputFn = Callable[[Any], "Tensor | tuple[Tensor, ...]"]
 
 
@@ -74,6 +83,7 @@ class PipelineRuntime:
         self._fed = 0  # micro-batches fed so far (in this epoch's numbering)
         self._stream: Iterator[Action] | None = None
         self._next_action: Action | None = None
+        self._draining: Iterator[Action] | None = None  # drain()'s remaining actions while it runs
         # Count and last of the actions run in this segment: what drain() must skip and check.
         self._executed = 0
         self._last_executed: Action | None = None
@@ -91,8 +101,12 @@ class PipelineRuntime:
     def feed(self, batch: Any, index: int | None = None) -> Tensor | None:
         """Give the pipeline micro-batch ``index`` (default: the next one) and run what it allows.
 
-        Returns the micro-batch's loss (detached) on the last stage, None elsewhere.
+        Returns the micro-batch's loss (detached) on the last stage, None elsewhere. Over a transport
+        whose receives block (processes) it returns with the stage quiescent; over an in-process one
+        it may return paused, waiting for a message, and `resume` continues (`LocalPipeline` drives it).
         """
+        if not self.quiescent:
+            raise RuntimeError(f"stage {self.stage.stage} was fed while paused: resume() until quiescent first")
         index = self._fed if index is None else index
         if index != self._fed:
             if not self.drained:
@@ -111,10 +125,7 @@ class PipelineRuntime:
         self._batch = batch
         self._fed = index + 1
         self._last_loss = None
-        while self._next_action is not None and not self._needs_unfed(self._next_action):
-            self._execute(self._next_action)
-            self._next_action = next(self._stream)
-        self._batch = None
+        self.resume()
         return self._last_loss
 
     def drain(self, step_partial_window: bool = False) -> None:
@@ -124,6 +135,8 @@ class PipelineRuntime:
             step_partial_window: Step even if the last window is incomplete (end of an epoch).
                 Otherwise its gradients stay accumulated and the window continues at the next feed.
         """
+        if not self.quiescent:
+            raise RuntimeError(f"stage {self.stage.stage} was drained while paused: resume() until quiescent first")
         if self._stream is not None:
             finite = stage_actions(
                 self.schedule,
@@ -139,11 +152,55 @@ class PipelineRuntime:
                 skipped = next(finite)
             if skipped != self._last_executed:
                 raise RuntimeError(f"drain: the finite stream has {skipped} where {self._last_executed} ran")
-            for action in finite:
-                self._execute(action)
-            self._end_segment()
+            self._draining = itertools.chain(finite, [_SEGMENT_END] if self.comm is not None else [])
         elif step_partial_window and self.stage.window_weight is not None:
-            self._execute(Action(self.stage.stage, "STEP", max(self._fed - 1, 0) // self.accumulate))
+            self._draining = iter([Action(self.stage.stage, "STEP", max(self._fed - 1, 0) // self.accumulate)])
+        else:
+            self._draining = iter(())
+        self._next_action = next(self._draining, None)
+        self.resume()
+
+    def resume(self) -> bool:
+        """Run the stage's actions until it needs an unfed micro-batch, a message not yet arrived, or (while
+        draining) has nothing left. Returns whether any action ran."""
+        ran = False
+        while True:
+            action = self._next_action
+            if self._draining is None:
+                if action is None or self._needs_unfed(action):
+                    self._batch = None  # its forward ran: the stage no longer needs it
+                    return ran
+            elif action is None:
+                self._finish_drain()
+                return ran
+            if not self._can_run(action):
+                return ran
+            if action is _SEGMENT_END:
+                self._end_segment()
+            else:
+                self._execute(action)
+            ran = True
+            stream = self._draining if self._draining is not None else self._stream
+            self._next_action = next(stream, None)  # type: ignore[arg-type]
+
+    @property
+    def quiescent(self) -> bool:
+        """Nothing runnable is left without a new micro-batch: not paused in a feed or a drain."""
+        if self._draining is not None:
+            return False
+        return self._next_action is None or self._needs_unfed(self._next_action)
+
+    def waiting_for(self) -> str | None:
+        """What a paused stage waits for, in words (for the deadlock error); None if it is not paused."""
+        if self.quiescent:
+            return None
+        action = self._next_action
+        src = self._source(action) if action is not None else None
+        what = "the end-of-segment marker" if action is _SEGMENT_END else f"{action} (its input)"
+        return f"stage {self.stage.stage} waits for {what} from rank {src}"
+
+    def _finish_drain(self) -> None:
+        self._draining = None
         self._stream = None
         self._next_action = None
         self._executed, self._last_executed = 0, None
@@ -158,6 +215,11 @@ class PipelineRuntime:
         self._fed = self._segment_start = 0
 
     @property
+    def last_loss(self) -> Tensor | None:
+        """The loss (detached) of the micro-batch fed last, on the last stage once its forward ran."""
+        return self._last_loss
+
+    @property
     def drained(self) -> bool:
         """No micro-batch is in flight on this stage."""
         return self.stage.in_flight == 0
@@ -168,6 +230,8 @@ class PipelineRuntime:
         """Forward-only streaming of one batch; returns the outputs on the last stage."""
         if self._stream is not None:
             raise RuntimeError("evaluate() with a training segment open: drain() first")
+        if not self.quiescent:
+            raise RuntimeError("evaluate() while paused: resume() until quiescent first")
         self._tick()
         if self.stage.is_first:
             inputs = _as_payload(self.input_fn(batch))  # type: ignore[misc]
@@ -213,7 +277,23 @@ class PipelineRuntime:
     # -- internals -------------------------------------------------------------------------------
 
     def _needs_unfed(self, action: Action) -> bool:
-        return action.kind == "F" and action.index >= self._fed
+        return action is not _SEGMENT_END and action.kind == "F" and action.index >= self._fed
+
+    def _source(self, action: Action) -> int | None:
+        """The rank ``action`` receives from before it can run, or None."""
+        if action is _SEGMENT_END:
+            return None if self.stage.is_first else self.prev_rank
+        if action.kind == "F":
+            return None if self.stage.is_first else self.prev_rank
+        if action.kind == "B":
+            return None if self.stage.is_last else self.next_rank
+        return None
+
+    def _can_run(self, action: Action) -> bool:
+        # Blocking transports always say yes (the receive waits); the in-process one says whether the
+        # message is there, so a stage pauses instead of waiting on a stage of the same process.
+        src = self._source(action)
+        return src is None or self.comm.ready(src)  # type: ignore[union-attr]
 
     def record_timeline(self, enabled: bool = True) -> None:
         """Start (or stop) recording every executed action with its start and end time."""
@@ -232,7 +312,11 @@ class PipelineRuntime:
                 # is fed before drain(), the end-of-segment marker: certain either way, so post it now,
                 # before this stage's own sends keep the link busy.
                 self.comm.prepost(self.prev_rank)  # type: ignore[union-attr, arg-type]
-            out = stage.forward(j, inputs, self._batch)
+            # Windows that close before B(j): every one from the oldest micro-batch in flight's to j's own
+            # (1F1B backwards in order, a STEP right after each window's last backward).
+            oldest = stage.oldest_in_flight
+            pending = j // self.accumulate - (j if oldest is None else oldest) // self.accumulate
+            out = stage.forward(j, inputs, self._batch, pending_steps=pending)
             if stage.is_last:
                 self._last_loss = out  # type: ignore[assignment]
             else:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -34,6 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from lit_efficient.pipeline.comm import Payload
+from lit_efficient.pipeline.staleness import StalenessCorrection
 
 Normalize = Literal["mean", "tokens"]
 OnNonFinite = Literal["raise", "skip"]
@@ -158,6 +159,12 @@ class PipelineStage:
         self.on_nonfinite = on_nonfinite
         self.first_layer = first_layer
         self.version = 0
+        # This stage's own random stream (dropout masks), forked from the process's at construction and
+        # swapped in around every forward, backward and evaluation. Each process of a pipeline starts
+        # from the same state, and data loading keeps drawing from the process's stream, so a stage's
+        # masks do not depend on which other stages share its process: what makes a one-process
+        # pipeline bit-identical to S processes. Cost: two ~5 KB state copies per action.
+        self.rng = _capture_rng(self.device)
         self.stats = StageStats()
         self.skipped_windows = 0
         self._in_flight: dict[int, _InFlight] = {}
@@ -174,12 +181,30 @@ class PipelineStage:
         # Combines the gradient of a parameter tied with another stage (lit_efficient.pipeline.tied)
         # after normalization, before the update; called on every applied update.
         self.exchange_tied: Callable[[], None] | None = None
+        # PACI staleness correction (staleness.py): around stale forwards and the local step. None: off.
+        self.correction: StalenessCorrection | None = None
 
     # -- compute ---------------------------------------------------------------------------------
 
-    def forward(self, microbatch: int, inputs: Payload, batch: Any = None) -> Payload | Tensor:
-        """Forward of ``microbatch``; returns the outputs to send on, or the loss on the last stage."""
+    def forward(self, microbatch: int, inputs: Payload, batch: Any = None, pending_steps: int = 0) -> Payload | Tensor:
+        """Forward of ``microbatch``; returns the outputs to send on, or the loss on the last stage.
+
+        Args:
+            pending_steps: Optimizer steps this stage takes before this micro-batch's backward (its drift,
+                known from the schedule); only a staleness correction reads it.
+        """
         start = time.perf_counter()
+        correct = nullcontext()
+        if self.correction is not None:
+            correct = self.correction.forward_context(list(self.parameters()), self.optimizer, pending_steps)
+        with self._own_rng(), correct:
+            result = self._forward(microbatch, inputs, batch)
+        self.stats.forwards += 1
+        self.stats.max_in_flight = max(self.stats.max_in_flight, len(self._in_flight))
+        self.stats.forward_seconds += time.perf_counter() - start
+        return result
+
+    def _forward(self, microbatch: int, inputs: Payload, batch: Any) -> Payload | Tensor:
         if not self.is_first:
             inputs = tuple(_as_leaf(t) for t in inputs)
         record = _InFlight(version=self.version, inputs=inputs)
@@ -198,9 +223,6 @@ class PipelineStage:
             record.bad = (~torch.isfinite(loss.detach())).to(torch.float64)
             result = loss.detach()
         self._in_flight[microbatch] = record
-        self.stats.forwards += 1
-        self.stats.max_in_flight = max(self.stats.max_in_flight, len(self._in_flight))
-        self.stats.forward_seconds += time.perf_counter() - start
         return result
 
     def backward(self, microbatch: int, grads: Payload | None = None) -> Payload:
@@ -213,6 +235,15 @@ class PipelineStage:
         """
         start = time.perf_counter()
         record = self._in_flight.pop(microbatch)
+        with self._own_rng():
+            aux = self._backward(record, grads)
+        self._accumulate(microbatch, aux)
+        input_grads = tuple(t.grad if isinstance(t, Tensor) and t.requires_grad else None for t in record.inputs)
+        self._account(microbatch, record.version)
+        self.stats.backward_seconds += time.perf_counter() - start
+        return (*input_grads, aux.detach())
+
+    def _backward(self, record: _InFlight, grads: Payload | None) -> Tensor:
         if self.is_last:
             assert record.loss is not None and record.weight is not None and record.bad is not None
             aux = torch.stack([record.weight, record.bad])
@@ -225,11 +256,7 @@ class PipelineStage:
             outputs = record.outputs if record.outputs is not None else self._recompute(record)
             pairs = [(o, g) for o, g in zip(outputs, output_grads, strict=True) if g is not None and o.requires_grad]
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        self._accumulate(microbatch, aux)
-        input_grads = tuple(t.grad if isinstance(t, Tensor) and t.requires_grad else None for t in record.inputs)
-        self._account(microbatch, record.version)
-        self.stats.backward_seconds += time.perf_counter() - start
-        return (*input_grads, aux.detach())
+        return aux
 
     def step(self, window: int = -1) -> None:
         """Normalize the accumulated gradients by the window's weight and step optimizer and scheduler.
@@ -260,7 +287,8 @@ class PipelineStage:
             self.clip_gradients(params)
         with _preserve_versions(params):
             if update and self.optimizer is not None:
-                self.optimizer.step()
+                with self.correction.step_context(self.optimizer, self.version) if self.correction else nullcontext():
+                    self.optimizer.step()
             if self.optimizer is not None:
                 self.optimizer.zero_grad(set_to_none=True)
             if update and self.scheduler is not None:
@@ -299,7 +327,7 @@ class PipelineStage:
     def evaluate(self, inputs: Payload) -> Payload:
         """Forward without gradients (validation, test, predict)."""
         start = time.perf_counter()
-        with torch.no_grad(), self.forward_context():
+        with self._own_rng(), torch.no_grad(), self.forward_context():
             outputs = run_layers(self.layers, inputs, self.first_layer)
         self.stats.evaluate_seconds += time.perf_counter() - start
         return outputs
@@ -314,6 +342,11 @@ class PipelineStage:
                 if id(p) not in seen:
                     seen.add(id(p))
                     yield p
+
+    @property
+    def oldest_in_flight(self) -> int | None:
+        """The earliest micro-batch whose forward ran here and whose backward has not (None if none)."""
+        return min(self._in_flight, default=None)
 
     @property
     def in_flight(self) -> int:
@@ -333,14 +366,18 @@ class PipelineStage:
             p.grad = None
 
     def accumulation_state(self) -> dict[str, Any]:
-        """Gradients and weight accumulated in a window not yet stepped (for checkpoints)."""
-        if self._window is None:
-            return {"version": self.version}
-        return {"window": self._window, "grads": [p.grad for p in self.parameters()], "version": self.version}
+        """What a checkpoint needs besides weights and optimizer: the version, the stage's random stream,
+        and the gradients and weight accumulated in a window not yet stepped."""
+        state: dict[str, Any] = {"version": self.version, "rng": self.rng}
+        if self._window is not None:
+            state.update(window=self._window, grads=[p.grad for p in self.parameters()])
+        return state
 
     def load_accumulation_state(self, state: dict[str, Any]) -> None:
         """Inverse of `accumulation_state`."""
         self.version = state.get("version", self.version)
+        if "rng" in state:
+            self.rng = state["rng"]
         if "window" not in state:
             self._window = None
             return
@@ -386,6 +423,17 @@ class PipelineStage:
             t.detach().requires_grad_(f) if isinstance(t, Tensor) and t.is_floating_point() else t
             for t, f in zip(outputs, flags, strict=True)
         )
+
+    @contextmanager
+    def _own_rng(self) -> Iterator[None]:
+        """Run with this stage's random stream in place of the process's (see ``self.rng``)."""
+        outer = _capture_rng(self.device)
+        _restore_rng(self.rng, self.device)
+        try:
+            yield
+        finally:
+            self.rng = _capture_rng(self.device)
+            _restore_rng(outer, self.device)
 
     def _recompute(self, record: _InFlight) -> Payload:
         assert record.rng is not None
@@ -444,6 +492,12 @@ def _as_leaf(t: Tensor | None) -> Tensor | None:
 def _capture_rng(device: torch.device) -> tuple[Tensor, Tensor | None]:
     cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
     return torch.get_rng_state(), cuda
+
+
+def _restore_rng(state: tuple[Tensor, Tensor | None], device: torch.device) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
 
 
 class _preserve_versions:  # noqa: N801 - used as a context manager, reads like one

@@ -25,9 +25,10 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, Strategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -41,6 +42,7 @@ from lit_efficient.pipeline.partition import check_sizes, partition_balanced, pa
 from lit_efficient.pipeline.runtime import PipelineRuntime
 from lit_efficient.pipeline.schedules import SCHEDULES, ScheduleName
 from lit_efficient.pipeline.stage import PipelineStage
+from lit_efficient.pipeline.staleness import CORRECTIONS, CorrectionName, StalenessCorrection, make_correction
 from lit_efficient.pipeline.tied import finish_tied
 from lit_efficient.pipeline.topology import Topology
 from lit_efficient.progress import swap_stock_progress_bar
@@ -60,6 +62,7 @@ from lit_efficient.strategies.checkpoint import (
     write_atomically,
 )
 from lit_efficient.strategies.hooks import drain_before, undo_drain_before, warn_uncalled_hooks
+from lit_efficient.strategies.in_process import InProcessPipeline
 from lit_efficient.strategies.profile import profile_layers
 from lit_efficient.strategies.split import (
     LayerOnOtherStage,
@@ -80,14 +83,17 @@ _PRECISIONS = ("32-true", "bf16-mixed")
 class PACIStrategy(DDPStrategy):
     """Pipeline-parallel training: split the model into stages over processes and run PACI or 1F1B-flush.
 
-    ``world_size = pipeline_stages x data-parallel replicas``. Each replica's stages sit on
+    ``world_size = pipeline_stages x data-parallel replicas``; with one device (``devices=1``) the whole
+    pipeline runs in this process instead, bit-identical to ``pipeline_stages`` processes (see
+    `lit_efficient.pipeline.local`). Each replica's stages sit on
     contiguous ranks, its last stage on the lowest one, so global rank 0 holds the loss, logs and
     shows the progress bar. A dataloader batch is one micro-batch; N micro-batches (from
     ``GradientAccumulation(steps=N)`` or ``Trainer(accumulate_grad_batches=N)``) make one optimizer
     step, and ``trainer.global_step`` counts those steps.
 
     Args:
-        pipeline_stages: Number of stages S each pipeline is split into; must divide the world size.
+        pipeline_stages: Number of stages S each pipeline is split into; must divide the world size. With
+            one device in all, the S stages run in this process, bit-identical to S processes.
         schedule: ``"paci"``: asynchronous, bubble-free 1F1B in which each stage steps after its own
             N-th backward (weight-version drift at most ceil((S-1-s)/N); the stale forwards cost more at
             high learning rates, so warm up at least as long as for flush); ``"1f1b_flush"``: the
@@ -108,6 +114,12 @@ class PACIStrategy(DDPStrategy):
         outer_lr: DiLoCo outer learning rate (needs ``outer_optimizer="nesterov"``).
         outer_momentum: DiLoCo outer Nesterov momentum (needs ``outer_optimizer="nesterov"``).
         average_buffers: Also average floating-point buffers (e.g. BatchNorm statistics) at each sync.
+        staleness_correction: PACI only, default off: ``"lr_scale"`` scales each stale stage's learning rate
+            by ``(1 + d_s) ** -(1 - min(1, k / staleness_anneal_steps))`` with d_s = ceil((S-1-s)/N) and k its
+            step (PipeMare); ``"weight_prediction"`` runs each stale forward on weights extrapolated by the
+            optimizer's pending update times its delay, the backward on the real ones (one weight-sized
+            buffer per stage). See `lit_efficient.pipeline.staleness`.
+        staleness_anneal_steps: Optimizer steps over which ``"lr_scale"`` returns to the plain learning rate.
         start_method: How processes are launched: ``"popen"`` re-runs the script per rank (also under
             torchrun/SLURM), ``"spawn"`` starts them from this process (notebooks, tests).
         **kwargs: Passed to Lightning's ``DDPStrategy`` (accelerator, cluster_environment, timeout, ...).
@@ -129,6 +141,8 @@ class PACIStrategy(DDPStrategy):
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
         average_buffers: bool = True,
+        staleness_correction: CorrectionName | None = None,
+        staleness_anneal_steps: int = 100,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **kwargs: Any,
     ) -> None:
@@ -136,7 +150,15 @@ class PACIStrategy(DDPStrategy):
             pipeline_stages, schedule, balance, p2p_timeout, on_nonfinite, local_sgd_steps, local_sgd_warmup_steps,
             outer_optimizer, outer_lr, outer_momentum,
         )  # fmt: skip
+        if staleness_correction is not None and staleness_correction not in CORRECTIONS:
+            raise ValueError(
+                f"staleness_correction={staleness_correction!r} is not one of {', '.join(CORRECTIONS)} (or None: off)"
+            )
+        if not isinstance(staleness_anneal_steps, int) or staleness_anneal_steps < 1:
+            raise ValueError(f"staleness_anneal_steps={staleness_anneal_steps!r} must be an integer >= 1")
         super().__init__(start_method=start_method, **kwargs)
+        self.staleness_correction = staleness_correction
+        self.staleness_anneal_steps = staleness_anneal_steps
         self.pipeline_stages = pipeline_stages
         self.schedule: ScheduleName = schedule
         self.recompute = recompute
@@ -165,6 +187,12 @@ class PACIStrategy(DDPStrategy):
         self._failed = False
         self._tie_groups: dict[int, dist.ProcessGroup] = {}
         self._tied: list[Any] = []
+        self._in_process: InProcessPipeline | None = None
+
+    @property
+    def in_process(self) -> bool:
+        """Whether all stages run in this process: one device in all and ``pipeline_stages`` > 1."""
+        return self.pipeline_stages > 1 and self.num_nodes * self.num_processes == 1
 
     # -- process layout ---------------------------------------------------------------------------
 
@@ -172,6 +200,8 @@ class PACIStrategy(DDPStrategy):
     def stage(self) -> int:
         """This rank's pipeline stage."""
         assert self.topology is not None, "the strategy is not set up yet"
+        if self._in_process is not None:
+            return self._in_process.selected
         return self.topology.stage_of(self.global_rank)
 
     @property
@@ -188,12 +218,16 @@ class PACIStrategy(DDPStrategy):
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # Every stage of a replica reads the same micro-batch stream; replicas read different ones.
-        topo = Topology.for_world(self.num_nodes * self.num_processes, self.pipeline_stages)
+        world = self.pipeline_stages if self.in_process else self.num_nodes * self.num_processes
+        topo = Topology.for_world(world, self.pipeline_stages)
         return {"num_replicas": topo.num_replicas, "rank": topo.replica_of(self.global_rank)}
 
     @override
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
+        if self.in_process:
+            self._launcher = None  # one process does it all: nothing to launch, whatever start_method says
+            return
         # The same launcher, checking the configuration first (`_ChecksFirst`).
         if isinstance(self._launcher, _SubprocessScriptLauncher):
             self._launcher = _CheckedScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
@@ -223,6 +257,14 @@ class PACIStrategy(DDPStrategy):
 
     @override
     def setup_environment(self) -> None:
+        if self.in_process:
+            # No peer, so no process group: Lightning's collectives see a world of one. Re-seed as every
+            # rank of a process pipeline does (Lightning's setup_distributed), so the streams agree.
+            reset_seed()
+            Strategy.setup_environment(self)
+            self.topology = Topology(self.pipeline_stages)
+            self._in_process = InProcessPipeline(self)
+            return
         super().setup_environment()
         self.topology = Topology.for_world(self.world_size, self.pipeline_stages)
         backend = dist.get_backend()
@@ -244,6 +286,9 @@ class PACIStrategy(DDPStrategy):
     @override
     def setup(self, trainer: Trainer) -> None:
         assert self.accelerator is not None and self.topology is not None
+        if self._in_process is not None:
+            self._in_process.setup(trainer)
+            return
         self.accelerator.setup(trainer)
         module = self.lightning_module
         assert module is not None
@@ -278,6 +323,7 @@ class PACIStrategy(DDPStrategy):
         if fitting:
             self._install_step_hooks(stage, trainer)
             self._replace_sigterm_barrier(trainer)
+            stage.correction = self.correction_for(self.stage, trainer)
         if ties:
             self._tie_groups = self._tie_groups or tie_groups(self.topology)  # collective: every rank
             if fitting:
@@ -324,7 +370,7 @@ class PACIStrategy(DDPStrategy):
             if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
                 _carry_step_count_to_automatic(trainer)
                 module.automatic_optimization = self._was_automatic
-            if healthy:
+            if healthy and self._in_process is None:  # in one process the module was never split
                 self._gather_model_on_rank_zero()
         self.runtime = None
         self._destroy_groups()
@@ -412,6 +458,14 @@ class PACIStrategy(DDPStrategy):
             (step_wise if config.interval == "step" else self._epoch_schedulers).append(config)
         return _SchedulerGroup(step_wise) if step_wise else None
 
+    def correction_for(self, stage: int, trainer: Trainer) -> StalenessCorrection | None:
+        """The staleness correction of ``stage`` (None: off, or nothing to correct there)."""
+        accumulate = max(1, trainer.accumulate_grad_batches)
+        return make_correction(
+            self.staleness_correction, self.schedule, stage, self.pipeline_stages, accumulate,
+            self.staleness_anneal_steps,
+        )  # fmt: skip
+
     def _install_step_hooks(self, stage: PipelineStage, trainer: Trainer) -> None:
         assert self.topology is not None
         replicas = self.topology.num_replicas
@@ -445,7 +499,7 @@ class PACIStrategy(DDPStrategy):
     def _clipper(self, value: float, algorithm: str):
         if algorithm == "value":
             return lambda params: torch.nn.utils.clip_grad_value_(params, value)
-        group = self._pipeline_groups[self.replica]
+        group = self._pipeline_groups.get(self.replica)  # None in one process, where flush refuses norm clipping
         exact = self.schedule == "1f1b_flush" and self.pipeline_stages > 1
 
         def clip_norm(params: list[torch.nn.Parameter]) -> None:
@@ -649,12 +703,14 @@ class PACIStrategy(DDPStrategy):
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         # Metrics logged with sync_dist=True come from the last stage of each replica only: reduce
         # them across that stage's replicas, not the world (other stages never log them).
-        if group is None and self.topology is not None:
+        if group is None and self.topology is not None and self._in_process is None:
             group = self._dp_groups[self.stage]
         return super().reduce(tensor, group=group, reduce_op=reduce_op)
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        if not dist.is_initialized():
+            return decision  # in one process: nobody to agree with
         flag = torch.tensor(int(decision), device=self.root_device)
         dist.all_reduce(flag, op=dist.ReduceOp.SUM)
         return bool(flag == self.world_size) if all else bool(flag > 0)
@@ -707,6 +763,8 @@ class PACIStrategy(DDPStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         # Collective: every rank's stage goes to global rank 0, which writes one ordinary file (checkpoint.py).
+        if self._in_process is not None:
+            return self._in_process.save_checkpoint(checkpoint, filepath)
         assert self.lightning_module is not None and self.topology is not None
         diverged = self.local_sgd_steps is not None and self.topology.num_replicas > 1
         optimizer = self.optimizers[0] if self.optimizers else None
@@ -722,6 +780,11 @@ class PACIStrategy(DDPStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(checkpoint_path)
+        if path.is_dir() and self._in_process is not None:
+            raise ValueError(
+                f"{path} is a directory of stage shards (an earlier version's checkpoint); one device resumes only the "
+                f"single-file format. Resume it on devices={self.pipeline_stages}, which saves it as one file."
+            )
         if path.is_dir():  # an earlier version's directory of shards: its own layout only
             return load_file(legacy_shard(path, self.stage, self.replica), weights_only)
         # Before Lightning restores the loops from it: a one-device file counts steps in the automatic loop.
@@ -739,6 +802,8 @@ class PACIStrategy(DDPStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        if self._in_process is not None:
+            return self._in_process.load_optimizer_state_dict(checkpoint)
         if _is_legacy(checkpoint):
             super().load_optimizer_state_dict(checkpoint)
             self._load_rank_state(checkpoint["pipeline"], checkpoint["pipeline"].get("accumulation"))
@@ -774,8 +839,11 @@ class PACIStrategy(DDPStrategy):
         self._load_rank_state(mine, accumulation)
 
     def _load_rank_state(self, state: dict[str, Any], accumulation: dict[str, Any] | None) -> None:
-        if self.runtime is not None and accumulation:
-            self.runtime.stage.load_accumulation_state(accumulation)
+        # The stage's own step count and random stream come from its own record (same layout only):
+        # local_accumulation carries only an unfinished window, by name.
+        own = {k: v for k, v in state.get("accumulation", {}).items() if k in ("version", "rng")}
+        if self.runtime is not None and (accumulation or own):
+            self.runtime.stage.load_accumulation_state({**own, **(accumulation or {})})
         if self.averager is not None and "averager" in state:
             self.averager.load_state_dict(state["averager"])
         if "rng" in state:

@@ -1,0 +1,372 @@
+"""PACI at the paper's depth (S=4, 8) on one CPU, through the in-process pipeline: convergence, corrections,
+simulated time-to-accuracy, and what the in-process pipeline itself costs.
+
+What is measured, and how:
+
+- Convergence grid: ``Trainer(devices=1, strategy=PACIStrategy(pipeline_stages=S))`` (the whole
+  pipeline in one process, bit-identical to S processes: tests/test_in_process.py) trains the same
+  `GPT` (same seed, init and data order: `TextDataModule()`'s embedded standard-library text) with
+  1F1B-flush, PACI, PACI + ``lr_scale`` and PACI + ``weight_prediction``, for every S, N, learning
+  rate and seed asked. The paper's recipe scaled down: AdamW betas (0.9, 0.95), weight decay 0.1,
+  1% linear warmup, cosine to 10% of the peak, per-stage schedulers stepping with their stage.
+  Equal tokens: every run sees ``--micro-batches`` micro-batches, so ``steps = micro_batches / N``.
+  Validation loss on the same ``--val-batches`` batches at ~10 points. Final validation loss, gap
+  against flush, measured drift per stage.
+- Time to accuracy at S=8 (simulated time from measured costs): every pipeline layer's forward and
+  backward time on this CPU at the benchmark's size (median of repeats), summed per stage, fed to
+  `lit_efficient.pipeline.simulate` for the time per optimizer step of each schedule (steady state);
+  times the optimizer steps each run needs to reach three targets of flush's curve (its final loss and
+  the 80% / 95% points of its descent), interpolated between evaluations. Ratio flush / PACI, next to
+  the paper's 1.69x (N=8) and 1.41x (N=16). Simulated, not measured: one CPU cannot time 8 devices.
+- In-process cost: optimizer steps per second of ``devices=1, pipeline_stages=S`` against the unsplit
+  model under Lightning's single-device strategy, same model, data and N, in one run, one after the other.
+- Weight prediction's cost: its extra buffer (the bytes of the largest stage's parameters) and the
+  wall-time ratio of its runs against plain PACI's (same process; the grid's runs are not interleaved,
+  so the load of the shared machine enters the ratio).
+
+    python -m benchmarks.paci_at_depth            # the grid in BENCHMARKS.md ("PACI at depth")
+    python -m benchmarks.paci_at_depth --quick    # smoke run: S=4, a few steps (tests/test_benchmarks_depth.py)
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.harness import PLOTS, envelope, machine, pyplot, save_figure, write_json
+
+RUNS = {  # name -> (schedule, staleness_correction)
+    "flush": ("1f1b_flush", None),
+    "paci": ("paci", None),
+    "paci+lr_scale": ("paci", "lr_scale"),
+    "paci+weight_prediction": ("paci", "weight_prediction"),
+}
+PAPER = {8: 1.69, 16: 1.41}  # PACI / flush time-to-accuracy, GPT-2 Medium, 8 stages (docs/DESIGN.md section 3)
+
+
+def _model(config: dict[str, Any], lr: float, steps: int):
+    from lit_efficient.models import GPT
+
+    return GPT(
+        n_layer=config["layers"], n_head=config["heads"], n_embd=config["dim"], block_size=config["block"],
+        dropout=0.0, learning_rate=lr, weight_decay=0.1, betas=(0.9, 0.95),
+        warmup_steps=max(1, round(0.01 * steps)), max_steps=steps, min_lr_ratio=0.1,
+    )  # fmt: skip
+
+
+def _datamodule(config: dict[str, Any], seed: int):
+    from lit_efficient.data import TextDataModule
+
+    return TextDataModule(
+        block_size=config["block"], batch_size=config["batch_size"], max_bytes=config["max_bytes"], seed=seed
+    )
+
+
+def fit_one(config: dict[str, Any], stages: int, accumulate: int, lr: float, seed: int, name: str) -> dict[str, Any]:
+    """One training run of the grid; returns its validation curve, drift per stage and wall time."""
+    import lightning as L
+    from lightning.pytorch.callbacks import Callback
+
+    from lit_efficient import PACIStrategy
+
+    torch.set_num_threads(1)
+    schedule, correction = RUNS[name]
+    steps = config["micro_batches"] // accumulate
+    eval_every = max(1, steps // config["evals"])
+
+    class Record(Callback):
+        def __init__(self) -> None:
+            self.val: list[tuple[int, float]] = []
+            self.stats: list[dict[str, float]] = []
+
+        def on_validation_end(self, trainer, pl_module) -> None:
+            if "val_loss" in trainer.callback_metrics:
+                self.val.append((trainer.global_step, trainer.callback_metrics["val_loss"].item()))
+
+        def on_train_end(self, trainer, pl_module) -> None:
+            self.stats = trainer.strategy.runtime.stage_stats()
+
+    L.seed_everything(seed, verbose=False)
+    model = _model(config, lr, steps)
+    record = Record()
+    strategy = PACIStrategy(
+        pipeline_stages=stages, schedule=schedule, balance="uniform", staleness_correction=correction,
+        staleness_anneal_steps=max(1, steps // 10),
+    )  # fmt: skip
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, accumulate_grad_batches=accumulate,
+        callbacks=[record], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, limit_val_batches=config["val_batches"], num_sanity_val_steps=config["val_batches"],
+        val_check_interval=eval_every * accumulate, check_val_every_n_epoch=None,
+    )  # fmt: skip
+    start = time.perf_counter()
+    trainer.fit(model, datamodule=_datamodule(config, seed))
+    seconds = time.perf_counter() - start
+    if not record.val or record.val[-1][0] != steps:  # make sure the curve ends at the last step
+        record.val.append(
+            (steps, trainer.validate(model, datamodule=_datamodule(config, seed), verbose=False)[0]["val_loss"])
+        )
+    return {
+        "S": stages, "N": accumulate, "lr": lr, "seed": seed, "run": name, "steps": steps,
+        "tokens_per_step": accumulate * config["batch_size"] * config["block"], "val": record.val,
+        "final_val_loss": record.val[-1][1], "seconds": seconds,
+        "drift": [{k: st[k] for k in ("stage", "drift_max", "drift_mean")} for st in record.stats],
+        "loadavg": os.getloadavg(),
+    }  # fmt: skip
+
+
+def _worker(job: tuple[dict[str, Any], int, int, float, int, str]) -> dict[str, Any]:
+    return fit_one(*job)
+
+
+def layer_costs(config: dict[str, Any], repeats: int = 5) -> dict[str, list[float]]:
+    """Forward and backward seconds of every pipeline layer on one micro-batch of the benchmark's size."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = _model(config, 1e-3, 100)
+    x = torch.randint(0, 256, (config["batch_size"], config["block"]))
+    forward, backward = [], []
+    inputs: tuple = (x,)
+    for layer in model.pipeline_layers():
+        f_times, b_times = [], []
+        for _ in range(repeats + 1):
+            leaf = tuple(t.detach().requires_grad_() if t.is_floating_point() else t for t in inputs)
+            t0 = time.perf_counter()
+            out = layer(*leaf)
+            t1 = time.perf_counter()
+            out.backward(torch.ones_like(out))
+            t2 = time.perf_counter()
+            f_times.append(t1 - t0)
+            b_times.append(t2 - t1)
+        forward.append(statistics.median(f_times[1:]))
+        backward.append(statistics.median(b_times[1:]))
+        inputs = (out.detach(),)
+    return {"forward": forward, "backward": backward}
+
+
+def simulated_step_seconds(costs: dict[str, list[float]], stages: int, accumulate: int) -> dict[str, float]:
+    """Steady-state seconds per optimizer step of each schedule, from per-layer costs (uniform split)."""
+    from lit_efficient.pipeline.partition import partition_uniform, stage_bounds
+    from lit_efficient.pipeline.simulate import simulate
+
+    bounds = stage_bounds(partition_uniform(len(costs["forward"]), stages))
+    fwd = [sum(costs["forward"][lo:hi]) for lo, hi in bounds]
+    bwd = [sum(costs["backward"][lo:hi]) for lo, hi in bounds]
+    out = {}
+    for schedule in ("1f1b_flush", "paci"):
+        short = simulate(schedule, stages, accumulate, 8 * accumulate, fwd, bwd).makespan
+        long = simulate(schedule, stages, accumulate, 16 * accumulate, fwd, bwd).makespan
+        out[schedule] = (long - short) / 8
+    return out
+
+
+def steps_to(val: list[list[float]], target: float) -> float:
+    """Optimizer steps at which the loss first reaches ``target`` (interpolated); NaN if never."""
+    for (s0, l0), (s1, l1) in itertools.pairwise(val):
+        if l1 <= target:
+            return float(s1) if l0 == l1 else s0 + (s1 - s0) * (l0 - target) / (l0 - l1)
+    return math.nan
+
+
+def time_to_accuracy(runs: list[dict[str, Any]], costs: dict[str, list[float]]) -> list[dict[str, Any]]:
+    """Per (S, N, lr, seed) with S=8: simulated seconds to flush's targets, and the ratio flush / each PACI run."""
+    rows = []
+    groups: dict[tuple, dict[str, dict[str, Any]]] = {}
+    for run in runs:
+        groups.setdefault((run["S"], run["N"], run["lr"], run["seed"]), {})[run["run"]] = run
+    for (stages, accumulate, lr, seed), by_name in sorted(groups.items()):
+        if stages != 8 or "flush" not in by_name:
+            continue
+        per_step = simulated_step_seconds(costs, stages, accumulate)
+        flush = by_name["flush"]["val"]
+        initial, final = flush[0][1], flush[-1][1]
+        targets = {"80%": initial - 0.8 * (initial - final), "95%": initial - 0.95 * (initial - final), "final": final}
+        for name, run in by_name.items():
+            if name == "flush":
+                continue
+            row = {"S": stages, "N": accumulate, "lr": lr, "seed": seed, "run": name, "paper": PAPER.get(accumulate)}
+            for label, target in targets.items():
+                t_flush = steps_to(flush, target) * per_step["1f1b_flush"]
+                t_paci = steps_to(run["val"], target) * per_step["paci"]
+                row[label] = {"target": target, "flush_s": t_flush, "paci_s": t_paci, "ratio": t_flush / t_paci}
+            row["throughput_ratio"] = per_step["1f1b_flush"] / per_step["paci"]
+            rows.append(row)
+    return rows
+
+
+def in_process_cost(config: dict[str, Any], stages: int, accumulate: int, steps: int) -> dict[str, Any]:
+    """Steps/s of the in-process S-stage pipeline against the unsplit model on one device, one run each."""
+    import lightning as L
+
+    from lit_efficient import PACIStrategy
+
+    torch.set_num_threads(1)
+    out = {}
+    for name, strategy in (("unsplit", "auto"), (f"in-process S={stages}", PACIStrategy(pipeline_stages=stages))):
+        L.seed_everything(0, verbose=False)
+        model = _model(config, 1e-3, steps)
+        trainer = L.Trainer(
+            accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, accumulate_grad_batches=accumulate,
+            logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            limit_val_batches=0, num_sanity_val_steps=0,
+        )  # fmt: skip
+        start = time.perf_counter()
+        trainer.fit(model, datamodule=_datamodule(config, 0))
+        out[name] = steps / (time.perf_counter() - start)
+    out["ratio"] = out[f"in-process S={stages}"] / out["unsplit"]
+    return out
+
+
+def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (S, N, lr, seed): every run's final validation loss and its gap against flush."""
+    groups: dict[tuple, dict[str, float]] = {}
+    for run in runs:
+        groups.setdefault((run["S"], run["N"], run["lr"], run["seed"]), {})[run["run"]] = run["final_val_loss"]
+    rows = []
+    for (stages, accumulate, lr, seed), finals in sorted(groups.items()):
+        flush = finals.get("flush")
+        gaps = {k: (v - flush) / flush for k, v in finals.items() if flush and k != "flush"}
+        rows.append({"S": stages, "N": accumulate, "lr": lr, "seed": seed, "final": finals, "gap": gaps})
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    names = [n for n in RUNS if n != "flush"]
+    head = "| S | N | lr | seed | flush | " + " | ".join(names) + " |"
+    lines = [head, "|" + "---|" * (5 + len(names))]
+    for r in rows:
+        cells = [f"{r['final'][n]:.4f} ({r['gap'][n]:+.2%})" if n in r["final"] else "-" for n in names]
+        lines.append(f"| {r['S']} | {r['N']} | {r['lr']:g} | {r['seed']} | {r['final'].get('flush', math.nan):.4f} | "
+                     + " | ".join(cells) + " |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def plot(runs: list[dict[str, Any]], path: Path, title: str) -> None:
+    plt = pyplot()
+    panels = sorted({(r["S"], r["N"], r["lr"]) for r in runs if r["seed"] == min(x["seed"] for x in runs)})
+    cols = min(3, len(panels))
+    rows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
+    for ax, (stages, accumulate, lr) in zip(axes.flat, panels, strict=False):
+        for run in runs:
+            if (run["S"], run["N"], run["lr"]) == (stages, accumulate, lr) and run["seed"] == min(
+                x["seed"] for x in runs
+            ):
+                steps, losses = zip(*run["val"][1:], strict=True)  # the first point is the untrained model
+                ax.plot([s * run["tokens_per_step"] / 1e3 for s in steps], losses, marker=".", label=run["run"])
+        ax.set_title(f"S={stages}, N={accumulate}, lr={lr:g}", fontsize=9)
+        ax.set_xlabel("training tokens (thousands)")
+        ax.set_ylabel("validation loss")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(panels) :]:
+        ax.axis("off")
+    fig.suptitle(title, fontsize=9)
+    save_figure(fig, path, 100)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="smoke run: S=4, N=4, 2 runs, a few steps")
+    p.add_argument("--stages", type=int, nargs="+", default=[4, 8])
+    p.add_argument("--accumulate", type=int, nargs="+", default=[4, 8, 16], help="N values")
+    p.add_argument("--lrs", type=float, nargs="+", default=[1e-3, 3e-3])
+    p.add_argument("--seeds", type=int, nargs="+", default=[0])
+    p.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
+    p.add_argument("--micro-batches", type=int, default=1600, help="per run (equal tokens for every N)")
+    p.add_argument("--evals", type=int, default=10, help="validations per run")
+    p.add_argument("--val-batches", type=int, default=8)
+    p.add_argument("--layers", type=int, default=6, help="GPT blocks: layers + 2 pipeline layers (>= max S)")
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--block", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=8, help="micro-batch size")
+    p.add_argument("--max-bytes", type=int, default=2_000_000)
+    p.add_argument("--workers", type=int, default=2, help="runs in parallel, one thread each")
+    p.add_argument("--cost-steps", type=int, default=40, help="optimizer steps of the in-process cost runs (0: skip)")
+    p.add_argument("--out", default="paci_at_depth.json", help="file name under benchmarks/results/")
+    p.add_argument("--plot", default="paci_at_depth.png", help="file name under benchmarks/plots/")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.stages, args.accumulate, args.lrs, args.seeds = [4], [4], [3e-3], [0]
+        args.runs, args.micro_batches, args.evals, args.val_batches = ["flush", "paci"], 16, 2, 1
+        args.layers, args.cost_steps, args.workers, args.dim, args.block = 2, 2, 1, 32, 32
+        if args.out == "paci_at_depth.json":  # a smoke run never replaces the full result
+            args.out, args.plot = "paci_at_depth_quick.json", "paci_at_depth_quick.png"
+    if max(args.stages) > args.layers + 2:
+        p.error(f"--layers {args.layers} gives {args.layers + 2} pipeline layers, fewer than S={max(args.stages)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    config = vars(args)
+    start, before = time.perf_counter(), machine()
+    jobs = [
+        (config, s, n, lr, seed, name)
+        for s, n, lr, seed, name in itertools.product(args.stages, args.accumulate, args.lrs, args.seeds, args.runs)
+    ]
+    if args.workers > 1:
+        import multiprocessing as mp
+
+        with mp.get_context("spawn").Pool(args.workers) as pool:
+            runs = pool.map(_worker, jobs, chunksize=1)
+    else:
+        runs = [_worker(job) for job in jobs]
+    costs = layer_costs(config)
+    tta = time_to_accuracy(runs, costs)
+    cost = in_process_cost(config, max(args.stages), args.accumulate[0], args.cost_steps) if args.cost_steps else {}
+    prediction = _prediction_cost(runs, config)
+    rows = summarize(runs)
+    payload = envelope(
+        "paci_at_depth", args.quick, before, config, start, summary=rows, time_to_accuracy=tta,
+        in_process_cost=cost, weight_prediction_cost=prediction, layer_costs=costs, runs=runs,
+    )  # fmt: skip
+    path = write_json(args.out, payload)
+    title = (
+        f"GPT {args.layers}x{args.dim}, block {args.block}, micro-batch {args.batch_size}, "
+        f"{args.micro_batches} micro-batches per run; in-process pipeline on 1 thread"
+    )
+    plot(runs, PLOTS / args.plot, title)
+    print(table(rows))
+    for row in tta:
+        print("time-to-accuracy", json.dumps(row, default=float))
+    print("in-process cost", cost, "weight prediction", prediction)
+    print(f"wrote {path} in {payload['wall_seconds']:.0f} s")
+    return payload
+
+
+def _prediction_cost(runs: list[dict[str, Any]], config: dict[str, Any]) -> dict[str, Any]:
+    """Weight prediction's buffer (largest stage's parameter bytes) and its runs' wall time against plain PACI's."""
+    ratios = []
+    by_key = {(r["S"], r["N"], r["lr"], r["seed"], r["run"]): r for r in runs}
+    for (s, n, lr, seed, name), run in by_key.items():
+        if name == "paci+weight_prediction" and (s, n, lr, seed, "paci") in by_key:
+            ratios.append(run["seconds"] / by_key[(s, n, lr, seed, "paci")]["seconds"])
+    model = _model(config, 1e-3, 100)
+    layer_bytes = [sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in model.pipeline_layers()]
+    from lit_efficient.pipeline.partition import partition_uniform, stage_bounds
+
+    stage_bytes = {
+        s: max(sum(layer_bytes[lo:hi]) for lo, hi in stage_bounds(partition_uniform(len(layer_bytes), s)))
+        for s in config["stages"]
+    }
+    return {
+        "extra_buffer_bytes_largest_stage": stage_bytes,
+        "model_bytes": sum(layer_bytes),
+        "wall_time_ratio_vs_paci": ratios,
+        "wall_time_ratio_median": statistics.median(ratios) if ratios else None,
+    }
+
+
+if __name__ == "__main__":
+    main()
