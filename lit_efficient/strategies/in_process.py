@@ -96,9 +96,9 @@ class InProcessPipeline:
         if ties:
             # Both stages would hold the one Parameter in their optimizers and step it twice per window.
             raise ValueError(
-                f"{type(module).__name__} ties {ties[0].name} to {ties[0].alias} across the first and the last stage; tied weights "
-                f"across stages need one process per stage (devices={num_stages}) in this version, or devices=1 with "
-                "pipeline_stages=1."
+                f"{type(module).__name__} ties {ties[0].name} to {ties[0].alias} across the first and the last "
+                f"stage; weights tied across stages need one process per stage (devices={num_stages}) in this "
+                "version, or devices=1 with pipeline_stages=1."
             )
         # The layout record checkpoints are checked against; the module itself stays whole.
         s._split = Split(self.sizes, num_stages - 1, [])
