@@ -368,7 +368,9 @@ class LocalPointToPoint:
 
     def send(self, tensors: Payload, dst: int, microbatch: int, what: str) -> None:
         """Put ``tensors`` for ``microbatch`` into ``dst``'s mailbox."""
-        payload = tuple(None if t is None else t.detach() for t in tensors)
+        # Detached, but saying whether it required grad, as the process transport's header does: the
+        # receiving stage makes only those collect a gradient to send back (side inputs get none).
+        payload = tuple(None if t is None else t.detach().requires_grad_(t.requires_grad) for t in tensors)
         self.bytes_sent += sum(t.numel() * t.element_size() for t in payload if t is not None)
         self.exchange.box(self.rank, dst).append((microbatch, payload))
 
