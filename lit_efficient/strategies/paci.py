@@ -15,52 +15,40 @@ stop, validate and save at the same batch.
 
 from __future__ import annotations
 
-import math
-import shutil
 import warnings
 from collections import deque
-from contextlib import contextmanager
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy, Strategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
 
 from lit_efficient.averaging import ReplicaAverager
-from lit_efficient.pipeline.comm import PointToPoint, all_reduce_flat, report_failure
+from lit_efficient.pipeline.comm import PointToPoint, report_failure
 from lit_efficient.pipeline.partition import check_sizes, partition_balanced, partition_uniform, predicted_utilization
 from lit_efficient.pipeline.runtime import PipelineRuntime
 from lit_efficient.pipeline.schedules import SCHEDULES, ScheduleName
 from lit_efficient.pipeline.stage import PipelineStage
-from lit_efficient.pipeline.staleness import CORRECTIONS, CorrectionName, StalenessCorrection, make_correction
+from lit_efficient.pipeline.staleness import CORRECTIONS, CorrectionName
 from lit_efficient.pipeline.tied import finish_tied
 from lit_efficient.pipeline.topology import Topology
 from lit_efficient.progress import swap_stock_progress_bar
-from lit_efficient.protocol import PIPELINE_METHODS, missing_pipeline_methods
-from lit_efficient.strategies.checkpoint import (
-    assemble,
-    from_automatic_loops,
-    group_key,
-    legacy_shard,
-    load_file,
-    local_accumulation,
-    local_optimizer_state,
-    local_state_dict,
-    rank_share,
-    regroup_schedulers,
-    to_automatic_loops,
-    write_atomically,
+from lit_efficient.strategies.checkpointing import PipelineCheckpointing
+from lit_efficient.strategies.config import (
+    _check_arguments,
+    _check_module,
+    _CheckedMultiProcessingLauncher,
+    _CheckedScriptLauncher,
+    _warn_single_replica,
 )
+from lit_efficient.strategies.evaluation import PipelineEvaluation
 from lit_efficient.strategies.hooks import drain_before, undo_drain_before, warn_uncalled_hooks
 from lit_efficient.strategies.in_process import InProcessPipeline
 from lit_efficient.strategies.profile import profile_layers
@@ -74,13 +62,13 @@ from lit_efficient.strategies.split import (
     split_module,
     unsplit,
 )
-from lit_efficient.strategies.tied import counted_in_global_norm, install_tied_weights, is_tied, tie_groups
+from lit_efficient.strategies.step_hooks import LocalStepHooks
+from lit_efficient.strategies.tied import install_tied_weights, tie_groups
 
 Balance = Literal["parameters", "uniform", "profile"]
-_PRECISIONS = ("32-true", "bf16-mixed")
 
 
-class PACIStrategy(DDPStrategy):
+class PACIStrategy(PipelineCheckpointing, PipelineEvaluation, LocalStepHooks, DDPStrategy):
     """Pipeline-parallel training: split the model into stages over processes and run PACI or 1F1B-flush.
 
     ``world_size = pipeline_stages x data-parallel replicas``; with one device (``devices=1``) the whole
@@ -447,110 +435,6 @@ class PACIStrategy(DDPStrategy):
         dist.broadcast_object_list(sizes_box, src=0, group=self._cpu_group())
         return list(sizes_box[0])
 
-    def _step_schedulers(self) -> _SchedulerGroup | None:
-        step_wise, self._epoch_schedulers = [], []
-        for config in self.lr_scheduler_configs:
-            if config.reduce_on_plateau:
-                raise ValueError(
-                    "ReduceLROnPlateau is not supported under PACIStrategy: each stage steps its own scheduler "
-                    "without the monitored metric. Use a step- or epoch-based scheduler."
-                )
-            (step_wise if config.interval == "step" else self._epoch_schedulers).append(config)
-        return _SchedulerGroup(step_wise) if step_wise else None
-
-    def correction_for(self, stage: int, trainer: Trainer) -> StalenessCorrection | None:
-        """The staleness correction of ``stage`` (None: off, or nothing to correct there)."""
-        accumulate = max(1, trainer.accumulate_grad_batches)
-        return make_correction(
-            self.staleness_correction, self.schedule, stage, self.pipeline_stages, accumulate,
-            self.staleness_anneal_steps,
-        )  # fmt: skip
-
-    def _install_step_hooks(self, stage: PipelineStage, trainer: Trainer) -> None:
-        assert self.topology is not None
-        replicas = self.topology.num_replicas
-        if replicas > 1 and self.local_sgd_steps is None:
-            group = self._dp_groups[self.stage]
-
-            def reduce_gradients(grads: list[Tensor], totals: Tensor) -> Tensor:
-                # Sum over replicas with the window's weight and non-finite count in the same
-                # collective: dividing by the summed weight gives the mean over every replica's items,
-                # and every replica sees every replica's NaN flag (so all skip the same window).
-                totals = totals.clone()
-                all_reduce_flat([*grads, totals[:2]], group)
-                return totals
-
-            stage.reduce_gradients = reduce_gradients
-        if self.local_sgd_steps is not None and replicas > 1:
-            # Each stage syncs inside its own dp group when its own step count says so (the same
-            # count on every replica): no cross-stage barrier, PACI stays asynchronous. The
-            # constructor is collective over the group (one broadcast of replica 0's weights).
-            module = torch.nn.ModuleList(stage.layers)
-            self.averager = ReplicaAverager(
-                module, self._dp_groups[self.stage], self.local_sgd_steps, self.local_sgd_warmup_steps,
-                self.outer_optimizer, self.outer_lr, self.outer_momentum, self.average_buffers,
-            )  # fmt: skip
-            averager = self.averager
-            stage.after_step = lambda: averager.after_step() and None
-        clip_val = trainer.gradient_clip_val
-        if clip_val:
-            stage.clip_gradients = self._clipper(float(clip_val), trainer.gradient_clip_algorithm or "norm")
-
-    def _clipper(self, value: float, algorithm: str):
-        if algorithm == "value":
-            return lambda params: torch.nn.utils.clip_grad_value_(params, value)
-        group = self._pipeline_groups.get(self.replica)  # None in one process, where flush refuses norm clipping
-        exact = self.schedule == "1f1b_flush" and self.pipeline_stages > 1
-
-        def clip_norm(params: list[torch.nn.Parameter]) -> None:
-            if not exact:  # a tied weight's copies must scale alike: paci clips it by its own norm
-                for p in params:
-                    if is_tied(p) and p.grad is not None:
-                        torch.nn.utils.clip_grad_norm_([p], value)
-                params = [p for p in params if not is_tied(p)]
-            grads = [p.grad for p in params if p.grad is not None]
-            squared = torch.zeros(1, device=self.root_device, dtype=torch.float32)
-            for p in params:
-                if p.grad is not None and counted_in_global_norm(p):
-                    squared += p.grad.detach().float().pow(2).sum()
-            if exact:
-                # flush: every stage steps together, so the global norm across stages is exact.
-                all_reduce_flat([squared], group)
-            # paci: stages step at different times; each clips its own norm (<= the global one).
-            scale = (value / (squared.sqrt() + 1e-6)).clamp(max=1.0)
-            for g in grads:
-                g.mul_(scale.to(g.dtype))
-
-        return clip_norm
-
-    def _replace_sigterm_barrier(self, trainer: Trainer) -> None:
-        """Make Lightning's per-batch SIGTERM broadcast asynchronous and lagged.
-
-        Lightning broadcasts rank 0's SIGTERM flag before every training batch and waits for it: a
-        barrier per micro-batch, which ties stage 0 to the last stage and undoes PACI's overlap
-        (measured: stage 0 idled ~19% of its time there). Here every rank starts the broadcast of
-        batch i and waits for the one of batch i-S, which in a running pipeline has long completed;
-        all ranks read the same flag at the same batch, so they still stop together.
-        """
-        loop = trainer.fit_loop.epoch_loop
-        if not hasattr(loop, "_broadcast_sigterm_tensor") or self.world_size == 1:
-            return
-        pending: deque[tuple[dist.Work, Tensor]] = deque()
-        self._sigterm_pending = pending  # finished in on_train_end: no collective outlives training
-        lag, group = self.pipeline_stages, self._signal_group
-
-        def broadcast_sigterm() -> None:
-            flag = torch.tensor([int(bool(getattr(trainer, "received_sigterm", False)))], dtype=torch.int32)
-            pending.append((dist.broadcast(flag, src=0, group=group, async_op=True), flag))
-            if len(pending) <= lag:
-                return
-            work, seen = pending.popleft()
-            work.wait()
-            if int(seen[0]) == 1:  # a CPU tensor: no device synchronization
-                raise SIGTERMException()
-
-        loop._broadcast_sigterm_tensor = broadcast_sigterm
-
     # -- training ---------------------------------------------------------------------------------
 
     @override
@@ -640,63 +524,6 @@ class PACIStrategy(DDPStrategy):
             )
         super().on_exception(exception)
 
-    # -- evaluation -------------------------------------------------------------------------------
-
-    def drain(self) -> None:
-        """Finish every micro-batch in flight on this rank's stage (call it on every rank alike).
-
-        Afterwards the model is consistent: every stage has taken exactly the optimizer steps of the
-        windows completed so far (``trainer.global_step`` at a window end), and an incomplete window's
-        gradients stay accumulated for the next batches. Between batches, under ``schedule="paci"``,
-        stage s has otherwise taken ``ceil((S-1-s)/N)`` steps fewer than the last stage. The strategy
-        drains by itself before validation (and its zero-grad hook), checkpoints, an epoch's end and
-        the end of training; a callback that needs a consistent model at another point calls this.
-        It costs the pipeline's warm-up once more (S-1 slots) at the next batch.
-        """
-        if self.runtime is not None:
-            self.runtime.drain()
-
-    def _start_evaluation(self) -> None:
-        self.drain()
-        self._eval_index = 0
-
-    @override
-    def on_validation_start(self) -> None:
-        self._start_evaluation()
-
-    @override
-    def on_test_start(self) -> None:
-        self._start_evaluation()
-
-    @override
-    def on_predict_start(self) -> None:
-        self._start_evaluation()
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.val_step_context():
-            return self._evaluation_step("validation_step", *args, **kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.test_step_context():
-            return self._evaluation_step("test_step", *args, **kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.predict_step_context():
-            return self._evaluation_step("predict_step", *args, **kwargs)
-
-    def _evaluation_step(self, hook: str, batch: Any, *args: Any, **kwargs: Any) -> Any:
-        assert self.runtime is not None
-        outputs = self.runtime.evaluate(batch, self._eval_index)
-        self._eval_index += 1
-        if outputs is None:
-            return None
-        module = self.lightning_module
-        with _forward_answers(module, outputs[0] if len(outputs) == 1 else outputs, hook):
-            return getattr(module, hook)(batch, *args, **kwargs)
-
     # -- collectives ------------------------------------------------------------------------------
 
     @override
@@ -715,165 +542,6 @@ class PACIStrategy(DDPStrategy):
         dist.all_reduce(flag, op=dist.ReduceOp.SUM)
         return bool(flag == self.world_size) if all else bool(flag > 0)
 
-    # -- checkpoints ------------------------------------------------------------------------------
-
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        return True  # the module must be split before its stage's weights are loaded
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        if self.runtime is not None:
-            self.runtime.drain()  # a checkpoint holds a consistent model: nothing in flight
-        return super().lightning_module_state_dict()
-
-    def pipeline_state(self) -> dict[str, Any]:
-        """What this rank adds to a checkpoint besides weights and optimizer (checkpoint.py merges it)."""
-        assert self._split is not None and self.runtime is not None and self.lightning_module is not None
-        names = {id(p): n for n, p in self.lightning_module.named_parameters()}
-        stage = self.runtime.stage
-        accumulation = stage.accumulation_state()
-        if "grads" in accumulation:  # by name, so another layout can take its share
-            accumulation["grads"] = {
-                names[id(p)]: g for p, g in zip(stage.parameters(), accumulation["grads"], strict=True) if g is not None
-            }
-        state: dict[str, Any] = {
-            "stage": self.stage,
-            "replica": self.replica,
-            "accumulation": accumulation,
-            "rng": {"cpu": torch.get_rng_state()},
-        }
-        if self.root_device.type == "cuda":
-            state["rng"]["cuda"] = torch.cuda.get_rng_state(self.root_device)
-        if self.averager is not None:
-            state["averager"] = self.averager.state_dict()
-        return state
-
-    def layout(self) -> dict[str, Any]:
-        """The pipeline layout a checkpoint records: what per-rank state (RNG, averaging) depends on."""
-        assert self._split is not None and self.topology is not None
-        return {
-            "num_stages": self.pipeline_stages,
-            "num_replicas": self.topology.num_replicas,
-            "sizes": self._split.sizes,
-            "schedule": self.schedule,
-        }
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        # Collective: every rank's stage goes to global rank 0, which writes one ordinary file (checkpoint.py).
-        if self._in_process is not None:
-            return self._in_process.save_checkpoint(checkpoint, filepath)
-        assert self.lightning_module is not None and self.topology is not None
-        diverged = self.local_sgd_steps is not None and self.topology.num_replicas > 1
-        optimizer = self.optimizers[0] if self.optimizers else None
-        share = rank_share(
-            checkpoint, self.lightning_module, optimizer, self.pipeline_state(), self.replica == 0 or diverged
-        )
-        shares: list[Any] | None = [None] * self.world_size if self.is_global_zero else None
-        dist.gather_object(share, shares, dst=0, group=self._cpu_group())
-        if self.is_global_zero:
-            write_atomically(to_automatic_loops(assemble(checkpoint, shares, self.layout())), filepath)  # type: ignore[arg-type]
-        dist.barrier(group=self._cpu_group())  # nobody reads or removes it before it is complete
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        path = Path(checkpoint_path)
-        if path.is_dir() and self._in_process is not None:
-            raise ValueError(
-                f"{path} is a directory of stage shards (an earlier version's checkpoint); one device resumes only the "
-                f"single-file format. Resume it on devices={self.pipeline_stages}, which saves it as one file."
-            )
-        if path.is_dir():  # an earlier version's directory of shards: its own layout only
-            return load_file(legacy_shard(path, self.stage, self.replica), weights_only)
-        # Before Lightning restores the loops from it: a one-device file counts steps in the automatic loop.
-        return from_automatic_loops(load_file(path, weights_only))
-
-    @override
-    def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
-        module = self.lightning_module
-        assert module is not None
-        if _is_legacy(checkpoint):
-            _check_checkpoint_layout(checkpoint["pipeline"], self)
-            module.load_state_dict(checkpoint["state_dict"], strict=strict)
-            return
-        module.load_state_dict(local_state_dict(checkpoint, module, self._rank_key()), strict=strict)
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
-        if self._in_process is not None:
-            return self._in_process.load_optimizer_state_dict(checkpoint)
-        if _is_legacy(checkpoint):
-            super().load_optimizer_state_dict(checkpoint)
-            self._load_rank_state(checkpoint["pipeline"], checkpoint["pipeline"].get("accumulation"))
-            return
-        module = self.lightning_module
-        assert module is not None and self.runtime is not None
-        if self.optimizers:
-            state, group_map = local_optimizer_state(
-                checkpoint, module, self.optimizers[0], self._rank_key(), self._group_names
-            )
-            self.optimizers[0].load_state_dict(state)
-            # Lightning restores the schedulers from the same dict right after this: over this stage's groups.
-            saved_groups = len(checkpoint["optimizer_states"][0]["param_groups"])
-            checkpoint["lr_schedulers"] = regroup_schedulers(
-                checkpoint.get("lr_schedulers", []), group_map, saved_groups
-            )
-        names = {id(p): n for n, p in module.named_parameters()}
-        accumulation = local_accumulation(checkpoint, [names[id(p)] for p in self.runtime.stage.parameters()])
-        pipeline = checkpoint.get("pipeline", {})
-        same_layout = pipeline.get("layout") == self.layout()
-        mine = pipeline.get("ranks", {}).get(self._rank_key(), {}) if same_layout else {}
-        dropped = (
-            []
-            if same_layout
-            else [k for k in ("rng", "averager") if any(k in r for r in pipeline.get("ranks", {}).values())]
-        )
-        if dropped:
-            rank_zero_warn(
-                f"resuming a checkpoint of layout {pipeline.get('layout')} on {self.layout()}: weights, optimizer, "
-                f"schedulers, loops and accumulated gradients carry over by parameter name; the per-rank "
-                f"{' and '.join(dropped)} state does not (dropout masks and LocalSGD/DiLoCo state start afresh)."
-            )
-        self._load_rank_state(mine, accumulation)
-
-    def _load_rank_state(self, state: dict[str, Any], accumulation: dict[str, Any] | None) -> None:
-        # The stage's own step count and random stream come from its own record (same layout only):
-        # local_accumulation carries only an unfinished window, by name.
-        own = {k: v for k, v in state.get("accumulation", {}).items() if k in ("version", "rng")}
-        if self.runtime is not None and (accumulation or own):
-            self.runtime.stage.load_accumulation_state({**own, **(accumulation or {})})
-        if self.averager is not None and "averager" in state:
-            self.averager.load_state_dict(state["averager"])
-        if "rng" in state:
-            torch.set_rng_state(state["rng"]["cpu"])
-            if "cuda" in state["rng"] and self.root_device.type == "cuda":
-                torch.cuda.set_rng_state(state["rng"]["cuda"], self.root_device)
-
-    def _rank_key(self) -> str:
-        return f"stage{self.stage}-replica{self.replica}"
-
-    def _group_names(self) -> list[list[str]]:
-        """The unsplit optimizer's parameter names per group, for a checkpoint that carries no names (one
-        device, DDP): every stage's groups matched by hyper-parameters (`group_key`), in order of first
-        appearance, stage by stage, as checkpoint.py merges them. Collective over this replica's pipeline."""
-        assert self.topology is not None and self.lightning_module is not None
-        names = {id(p): n for n, p in self.lightning_module.named_parameters()}
-        groups = [(group_key(g), [names[id(p)] for p in g["params"]]) for g in self.optimizers[0].param_groups]
-        gathered: list[Any] = [None] * len(self.topology.pipeline_ranks(self.replica))
-        dist.all_gather_object(gathered, (self.stage, groups), group=self._pipeline_groups[self.replica])
-        merged: dict[str, list[str]] = {}
-        for _, stage_groups in sorted(gathered, key=lambda x: x[0]):
-            for key, group_names in stage_groups:
-                merged.setdefault(key, []).extend(group_names)
-        return list(merged.values())
-
-    @override
-    def remove_checkpoint(self, filepath: Any) -> None:
-        if self.is_global_zero:  # a directory is an earlier version's checkpoint
-            shutil.rmtree(filepath, ignore_errors=True) if Path(filepath).is_dir() else Path(filepath).unlink(True)
-
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -882,39 +550,6 @@ class PACIStrategy(DDPStrategy):
                 strategy_registry.register(
                     name, cls, description=f"Pipeline-parallel training with the {name} schedule", schedule=name
                 )
-
-
-class _ChecksFirst:
-    """A launcher that runs ``PACIStrategy._check_before_launch`` in the one process that starts the
-    others: a configuration error is then one message, not one traceback per rank once they run.
-    Classes, not a wrapped method: the spawn launcher pickles the strategy and its launcher."""
-
-    def launch(self, function: Any, *args: Any, trainer: Trainer | None = None, **kwargs: Any) -> Any:
-        if trainer is not None and isinstance(trainer.strategy, PACIStrategy):
-            trainer.strategy._check_before_launch(trainer)
-        return super().launch(function, *args, trainer=trainer, **kwargs)  # type: ignore[misc]
-
-
-class _CheckedScriptLauncher(_ChecksFirst, _SubprocessScriptLauncher):
-    """`_SubprocessScriptLauncher` (``start_method="popen"``, torchrun, SLURM) with the check."""
-
-
-class _CheckedMultiProcessingLauncher(_ChecksFirst, _MultiProcessingLauncher):
-    """`_MultiProcessingLauncher` (``start_method="spawn"``/``"fork"``) with the check."""
-
-
-class _SchedulerGroup:
-    """Steps the step-interval LR schedulers with every local optimizer step of a stage."""
-
-    def __init__(self, configs: list[Any]) -> None:
-        self.configs = configs
-        self.steps = 0
-
-    def step(self) -> None:
-        self.steps += 1
-        for config in self.configs:
-            if self.steps % config.frequency == 0:
-                config.scheduler.step()
 
 
 class _SyncCallbackMetrics(Callback):
@@ -956,74 +591,6 @@ def _carry_step_count_to_automatic(trainer: Trainer) -> None:
     steps = loop.manual_optimization.optim_step_progress.total
     auto = loop.automatic_optimization.optim_progress.optimizer.step.total
     auto.ready, auto.completed = steps.ready, steps.completed
-
-
-def _check_arguments(
-    stages: int,
-    schedule: str,
-    balance: Any,
-    timeout: float,
-    on_nonfinite: str,
-    local_sgd_steps: int | None,
-    warmup: int,
-    outer: str,
-    outer_lr: float,
-    outer_momentum: float,
-) -> None:
-    if not isinstance(stages, int) or stages < 1:
-        raise ValueError(f"pipeline_stages={stages!r} must be an integer >= 1")
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule={schedule!r} is not one of {', '.join(SCHEDULES)}")
-    if isinstance(balance, list):
-        if len(balance) != stages or any(not isinstance(n, int) or n < 1 for n in balance):
-            raise ValueError(f"balance={balance} must list {stages} positive layer counts, one per stage")
-    elif balance not in ("parameters", "uniform", "profile"):
-        raise ValueError(f"balance={balance!r} must be 'parameters', 'uniform', 'profile' or a list of layer counts")
-    if not timeout > 0 or math.isinf(timeout):
-        raise ValueError(f"p2p_timeout={timeout} must be a positive number of seconds")
-    if on_nonfinite not in ("raise", "skip"):
-        raise ValueError(f"on_nonfinite={on_nonfinite!r} must be 'raise' or 'skip'")
-    if local_sgd_steps is not None and (not isinstance(local_sgd_steps, int) or local_sgd_steps < 1):
-        raise ValueError(f"local_sgd_steps={local_sgd_steps!r} must be None (sync every step) or an integer >= 1")
-    if not isinstance(warmup, int) or warmup < 0:
-        raise ValueError(f"local_sgd_warmup_steps={warmup!r} must be an integer >= 0")
-    if outer not in ("average", "nesterov"):
-        raise ValueError(f"outer_optimizer={outer!r} must be 'average' or 'nesterov'")
-    if outer == "average" and (outer_lr != 0.7 or outer_momentum != 0.9):
-        raise ValueError(
-            f"outer_lr={outer_lr} / outer_momentum={outer_momentum} only apply to DiLoCo: "
-            "set outer_optimizer='nesterov', or leave them at their defaults"
-        )
-    if not outer_lr > 0:
-        raise ValueError(f"outer_lr={outer_lr} must be > 0")
-    if not 0 <= outer_momentum < 1:
-        raise ValueError(f"outer_momentum={outer_momentum} must be in [0, 1)")
-
-
-def _warn_single_replica(local_sgd_steps: int | None, topology: Topology) -> None:
-    if local_sgd_steps is not None and topology.num_replicas == 1:
-        rank_zero_warn(
-            f"PACIStrategy(local_sgd_steps={local_sgd_steps}) has no effect: world size {topology.world_size} = "
-            f"pipeline_stages {topology.num_stages} x 1 data-parallel replica, so there is nothing to average. "
-            "Use more devices (a multiple of pipeline_stages) or drop local_sgd_steps."
-        )
-
-
-def _check_module(module: LightningModule, precision: Precision) -> None:
-    missing = missing_pipeline_methods(module)
-    if missing:
-        raise TypeError(
-            f"{type(module).__name__} cannot be pipelined: it lacks {', '.join(missing)}. PACIStrategy needs the "
-            f"pipeline protocol ({', '.join(m + '()' for m in PIPELINE_METHODS)}); see lit_efficient.PipelineModule."
-        )
-    if not module.automatic_optimization:
-        raise ValueError(
-            f"{type(module).__name__} uses manual optimization; PACIStrategy schedules forwards, backwards and "
-            "steps itself. Use automatic optimization (the default) with configure_optimizers."
-        )
-    name = getattr(precision, "precision", None)
-    if name not in _PRECISIONS or (name == "bf16-mixed" and not isinstance(precision, MixedPrecision)):
-        raise ValueError(f"precision={name!r} is not supported by PACIStrategy: use one of {', '.join(_PRECISIONS)}")
 
 
 def _parameter_counts(module: LightningModule, layers: list) -> list[int]:
@@ -1072,44 +639,3 @@ def first_tensor(batch: Any) -> Tensor | None:
 def _batch_size(batch: Any) -> int | None:
     first = first_tensor(batch)
     return None if first is None else int(first.shape[0])
-
-
-def _is_legacy(checkpoint: dict[str, Any]) -> bool:
-    """A shard of an earlier version's directory checkpoint (it records its layout in every shard)."""
-    return "sizes" in checkpoint.get("pipeline", {})
-
-
-def _check_checkpoint_layout(state: dict[str, Any], strategy: PACIStrategy) -> None:
-    if not state:
-        return
-    split = strategy._split
-    assert split is not None
-    if state.get("num_stages") != strategy.pipeline_stages or state.get("sizes") != split.sizes:
-        raise ValueError(
-            f"the checkpoint was written by a pipeline of {state.get('num_stages')} stages with layers "
-            f"{state.get('sizes')}, this run has {strategy.pipeline_stages} stages with {split.sizes}. Resume with the "
-            "same pipeline_stages and balance (pass balance=<the saved list>), or load its weights with "
-            "lit_efficient.consolidate_checkpoint into a fresh module (checkpoints of this version reshard)."
-        )
-
-
-@contextmanager
-def _forward_answers(module: LightningModule, output: Any, hook: str):
-    """While ``hook`` runs on the last stage, ``module(...)`` returns the pipeline's output."""
-    calls = [0]
-
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        calls[0] += 1
-        return output
-
-    module.forward = forward  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        del module.forward
-    if calls[0] == 0:
-        raise RuntimeError(
-            f"{type(module).__name__}.{hook} never called self(...): under PACIStrategy the last stage answers the "
-            f"module's forward with the pipeline's output, so {hook} must obtain its outputs with "
-            "self(self.pipeline_input(batch))."
-        )

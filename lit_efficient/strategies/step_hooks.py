@@ -1,0 +1,149 @@
+"""What runs around each stage's local optimizer step under PACIStrategy, and the lagged SIGTERM check.
+
+The stages step on their own; this mixin installs what Lightning would do around a step: step-interval
+LR schedulers stepping with the stage's own steps, the data-parallel gradient reduction or the
+LocalSGD/DiLoCo averager, gradient clipping, the staleness correction, and Lightning's per-batch SIGTERM
+broadcast made asynchronous (a barrier per micro-batch would undo PACI's overlap).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Trainer
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from torch import Tensor
+
+from lit_efficient.averaging import ReplicaAverager
+from lit_efficient.pipeline.comm import all_reduce_flat
+from lit_efficient.pipeline.stage import PipelineStage
+from lit_efficient.pipeline.staleness import StalenessCorrection, make_correction
+from lit_efficient.strategies.tied import counted_in_global_norm, is_tied
+
+
+class LocalStepHooks:
+    """PACIStrategy's step hooks (a mixin over the strategy's configuration, topology and groups)."""
+
+    topology: Any
+    lr_scheduler_configs: Any
+
+    def _step_schedulers(self) -> _SchedulerGroup | None:
+        step_wise, self._epoch_schedulers = [], []
+        for config in self.lr_scheduler_configs:
+            if config.reduce_on_plateau:
+                raise ValueError(
+                    "ReduceLROnPlateau is not supported under PACIStrategy: each stage steps its own scheduler "
+                    "without the monitored metric. Use a step- or epoch-based scheduler."
+                )
+            (step_wise if config.interval == "step" else self._epoch_schedulers).append(config)
+        return _SchedulerGroup(step_wise) if step_wise else None
+
+    def correction_for(self, stage: int, trainer: Trainer) -> StalenessCorrection | None:
+        """The staleness correction of ``stage`` (None: off, or nothing to correct there)."""
+        accumulate = max(1, trainer.accumulate_grad_batches)
+        return make_correction(
+            self.staleness_correction, self.schedule, stage, self.pipeline_stages, accumulate,
+            self.staleness_anneal_steps,
+        )  # fmt: skip
+
+    def _install_step_hooks(self, stage: PipelineStage, trainer: Trainer) -> None:
+        assert self.topology is not None
+        replicas = self.topology.num_replicas
+        if replicas > 1 and self.local_sgd_steps is None:
+            group = self._dp_groups[self.stage]
+
+            def reduce_gradients(grads: list[Tensor], totals: Tensor) -> Tensor:
+                # Sum over replicas with the window's weight and non-finite count in the same
+                # collective: dividing by the summed weight gives the mean over every replica's items,
+                # and every replica sees every replica's NaN flag (so all skip the same window).
+                totals = totals.clone()
+                all_reduce_flat([*grads, totals[:2]], group)
+                return totals
+
+            stage.reduce_gradients = reduce_gradients
+        if self.local_sgd_steps is not None and replicas > 1:
+            # Each stage syncs inside its own dp group when its own step count says so (the same
+            # count on every replica): no cross-stage barrier, PACI stays asynchronous. The
+            # constructor is collective over the group (one broadcast of replica 0's weights).
+            module = torch.nn.ModuleList(stage.layers)
+            self.averager = ReplicaAverager(
+                module, self._dp_groups[self.stage], self.local_sgd_steps, self.local_sgd_warmup_steps,
+                self.outer_optimizer, self.outer_lr, self.outer_momentum, self.average_buffers,
+            )  # fmt: skip
+            averager = self.averager
+            stage.after_step = lambda: averager.after_step() and None
+        clip_val = trainer.gradient_clip_val
+        if clip_val:
+            stage.clip_gradients = self._clipper(float(clip_val), trainer.gradient_clip_algorithm or "norm")
+
+    def _clipper(self, value: float, algorithm: str):
+        if algorithm == "value":
+            return lambda params: torch.nn.utils.clip_grad_value_(params, value)
+        group = self._pipeline_groups.get(self.replica)  # None in one process, where flush refuses norm clipping
+        exact = self.schedule == "1f1b_flush" and self.pipeline_stages > 1
+
+        def clip_norm(params: list[torch.nn.Parameter]) -> None:
+            if not exact:  # a tied weight's copies must scale alike: paci clips it by its own norm
+                for p in params:
+                    if is_tied(p) and p.grad is not None:
+                        torch.nn.utils.clip_grad_norm_([p], value)
+                params = [p for p in params if not is_tied(p)]
+            grads = [p.grad for p in params if p.grad is not None]
+            squared = torch.zeros(1, device=self.root_device, dtype=torch.float32)
+            for p in params:
+                if p.grad is not None and counted_in_global_norm(p):
+                    squared += p.grad.detach().float().pow(2).sum()
+            if exact:
+                # flush: every stage steps together, so the global norm across stages is exact.
+                all_reduce_flat([squared], group)
+            # paci: stages step at different times; each clips its own norm (<= the global one).
+            scale = (value / (squared.sqrt() + 1e-6)).clamp(max=1.0)
+            for g in grads:
+                g.mul_(scale.to(g.dtype))
+
+        return clip_norm
+
+    def _replace_sigterm_barrier(self, trainer: Trainer) -> None:
+        """Make Lightning's per-batch SIGTERM broadcast asynchronous and lagged.
+
+        Lightning broadcasts rank 0's SIGTERM flag before every training batch and waits for it: a
+        barrier per micro-batch, which ties stage 0 to the last stage and undoes PACI's overlap
+        (measured: stage 0 idled ~19% of its time there). Here every rank starts the broadcast of
+        batch i and waits for the one of batch i-S, which in a running pipeline has long completed;
+        all ranks read the same flag at the same batch, so they still stop together.
+        """
+        loop = trainer.fit_loop.epoch_loop
+        if not hasattr(loop, "_broadcast_sigterm_tensor") or self.world_size == 1:
+            return
+        pending: deque[tuple[dist.Work, Tensor]] = deque()
+        self._sigterm_pending = pending  # finished in on_train_end: no collective outlives training
+        lag, group = self.pipeline_stages, self._signal_group
+
+        def broadcast_sigterm() -> None:
+            flag = torch.tensor([int(bool(getattr(trainer, "received_sigterm", False)))], dtype=torch.int32)
+            pending.append((dist.broadcast(flag, src=0, group=group, async_op=True), flag))
+            if len(pending) <= lag:
+                return
+            work, seen = pending.popleft()
+            work.wait()
+            if int(seen[0]) == 1:  # a CPU tensor: no device synchronization
+                raise SIGTERMException()
+
+        loop._broadcast_sigterm_tensor = broadcast_sigterm
+
+
+class _SchedulerGroup:
+    """Steps the step-interval LR schedulers with every local optimizer step of a stage."""
+
+    def __init__(self, configs: list[Any]) -> None:
+        self.configs = configs
+        self.steps = 0
+
+    def step(self) -> None:
+        self.steps += 1
+        for config in self.configs:
+            if self.steps % config.frequency == 0:
+                config.scheduler.step()
