@@ -160,6 +160,32 @@ def cosine_with_warmup(step: int, warmup_steps: int, max_steps: int, min_lr_rati
     return min_lr_ratio + 0.5 * (1.0 + math.cos(math.pi * progress)) * (1.0 - min_lr_ratio)
 
 
+def adamw_with_warmup_cosine(module: LightningModule, decay: list, no_decay: list) -> dict[str, Any]:
+    """AdamW over a decayed and an undecayed group, with a per-step linear warmup + cosine LambdaLR, from
+    the module's hparams (``learning_rate``, ``betas``, ``weight_decay``, ``warmup_steps``, ``max_steps``,
+    ``min_lr_ratio``): the optimizer of `GPT` and `HFCausalLM`."""
+    hp = module.hparams
+    # A pipeline stage may hold no parameter of one kind; torch rejects empty groups.
+    groups = [
+        g
+        for g in ({"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0})
+        if g["params"]
+    ]
+    optimizer = torch.optim.AdamW(groups, lr=hp.learning_rate, betas=tuple(hp.betas))
+    max_steps = hp.max_steps if hp.max_steps is not None else module.trainer.estimated_stepping_batches
+    if not math.isfinite(max_steps):
+        name = type(module).__name__
+        raise ValueError(
+            f"{name}(max_steps=None) reads trainer.estimated_stepping_batches, which is infinite here; "
+            f"set Trainer(max_steps=...) or max_epochs, or pass {name}(max_steps=...)."
+        )
+    warmup, floor, total = hp.warmup_steps, hp.min_lr_ratio, int(max_steps)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: cosine_with_warmup(step, warmup, total, floor)
+    )
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
 class GPT(LightningModule):
     """Decoder-only transformer (nanoGPT class) that implements the pipeline protocol.
 
@@ -349,25 +375,7 @@ class GPT(LightningModule):
                 decay.append(param)
             else:
                 no_decay.append(param)
-        groups = [
-            {"params": decay, "weight_decay": hp.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ]
-        # A stage may hold no parameter of one kind; torch rejects empty groups.
-        groups = [g for g in groups if g["params"]]
-        optimizer = torch.optim.AdamW(groups, lr=hp.learning_rate, betas=tuple(hp.betas))
-
-        max_steps = hp.max_steps if hp.max_steps is not None else self.trainer.estimated_stepping_batches
-        if not math.isfinite(max_steps):
-            raise ValueError(
-                "GPT(max_steps=None) reads trainer.estimated_stepping_batches, which is infinite here; "
-                "set Trainer(max_steps=...) or max_epochs, or pass GPT(max_steps=...)."
-            )
-        warmup, floor, total = hp.warmup_steps, hp.min_lr_ratio, int(max_steps)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: cosine_with_warmup(step, warmup, total, floor)
-        )
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return adamw_with_warmup_cosine(self, decay, no_decay)
 
     # ----------------------------------------------------------------- sampling
 

@@ -26,7 +26,6 @@ The adapters are not registered in this module's tree (they hold the model's own
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +37,7 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lit_efficient.models.gpt import cosine_with_warmup
+from lit_efficient.models.gpt import adamw_with_warmup_cosine
 
 HF_IGNORE_INDEX = -100  # labels equal to this are ignored (Hugging Face's convention)
 
@@ -499,24 +498,7 @@ class HFCausalLM(LightningModule):
         """AdamW over two groups (matrix weights decayed; embeddings, a tied head, norms and biases not) with a
         per-step warmup + cosine LambdaLR, as `GPT`'s. Built from ``self.named_parameters()``, so under
         pipelining each stage gets its own parameters; override to change it."""
-        hp = self.hparams
         decay, no_decay = [], []
         for name, param in self.named_parameters():
             (no_decay if name in self._no_decay else decay).append(param)
-        groups = [
-            g
-            for g in ({"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0})
-            if g["params"]
-        ]
-        optimizer = torch.optim.AdamW(groups, lr=hp.learning_rate, betas=tuple(hp.betas))
-        max_steps = hp.max_steps if hp.max_steps is not None else self.trainer.estimated_stepping_batches
-        if not math.isfinite(max_steps):
-            raise ValueError(
-                "HFCausalLM(max_steps=None) reads trainer.estimated_stepping_batches, which is infinite here; set "
-                "Trainer(max_steps=...) or max_epochs, or pass HFCausalLM(max_steps=...)."
-            )
-        warmup, floor, total = hp.warmup_steps, hp.min_lr_ratio, int(max_steps)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: cosine_with_warmup(step, warmup, total, floor)
-        )
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return adamw_with_warmup_cosine(self, decay, no_decay)
