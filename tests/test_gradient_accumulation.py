@@ -144,7 +144,7 @@ def test_ddp_equals_one_big_batch_over_replicas(normalize):
     start = copy.deepcopy(model)
     strategy = SpawnedDDP()
     callbacks = [GradientAccumulation(N, normalize=normalize)]
-    trainer = _trainer(strategy, 2, callbacks=callbacks, use_distributed_sampler=False)
+    trainer = _trainer(strategy, 2, callbacks=callbacks)
     trainer.fit(model, datamodule=_Shards(ds))
     windows = _windows(ds, replicas=2)
     assert [len(w) for w in windows] == [6, 6, 2]
@@ -161,7 +161,7 @@ def test_flush_pipeline_equals_one_big_batch(normalize):
     strategy = PACIStrategy(pipeline_stages=2, schedule="1f1b_flush", start_method="spawn")
     # Every stage of the one pipeline reads the same stream: no distributed sampler.
     callbacks = [GradientAccumulation(N, normalize=normalize)]
-    trainer = _trainer(strategy, 2, callbacks=callbacks, use_distributed_sampler=False)
+    trainer = _trainer(strategy, 2, callbacks=callbacks)
     trainer.fit(model, DataLoader(ds, batch_size=BATCH))
     assert _max_diff(model, _reference(start, _windows(ds, replicas=1), normalize)) <= 1e-5
 

@@ -183,7 +183,7 @@ def _data() -> TextDataModule:
 def _trainer(strategy, devices: int, max_steps: int, **kw) -> L.Trainer:
     args = dict(accelerator="cpu", devices=devices, strategy=strategy, max_steps=max_steps, accumulate_grad_batches=4,
                 logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                limit_val_batches=0, use_distributed_sampler=False)  # fmt: skip
+                limit_val_batches=0)  # fmt: skip
     args.update(kw)
     return L.Trainer(**args)
 
@@ -328,7 +328,7 @@ def test_padded_dict_batches_token_weighted_flush_equals_single_device():
 def test_trains_under_ddp_through_training_step():
     module = HFCausalLM(gpt2(), warmup_steps=1, max_steps=2)
     before = {k: v.clone() for k, v in module.state_dict().items()}
-    trainer = _trainer(SpawnedDDP(), 2, 2, use_distributed_sampler=True)
+    trainer = _trainer(SpawnedDDP(), 2, 2)
     trainer.fit(module, datamodule=_data())
     assert max((module.state_dict()[k] - v).abs().max().item() for k, v in before.items()) > 1e-4
     assert torch.isfinite(trainer.callback_metrics["train_loss"])

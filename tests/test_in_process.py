@@ -171,7 +171,7 @@ def _fit(tmp: Path, devices: int, stages: int, schedule: str, recompute: bool, n
     callbacks = [GradientAccumulation(steps=4, normalize=normalize), ValHistory(), Record(tmp), ckpt]  # type: ignore[arg-type]
     trainer = _trainer(
         strategy, devices, 6, callbacks=callbacks, enable_checkpointing=True, limit_val_batches=2,
-        val_check_interval=10, num_sanity_val_steps=1, use_distributed_sampler=False, **kw,
+        val_check_interval=10, num_sanity_val_steps=1, **kw,
     )  # fmt: skip
     trainer.fit(model, datamodule=_text())
     return model

@@ -205,7 +205,7 @@ def test_pipeline_run_logs_every_key_matches_simulator_and_draws_timeline(tmp_pa
     monitor = PipelineMonitor(logging_interval=MICRO_BATCHES // N, timeline=True)
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, logger=logger, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+        enable_progress_bar=False, enable_model_summary=False,
         callbacks=[_Probe(tmp_path), GradientAccumulation(N), monitor], log_every_n_steps=1,
     )  # fmt: skip
     trainer.fit(model, DataLoader(_tokens(MICRO_BATCHES * BATCH, BLOCK), batch_size=BATCH))

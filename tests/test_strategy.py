@@ -77,12 +77,14 @@ class RecordStats(Callback):
 
 
 def test_flush_in_trainer_equals_single_device():
+    """The Trainer's default arguments (use_distributed_sampler=True, a shuffled training loader): a
+    2-stage flush pipeline with one replica reads the batches one device reads, so it trains alike."""
     steps = 3
     single, piped = _model(), _model()
     start = copy.deepcopy(single)
-    _trainer("auto", 1, steps, use_distributed_sampler=False).fit(single, datamodule=_data())
+    _trainer("auto", 1, steps).fit(single, datamodule=_data())
     strategy = PACIStrategy(pipeline_stages=2, schedule="1f1b_flush", start_method="spawn")
-    _trainer(strategy, 2, steps, use_distributed_sampler=False).fit(piped, datamodule=_data())
+    _trainer(strategy, 2, steps).fit(piped, datamodule=_data())
     assert _max_diff(single, start) > 1e-3, "training must move the weights for the comparison to mean anything"
     assert _max_diff(piped, single) <= 1e-5
 
@@ -153,8 +155,8 @@ def test_validate_and_test_metrics_equal_unsplit_model():
     want_val = single.validate(model, datamodule=dm, verbose=False)[0]
     want_test = single.test(model, datamodule=dm, verbose=False)[0]
     piped = L.Trainer(accelerator="cpu", devices=2, strategy=PACIStrategy(start_method="spawn"), logger=False,
-                      enable_progress_bar=False, limit_val_batches=5, limit_test_batches=5, enable_model_summary=False,
-                      use_distributed_sampler=False)  # fmt: skip
+                      enable_progress_bar=False, limit_val_batches=5, limit_test_batches=5,
+                      enable_model_summary=False)  # fmt: skip
     got_val = piped.validate(model, datamodule=_data(), verbose=False)[0]
     got_test = piped.test(model, datamodule=_data(), verbose=False)[0]
     for want, got in ((want_val, got_val), (want_test, got_test)):

@@ -18,6 +18,7 @@ from lit_efficient.pipeline.stage import PipelineStage
 from lit_efficient.pipeline.tied import TiedWeight, finish_tied, tie_delay
 from lit_efficient.pipeline.topology import Topology
 from lit_efficient.strategies.split import check_sharing, split_module, unsplit
+from tests.emulation import backward_from_inputs, run
 from tests.multiproc import spawn, values
 from tests.test_runtime_multiproc import MODEL, _data, _forward_version
 
@@ -80,11 +81,6 @@ def _emulate(data, stages: int, accumulate: int, schedule: str) -> list[list[nn.
     delay = tie_delay(stages, accumulate)
     pending: list[torch.Tensor] = []
 
-    def run(mods, x):
-        for layer in mods:
-            x = layer(x)
-        return x
-
     for j, batch in enumerate(data):
         inputs, x = [], batch[0]
         with torch.no_grad():
@@ -92,15 +88,7 @@ def _emulate(data, stages: int, accumulate: int, schedule: str) -> list[list[nn.
                 inputs.append(x)
                 v = _forward_version(s, stages, j, accumulate) if schedule == "paci" else len(versions[s]) - 1
                 x = run(versions[s][v], x)
-        grad = None
-        for s in reversed(range(stages)):
-            x = inputs[s].clone().requires_grad_(s > 0)
-            out = run(stage_layers[s], x)
-            if s == stages - 1:
-                (lm_loss(out, batch)[0] / accumulate).backward()
-            else:
-                out.backward(grad)
-            grad = x.grad
+        backward_from_inputs(stage_layers, inputs, batch, accumulate)
         if (j + 1) % accumulate == 0:
             g_first, g_last = first_copy.grad.clone(), last_copy.grad.clone()
             if schedule == "paci":
@@ -209,7 +197,7 @@ def test_gpt_tie_weights_pipelines_exactly_under_flush():
                     tie_weights=True)  # fmt: skip
         L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=3, accumulate_grad_batches=4,
                   logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                  limit_val_batches=0, use_distributed_sampler=False, gradient_clip_val=0.1).fit(
+                  limit_val_batches=0, gradient_clip_val=0.1).fit(
             model, datamodule=TextDataModule(block_size=32, batch_size=4, max_bytes=60_000, seed=1))  # fmt: skip
         return model
 
