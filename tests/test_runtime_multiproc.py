@@ -16,6 +16,7 @@ from lit_efficient.pipeline.partition import partition_uniform, stage_bounds
 from lit_efficient.pipeline.runtime import PipelineRuntime
 from lit_efficient.pipeline.stage import PipelineStage
 from lit_efficient.pipeline.topology import Topology
+from tests.emulation import backward_from_inputs, run
 from tests.multiproc import spawn, values
 
 pytestmark = pytest.mark.multiproc
@@ -183,11 +184,6 @@ def _paci_emulation(
     opts = [optimizer([p for layer in mine for p in layer.parameters()]) for mine in stage_layers]
     versions = [[copy.deepcopy(mine)] for mine in stage_layers]  # versions[s][v]: stage s after v steps
 
-    def run(mods, x):
-        for layer in mods:
-            x = layer(x)
-        return x
-
     segment_start = 0
     for j, batch in enumerate(data):
         segment_start = j if j in drains else segment_start
@@ -197,15 +193,7 @@ def _paci_emulation(
             for s in range(stages):
                 inputs.append(x)
                 x = run(versions[s][_forward_version(s, stages, j, accumulate, segment_start)], x)
-        grad = None
-        for s in reversed(range(stages)):
-            x = inputs[s].clone().requires_grad_(s > 0)
-            out = run(stage_layers[s], x)
-            if s == stages - 1:
-                (lm_loss(out, batch)[0] / accumulate).backward()
-            else:
-                out.backward(grad)
-            grad = x.grad
+        backward_from_inputs(stage_layers, inputs, batch, accumulate)
         if (j + 1) % accumulate == 0:
             for s in range(stages):
                 opts[s].step()

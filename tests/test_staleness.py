@@ -20,6 +20,7 @@ from lit_efficient.pipeline.local import local_pipeline
 from lit_efficient.pipeline.partition import partition_uniform, stage_bounds
 from lit_efficient.pipeline.stage import PipelineStage
 from lit_efficient.pipeline.staleness import LRScale, delay_bound, make_correction
+from tests.emulation import backward_from_inputs, run
 from tests.test_runtime_multiproc import MODEL, _data, _forward_version, _optimizer
 
 LR, WD, BETAS, EPS = 1e-2, 0.01, (0.9, 0.999), 1e-8  # _optimizer's AdamW
@@ -77,11 +78,6 @@ def _emulate(data, stages, accumulate, correction):
     opts = [_optimizer([p for layer in mine for p in layer.parameters()]) for mine in stage_layers]
     versions = [[(copy.deepcopy(mine), copy.deepcopy(opts[s].state_dict()))] for s, mine in enumerate(stage_layers)]
 
-    def run(mods, x):
-        for layer in mods:
-            x = layer(x)
-        return x
-
     for j, batch in enumerate(data):
         inputs, x = [], batch[0]
         with torch.no_grad():
@@ -93,15 +89,7 @@ def _emulate(data, stages, accumulate, correction):
                 if correction == "weight_prediction" and delay > 0:
                     weights = _predicted(weights, opt_state, delay)
                 x = run(weights, x)
-        grad = None
-        for s in reversed(range(stages)):
-            x = inputs[s].clone().requires_grad_(s > 0)
-            out = run(stage_layers[s], x)
-            if s == stages - 1:
-                (lm_loss(out, batch)[0] / accumulate).backward()
-            else:
-                out.backward(grad)
-            grad = x.grad
+        backward_from_inputs(stage_layers, inputs, batch, accumulate)
         if (j + 1) % accumulate == 0:
             for s in range(stages):
                 k = j // accumulate  # this stage's step count before this step
