@@ -23,6 +23,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from lightning.pytorch.strategies import DDPStrategy
 
+from lit_efficient.strategies.config import _CheckedMultiProcessingLauncher
+
+# Ranks fork from one server process that preloaded torch and Lightning (tests/conftest.py) rather than
+# each importing them afresh. A forked rank does not see environment changes made after the server
+# started, so `spawn` hands each rank the parent's environment (the working directory and sys.path
+# multiprocessing forwards itself); PACIStrategy's launcher does the same for start_method="forkserver".
+START_METHOD = "forkserver"
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -30,7 +38,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, fn: Callable[..., Any], world_size: int, tmp: str, port: int | None, args: tuple) -> None:
+def _entry(
+    rank: int, fn: Callable[..., Any], world_size: int, tmp: str, port: int | None, environ: dict, args: tuple
+) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
     torch.set_num_threads(1)  # one core per rank: tests and benchmarks run one thread per stage
     start = time.monotonic()
     out: dict[str, Any]
@@ -70,10 +82,10 @@ def spawn(
     with tempfile.TemporaryDirectory() as tmp:
         ctx = mp.start_processes(
             _entry,
-            args=(fn, world_size, tmp, _free_port() if torchrun_env else None, args),
+            args=(fn, world_size, tmp, _free_port() if torchrun_env else None, dict(os.environ), args),
             nprocs=world_size,
             join=False,
-            start_method="spawn",
+            start_method=START_METHOD,
         )
         deadline = time.monotonic() + timeout
         for proc in ctx.processes:
@@ -96,13 +108,17 @@ def values(results: list[dict[str, Any]]) -> list[Any]:
 
 
 class SpawnedDDP(DDPStrategy):
-    """Lightning's DDPStrategy(start_method="spawn") for reference runs, releasing the process group
-    at the end of each spawned rank's run: Lightning leaves it to interpreter finalization, where
-    gloo's threads intermittently abort the rank ("terminate called without an active exception",
-    pytorch#179291) and fail a test that had passed. PACIStrategy does the same in its teardown."""
+    """Lightning's DDPStrategy on forkserver ranks for reference runs, with PACIStrategy's launcher
+    (Lightning's own treats forkserver like fork: on CPU its ranks would share parameter memory),
+    releasing the process group at the end of each rank's run: Lightning leaves it to interpreter
+    finalization, where gloo's threads intermittently abort the rank ("terminate called without an
+    active exception", pytorch#179291) and fail a test that had passed. PACIStrategy does the same."""
 
     def __init__(self) -> None:
-        super().__init__(start_method="spawn")
+        super().__init__(start_method=START_METHOD)
+
+    def _configure_launcher(self) -> None:
+        self._launcher = _CheckedMultiProcessingLauncher(self, start_method=START_METHOD)
 
     def teardown(self) -> None:
         super().teardown()

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.multiproc
 
 
 def _flush(stages: int = 2) -> PACIStrategy:
-    return PACIStrategy(pipeline_stages=stages, schedule="1f1b_flush", start_method="spawn")
+    return PACIStrategy(pipeline_stages=stages, schedule="1f1b_flush", start_method="forkserver")
 
 
 class _WeightsOnly(ModelCheckpoint):

@@ -1,7 +1,7 @@
 """Every shipped YAML config parses through the CLI; the CPU ones build their Trainer and the overlays train.
 
 The quickstart itself runs end to end through the console script in ``test_cli.py``; here the flush and
-activation-checkpointing overlays run a few steps in this process's children (``start_method: spawn``).
+activation-checkpointing overlays run a few steps in this process's children (``start_method: forkserver``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ OVERLAYS = ["flush.yaml", "localsgd.yaml", "diloco.yaml", "checkpointing.yaml"]
 SHORT = [
     "--trainer.max_steps=2", "--trainer.val_check_interval=8", "--trainer.limit_val_batches=2",
     "--trainer.log_every_n_steps=1", "--trainer.enable_progress_bar=false",
-    "--data.init_args.max_bytes=200000", "--trainer.strategy.init_args.start_method=spawn",
+    "--data.init_args.max_bytes=200000", "--trainer.strategy.init_args.start_method=forkserver",
 ]  # fmt: skip
 
 

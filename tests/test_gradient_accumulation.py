@@ -158,7 +158,7 @@ def test_flush_pipeline_equals_one_big_batch(normalize):
     ds = _dataset(BATCH * MICRO_BATCHES)
     model = _model()
     start = copy.deepcopy(model)
-    strategy = PACIStrategy(pipeline_stages=2, schedule="1f1b_flush", start_method="spawn")
+    strategy = PACIStrategy(pipeline_stages=2, schedule="1f1b_flush", start_method="forkserver")
     # Every stage of the one pipeline reads the same stream: no distributed sampler.
     callbacks = [GradientAccumulation(N, normalize=normalize)]
     trainer = _trainer(strategy, 2, callbacks=callbacks)

@@ -202,7 +202,7 @@ class DumpTiedCopies(PACIStrategy):
     (a callback's on_train_end runs before the strategy drains; its teardown after rank 0 re-gathered)."""
 
     def __init__(self, path: Path, **kw) -> None:
-        super().__init__(start_method="spawn", **kw)
+        super().__init__(start_method="forkserver", **kw)
         self.path = path
 
     def on_train_end(self) -> None:
@@ -258,7 +258,7 @@ def test_stock_gpt2_tied_flush_equals_single_device_and_reloads(tmp_path):
 def test_stock_models_flush_equal_single_device(make, stages):
     single, piped = SGDLM(make()), SGDLM(make())
     _trainer("auto", 1, 3).fit(single, datamodule=_data())
-    strategy = PACIStrategy(pipeline_stages=stages, schedule="1f1b_flush", start_method="spawn")
+    strategy = PACIStrategy(pipeline_stages=stages, schedule="1f1b_flush", start_method="forkserver")
     _trainer(strategy, stages, 3).fit(piped, datamodule=_data())
     assert _max_diff(piped, single) <= 1e-5
 
@@ -276,7 +276,7 @@ class TrailingReshapes(GPT):
 
 @pytest.mark.multiproc
 def test_parameterless_stage_fails_on_every_rank_before_training():
-    strategy = PACIStrategy(pipeline_stages=2, balance=[3, 2], start_method="spawn")
+    strategy = PACIStrategy(pipeline_stages=2, balance=[3, 2], start_method="forkserver")
     with pytest.raises(Exception, match="stage 1 would hold pipeline layers 3..4, which have no parameters"):
         _trainer(strategy, 2, 2).fit(TrailingReshapes(), datamodule=_data())
 
@@ -320,7 +320,7 @@ def test_padded_dict_batches_token_weighted_flush_equals_single_device():
         return module
 
     single = run("auto", 1)
-    piped = run(PACIStrategy(pipeline_stages=2, schedule="1f1b_flush", start_method="spawn"), 2)
+    piped = run(PACIStrategy(pipeline_stages=2, schedule="1f1b_flush", start_method="forkserver"), 2)
     assert _max_diff(piped, single) <= 1e-5
 
 

@@ -166,7 +166,7 @@ class Record(Callback):
 def _fit(tmp: Path, devices: int, stages: int, schedule: str, recompute: bool, normalize: str, **kw):
     tmp.mkdir(parents=True, exist_ok=True)
     model = _model(n_layer=2, dropout=0.1)
-    strategy = PACIStrategy(pipeline_stages=stages, schedule=schedule, recompute=recompute, start_method="spawn")
+    strategy = PACIStrategy(pipeline_stages=stages, schedule=schedule, recompute=recompute, start_method="forkserver")
     ckpt = ModelCheckpoint(dirpath=tmp / "ckpt", every_n_train_steps=6, filename="end", save_last=False)
     callbacks = [GradientAccumulation(steps=4, normalize=normalize), ValHistory(), Record(tmp), ckpt]  # type: ignore[arg-type]
     trainer = _trainer(
@@ -217,7 +217,7 @@ def test_resume_across_layouts(tmp_path):
     (The other direction follows: the Trainer test above finds the two layouts' checkpoint files identical.)"""
 
     def trainer(devices, max_steps, **kw):
-        strategy = PACIStrategy(pipeline_stages=2, schedule="paci", start_method="spawn")
+        strategy = PACIStrategy(pipeline_stages=2, schedule="paci", start_method="forkserver")
         return _trainer(strategy, devices, max_steps, **kw)
 
     full = _model()

@@ -8,6 +8,7 @@ across nodes and the rendezvous all did what a single-node run does.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -16,7 +17,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from lightning.pytorch.callbacks import Callback
 
+from lit_efficient import PACIStrategy
 from tests.multiproc import _free_port
 from tests.test_strategy import _data, _max_diff, _model, _trainer
 
@@ -132,3 +135,39 @@ def test_srun_style_launch_with_slurm_variables(tmp_path, one_device):
         )
     _wait(procs)
     _check(result, one_device, "SLURMEnvironment")
+
+
+class _RecordRank(Callback):
+    """Writes what a rank sees at the start of training: an environment variable, its thread count and
+    whether any of its parameters still share memory with another process."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        seen = {
+            "mark": os.environ.get("LIT_EFFICIENT_TEST_MARK"),
+            "port": os.environ.get("MASTER_PORT"),
+            "threads": torch.get_num_threads(),
+            "shared": any(p.is_shared() for p in pl_module.parameters()),
+        }
+        Path(self.out, f"rank-{trainer.global_rank}.json").write_text(json.dumps(seen))
+
+
+def test_forkserver_ranks_see_the_launching_process_as_it_is_now(tmp_path, monkeypatch):
+    """start_method="forkserver" starts ranks like "spawn" does, not like "fork" (Lightning's treatment): a
+    forkserver is started once per process, so its ranks would see the environment of the first fit (a
+    stale MASTER_PORT, a stale seed) and, on CPU, share the module's parameter memory with each other.
+    Two fits with a changed environment in between; each must see its own, with private parameters."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    for fit, mark in enumerate(("first", "second")):
+        monkeypatch.setenv("LIT_EFFICIENT_TEST_MARK", mark)
+        monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+        out = tmp_path / mark
+        out.mkdir()
+        strategy = PACIStrategy(pipeline_stages=2, schedule="1f1b_flush", start_method="forkserver")
+        model = _model()
+        _trainer(strategy, 2, 1, callbacks=[_RecordRank(out)]).fit(model, datamodule=_data())
+        seen = [json.loads(Path(out, f"rank-{r}.json").read_text()) for r in range(2)]
+        want = {"mark": mark, "port": os.environ["MASTER_PORT"], "threads": 1, "shared": False}
+        assert seen == [want, want], f"fit {fit}"

@@ -102,7 +102,7 @@ def test_paci_validation_at_a_window_end_loses_no_gradient():
     stages, accumulate, windows = 2, 2, 6
     data = _data(accumulate * windows)
     every = 2 * accumulate
-    strategy = PACIStrategy(pipeline_stages=stages, schedule="paci", recompute=True, start_method="spawn")
+    strategy = PACIStrategy(pipeline_stages=stages, schedule="paci", recompute=True, start_method="forkserver")
     piped = _fit(
         TinyPipelined(data), strategy, stages, accumulate, windows, val_check_interval=every, limit_val_batches=1
     )
@@ -129,7 +129,7 @@ def test_paci_validation_zero_grad_hook_changes_nothing():
     for cls in (GPT, _NoValidationZeroGrad):
         module = _model()
         module.__class__ = cls
-        strategy = PACIStrategy(pipeline_stages=2, schedule="paci", start_method="spawn")
+        strategy = PACIStrategy(pipeline_stages=2, schedule="paci", start_method="forkserver")
         runs.append(_fit_with_data(module, strategy, 2, 4, 6, **kw))
     assert _max_diff(runs[0], runs[1]) == 0.0
 
@@ -162,7 +162,7 @@ def test_metrics_logged_in_pipeline_loss_reach_the_logger(tmp_path):
     module = _model()
     module.__class__ = _LogsFromPipelineLoss
     out = tmp_path / "metrics.json"
-    strategy = PACIStrategy(pipeline_stages=2, schedule="paci", start_method="spawn")
+    strategy = PACIStrategy(pipeline_stages=2, schedule="paci", start_method="forkserver")
     _fit_with_data(module, strategy, 2, 2, 3, limit_val_batches=0, callbacks=[_RecordMetrics(out)])
     metrics = json.loads(out.read_text())
     assert metrics["train_items"] == 4 * 32  # batch_size x block tokens, every micro-batch
@@ -188,7 +188,7 @@ class _RecordSteps(L.Callback):
 def test_callbacks_at_the_end_of_training_see_every_stage_stepped(tmp_path):
     """max_steps ends the run mid-epoch: Lightning calls the callbacks' on_train_end before the strategy's,
     so without a drain first stage 0 would still hold its last micro-batch and one step less."""
-    strategy = PACIStrategy(pipeline_stages=2, schedule="paci", start_method="spawn")
+    strategy = PACIStrategy(pipeline_stages=2, schedule="paci", start_method="forkserver")
     _fit_with_data(_model(), strategy, 2, 4, 3, limit_val_batches=0, callbacks=[_RecordSteps(tmp_path)])
     for rank in range(2):
         record = json.loads((tmp_path / f"rank{rank}.json").read_text())

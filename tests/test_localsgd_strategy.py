@@ -150,7 +150,7 @@ def test_sync_every_step_with_sgd_equals_ddp():
     ddp, local = _model(SGDGPT, learning_rate=lr), _model(SGDGPT, learning_rate=lr)
     start = copy.deepcopy(ddp)
     _trainer(SpawnedDDP(), 2, steps).fit(ddp, datamodule=_data())
-    strategy = PACIStrategy(pipeline_stages=1, local_sgd_steps=1, start_method="spawn")
+    strategy = PACIStrategy(pipeline_stages=1, local_sgd_steps=1, start_method="forkserver")
     _trainer(strategy, 2, steps).fit(local, datamodule=_data())
     assert _max_diff(ddp, start) > 1e-3, "training must move the weights for the comparison to mean anything"
     assert _max_diff(local, ddp) <= 1e-5
@@ -161,7 +161,7 @@ def test_pipeline_times_localsgd_syncs_each_stage_and_trains(tmp_path):
     # 2 replicas x 2 stages, PACI, H=4: each stage's replicas are bit-identical right after each of
     # their syncs and apart between, stage by stage; the logged numbers are the averager's; it learns.
     steps, h = 24, 4
-    strategy = PACIStrategy(pipeline_stages=2, schedule="paci", local_sgd_steps=h, start_method="spawn")
+    strategy = PACIStrategy(pipeline_stages=2, schedule="paci", local_sgd_steps=h, start_method="forkserver")
     trainer = _trainer(
         strategy, 4, steps, callbacks=[RecordSteps(tmp_path)], limit_val_batches=4, val_check_interval=8 * 4
     )
@@ -191,7 +191,7 @@ def test_diloco_resume_mid_window_follows_uninterrupted_run(tmp_path):
     def trainer(max_steps, out, **kw):
         strategy = PACIStrategy(
             pipeline_stages=1, local_sgd_steps=2, outer_optimizer="nesterov", outer_lr=0.7, outer_momentum=0.9,
-            start_method="spawn",
+            start_method="forkserver",
         )  # fmt: skip
         return _trainer(strategy, 2, max_steps, callbacks=[FinalDigest(out), *kw.pop("callbacks", [])], **kw)
 

@@ -100,10 +100,10 @@ class _CrashWhileSaving(PACIStrategy):
 @pytest.mark.multiproc
 def test_crash_while_saving_keeps_the_previous_checkpoint(tmp_path):
     full = _model()
-    _trainer(PACIStrategy(schedule="1f1b_flush", start_method="spawn"), 2, 6).fit(full, datamodule=_ordered())
+    _trainer(PACIStrategy(schedule="1f1b_flush", start_method="forkserver"), 2, 6).fit(full, datamodule=_ordered())
 
     ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, filename="{step}", save_top_k=-1)
-    crashing = _CrashWhileSaving(schedule="1f1b_flush", start_method="spawn")
+    crashing = _CrashWhileSaving(schedule="1f1b_flush", start_method="forkserver")
     with pytest.raises(Exception):  # noqa: B017 - the spawn launcher reports the dead rank its own way
         _trainer(crashing, 2, 9, callbacks=[ckpt], enable_checkpointing=True).fit(_model(), datamodule=_ordered())
     assert not (tmp_path / "step=6.ckpt").exists(), "a half-written checkpoint must never appear"
@@ -111,7 +111,7 @@ def test_crash_while_saving_keeps_the_previous_checkpoint(tmp_path):
     assert previous.is_file() and torch.load(previous, weights_only=True)["global_step"] == 3
 
     resumed = _model()
-    strategy = PACIStrategy(schedule="1f1b_flush", start_method="spawn")
+    strategy = PACIStrategy(schedule="1f1b_flush", start_method="forkserver")
     _trainer(strategy, 2, 6).fit(resumed, datamodule=_ordered(), ckpt_path=str(previous))
     assert _max_diff(resumed, full) <= 1e-5
 
@@ -299,7 +299,7 @@ def test_shard_loading_obeys_weights_only(tmp_path):
 def test_configuration_errors_fail_before_any_process_starts(devices, trainer_kw, callbacks, match):
     """One message from the launching process, before it starts any rank (which would each raise)."""
     cbs = [GradientAccumulation(steps=4) for name in callbacks if name == "ga4"]
-    strategy = PACIStrategy(pipeline_stages=2, start_method="spawn")
+    strategy = PACIStrategy(pipeline_stages=2, start_method="forkserver")
     trainer = L.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, max_steps=1, logger=False, callbacks=cbs, **trainer_kw
     )

@@ -83,7 +83,7 @@ def test_flush_in_trainer_equals_single_device():
     single, piped = _model(), _model()
     start = copy.deepcopy(single)
     _trainer("auto", 1, steps).fit(single, datamodule=_data())
-    strategy = PACIStrategy(pipeline_stages=2, schedule="1f1b_flush", start_method="spawn")
+    strategy = PACIStrategy(pipeline_stages=2, schedule="1f1b_flush", start_method="forkserver")
     _trainer(strategy, 2, steps).fit(piped, datamodule=_data())
     assert _max_diff(single, start) > 1e-3, "training must move the weights for the comparison to mean anything"
     assert _max_diff(piped, single) <= 1e-5
@@ -93,7 +93,7 @@ def test_pipeline_times_data_parallel_equals_ddp():
     steps = 2
     ddp, piped = _model(), _model()
     _trainer(SpawnedDDP(), 2, steps).fit(ddp, datamodule=_data())
-    strategy = PACIStrategy(pipeline_stages=2, schedule="1f1b_flush", start_method="spawn")
+    strategy = PACIStrategy(pipeline_stages=2, schedule="1f1b_flush", start_method="forkserver")
     _trainer(strategy, 4, steps).fit(piped, datamodule=_data())
     assert _max_diff(piped, ddp) <= 1e-5
 
@@ -107,7 +107,7 @@ class ValHistory(Callback):
 def test_paci_trains_on_real_text_with_drift_in_bound(tmp_path):
     model = _model()
     # balance="profile" times every layer on rank 0 and broadcasts the split: exercised here too.
-    strategy = PACIStrategy(pipeline_stages=2, schedule="paci", balance="profile", start_method="spawn")
+    strategy = PACIStrategy(pipeline_stages=2, schedule="paci", balance="profile", start_method="forkserver")
     trainer = _trainer(
         strategy, 2, 24, callbacks=[ValHistory(), RecordStats(tmp_path)], limit_val_batches=4, val_check_interval=32
     )
@@ -127,7 +127,7 @@ def test_checkpoint_resume_follows_uninterrupted_run(tmp_path):
     # Epochs of 12 micro-batches (3 windows); the checkpoint is taken after the last batch of epoch 0,
     # so the resumed run sees the same micro-batches as the uninterrupted one.
     def trainer(max_steps, **kw):
-        strategy = PACIStrategy(pipeline_stages=2, schedule="1f1b_flush", start_method="spawn")
+        strategy = PACIStrategy(pipeline_stages=2, schedule="1f1b_flush", start_method="forkserver")
         return _trainer(strategy, 2, max_steps, **kw)
 
     full = _model()
@@ -154,7 +154,7 @@ def test_validate_and_test_metrics_equal_unsplit_model():
                        limit_val_batches=5, enable_model_summary=False)  # fmt: skip
     want_val = single.validate(model, datamodule=dm, verbose=False)[0]
     want_test = single.test(model, datamodule=dm, verbose=False)[0]
-    piped = L.Trainer(accelerator="cpu", devices=2, strategy=PACIStrategy(start_method="spawn"), logger=False,
+    piped = L.Trainer(accelerator="cpu", devices=2, strategy=PACIStrategy(start_method="forkserver"), logger=False,
                       enable_progress_bar=False, limit_val_batches=5, limit_test_batches=5,
                       enable_model_summary=False)  # fmt: skip
     got_val = piped.validate(model, datamodule=_data(), verbose=False)[0]
@@ -172,7 +172,7 @@ def test_validation_metrics_cover_every_replica():
     single = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, limit_val_batches=6,
                        enable_model_summary=False)  # fmt: skip
     want = single.validate(model, datamodule=_data(), verbose=False)[0]
-    strategy = PACIStrategy(pipeline_stages=2, start_method="spawn")
+    strategy = PACIStrategy(pipeline_stages=2, start_method="forkserver")
     piped = L.Trainer(accelerator="cpu", devices=4, strategy=strategy, logger=False, enable_progress_bar=False,
                       limit_val_batches=3, enable_model_summary=False)  # fmt: skip
     got = piped.validate(model, datamodule=_data(), verbose=False)[0]

@@ -202,6 +202,6 @@ def test_gpt_tie_weights_pipelines_exactly_under_flush():
         return model
 
     single = fit("auto", 1)
-    piped = fit(PACIStrategy(pipeline_stages=2, schedule="1f1b_flush", start_method="spawn"), 2)
+    piped = fit(PACIStrategy(pipeline_stages=2, schedule="1f1b_flush", start_method="forkserver"), 2)
     sa, sb = single.state_dict(), piped.state_dict()
     assert max((sa[k] - sb[k]).abs().max().item() for k in sa) <= 1e-5

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
+import torch
+from lightning.fabric.strategies.launchers.multiprocessing import _disable_module_memory_sharing
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.launchers.multiprocessing import _GlobalStateSnapshot
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lit_efficient.pipeline.schedules import SCHEDULES
@@ -33,7 +38,35 @@ class _CheckedScriptLauncher(_ChecksFirst, _SubprocessScriptLauncher):
 
 
 class _CheckedMultiProcessingLauncher(_ChecksFirst, _MultiProcessingLauncher):
-    """`_MultiProcessingLauncher` (``start_method="spawn"``/``"fork"``) with the check."""
+    """`_MultiProcessingLauncher` (``start_method="spawn"``/``"fork"``/``"forkserver"``) with the check.
+
+    ``"forkserver"`` is made to start ranks like ``"spawn"`` does. Lightning treats it like ``"fork"``,
+    but a forkserver's children are forked from a server started once per Python process, so they
+    carry the server's environment (a stale ``MASTER_PORT`` and ``PL_GLOBAL_SEED`` from the first
+    fit), its global torch state, and, on CPU, share the module's parameter memory with each other
+    (pickled through shared memory, never forked). Each rank here gets the launching process's
+    environment and global state and its own copy of the module, as under ``"spawn"``; what the
+    server preloads (``multiprocessing.set_forkserver_preload``) is then imported once, not per rank.
+    """
+
+    def launch(self, function: Any, *args: Any, trainer: Trainer | None = None, **kwargs: Any) -> Any:
+        if self._start_method == "forkserver":
+            # Lightning sets MASTER_PORT just before starting the ranks; set it first so it is captured.
+            os.environ["MASTER_PORT"] = str(self._strategy.cluster_environment.main_port)
+            self._launch_environ = dict(os.environ)
+            self._launch_state = _GlobalStateSnapshot.capture()
+        return super().launch(function, *args, trainer=trainer, **kwargs)
+
+    def _wrapping_function(self, process_idx: int, trainer: Any, function: Any, args: Any, kwargs: Any, *rest: Any):
+        if self._start_method == "forkserver":
+            os.environ.clear()
+            os.environ.update(self._launch_environ)
+            self._launch_state.restore()
+            if "OMP_NUM_THREADS" in os.environ:  # a fresh interpreter would honour it; the server's torch did not
+                torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+            if isinstance(self._strategy.accelerator, CPUAccelerator):
+                args, kwargs = _disable_module_memory_sharing((args, kwargs))
+        return super()._wrapping_function(process_idx, trainer, function, args, kwargs, *rest)
 
 
 def _check_arguments(

@@ -109,7 +109,10 @@ class PACIStrategy(PipelineCheckpointing, PipelineEvaluation, LocalStepHooks, DD
             buffer per stage). See `lit_efficient.pipeline.staleness`.
         staleness_anneal_steps: Optimizer steps over which ``"lr_scale"`` returns to the plain learning rate.
         start_method: How processes are launched: ``"popen"`` re-runs the script per rank (also under
-            torchrun/SLURM), ``"spawn"`` starts them from this process (notebooks, tests).
+            torchrun/SLURM), ``"spawn"`` starts them from this process (notebooks, tests),
+            ``"forkserver"`` forks them from a server that imports what
+            ``multiprocessing.set_forkserver_preload`` names once (fast repeated fits; each rank still
+            gets this process's environment and its own copy of the module, as under ``"spawn"``).
         **kwargs: Passed to Lightning's ``DDPStrategy`` (accelerator, cluster_environment, timeout, ...).
     """
 
