@@ -19,7 +19,8 @@ What is measured, and how:
   the 80% / 95% points of its descent), interpolated between evaluations. Ratio flush / PACI, next to
   the paper's 1.69x (N=8) and 1.41x (N=16). Simulated, not measured: one CPU cannot time 8 devices.
 - In-process cost: optimizer steps per second of ``devices=1, pipeline_stages=S`` against the unsplit
-  model under Lightning's single-device strategy, same model, data and N, in one run, one after the other.
+  model under Lightning's single-device strategy, same model, data and N, in one run, one after the other;
+  and of the same pipeline with ``weight_prediction`` against plain PACI (its time cost).
 - Weight prediction's cost: its extra buffer (the bytes of the largest stage's parameters) and the
   wall-time ratio of its runs against plain PACI's (same process; the grid's runs are not interleaved,
   so the load of the shared machine enters the ratio).
@@ -59,7 +60,7 @@ def _model(config: dict[str, Any], lr: float, steps: int):
     return GPT(
         n_layer=config["layers"], n_head=config["heads"], n_embd=config["dim"], block_size=config["block"],
         dropout=0.0, learning_rate=lr, weight_decay=0.1, betas=(0.9, 0.95),
-        warmup_steps=max(1, round(0.01 * steps)), max_steps=steps, min_lr_ratio=0.1,
+        warmup_steps=max(1, round(config["warmup"] * steps)), max_steps=steps, min_lr_ratio=0.1,
     )  # fmt: skip
 
 
@@ -211,7 +212,13 @@ def in_process_cost(config: dict[str, Any], stages: int, accumulate: int, steps:
 
     torch.set_num_threads(1)
     out = {}
-    for name, strategy in (("unsplit", "auto"), (f"in-process S={stages}", PACIStrategy(pipeline_stages=stages))):
+    predicted = PACIStrategy(pipeline_stages=stages, staleness_correction="weight_prediction")
+    runs = (
+        ("unsplit", "auto"),
+        (f"in-process S={stages}", PACIStrategy(pipeline_stages=stages)),
+        (f"in-process S={stages} weight_prediction", predicted),
+    )
+    for name, strategy in runs:
         L.seed_everything(0, verbose=False)
         model = _model(config, 1e-3, steps)
         trainer = L.Trainer(
@@ -223,6 +230,7 @@ def in_process_cost(config: dict[str, Any], stages: int, accumulate: int, steps:
         trainer.fit(model, datamodule=_datamodule(config, 0))
         out[name] = steps / (time.perf_counter() - start)
     out["ratio"] = out[f"in-process S={stages}"] / out["unsplit"]
+    out["weight_prediction_ratio"] = out[f"in-process S={stages} weight_prediction"] / out[f"in-process S={stages}"]
     return out
 
 
@@ -241,12 +249,13 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def table(rows: list[dict[str, Any]]) -> str:
     names = [n for n in RUNS if n != "flush"]
-    head = "| S | N | lr | seed | flush | " + " | ".join(names) + " |"
-    lines = [head, "|" + "---|" * (5 + len(names))]
+    head = "| S | N | lr | warmup | seed | flush | " + " | ".join(names) + " |"
+    lines = [head, "|" + "---|" * (6 + len(names))]
     for r in rows:
         cells = [f"{r['final'][n]:.4f} ({r['gap'][n]:+.2%})" if n in r["final"] else "-" for n in names]
-        lines.append(f"| {r['S']} | {r['N']} | {r['lr']:g} | {r['seed']} | {r['final'].get('flush', math.nan):.4f} | "
-                     + " | ".join(cells) + " |")  # fmt: skip
+        warmup = f"{r['warmup']:.0%}" if "warmup" in r else "-"
+        lines.append(f"| {r['S']} | {r['N']} | {r['lr']:g} | {warmup} | {r['seed']} | "
+                     f"{r['final'].get('flush', math.nan):.4f} | " + " | ".join(cells) + " |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -282,6 +291,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lrs", type=float, nargs="+", default=[1e-3, 3e-3])
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
+    p.add_argument("--warmup", type=float, default=0.01, help="linear warmup, fraction of the run's steps")
+    p.add_argument(
+        "--report", nargs="+", metavar="JSON", help="print one table from these results/ files and exit (no runs)"
+    )
     p.add_argument("--micro-batches", type=int, default=1600, help="per run (equal tokens for every N)")
     p.add_argument("--evals", type=int, default=10, help="validations per run")
     p.add_argument("--val-batches", type=int, default=8)
@@ -307,8 +320,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def report(names: list[str]) -> str:
+    """One table from several result files: every run's (S, N, lr, seed, warmup) row, plus what each file adds."""
+    rows = []
+    for name in names:
+        payload = json.loads((Path(__file__).parent / "results" / name).read_text())
+        warmup = payload["config"].get("warmup", 0.01)
+        rows += [{**row, "warmup": warmup, "file": name} for row in summarize(payload["runs"])]
+    rows.sort(key=lambda r: (r["S"], r["N"], r["lr"], r["warmup"], r["seed"]))
+    return table(rows)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    if args.report:
+        print(report(args.report))
+        return {}
     config = vars(args)
     start, before = time.perf_counter(), machine()
     jobs = [
@@ -326,7 +353,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     tta = time_to_accuracy(runs, costs)
     cost = in_process_cost(config, max(args.stages), args.accumulate[0], args.cost_steps) if args.cost_steps else {}
     prediction = _prediction_cost(runs, config)
-    rows = summarize(runs)
+    rows = [{**row, "warmup": args.warmup} for row in summarize(runs)]
     payload = envelope(
         "paci_at_depth", args.quick, before, config, start, summary=rows, time_to_accuracy=tta,
         in_process_cost=cost, weight_prediction_cost=prediction, layer_costs=costs, runs=runs,
