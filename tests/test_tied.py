@@ -205,3 +205,44 @@ def test_gpt_tie_weights_pipelines_exactly_under_flush():
     piped = fit(PACIStrategy(pipeline_stages=2, schedule="1f1b_flush", start_method="forkserver"), 2)
     sa, sb = single.state_dict(), piped.state_dict()
     assert max((sa[k] - sb[k]).abs().max().item() for k in sa) <= 1e-5
+
+
+@pytest.mark.multiproc
+def test_gpt_tie_weights_checkpoint_resumes_on_one_device(tmp_path):
+    """A tied GPT's pipeline checkpoint is what one device writes: one optimizer entry for the tied table
+    (each of the two stages holds a copy), so `ckpt_path=` on one device resumes it exactly as it resumes
+    its own checkpoint of the same step; and the pipeline resumes one device's file."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lit_efficient import PACIStrategy
+    from lit_efficient.data import TextDataModule
+    from lit_efficient.models import GPT
+
+    def fit(strategy, devices, steps, ckpt_path=None, callbacks=()):
+        L.seed_everything(0)
+        model = GPT(n_layer=2, n_head=2, n_embd=32, block_size=32, warmup_steps=2, max_steps=20, learning_rate=3e-3,
+                    tie_weights=True)  # fmt: skip
+        L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, accumulate_grad_batches=4,
+                  logger=False, enable_checkpointing=bool(callbacks), callbacks=list(callbacks),
+                  enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, default_root_dir=tmp_path,
+                  ).fit(model, datamodule=TextDataModule(block_size=32, batch_size=4, max_bytes=60_000, seed=1),
+                        ckpt_path=ckpt_path)  # fmt: skip
+        return model
+
+    fit("auto", 1, 2, callbacks=[ModelCheckpoint(dirpath=tmp_path / "one", save_last=True)])
+    saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
+    fit(PACIStrategy(pipeline_stages=2, schedule="1f1b_flush", start_method="forkserver"), 2, 2, callbacks=[saver])
+    (piped,) = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)["optimizer_states"]
+    (one,) = torch.load(tmp_path / "one" / "last.ckpt", weights_only=False)["optimizer_states"]
+    assert [len(g["params"]) for g in piped["param_groups"]] == [len(g["params"]) for g in one["param_groups"]]
+    assert len(piped["state"]) == len(one["state"])
+    # Lightning restarts a mid-epoch resume's data from the epoch's start: compare with one device resuming
+    # its own checkpoint of the same step, optimizer state included (AdamW's moments steer step 3).
+    resumed = fit("auto", 1, 3, ckpt_path=tmp_path / "ckpt" / "last.ckpt").state_dict()
+    want = fit("auto", 1, 3, ckpt_path=tmp_path / "one" / "last.ckpt").state_dict()
+    assert max((want[k] - resumed[k]).abs().max().item() for k in want) <= 1e-5
+    # And the other way: the pipeline resumes one device's file, the head's copy taking the table's state.
+    flush = PACIStrategy(pipeline_stages=2, schedule="1f1b_flush", start_method="forkserver")
+    piped = fit(flush, 2, 3, ckpt_path=tmp_path / "one" / "last.ckpt").state_dict()
+    assert max((want[k] - piped[k]).abs().max().item() for k in want) <= 1e-5

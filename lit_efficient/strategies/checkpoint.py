@@ -44,7 +44,12 @@ LEGACY_META = "pipeline.json"
 
 
 def rank_share(
-    checkpoint: dict[str, Any], module: nn.Module, optimizer: Any, extras: dict[str, Any], keep_weights: bool
+    checkpoint: dict[str, Any],
+    module: nn.Module,
+    optimizer: Any,
+    extras: dict[str, Any],
+    keep_weights: bool,
+    tied_copies: list[str] = (),  # type: ignore[assignment]
 ) -> dict[str, Any]:
     """What this rank contributes to the file: its stage's weights and optimizer under parameter names.
 
@@ -54,9 +59,12 @@ def rank_share(
         optimizer: This stage's optimizer, or None.
         extras: ``stage``, ``replica`` and the pipeline state of this rank (accumulation, RNG, averager).
         keep_weights: Send weights and optimizer state (replica 0 always; other replicas when they diverge).
+        tied_copies: Names of this stage's second copies of weights tied to the first stage (the LM head's
+            copy of the token table): one device's optimizer holds such a weight once, so the merged
+            optimizer leaves them out (``optimizer_by_name`` keeps them, for a pipeline to resume by name).
     """
     names = {id(p): n for n, p in module.named_parameters()}
-    share = dict(extras)
+    share = dict(extras, tied_copies=list(tied_copies))
     if keep_weights:
         share["state_dict"] = _cpu(checkpoint["state_dict"])
         if optimizer is not None and checkpoint.get("optimizer_states"):  # none under save_weights_only
@@ -121,8 +129,10 @@ def _merge_optimizers(primary: list[dict[str, Any]]) -> tuple[dict[str, Any], li
         for g, group in enumerate(s["optimizer"]["param_groups"]):
             m = slots[(s["stage"], g)]
             groups[m] = groups[m] or {k: v for k, v in group.items() if k != "params"}
-            names[m] += s["groups"][g]
-            members[m] += [(i, local) for local in group["params"]]
+            skip = set(s.get("tied_copies", ()))
+            kept = [(n, local) for n, local in zip(s["groups"][g], group["params"], strict=True) if n not in skip]
+            names[m] += [name for name, _ in kept]
+            members[m] += [(i, local) for _, local in kept]
     state, index = {}, 0
     for m, group in enumerate(groups):
         group["params"] = []
@@ -200,15 +210,18 @@ def local_optimizer_state(
         module: The split module.
         optimizer: This stage's optimizer.
         replica_key: ``stage{s}-replica{r}`` of this rank (a diverged replica's own state wins).
-        names_by_group: For a checkpoint without ``pipeline.param_names`` (one device, DDP): a callable
-            returning the unsplit optimizer's names per group, by the concatenation rule (collective).
+        names_by_group: For a checkpoint without ``pipeline.optimizer_by_name`` (one device, DDP): a callable
+            returning the unsplit optimizer's names per group, by the concatenation rule, and the names of
+            tied weights' second copies with the name of the copy one device's optimizer holds (collective).
     """
     pipeline = checkpoint.get("pipeline", {})
     by_name = dict(pipeline.get("optimizer_by_name") or {})
     if replica_key is not None and replica_key in pipeline.get("replicas", {}):
         by_name.update(pipeline["replicas"][replica_key]["optimizer_by_name"])
     if not by_name:
-        by_name = _from_index_space(checkpoint["optimizer_states"][0], pipeline.get("param_names") or names_by_group())
+        group_names, copy_of = names_by_group()
+        by_name = _from_index_space(checkpoint["optimizer_states"][0], pipeline.get("param_names") or group_names)
+        by_name.update({copy: by_name[first] for copy, first in copy_of.items() if first in by_name})
     params = dict(module.named_parameters())
     names = {id(p): n for n, p in params.items()}
     groups, state, index, group_map = [], {}, 0, []

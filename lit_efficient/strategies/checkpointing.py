@@ -94,8 +94,9 @@ class PipelineCheckpointing:
         diverged = self.local_sgd_steps is not None and self.topology.num_replicas > 1
         optimizer = self.optimizers[0] if self.optimizers else None
         share = rank_share(
-            checkpoint, self.lightning_module, optimizer, self.pipeline_state(), self.replica == 0 or diverged
-        )
+            checkpoint, self.lightning_module, optimizer, self.pipeline_state(), self.replica == 0 or diverged,
+            tied_copies=self._tied_copy_names()[1],
+        )  # fmt: skip
         shares: list[Any] | None = [None] * self.world_size if self.is_global_zero else None
         dist.gather_object(share, shares, dst=0, group=self._cpu_group())
         if self.is_global_zero:
@@ -179,20 +180,35 @@ class PipelineCheckpointing:
     def _rank_key(self) -> str:
         return f"stage{self.stage}-replica{self.replica}"
 
-    def _group_names(self) -> list[list[str]]:
+    def _tied_copy_names(self) -> tuple[list[str], list[str]]:
+        """This stage's names of tied weights, in tie order: (first copies, second copies); one of them is empty."""
+        assert self.lightning_module is not None
+        names = {id(p): n for n, p in self.lightning_module.named_parameters()}
+        first = [names[id(t.param)] for t in self._tied if t.is_first]
+        return first, [names[id(t.param)] for t in self._tied if not t.is_first]
+
+    def _group_names(self) -> tuple[list[list[str]], dict[str, str]]:
         """The unsplit optimizer's parameter names per group, for a checkpoint that carries no names (one
         device, DDP): every stage's groups matched by hyper-parameters (`group_key`), in order of first
-        appearance, stage by stage, as checkpoint.py merges them. Collective over this replica's pipeline."""
+        appearance, stage by stage, as checkpoint.py merges them, without tied weights' second copies
+        (one device holds a tied weight once); and ``{second copy: first copy}`` by name. Collective over
+        this replica's pipeline."""
         assert self.topology is not None and self.lightning_module is not None
         names = {id(p): n for n, p in self.lightning_module.named_parameters()}
-        groups = [(group_key(g), [names[id(p)] for p in g["params"]]) for g in self.optimizers[0].param_groups]
+        first, second = self._tied_copy_names()
+        groups = [
+            (group_key(g), [names[id(p)] for p in g["params"] if names[id(p)] not in second])
+            for g in self.optimizers[0].param_groups
+        ]
         gathered: list[Any] = [None] * len(self.topology.pipeline_ranks(self.replica))
-        dist.all_gather_object(gathered, (self.stage, groups), group=self._pipeline_groups[self.replica])
+        dist.all_gather_object(gathered, (self.stage, groups, first, second), group=self._pipeline_groups[self.replica])
         merged: dict[str, list[str]] = {}
-        for _, stage_groups in sorted(gathered, key=lambda x: x[0]):
+        for _, stage_groups, _, _ in sorted(gathered, key=lambda x: x[0]):
             for key, group_names in stage_groups:
                 merged.setdefault(key, []).extend(group_names)
-        return list(merged.values())
+        firsts = [n for _, _, f, _ in gathered for n in f]
+        seconds = [n for _, _, _, c in gathered for n in c]
+        return list(merged.values()), dict(zip(seconds, firsts, strict=True))
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:

@@ -190,7 +190,7 @@ class InProcessPipeline:
             with self.select(stage), only_stage(module, list(module.pipeline_layers()), self.sizes, stage):
                 if s.optimizers:
                     state, group_map = local_optimizer_state(
-                        checkpoint, module, s.optimizers[stage], s._rank_key(), lambda: group_names
+                        checkpoint, module, s.optimizers[stage], s._rank_key(), lambda: (group_names, {})
                     )
                     s.optimizers[stage].load_state_dict(state)
                     saved_groups = len(checkpoint["optimizer_states"][0]["param_groups"])
@@ -219,7 +219,8 @@ class InProcessPipeline:
             yield view
 
     def _group_names(self, names: dict[int, str]) -> list[list[str]]:
-        """`PACIStrategy._group_names` without the collective: every stage is here."""
+        """`PACIStrategy._group_names` without the collective: every stage is here (and no tied weights:
+        the in-process pipeline refuses them)."""
         merged: dict[str, list[str]] = {}
         for optimizer in self.strategy.optimizers:
             for group in optimizer.param_groups:
