@@ -165,7 +165,7 @@ class SavedTensorMeter:
             self.peak = max(self.peak, self.current)
         else:
             entry[0] += 1
-        return _Held(t, ptr, self)
+        return _Held(t.detach(), ptr, self)  # detached: holding the output itself would tie it to its own graph
 
     @staticmethod
     def _unpack(held: Any) -> Tensor:
