@@ -252,7 +252,10 @@ def table(rows: list[dict[str, Any]]) -> str:
     head = "| S | N | lr | warmup | seed | flush | " + " | ".join(names) + " |"
     lines = [head, "|" + "---|" * (6 + len(names))]
     for r in rows:
-        cells = [f"{r['final'][n]:.4f} ({r['gap'][n]:+.2%})" if n in r["final"] else "-" for n in names]
+        cells = [
+            f"{r['final'][n]:.4f}" + (f" ({r['gap'][n]:+.2%})" if n in r["gap"] else "") if n in r["final"] else "-"
+            for n in names
+        ]
         warmup = f"{r['warmup']:.0%}" if "warmup" in r else "-"
         lines.append(f"| {r['S']} | {r['N']} | {r['lr']:g} | {warmup} | {r['seed']} | "
                      f"{r['final'].get('flush', math.nan):.4f} | " + " | ".join(cells) + " |")  # fmt: skip
