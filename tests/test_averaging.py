@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from lit_efficient.averaging import ReplicaAverager
+from tests.multiproc import START_METHOD
 
 WORLD = 2
 
@@ -74,7 +75,8 @@ def _child(rank: int, scenario: str, init_file: str, out_dir: str, kwargs: dict[
 
 
 def _spawn(tmp_path: Path, scenario: str, **kwargs: Any) -> list[Any]:
-    mp.spawn(_child, args=(scenario, str(tmp_path / "pg_init"), str(tmp_path), kwargs), nprocs=WORLD)
+    args = (scenario, str(tmp_path / "pg_init"), str(tmp_path), kwargs)
+    mp.start_processes(_child, args=args, nprocs=WORLD, start_method=START_METHOD)  # fast ranks: tests/conftest.py
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 
