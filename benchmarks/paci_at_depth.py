@@ -81,8 +81,7 @@ def fit_one(config: dict[str, Any], stages: int, accumulate: int, lr: float, see
 
     torch.set_num_threads(1)
     schedule, correction = RUNS[name]
-    longer = config.get("paci_tokens", 1.0) if schedule == "paci" else 1.0
-    steps = round(config["micro_batches"] * longer) // accumulate
+    steps = config["micro_batches"] // accumulate
     eval_every = max(1, steps // config["evals"])
 
     class Record(Callback):
@@ -258,8 +257,6 @@ def table(rows: list[dict[str, Any]]) -> str:
             for n in names
         ]
         warmup = f"{r['warmup']:.0%}" if "warmup" in r else "-"
-        if r.get("paci_tokens", 1.0) != 1.0:
-            warmup += f", PACI x{r['paci_tokens']:g} tokens"
         lines.append(f"| {r['S']} | {r['N']} | {r['lr']:g} | {warmup} | {r['seed']} | "
                      f"{r['final'].get('flush', math.nan):.4f} | " + " | ".join(cells) + " |")  # fmt: skip
     return "\n".join(lines)
@@ -297,11 +294,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lrs", type=float, nargs="+", default=[1e-3, 3e-3])
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
-    p.add_argument(
-        "--paci-tokens", type=float, default=1.0,
-        help="PACI runs train this many times flush's tokens (their own schedule over the longer run): the time "
-        "to flush's final loss when PACI needs more steps to get there; the gap column then compares unequal tokens",
-    )  # fmt: skip
     p.add_argument("--warmup", type=float, default=0.01, help="linear warmup, fraction of the run's steps")
     p.add_argument(
         "--report", nargs="+", metavar="JSON", help="print one table from these results/ files and exit (no runs)"
@@ -336,10 +328,9 @@ def report(names: list[str]) -> str:
     rows = []
     for name in names:
         payload = json.loads((Path(__file__).parent / "results" / name).read_text())
-        config = payload["config"]
-        extra = {"warmup": config.get("warmup", 0.01), "paci_tokens": config.get("paci_tokens", 1.0), "file": name}
+        extra = {"warmup": payload["config"].get("warmup", 0.01), "file": name}
         rows += [{**row, **extra} for row in summarize(payload["runs"])]
-    rows.sort(key=lambda r: (r["S"], r["N"], r["lr"], r["warmup"], r["paci_tokens"], r["seed"]))
+    rows.sort(key=lambda r: (r["S"], r["N"], r["lr"], r["warmup"], r["seed"]))
     return table(rows)
 
 
@@ -365,7 +356,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     tta = time_to_accuracy(runs, costs)
     cost = in_process_cost(config, max(args.stages), args.accumulate[0], args.cost_steps) if args.cost_steps else {}
     prediction = _prediction_cost(runs, config)
-    rows = [{**row, "warmup": args.warmup, "paci_tokens": args.paci_tokens} for row in summarize(runs)]
+    rows = [{**row, "warmup": args.warmup} for row in summarize(runs)]
     payload = envelope(
         "paci_at_depth", args.quick, before, config, start, summary=rows, time_to_accuracy=tta,
         in_process_cost=cost, weight_prediction_cost=prediction, layer_costs=costs, runs=runs,
