@@ -52,8 +52,10 @@ def _run(layers, correction, stages, accumulate, data, recompute=True, record=No
     return built
 
 
-def _predicted(layers_now, opt_state, delay):
-    """The documented rule for AdamW: w - d * lr * (m_hat / (sqrt(v_hat) + eps) + wd * w), per parameter."""
+def _predicted(layers_now, opt_state, delay, partial):
+    """The documented rule for AdamW: w - d * lr * (m'_hat / (sqrt(v'_hat) + eps) + wd * w), per parameter, the
+    moments m' and v' (and the step count) advanced by one step on ``partial``, the mean gradient of the window
+    accumulated so far (None: the moments as they are)."""
     out = copy.deepcopy(layers_now)
     params = [p for layer in out for p in layer.parameters()]
     state = opt_state["state"]
@@ -62,9 +64,12 @@ def _predicted(layers_now, opt_state, delay):
         for i, p in enumerate(params):
             if i not in state:
                 continue
-            t = float(state[i]["step"])
-            m_hat = state[i]["exp_avg"] / (1 - BETAS[0] ** t)
-            v_hat = state[i]["exp_avg_sq"] / (1 - BETAS[1] ** t)
+            t, m, v = float(state[i]["step"]), state[i]["exp_avg"], state[i]["exp_avg_sq"]
+            if partial is not None and partial[i] is not None:
+                g = partial[i]
+                t, m, v = t + 1, BETAS[0] * m + (1 - BETAS[0]) * g, BETAS[1] * v + (1 - BETAS[1]) * g * g
+            m_hat = m / (1 - BETAS[0] ** t)
+            v_hat = v / (1 - BETAS[1] ** t)
             u = m_hat / (v_hat.sqrt() + EPS) + (WD * p if i in decayed else 0)
             p -= delay * LR * u
     return out
@@ -77,6 +82,9 @@ def _emulate(data, stages, accumulate, correction):
     stage_layers = [layers[lo:hi] for lo, hi in bounds]
     opts = [_optimizer([p for layer in mine for p in layer.parameters()]) for mine in stage_layers]
     versions = [[(copy.deepcopy(mine), copy.deepcopy(opts[s].state_dict()))] for s, mine in enumerate(stage_layers)]
+    # partial[s][k]: stage s's mean gradient of its open window right after micro-batch k's backward (None
+    # once that backward closed the window). In 1F1B order stage s forwards j right after backward j-(S-s).
+    partial: list[dict[int, list | None]] = [{} for _ in range(stages)]
 
     for j, batch in enumerate(data):
         inputs, x = [], batch[0]
@@ -87,9 +95,15 @@ def _emulate(data, stages, accumulate, correction):
                 weights, opt_state = versions[s][v]
                 delay = j // accumulate - v
                 if correction == "weight_prediction" and delay > 0:
-                    weights = _predicted(weights, opt_state, delay)
+                    weights = _predicted(weights, opt_state, delay, partial[s].get(j - (stages - s)))
                 x = run(weights, x)
         backward_from_inputs(stage_layers, inputs, batch, accumulate)
+        done = j % accumulate + 1  # backwards of this window so far; the emulation's grads hold their sum / N
+        for s in range(stages):
+            grads = [p.grad for layer in stage_layers[s] for p in layer.parameters()]
+            partial[s][j] = (
+                None if done == accumulate else [None if g is None else g * accumulate / done for g in grads]
+            )
         if (j + 1) % accumulate == 0:
             for s in range(stages):
                 k = j // accumulate  # this stage's step count before this step

@@ -196,7 +196,10 @@ class PipelineStage:
         start = time.perf_counter()
         correct = nullcontext()
         if self.correction is not None:
-            correct = self.correction.forward_context(list(self.parameters()), self.optimizer, pending_steps)
+            weight = self._window[0] if self._window is not None else None
+            correct = self.correction.forward_context(
+                list(self.parameters()), self.optimizer, pending_steps, window_weight=weight
+            )
         with self._own_rng(), correct:
             result = self._forward(microbatch, inputs, batch)
         self.stats.forwards += 1
