@@ -263,19 +263,24 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def plot(runs: list[dict[str, Any]], path: Path, title: str) -> None:
+    """One panel per (S, N, lr, warmup), the lowest seed's curves."""
     plt = pyplot()
-    panels = sorted({(r["S"], r["N"], r["lr"]) for r in runs if r["seed"] == min(x["seed"] for x in runs)})
-    cols = min(3, len(panels))
+    seed = min(x["seed"] for x in runs)
+
+    def panel(r: dict[str, Any]) -> tuple:
+        return r["S"], r["N"], r["lr"], r.get("warmup", 0.01)
+
+    panels = sorted({panel(r) for r in runs if r["seed"] == seed})
+    cols = min(4, len(panels))
     rows = math.ceil(len(panels) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
-    for ax, (stages, accumulate, lr) in zip(axes.flat, panels, strict=False):
+    for ax, key in zip(axes.flat, panels, strict=False):
         for run in runs:
-            if (run["S"], run["N"], run["lr"]) == (stages, accumulate, lr) and run["seed"] == min(
-                x["seed"] for x in runs
-            ):
+            if panel(run) == key and run["seed"] == seed:
                 steps, losses = zip(*run["val"][1:], strict=True)  # the first point is the untrained model
                 ax.plot([s * run["tokens_per_step"] / 1e3 for s in steps], losses, marker=".", label=run["run"])
-        ax.set_title(f"S={stages}, N={accumulate}, lr={lr:g}", fontsize=9)
+        stages, accumulate, lr, warmup = key
+        ax.set_title(f"S={stages}, N={accumulate}, lr={lr:g}, warmup {warmup:.0%}", fontsize=9)
         ax.set_xlabel("training tokens (thousands)")
         ax.set_ylabel("validation loss")
         ax.grid(alpha=0.3)
@@ -296,7 +301,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
     p.add_argument("--warmup", type=float, default=0.01, help="linear warmup, fraction of the run's steps")
     p.add_argument(
-        "--report", nargs="+", metavar="JSON", help="print one table from these results/ files and exit (no runs)"
+        "--report",
+        nargs="+",
+        metavar="JSON",
+        help="print one table from these results/ files and exit (no runs); with --plot NAME, their curves too",
     )
     p.add_argument("--micro-batches", type=int, default=1600, help="per run (equal tokens for every N)")
     p.add_argument("--evals", type=int, default=10, help="validations per run")
@@ -323,21 +331,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def report(names: list[str]) -> str:
-    """One table from several result files: every run's (S, N, lr, seed, warmup) row, plus what each file adds."""
-    rows = []
+def report(names: list[str], plot_path: Path | None = None) -> str:
+    """One table from several result files, a row per (S, N, lr, warmup, seed). Runs are merged across
+    files, a later file's run replacing an earlier one's of the same name: a rerun of one method after
+    a change to it updates its column and leaves the others' runs as they were."""
+    runs: dict[tuple, dict[str, Any]] = {}
     for name in names:
         payload = json.loads((Path(__file__).parent / "results" / name).read_text())
-        extra = {"warmup": payload["config"].get("warmup", 0.01), "file": name}
-        rows += [{**row, **extra} for row in summarize(payload["runs"])]
+        warmup = payload["config"].get("warmup", 0.01)
+        for run in payload["runs"]:
+            runs[(run["S"], run["N"], run["lr"], warmup, run["seed"], run["run"])] = {**run, "warmup": warmup}
+    rows = []
+    for warmup in sorted({key[3] for key in runs}):
+        rows += [{**row, "warmup": warmup} for row in summarize([r for r in runs.values() if r["warmup"] == warmup])]
     rows.sort(key=lambda r: (r["S"], r["N"], r["lr"], r["warmup"], r["seed"]))
+    if plot_path is not None:
+        plot(list(runs.values()), plot_path, f"PACI at depth: {len(rows)} configurations (seed 0's curves)")
     return table(rows)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     if args.report:
-        print(report(args.report))
+        print(report(args.report, PLOTS / args.plot if args.plot != "paci_at_depth.png" else None))
         return {}
     config = vars(args)
     start, before = time.perf_counter(), machine()
