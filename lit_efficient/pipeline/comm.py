@@ -11,6 +11,7 @@ runs whole in one process (``Trainer(devices=1)``). Both answer the same calls; 
 
 from __future__ import annotations
 
+import sys
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -402,11 +403,20 @@ def _specs_of(tensors: Payload) -> Specs:
     return tuple(None if t is None else (t.dtype, tuple(t.shape)) for t in tensors)
 
 
+_printed_failure = False
+
+
 def report_failure(message: str) -> None:
-    """Publish the first failure of the run in the rendezvous store, so peers can name the cause.
+    """Publish the first failure of the run in the rendezvous store, so peers can name the cause, and
+    print this process's first one to stderr at once: a launcher that sees a rank die may kill the others
+    (Lightning's does, within seconds) before their exception's traceback is printed.
 
     Best effort: the store may be gone with the rank that hosted it.
     """
+    global _printed_failure
+    if not _printed_failure:
+        _printed_failure = True
+        print(f"lit-efficient: pipeline failure: {message}", file=sys.stderr, flush=True)
     try:
         store = dist.distributed_c10d._get_default_store()
         store.compare_set(_ABORT_KEY, "", message)

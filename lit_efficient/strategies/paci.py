@@ -105,10 +105,11 @@ class PACIStrategy(PipelineCheckpointing, PipelineEvaluation, LocalStepHooks, DD
         staleness_correction: PACI only, default off: ``"lr_scale"`` scales each stale stage's learning rate
             by ``(1 + d_s) ** -(1 - min(1, k / staleness_anneal_steps))`` with d_s = ceil((S-1-s)/N) and k its
             step (PipeMare); ``"weight_prediction"`` runs each stale forward on weights extrapolated by the
-            optimizer's pending update times its delay, the backward on the real ones (one weight-sized
-            buffer per stage). Measured (BENCHMARKS.md "PACI at depth"): weight prediction brings S=8 within
-            1% of flush at moderate learning rates; lr_scale helps at S <= 4; neither at a high learning
-            rate at S=8. See `lit_efficient.pipeline.staleness`.
+            optimizer's pending update (the window's gradient so far folded into AdamW's moments) times its
+            delay, the backward on the real ones (one weight-sized buffer per stage). Measured (BENCHMARKS.md
+            "PACI at depth"): weight prediction brings S=8 within 1% of flush at moderate learning rates;
+            lr_scale helps at S <= 4; neither at a high learning rate at S=8. See
+            `lit_efficient.pipeline.staleness`.
         staleness_anneal_steps: Optimizer steps over which ``"lr_scale"`` returns to the plain learning rate.
         start_method: How processes are launched: ``"popen"`` re-runs the script per rank (also under
             torchrun/SLURM), ``"spawn"`` starts them from this process (notebooks, tests),
