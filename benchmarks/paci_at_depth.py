@@ -336,8 +336,10 @@ def report(names: list[str], plot_path: Path | None = None) -> str:
     files, a later file's run replacing an earlier one's of the same name: a rerun of one method after
     a change to it updates its column and leaves the others' runs as they were."""
     runs: dict[tuple, dict[str, Any]] = {}
+    costs = None
     for name in names:
         payload = json.loads((Path(__file__).parent / "results" / name).read_text())
+        costs = costs or payload.get("layer_costs")  # the first file's: one set of per-layer times for every row
         warmup = payload["config"].get("warmup", 0.01)
         for run in payload["runs"]:
             runs[(run["S"], run["N"], run["lr"], warmup, run["seed"], run["run"])] = {**run, "warmup": warmup}
@@ -347,7 +349,20 @@ def report(names: list[str], plot_path: Path | None = None) -> str:
     rows.sort(key=lambda r: (r["S"], r["N"], r["lr"], r["warmup"], r["seed"]))
     if plot_path is not None:
         plot(list(runs.values()), plot_path, f"PACI at depth: {len(rows)} configurations (seed 0's curves)")
-    return table(rows)
+    lines = [
+        table(rows),
+        "",
+        "| S | N | lr | warmup | seed | run | throughput | to 80% | to 95% | to final |",
+        "|" + "---|" * 10,
+    ]
+    for warmup in sorted({key[3] for key in runs}) if costs else []:
+        for r in time_to_accuracy([x for x in runs.values() if x["warmup"] == warmup], costs):
+            cells = [
+                f"{r[k]['ratio']:.2f}" if r[k]["ratio"] == r[k]["ratio"] else "never" for k in ("80%", "95%", "final")
+            ]
+            lines.append(f"| {r['S']} | {r['N']} | {r['lr']:g} | {warmup:.0%} | {r['seed']} | {r['run']} | "
+                         f"{r['throughput_ratio']:.2f} | " + " | ".join(cells) + " |")  # fmt: skip
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
