@@ -107,9 +107,8 @@ class PACIStrategy(PipelineCheckpointing, PipelineEvaluation, LocalStepHooks, DD
             step (PipeMare); ``"weight_prediction"`` runs each stale forward on weights extrapolated by the
             optimizer's pending update (the window's gradient so far folded into AdamW's moments) times its
             delay, the backward on the real ones (one weight-sized buffer per stage). Measured (BENCHMARKS.md
-            "PACI at depth"): weight prediction brings S=8 within 1% of flush at moderate learning rates;
-            lr_scale helps at S <= 4; neither at a high learning rate at S=8. See
-            `lit_efficient.pipeline.staleness`.
+            "PACI at depth"): weight prediction brings S=4 and S=8 within 1% of flush at lr 5e-4 and 1e-3,
+            not at 2e-3 with a short warmup; lr_scale helps at S=2. See `lit_efficient.pipeline.staleness`.
         staleness_anneal_steps: Optimizer steps over which ``"lr_scale"`` returns to the plain learning rate.
         start_method: How processes are launched: ``"popen"`` re-runs the script per rank (also under
             torchrun/SLURM), ``"spawn"`` starts them from this process (notebooks, tests),
