@@ -134,7 +134,7 @@ class WeightPrediction(StalenessCorrection):
             torch._C._autograd._unsafe_set_version_counter(tuple(params), versions)
 
 
-def predicted_steps(optimizer: torch.optim.Optimizer, window_weight: Any = None) -> dict[int, Any]:
+def predicted_steps(optimizer: torch.optim.Optimizer, window_weight: Tensor | None = None) -> dict[int, Any]:
     """Per parameter (by id) with optimizer state: ``w -> lr * u``, the change the next step would make.
 
     Args:
@@ -154,7 +154,9 @@ def predicted_steps(optimizer: torch.optim.Optimizer, window_weight: Any = None)
             "use staleness_correction='lr_scale' or one of those optimizers"
         )
     out: dict[int, Any] = {}
-    weight = float(window_weight) if window_weight is not None else 0.0  # one device sync per stale forward
+    # The window's weight stays a device tensor: no host sync on the forward path. A window that has
+    # gradients has weight > 0 (clamped only so a zero-weight window divides zeros by a tiny number).
+    weight = None if window_weight is None else window_weight.clamp_min(torch.finfo(window_weight.dtype).tiny)
     for group in optimizer.param_groups:
         lr, wd = float(group["lr"]), float(group.get("weight_decay", 0.0))  # lr: the next step's (scheduled)
         for p in group["params"]:
@@ -164,7 +166,7 @@ def predicted_steps(optimizer: torch.optim.Optimizer, window_weight: Any = None)
             beta1, beta2 = group["betas"]
             t = float(state["step"])
             # The window's mean gradient so far stands for the pending step's gradient.
-            g = p.grad if weight > 0 and p.grad is not None else None
+            g = p.grad if weight is not None and p.grad is not None else None
             out[id(p)] = _adam_step(
                 state["exp_avg"], state["exp_avg_sq"], g, weight, lr, wd, beta1, beta2, group["eps"], t, name == "AdamW"
             )
@@ -172,8 +174,8 @@ def predicted_steps(optimizer: torch.optim.Optimizer, window_weight: Any = None)
 
 
 def _adam_step(
-    m: Tensor, v: Tensor, g: Tensor | None, weight: float, lr: float, wd: float, b1: float, b2: float, eps: float,
-    t: float, decoupled: bool,
+    m: Tensor, v: Tensor, g: Tensor | None, weight: Tensor | None, lr: float, wd: float, b1: float, b2: float,
+    eps: float, t: float, decoupled: bool,
 ):  # fmt: skip
     # Evaluated parameter by parameter (forward_context), so the folded moments exist for one parameter at a time.
     def step(w: Tensor) -> Tensor:

@@ -30,6 +30,7 @@ import json
 import os
 import pickle
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +50,7 @@ def rank_share(
     optimizer: Any,
     extras: dict[str, Any],
     keep_weights: bool,
-    tied_copies: list[str] = (),  # type: ignore[assignment]
+    tied_copies: Sequence[str] = (),
 ) -> dict[str, Any]:
     """What this rank contributes to the file: its stage's weights and optimizer under parameter names.
 
