@@ -15,6 +15,22 @@ RESULTS = Path(__file__).parent / "results"
 PLOTS = Path(__file__).parent / "plots"
 
 
+def add_gpt_timing_args(p: Any, rounds: int, quick: str) -> None:
+    """The options of the S=2 real-compute throughput benchmarks (trainer_vs_torch_pipelining, zero_bubble):
+    the same GPT, corpus, segment length and quiet-machine wait, so their numbers compare."""
+    p.add_argument("--quick", action="store_true", help=quick)
+    p.add_argument("--accumulate", type=int, nargs="+", default=[2, 4, 8], help="values of N")
+    p.add_argument("--rounds", type=int, default=rounds, help="rounds of every variant per N")
+    p.add_argument("--timed-microbatches", type=int, default=16, help="micro-batches timed per segment")
+    p.add_argument("--dim", type=int, default=192)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--block", type=int, default=128, help="sequence length")
+    p.add_argument("--batch-size", type=int, default=4, help="micro-batch size")
+    p.add_argument("--max-bytes", type=int, default=1_000_000, help="corpus bytes read")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quiet-wait", type=float, default=10.0, help="max seconds to wait for a quiet machine per round")
+
+
 def machine() -> dict[str, Any]:
     """The machine the numbers come from (cores, CPU model, versions, load)."""
     model = "unknown"

@@ -21,9 +21,8 @@ What is measured, and how:
 - In-process cost: optimizer steps per second of ``devices=1, pipeline_stages=S`` against the unsplit
   model under Lightning's single-device strategy, same model, data and N, in one run, one after the other;
   and of the same pipeline with ``weight_prediction`` against plain PACI (its time cost).
-- Weight prediction's cost: its extra buffer (the bytes of the largest stage's parameters) and the
-  wall-time ratio of its runs against plain PACI's (same process; the grid's runs are not interleaved,
-  so the load of the shared machine enters the ratio).
+- Weight prediction's cost: its extra buffer (the bytes of the largest stage's parameters); its time,
+  side by side in the in-process cost step above.
 
     python -m benchmarks.paci_at_depth            # the grid in BENCHMARKS.md ("PACI at depth")
     python -m benchmarks.paci_at_depth --quick    # smoke run: S=4, a few steps (tests/test_benchmarks_depth.py)
@@ -386,7 +385,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     costs = layer_costs(config)
     tta = time_to_accuracy(runs, costs)
     cost = in_process_cost(config, max(args.stages), args.accumulate[0], args.cost_steps) if args.cost_steps else {}
-    prediction = _prediction_cost(runs, config)
+    prediction = _prediction_cost(config)
     rows = [{**row, "warmup": args.warmup} for row in summarize(runs)]
     payload = envelope(
         "paci_at_depth", args.quick, before, config, start, summary=rows, time_to_accuracy=tta,
@@ -406,27 +405,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return payload
 
 
-def _prediction_cost(runs: list[dict[str, Any]], config: dict[str, Any]) -> dict[str, Any]:
-    """Weight prediction's buffer (largest stage's parameter bytes) and its runs' wall time against plain PACI's."""
-    ratios = []
-    by_key = {(r["S"], r["N"], r["lr"], r["seed"], r["run"]): r for r in runs}
-    for (s, n, lr, seed, name), run in by_key.items():
-        if name == "paci+weight_prediction" and (s, n, lr, seed, "paci") in by_key:
-            ratios.append(run["seconds"] / by_key[(s, n, lr, seed, "paci")]["seconds"])
-    model = _model(config, 1e-3, 100)
-    layer_bytes = [sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in model.pipeline_layers()]
+def _prediction_cost(config: dict[str, Any]) -> dict[str, Any]:
+    """Weight prediction's buffer: the largest stage's parameter bytes. (Its time cost is measured side by
+    side in `in_process_cost`; the grid's runs are not interleaved, so their wall times would carry the load.)"""
     from lit_efficient.pipeline.partition import partition_uniform, stage_bounds
 
+    model = _model(config, 1e-3, 100)
+    layer_bytes = [sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in model.pipeline_layers()]
     stage_bytes = {
         s: max(sum(layer_bytes[lo:hi]) for lo, hi in stage_bounds(partition_uniform(len(layer_bytes), s)))
         for s in config["stages"]
     }
-    return {
-        "extra_buffer_bytes_largest_stage": stage_bytes,
-        "model_bytes": sum(layer_bytes),
-        "wall_time_ratio_vs_paci": ratios,
-        "wall_time_ratio_median": statistics.median(ratios) if ratios else None,
-    }
+    return {"extra_buffer_bytes_largest_stage": stage_bytes, "model_bytes": sum(layer_bytes)}
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 
-from benchmarks.harness import envelope, machine, write_json
+from benchmarks.harness import add_gpt_timing_args, envelope, machine, write_json
 from benchmarks.runtime_throughput import RankSetup, TimedStage, machine_cpu_seconds, run_segment, wait_for_quiet
 from lit_efficient.pipeline.comm import PointToPoint
 from lit_efficient.pipeline.partition import stage_bounds
@@ -362,18 +362,8 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="smoke run: 1 round, N in {2, 4}, few windows")
-    p.add_argument("--accumulate", type=int, nargs="+", default=[2, 4, 8], help="values of N")
-    p.add_argument("--rounds", type=int, default=4, help="rounds of all five variants per N")
-    p.add_argument("--timed-microbatches", type=int, default=16, help="micro-batches timed per segment")
+    add_gpt_timing_args(p, rounds=4, quick="smoke run: 1 round, N in {2, 4}, few windows")
     p.add_argument("--layers", type=int, default=4, help="GPT blocks; the split is [embed + 2 | 2 + head]")
-    p.add_argument("--dim", type=int, default=192)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--block", type=int, default=128, help="sequence length")
-    p.add_argument("--batch-size", type=int, default=4, help="micro-batch size")
-    p.add_argument("--max-bytes", type=int, default=1_000_000, help="corpus bytes read")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quiet-wait", type=float, default=10.0, help="max seconds to wait for a quiet machine per round")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS, help="diagnostics only")
     p.add_argument("--out", default="trainer_vs_torch_pipelining.json", help="file name under benchmarks/results/")
     args = p.parse_args(argv)

@@ -50,7 +50,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from benchmarks.harness import RESULTS, envelope, machine, write_json
+from benchmarks.harness import RESULTS, add_gpt_timing_args, envelope, machine, write_json
 from benchmarks.layer_costs import DetachedMeter, measure_layers, predict
 from benchmarks.runtime_throughput import RankSetup, TimedStage, link_latency, machine_cpu_seconds, run_segment
 from benchmarks.runtime_throughput import wait_for_quiet as wait_quiet
@@ -371,18 +371,8 @@ def _name(row: dict[str, Any]) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="smoke run: 1 round, N=4, few windows")
-    p.add_argument("--accumulate", type=int, nargs="+", default=[2, 4, 8], help="values of N")
-    p.add_argument("--rounds", type=int, default=3, help="rounds of every variant per N")
-    p.add_argument("--timed-microbatches", type=int, default=16, help="micro-batches timed per segment")
-    p.add_argument("--dim", type=int, default=192)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--block", type=int, default=128, help="sequence length")
-    p.add_argument("--batch-size", type=int, default=4, help="micro-batch size")
-    p.add_argument("--max-bytes", type=int, default=1_000_000, help="corpus bytes read")
-    p.add_argument("--seed", type=int, default=0)
+    add_gpt_timing_args(p, rounds=3, quick="smoke run: 1 round, N=4, few windows")
     p.add_argument("--cost-reps", type=int, default=7, help="repetitions of each per-layer cost measurement")
-    p.add_argument("--quiet-wait", type=float, default=10.0, help="max seconds to wait for a quiet machine per round")
     p.add_argument("--out", default="zero_bubble.json", help="file name under benchmarks/results/ (or a path)")
     p.add_argument("--predict-from", help="only redo the simulator's predictions from the costs in this result file")
     args = p.parse_args(argv)
