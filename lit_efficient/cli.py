@@ -20,6 +20,7 @@ torchrun, SLURM): every rank parses the same arguments and builds the same model
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +31,11 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 import lit_efficient  # noqa: F401 - registers the strategy names "paci" and "1f1b_flush"
+from lit_efficient import PACIStrategy
 from lit_efficient.data import TextDataModule
 from lit_efficient.models import GPT, HFCausalLM  # noqa: F401 - HFCausalLM: known to --model by name
 from lit_efficient.runs import run_dir
+from lit_efficient.strategies.config import explain_refused, options_of, refusal_footer
 
 DEFAULT_SAVE_DIR = "runs"
 WANDB_PROJECT = "lit-efficient"
@@ -99,6 +102,29 @@ def keep_wandb_local(save_dir: str | os.PathLike, offline: bool) -> dict[str, st
     return chosen
 
 
+class StrategyOptionParser(LightningArgumentParser):
+    """LightningCLI's parser, whose refusal of an unknown PACIStrategy option also says what the strategy would.
+
+    jsonargparse already refuses a ``trainer.strategy.init_args`` key that PACIStrategy's signature lacks
+    ("Option 'x' is not accepted") before anything is built; this adds the closest option, or for a
+    DistributedDataParallel option what PACIStrategy does instead: the `PACIStrategy(**kwargs)` message.
+    """
+
+    @override
+    def error(self, message: str, ex: Exception | None = None) -> Any:
+        return super().error(explain_strategy_options(message), ex)
+
+
+def explain_strategy_options(message: str) -> str:
+    """``message`` with, for each PACIStrategy option it says was not accepted, why and what is accepted."""
+    names = re.findall(r"class_path '[\w.]*PACIStrategy':\s*Option '(\w+)' is not accepted", message)
+    if not names:
+        return message
+    options = options_of(PACIStrategy.__init__)
+    lines = "".join(f"\n  - {explain_refused(name, options, show_value=False)}" for name in names)
+    return f"{message}\nPACIStrategy does not accept:{lines}\n{refusal_footer(names, options)}"
+
+
 class LitEfficientCLI(LightningCLI):
     """LightningCLI with `GPT` and `TextDataModule` as defaults and the data feeding the model's sizes.
 
@@ -110,6 +136,7 @@ class LitEfficientCLI(LightningCLI):
 
     def __init__(self, args: ArgsType = None, run: bool = True, **kwargs: Any) -> None:
         kwargs.setdefault("save_config_callback", RunConfigCallback)
+        kwargs.setdefault("parser_class", StrategyOptionParser)
         kwargs.setdefault("save_config_kwargs", {"config_filename": "config.yaml", "overwrite": False})
         kwargs.setdefault("parser_kwargs", {"description": "Pipeline-parallel training for PyTorch Lightning."})
         super().__init__(

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import math
 import os
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -14,6 +17,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.launchers.multiprocessing import _GlobalStateSnapshot
 from lightning.pytorch.utilities import rank_zero_warn
+from torch.nn.parallel import DistributedDataParallel
 
 from lit_efficient.pipeline.schedules import SCHEDULES
 from lit_efficient.pipeline.topology import Topology
@@ -67,6 +71,97 @@ class _CheckedMultiProcessingLauncher(_ChecksFirst, _MultiProcessingLauncher):
             if isinstance(self._strategy.accelerator, CPUAccelerator):
                 args, kwargs = _disable_module_memory_sharing((args, kwargs))
         return super()._wrapping_function(process_idx, trainer, function, args, kwargs, *rest)
+
+
+# DDPStrategy's own parameters that do something under PACIStrategy, explicit in its signature: Lightning's
+# accelerator connector reads the first four off the strategy, `setup_distributed` (init_process_group)
+# the next two, and the launcher start_method. The rest of DDPStrategy's are refused below.
+PASSED_TO_LIGHTNING = (
+    "accelerator", "parallel_devices", "cluster_environment", "precision_plugin", "process_group_backend", "timeout",
+    "start_method",
+)  # fmt: skip
+# What Lightning's DDPStrategy keeps for the DistributedDataParallel wrapper it builds in `setup` (and
+# its comm hooks); PACIStrategy's `setup` builds no wrapper. The wrapper's own options are read off
+# DistributedDataParallel's signature, so a torch release's new ones are refused with the same message.
+_DDP_STRATEGY_WRAPPER_OPTIONS = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
+_NO_BUCKETS = "none needed: a stage's gradients go in one flat all-reduce per dtype, no buckets or autograd hooks"
+_LOCAL_SGD = "local_sgd_steps=H (post-local SGD's start_localSGD_iter: local_sgd_warmup_steps)"
+_WRAPPER_EQUIVALENTS = {
+    "find_unused_parameters": "none needed: a stage gives parameters that got no gradient zeros before reducing",
+    "broadcast_buffers": "none per forward; with local_sgd_steps, average_buffers=True averages float buffers",
+    "forward_sync_buffers": "none per forward; with local_sgd_steps, average_buffers=True averages float buffers",
+    "init_sync": "none, no start-up broadcast: replicas start alike when every rank builds the same model (seeded)",
+    "mixed_precision": "Trainer(precision='bf16-mixed')",
+    "process_group": "none: each stage's replica group follows from pipeline_stages and the world size",
+    "device_mesh": "none: each stage's replica group follows from pipeline_stages and the world size",
+    "bucket_cap_mb": _NO_BUCKETS,
+    "bucket_cap_mb_list": _NO_BUCKETS,
+    "gradient_as_bucket_view": _NO_BUCKETS,
+    "batched_grad_copy": _NO_BUCKETS,
+    "static_graph": _NO_BUCKETS,
+    "model_averaging_period": _LOCAL_SGD,
+    "ddp_comm_state": f"PostLocalSGDState: {_LOCAL_SGD}",
+    "ddp_comm_hook": f"post_localSGD_hook: {_LOCAL_SGD}; none for compression hooks (fp16, bf16, PowerSGD)",
+}
+_NOT_USED = {
+    "checkpoint_io": (
+        "PACIStrategy writes and reads its checkpoints itself (one file from global rank 0, "
+        "lit_efficient/strategies/checkpoint.py) and never calls a CheckpointIO"
+    ),
+}
+
+
+def wrapper_options() -> tuple[str, ...]:
+    """The options of the DistributedDataParallel wrapper Lightning's DDPStrategy would build, and its hooks'."""
+    ddp = [n for n in inspect.signature(DistributedDataParallel.__init__).parameters if n not in ("self", "module")]
+    return (*ddp, *_DDP_STRATEGY_WRAPPER_OPTIONS)
+
+
+def explain_refused(name: str, options: Iterable[str], value: Any = None, show_value: bool = True) -> str:
+    """One line saying why keyword ``name`` of PACIStrategy does nothing: a wrapper option, or the closest option."""
+    given = f"{name}={value!r}" if show_value else name
+    if name in wrapper_options():
+        equivalent = _WRAPPER_EQUIVALENTS.get(name, "none")
+        wrapper = "configures Lightning's DistributedDataParallel wrapper, never built here; equivalent:"
+        return f"{given}: {wrapper} {equivalent}"
+    if name in _NOT_USED:
+        return f"{given}: {_NOT_USED[name]}"
+    close = difflib.get_close_matches(name, list(options), n=1)
+    return f"{given}: not an option of PACIStrategy" + (f"; did you mean {close[0]}?" if close else "")
+
+
+def refusal_footer(names: Iterable[str], options: Iterable[str]) -> str:
+    """What a refusal adds after its lines: where gradients are reduced (for wrapper options) and what is accepted."""
+    names, options = list(names), list(options)
+    text = ""
+    if any(n in wrapper_options() for n in names):
+        text += (
+            "PACIStrategy reduces gradients per stage instead: each stage all-reduces its gradients over its "
+            "data-parallel replica group once per optimizer step, after its N-th backward (one flat all-reduce per "
+            "dtype; PipelineStage.step calls the reduction LocalStepHooks._install_step_hooks installs, "
+            "lit_efficient/strategies/step_hooks.py), or with local_sgd_steps averages weights every H steps "
+            "(lit_efficient/averaging.py).\n"
+        )
+    own = [n for n in options if n not in PASSED_TO_LIGHTNING]
+    return text + (
+        f"PACIStrategy's options: {', '.join(own)}; passed through to Lightning's DDPStrategy: "
+        f"{', '.join(PASSED_TO_LIGHTNING)}. Nothing else is accepted."
+    )
+
+
+def options_of(init: Callable[..., Any]) -> list[str]:
+    """The keyword options of ``init`` (PACIStrategy's ``__init__``): its named parameters but ``self``."""
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [n for n, p in inspect.signature(init).parameters.items() if p.kind in named and n != "self"]
+
+
+def _refuse_unknown(given: Mapping[str, Any], init: Callable[..., Any]) -> None:
+    """Refuse, in a ValueError, every keyword ``init``'s ``**kwargs`` caught: PACIStrategy would ignore it."""
+    if not given:
+        return
+    options = options_of(init)
+    lines = "".join(f"\n  - {explain_refused(name, options, value)}" for name, value in given.items())
+    raise ValueError(f"PACIStrategy does not accept:{lines}\n{refusal_footer(given, options)}")
 
 
 def _check_arguments(

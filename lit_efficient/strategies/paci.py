@@ -17,12 +17,17 @@ from __future__ import annotations
 
 import warnings
 from collections import deque
+from datetime import timedelta
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins import ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, Strategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
@@ -46,6 +51,7 @@ from lit_efficient.strategies.config import (
     _check_module,
     _CheckedMultiProcessingLauncher,
     _CheckedScriptLauncher,
+    _refuse_unknown,
     _warn_single_replica,
 )
 from lit_efficient.strategies.evaluation import PipelineEvaluation
@@ -115,7 +121,20 @@ class PACIStrategy(PipelineCheckpointing, PipelineEvaluation, LocalStepHooks, DD
             ``"forkserver"`` forks them from a server that imports what
             ``multiprocessing.set_forkserver_preload`` names once (fast repeated fits; each rank still
             gets this process's environment and its own copy of the module, as under ``"spawn"``).
-        **kwargs: Passed to Lightning's ``DDPStrategy`` (accelerator, cluster_environment, timeout, ...).
+        accelerator: Passed to Lightning: the accelerator, usually set through ``Trainer(accelerator=...)``.
+        parallel_devices: Passed to Lightning: this node's devices, one per rank, usually set through
+            ``Trainer(devices=...)``.
+        cluster_environment: Passed to Lightning: how ranks find each other (torchrun, SLURM, ...); detected
+            when None.
+        precision_plugin: Passed to Lightning: the precision plugin, usually set through ``Trainer(precision=...)``
+            (``"32-true"`` or ``"bf16-mixed"``).
+        process_group_backend: Passed to Lightning: the default process group's backend (``"nccl"``, ``"gloo"``,
+            ...); None picks the device's default. Ignored with one device, where there is no process group.
+        timeout: Passed to Lightning: the default process group's timeout (collectives, start-up); a stage
+            waiting for its neighbour is bounded by ``p2p_timeout`` instead.
+        **kwargs: Refused with a ValueError naming the closest option: anything else, Lightning's
+            ``DistributedDataParallel`` options (``find_unused_parameters``, ...; the wrapper is never built,
+            each stage reduces its gradients over its replica group itself) and ``checkpoint_io`` (unused).
     """
 
     strategy_name = "paci"
@@ -137,8 +156,16 @@ class PACIStrategy(PipelineCheckpointing, PipelineEvaluation, LocalStepHooks, DD
         staleness_correction: CorrectionName | None = None,
         staleness_anneal_steps: int = 100,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
         **kwargs: Any,
     ) -> None:
+        # First, before any value check: a misspelt or ignored keyword must not pass for an option in force.
+        _refuse_unknown(kwargs, PACIStrategy.__init__)
         _check_arguments(
             pipeline_stages, schedule, balance, p2p_timeout, on_nonfinite, local_sgd_steps, local_sgd_warmup_steps,
             outer_optimizer, outer_lr, outer_momentum,
@@ -149,7 +176,11 @@ class PACIStrategy(PipelineCheckpointing, PipelineEvaluation, LocalStepHooks, DD
             )
         if not isinstance(staleness_anneal_steps, int) or staleness_anneal_steps < 1:
             raise ValueError(f"staleness_anneal_steps={staleness_anneal_steps!r} must be an integer >= 1")
-        super().__init__(start_method=start_method, **kwargs)
+        super().__init__(
+            accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
+            precision_plugin=precision_plugin, process_group_backend=process_group_backend, timeout=timeout,
+            start_method=start_method,
+        )  # fmt: skip
         self.staleness_correction = staleness_correction
         self.staleness_anneal_steps = staleness_anneal_steps
         self.pipeline_stages = pipeline_stages
