@@ -7,10 +7,9 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from lit_efficient.pipeline.comm import PointToPoint, TiedExchange
+from lit_efficient.pipeline.comm import LinkGroups, PointToPoint, TiedExchange
 from lit_efficient.pipeline.demo import build_layers, lm_loss
 from lit_efficient.pipeline.partition import partition_uniform, stage_bounds
 from lit_efficient.pipeline.runtime import PipelineRuntime
@@ -51,11 +50,11 @@ def _run_pipeline(rank, world, schedule, accumulate, windows):
     lo, hi = stage_bounds(partition_uniform(len(layers), world))[s]
     mine = layers[lo:hi]
     stage = PipelineStage(mine, s, world, _optimizer(_unique(mine)), lm_loss, recompute=True)
-    group = dist.new_group([topo.rank_of(0), topo.rank_of(world - 1)])  # every rank creates it
+    groups = LinkGroups.create([topo.rank_of(0), topo.rank_of(world - 1)])  # every rank creates them
     tied = []
     if s in (0, world - 1):
         peer_stage = world - 1 - s
-        exchange = TiedExchange(s, topo.rank_of(peer_stage), peer_stage, group, 60.0)
+        exchange = TiedExchange(s, topo.rank_of(peer_stage), peer_stage, groups, 60.0)
         tied = [TiedWeight(layers[0].tok.weight, s == 0, schedule, tie_delay(world, accumulate), exchange)]
         stage.exchange_tied = tied[0]
     comm = PointToPoint(s, topo.stage_of, torch.device("cpu"), 60.0)

@@ -11,6 +11,7 @@ runs whole in one process (``Trainer(devices=1)``). Both answer the same calls; 
 
 from __future__ import annotations
 
+import re
 import sys
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -20,6 +21,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from lit_efficient.pipeline import p2p_trace
 
 
 def all_reduce_flat(tensors: Sequence[Tensor], group: dist.ProcessGroup | None = None) -> int:
@@ -35,7 +38,10 @@ def all_reduce_flat(tensors: Sequence[Tensor], group: dist.ProcessGroup | None =
     sent = 0
     for bucket in by_dtype.values():
         flat = torch.cat([t.reshape(-1) for t in bucket])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        _trace_issue(work, "all_reduce", None, group, flat, device=True, role="replicas", what="replica all-reduce")
+        _trace_wait(work)
+        work.wait()
         offset = 0
         for t in bucket:
             n = t.numel()
@@ -140,6 +146,76 @@ class _PostedRecv:
     works: list[dist.Work]
 
 
+@dataclass(frozen=True)
+class LinkGroups:
+    """The process groups that carry a pipeline's device payloads: one for each direction of a link.
+
+    ProcessGroupNCCL runs the operations between two ranks of one group on one communicator, in issue
+    order, on one stream, for both directions, and a large send completes only when the peer's matching
+    receive runs. A stage that queues the receive of its next gradient ahead of the send of its next
+    activation, while its neighbour queues the receive of that activation ahead of the gradient's send
+    (1F1B's steady state, on every link), deadlocks there. With messages to a lower rank on one group and
+    messages to a higher rank on the other, each (group, pair) communicator carries one direction only:
+    its k-th send always meets its k-th receive, so no order of issue can hang it, and receives may be
+    posted as early as the schedule allows. `lit_efficient.pipeline.p2p_trace` proves it on recorded runs.
+
+    Both None (the default group for either direction) is gloo's layout only: gloo progresses each
+    transfer on its own. `PointToPoint` refuses it on a device.
+
+    Args:
+        to_lower: Group carrying messages to a lower global rank.
+        to_higher: Group carrying messages to a higher global rank.
+    """
+
+    to_lower: dist.ProcessGroup | None = None
+    to_higher: dist.ProcessGroup | None = None
+
+    @classmethod
+    def create(cls, ranks: Sequence[int] | None = None, backend: str | None = None) -> LinkGroups:
+        """Two new groups of ``ranks`` (default: every rank). Collective: every rank calls it, in the same order."""
+        return cls(dist.new_group(ranks, backend=backend), dist.new_group(ranks, backend=backend))
+
+    @property
+    def directed(self) -> bool:
+        """Whether the two directions travel on different groups (required on NCCL)."""
+        return self.to_lower is not self.to_higher
+
+    def carrying(self, src: int, dst: int) -> dist.ProcessGroup | None:
+        """The group of a message from global rank ``src`` to global rank ``dst``."""
+        return self.to_higher if dst > src else self.to_lower
+
+    def connect(self, me: int, peers: Sequence[int], device: torch.device, role: str) -> None:
+        """Create the communicators between ``me`` and each of ``peers`` now: one tiny message each way.
+
+        NCCL creates a (group, pair) communicator at its first operation, and creating it blocks both ranks
+        until both get there. Left to the schedule, a rank's first send in one direction can wait there for
+        a peer that first needs this rank's traffic on another link or group (PACI's first tied-weight
+        send does, at stage 0). Here every rank creates its links in one global order (ascending pairs),
+        so these rendezvous cannot cross. Collective over each link: both ranks call it. On gloo it costs
+        two tiny round trips per link, once; it runs there too, so CPU runs issue what GPU runs issue.
+        """
+        for peer in sorted(peers, key=lambda p: (min(me, p), max(me, p))):
+            token = torch.zeros(1, device=device)
+            works = []
+            for src, dst in ((min(me, peer), max(me, peer)), (max(me, peer), min(me, peer))):
+                group = self.carrying(src, dst)
+                if me == src:
+                    work = dist.isend(token, dst, group=group)
+                    _trace_issue(work, "send", dst, group, token, device=True, role=role, what="connect")
+                else:
+                    work = dist.irecv(torch.empty_like(token), src, group=group)
+                    _trace_issue(work, "recv", src, group, token, device=True, role=role, what="connect")
+                works.append(work)
+            for work in works:
+                _trace_wait(work)
+                work.wait()
+
+    def destroy(self) -> None:
+        """Release both groups (local: no collective)."""
+        for group in {id(g): g for g in (self.to_lower, self.to_higher) if g is not None}.values():
+            dist.destroy_process_group(group)
+
+
 class PointToPoint:
     """Activations and gradients between neighbouring stages of one pipeline.
 
@@ -148,6 +224,12 @@ class PointToPoint:
     block with ``timeout`` seconds; a peer that died surfaces within seconds as a closed
     connection, one that hangs after ``timeout``, and either way the error names the peer's stage
     and rank and the micro-batch being waited for.
+
+    On a device (NCCL), payload work is waited on the stream, not the host (`Work.wait()` without a
+    timeout: a timeout would turn on a blocking host wait, so no receive could overlap compute); the
+    host still waits, with ``timeout``, for the header, which travels on the gloo ``header_group``
+    ahead of its payloads, so a dead or silent peer is still named within the timeout. A payload that
+    never comes after its header did is the NCCL group's own watchdog timeout.
 
     Each (sender, receiver) pair is one FIFO channel whose two ends track the specs of its last
     message (see the protocol note above), so every rank must send and receive through one
@@ -158,8 +240,9 @@ class PointToPoint:
         stage_of_rank: Maps a global rank to its stage (for messages).
         device: Where received payloads are allocated.
         timeout: Seconds to wait for one transfer before declaring the peer hung.
-        group: Group carrying payloads (None: the default group); gloo on CPU, NCCL on CUDA.
-        header_group: CPU (gloo) group carrying headers; None: the same as ``group``.
+        groups: Groups carrying payloads, one per direction (`LinkGroups`); gloo on CPU, NCCL on CUDA.
+            The default (the default group both ways) is accepted on CPU only.
+        header_group: CPU (gloo) group carrying headers; None: the payload group of the message's direction.
     """
 
     def __init__(
@@ -168,22 +251,36 @@ class PointToPoint:
         stage_of_rank: Callable[[int], int],
         device: torch.device,
         timeout: float,
-        group: dist.ProcessGroup | None = None,
+        groups: LinkGroups | None = None,
         header_group: dist.ProcessGroup | None = None,
     ) -> None:
+        groups = groups if groups is not None else LinkGroups()
+        if device.type != "cpu" and not groups.directed:
+            raise ValueError(
+                f"PointToPoint on {device} needs one group per direction (groups=LinkGroups.create()): on NCCL, "
+                "both directions of a link on one communicator deadlock at the first steady-state 1F1B step"
+            )
         self.stage = stage
         self.rank = dist.get_rank()
         self._stage_of_rank = stage_of_rank
         self._device = device
         self._timeout = timedelta(seconds=timeout)
-        self._group = group
-        self._header_group = header_group if header_group is not None else group
-        # (work, tensor kept alive until sent, peer, micro-batch, what)
-        self._pending: list[tuple[dist.Work, Tensor, int, int, str]] = []
+        self._groups = groups
+        self._header_group = header_group
+        self._on_stream = device.type != "cpu"  # payloads are device work: wait on the stream (see above)
+        # (work, tensor kept alive until sent, peer, micro-batch, what, on the device?)
+        self._pending: list[tuple[dist.Work, Tensor, int, int, str, bool]] = []
         self._sent_specs: dict[int, Specs] = {}  # per destination: specs of the last message sent
         self._recv_specs: dict[int, Specs] = {}  # per source: specs of the last message received
         self._posted: dict[int, _PostedRecv] = {}  # per source: irecvs posted for its next message
         self.bytes_sent = 0
+
+    def connect(self, peers: Sequence[int]) -> None:
+        """Create the communicators to the neighbouring ``peers`` before the first message (`LinkGroups.connect`).
+
+        Every rank of the pipeline calls it at the same point (`PipelineRuntime` does, when it is built).
+        """
+        self._groups.connect(self.rank, peers, self._device, "p2p")
 
     def ready(self, src: int) -> bool:
         """Whether a receive from ``src`` may be issued now: always, since it blocks until the message comes."""
@@ -191,12 +288,12 @@ class PointToPoint:
 
     @property
     def can_prepost(self) -> bool:
-        """Whether receives may be posted ahead of the schedule's order.
+        """Whether receives may be posted ahead of the schedule's order: yes, on every backend.
 
-        On NCCL, point-to-point operations between two ranks execute in issue order on one stream,
-        so an early irecv would queue ahead of a send the peer is waiting for: deadlock.
+        Each (group, pair) communicator carries one direction (`LinkGroups`), so an early receive only
+        ever waits for the next message of its own channel, never ahead of a send the peer waits for.
         """
-        return self._device.type == "cpu"
+        return True
 
     def send(self, tensors: Payload, dst: int, microbatch: int, what: str) -> None:
         """Start sending ``tensors`` (None entries allowed) for ``microbatch`` to global rank ``dst``."""
@@ -204,18 +301,18 @@ class PointToPoint:
         header = torch.zeros(_HEADER_LEN, dtype=torch.int64)
         fields = encode_header(microbatch, tensors)
         header[: len(fields)] = torch.tensor(fields, dtype=torch.int64)
-        self._isend(header, dst, self._header_group, microbatch, what)
+        self._isend(header, dst, microbatch, what, device=False)
         specs = _specs_of(tensors)
         expected = self._sent_specs.get(dst)
         if expected is not None and expected != specs:
             for spec in expected:  # placeholders for the payload irecvs the receiver already posted
                 if spec is not None:
                     placeholder = torch.empty(spec[1], dtype=spec[0], device=self._device)
-                    self._isend(placeholder, dst, self._group, microbatch, what)
+                    self._isend(placeholder, dst, microbatch, what, device=True)
         for t in tensors:
             if t is not None:
                 payload = t.detach().contiguous()
-                self._isend(payload, dst, self._group, microbatch, what)
+                self._isend(payload, dst, microbatch, what, device=True)
                 self.bytes_sent += payload.numel() * payload.element_size()
         self._sent_specs[dst] = specs
 
@@ -224,7 +321,7 @@ class PointToPoint:
 
         Call it only for a message that is certain to come (the caller's schedule says so): a
         posted receive cannot be withdrawn, and one left posted would swallow an unrelated later
-        message. Does nothing where `can_prepost` is False.
+        message.
         """
         if self.can_prepost and src not in self._posted:
             self._posted[src] = self._post(src)
@@ -232,8 +329,8 @@ class PointToPoint:
     def recv(self, src: int, microbatch: int, what: str) -> Payload:
         """Receive the ``what`` of ``microbatch`` from global rank ``src``; blocks up to the timeout."""
         posted = self._posted.pop(src, None) or self._post(src)
-        self._wait(posted.header_work, src, microbatch, what)
-        fields = posted.header.tolist()
+        self._wait(posted.header_work, src, microbatch, what, device=False)
+        fields = posted.header.tolist()  # a CPU tensor: no device sync
         got, specs = decode_header(fields)
         if got != microbatch:
             raise PipelineCommError(
@@ -241,12 +338,12 @@ class PointToPoint:
                 f"{src} but received micro-batch {got}: the two stages run different schedules"
             )
         for work in posted.works:  # the payloads, or the placeholders sent because the specs changed
-            self._wait(work, src, microbatch, what)
+            self._wait(work, src, microbatch, what, device=True)
         buffers = posted.buffers
         if tuple(specs) != posted.specs:
-            buffers, works = self._post_payloads(src, tuple(specs))
+            buffers, works = self._post_payloads(src, tuple(specs), microbatch, what)
             for work in works:
-                self._wait(work, src, microbatch, what)
+                self._wait(work, src, microbatch, what, device=True)
         self._recv_specs[src] = tuple(specs)
         filled = iter(buffers)
         received = tuple(None if spec is None else next(filled) for spec in specs)
@@ -257,37 +354,60 @@ class PointToPoint:
 
     def _post(self, src: int) -> _PostedRecv:
         header = torch.empty(_HEADER_LEN, dtype=torch.int64)
-        header_work = dist.irecv(header, src, group=self._header_group)
+        group = self._header_group_of(src, self.rank)
+        header_work = dist.irecv(header, src, group=group)
+        _trace_issue(header_work, "recv", src, group, header, device=False, role="header", what="next header")
         specs = self._recv_specs.get(src, ())
-        return _PostedRecv(header, header_work, specs, *self._post_payloads(src, specs))
+        return _PostedRecv(header, header_work, specs, *self._post_payloads(src, specs, None, "payload"))
 
-    def _post_payloads(self, src: int, specs: Specs) -> tuple[list[Tensor], list[dist.Work]]:
+    def _post_payloads(
+        self, src: int, specs: Specs, microbatch: int | None, what: str
+    ) -> tuple[list[Tensor], list[dist.Work]]:
         buffers = [torch.empty(spec[1], dtype=spec[0], device=self._device) for spec in specs if spec is not None]
-        return buffers, [dist.irecv(buf, src, group=self._group) for buf in buffers]
+        group = self._groups.carrying(src, self.rank)
+        works = []
+        for buf in buffers:
+            work = dist.irecv(buf, src, group=group)
+            label = what if microbatch is None else f"{what} of micro-batch {microbatch}"
+            _trace_issue(work, "recv", src, group, buf, device=True, role="p2p", what=label)
+            works.append(work)
+        return buffers, works
 
     def flush(self) -> None:
         """Wait for every send in flight (before a checkpoint, at the end of training)."""
-        for work, _, dst, microbatch, what in self._pending:
-            self._wait(work, dst, microbatch, what)
+        for work, _, dst, microbatch, what, device in self._pending:
+            self._wait(work, dst, microbatch, what, device)
         self._pending.clear()
 
-    def _isend(self, t: Tensor, dst: int, group: dist.ProcessGroup | None, microbatch: int, what: str) -> None:
+    def _header_group_of(self, src: int, dst: int) -> dist.ProcessGroup | None:
+        return self._header_group if self._header_group is not None else self._groups.carrying(src, dst)
+
+    def _isend(self, t: Tensor, dst: int, microbatch: int, what: str, device: bool) -> None:
+        group = self._groups.carrying(self.rank, dst) if device else self._header_group_of(self.rank, dst)
         work = dist.isend(t, dst, group=group)
-        self._pending.append((work, t, dst, microbatch, what))
+        label = f"{what} of micro-batch {microbatch}" if device else f"header of {what} of micro-batch {microbatch}"
+        _trace_issue(work, "send", dst, group, t, device=device, role="p2p" if device else "header", what=label)
+        self._pending.append((work, t, dst, microbatch, what, device))
 
     def _reap(self) -> None:
-        # Completed sends release their tensors; an unfinished one stays (its peer is just behind).
+        # Completed sends release their tensors; an unfinished one stays (its peer is just behind). Polled,
+        # not waited on: nothing here blocks, so the order check does not count these as waits.
         still = []
-        for work, t, dst, microbatch, what in self._pending:
+        for work, t, dst, microbatch, what, device in self._pending:
             if work.is_completed():
-                self._wait(work, dst, microbatch, what)  # raises if the send failed
+                self._wait(work, dst, microbatch, what, device, traced=False)  # raises if the send failed
             else:
-                still.append((work, t, dst, microbatch, what))
+                still.append((work, t, dst, microbatch, what, device))
         self._pending = still
 
-    def _wait(self, work: dist.Work, peer: int, microbatch: int, what: str) -> None:
+    def _wait(self, work: dist.Work, peer: int, microbatch: int, what: str, device: bool, traced: bool = True) -> None:
+        if traced:
+            _trace_wait(work)
         try:
-            work.wait(self._timeout)
+            if device and self._on_stream:
+                work.wait()  # the compute stream waits; the host goes on (liveness: the header's timeout)
+            else:
+                work.wait(self._timeout)
         except RuntimeError as err:
             raise PipelineCommError(self._explain(peer, microbatch, what, err)) from err
 
@@ -295,7 +415,7 @@ class PointToPoint:
         me = f"stage {self.stage} (rank {self.rank})"
         them = f"stage {self._stage_of_rank(peer)} (rank {peer})"
         waiting = f"{what} of micro-batch {microbatch}"
-        timed_out = "timed out" in str(err).lower()
+        timed_out = is_timeout(err)
         if timed_out:
             cause = read_failure()  # a stage further up may have timed out on the real culprit first
             message = (
@@ -316,6 +436,33 @@ class PointToPoint:
             # chain that ends at the hung stage, and must not be named as the cause to the others.
             report_failure(message)
         return message
+
+
+# gloo says "Timed out waiting 5000ms for recv operation"; NCCL's watchdog "Watchdog caught collective
+# operation timeout: WorkNCCL(SeqNum=7, OpType=RECV, ..., Timeout(ms)=600000) ran for 600043 milliseconds
+# before timing out" (no "timed out" in it: reported as a dead peer before this matched both).
+_TIMEOUT_TEXT = re.compile(r"timed out|timing out|operation timeout", re.IGNORECASE)
+
+
+def is_timeout(err: BaseException) -> bool:
+    """Whether a communication error is a timeout (gloo's or NCCL's watchdog), not a lost peer."""
+    return bool(_TIMEOUT_TEXT.search(str(err)))
+
+
+def _trace_issue(work: dist.Work, kind: str, peer: int | None, group: dist.ProcessGroup | None, t: Tensor,
+                 device: bool, role: str, what: str) -> None:  # fmt: skip
+    """Record an operation for the NCCL order check (`p2p_trace`), when ``LIT_EFFICIENT_P2P_TRACE`` asks."""
+    rec = p2p_trace.recorder(dist.get_rank)
+    if rec is not None:
+        name = (group if group is not None else dist.group.WORLD).group_name
+        ranks = dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
+        rec.issue(work, kind, peer, name, ranks, t.numel() * t.element_size(), device, role, what)
+
+
+def _trace_wait(work: dist.Work) -> None:
+    rec = p2p_trace.recorder(dist.get_rank)
+    if rec is not None:
+        rec.wait(work)
 
 
 class LocalExchange:
@@ -374,6 +521,9 @@ class LocalPointToPoint:
         payload = tuple(None if t is None else t.detach().requires_grad_(t.requires_grad) for t in tensors)
         self.bytes_sent += sum(t.numel() * t.element_size() for t in payload if t is not None)
         self.exchange.box(self.rank, dst).append((microbatch, payload))
+
+    def connect(self, peers: Sequence[int]) -> None:
+        """Nothing to connect in one process."""
 
     def prepost(self, src: int) -> None:
         """Nothing to do in one process."""
@@ -438,56 +588,82 @@ def read_failure() -> str | None:
 class TiedExchange:
     """Gradients of a tied parameter between the first and the last stage of one pipeline.
 
-    The two ranks share a two-rank group of their own, so these messages never interleave with the
-    stage-to-stage stream of `PointToPoint`. Every message has the parameter's shape and dtype, so
-    there is no header. Sends are non-blocking (the tensor is kept alive until it is received);
-    receives wait up to ``timeout`` and fail naming the peer.
+    The two ranks share two-rank groups of their own (`LinkGroups` of the pair: one per direction, for
+    the reason given there), so these messages never interleave with the stage-to-stage stream of
+    `PointToPoint`. Every message has the parameter's shape and dtype, so there is no header. Sends are
+    non-blocking (the tensor is kept alive until it is received); receives wait up to ``timeout`` (on the
+    stream, on a device: see `PointToPoint`) and fail naming the peer.
 
     Args:
         stage: This rank's stage (for messages).
         peer: Global rank of the other copy's stage.
         peer_stage: That rank's stage (for messages).
-        group: The two-rank group of this rank and ``peer``.
+        groups: The two groups of this rank and ``peer`` (`LinkGroups.create([rank, peer])`).
         timeout: Seconds a receive waits before declaring the peer hung.
+        device: Where the parameter lives. Building the exchange creates its communicators
+            (`LinkGroups.connect`): both ranks build theirs at the same point.
     """
 
-    def __init__(self, stage: int, peer: int, peer_stage: int, group: dist.ProcessGroup, timeout: float) -> None:
+    def __init__(
+        self,
+        stage: int,
+        peer: int,
+        peer_stage: int,
+        groups: LinkGroups,
+        timeout: float,
+        device: torch.device | str = "cpu",
+    ) -> None:
         self.stage = stage
         self.peer = peer
         self.peer_stage = peer_stage
-        self._group = group
+        self.rank = dist.get_rank()
+        self._groups = groups
         self._timeout = timedelta(seconds=timeout)
         self._pending: list[tuple[dist.Work, Tensor]] = []
         self.bytes_sent = 0
+        groups.connect(self.rank, [peer], torch.device(device), "tied")
 
     def all_reduce(self, t: Tensor) -> None:
         """Sum ``t`` in place with the peer's tensor (both ranks call it at the same step)."""
-        self._wait(dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self._group, async_op=True), "all-reduce")
+        group = self._groups.to_higher  # either group holds both ranks; flush sends nothing else on it
+        work = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        _trace_issue(work, "all_reduce", None, group, t, device=True, role="tied", what="tied-weight all-reduce")
+        self._wait(work, "all-reduce", t)
         self.bytes_sent += t.numel() * t.element_size()
 
     def send(self, t: Tensor) -> None:
         """Start sending ``t`` to the peer; ``t`` must not be changed until `flush` (or a later send) reaps it."""
         self._pending = [(w, x) for w, x in self._pending if not w.is_completed()]
-        self._pending.append((dist.isend(t, self.peer, group=self._group), t))
+        group = self._groups.carrying(self.rank, self.peer)
+        work = dist.isend(t, self.peer, group=group)
+        _trace_issue(work, "send", self.peer, group, t, device=True, role="tied", what="tied-weight gradient")
+        self._pending.append((work, t))
         self.bytes_sent += t.numel() * t.element_size()
 
     def recv(self, like: Tensor) -> Tensor:
         """The next tensor the peer sent, shaped like ``like``; blocks up to the timeout."""
         buf = torch.empty_like(like)
-        self._wait(dist.irecv(buf, self.peer, group=self._group), "receive")
+        group = self._groups.carrying(self.peer, self.rank)
+        work = dist.irecv(buf, self.peer, group=group)
+        _trace_issue(work, "recv", self.peer, group, buf, device=True, role="tied", what="tied-weight gradient")
+        self._wait(work, "receive", buf)
         return buf
 
     def flush(self) -> None:
         """Wait for every send in flight."""
-        for work, _ in self._pending:
-            self._wait(work, "send")
+        for work, t in self._pending:
+            self._wait(work, "send", t)
         self._pending.clear()
 
-    def _wait(self, work: dist.Work, what: str) -> None:
+    def _wait(self, work: dist.Work, what: str, t: Tensor) -> None:
+        _trace_wait(work)
         try:
-            work.wait(self._timeout)
+            if t.device.type != "cpu":
+                work.wait()  # on the stream, as PointToPoint's payloads
+            else:
+                work.wait(self._timeout)
         except RuntimeError as err:
             raise PipelineCommError(
-                f"stage {self.stage} (rank {dist.get_rank()}) failed the tied-weight gradient {what} with stage "
+                f"stage {self.stage} (rank {self.rank}) failed the tied-weight gradient {what} with stage "
                 f"{self.peer_stage} (rank {self.peer}): {err}"
             ) from err

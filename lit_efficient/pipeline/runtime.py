@@ -77,6 +77,8 @@ class PipelineRuntime:
         self.accumulate = accumulate
         self.input_fn = input_fn
         self.comm = comm
+        if comm is not None:  # every rank builds its runtime at the same point: create its links now
+            comm.connect([r for r in (prev_rank, next_rank) if r is not None])
         self.prev_rank = prev_rank
         self.next_rank = next_rank
         self._segment_start = 0  # first micro-batch of the current (undrained) segment

@@ -36,7 +36,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lit_efficient.averaging import ReplicaAverager
-from lit_efficient.pipeline.comm import PointToPoint, report_failure
+from lit_efficient.pipeline.comm import LinkGroups, PointToPoint, report_failure
 from lit_efficient.pipeline.partition import check_sizes, partition_balanced, partition_uniform, predicted_utilization
 from lit_efficient.pipeline.runtime import PipelineRuntime
 from lit_efficient.pipeline.schedules import SCHEDULES, ScheduleName
@@ -202,14 +202,14 @@ class PACIStrategy(PipelineCheckpointing, PipelineEvaluation, LocalStepHooks, DD
         self._dp_groups: dict[int, dist.ProcessGroup] = {}
         self._pipeline_groups: dict[int, dist.ProcessGroup] = {}
         self._header_group: dist.ProcessGroup | None = None
-        self._p2p_group: dist.ProcessGroup | None = None
+        self._p2p_groups: LinkGroups | None = None
         self._signal_group: dist.ProcessGroup | None = None
         self._sigterm_pending: deque[tuple[dist.Work, Tensor]] = deque()
         self._was_automatic = True
         self._epoch_schedulers: list[Any] = []
         self._eval_index = 0
         self._failed = False
-        self._tie_groups: dict[int, dist.ProcessGroup] = {}
+        self._tie_groups: dict[int, LinkGroups] = {}
         self._tied: list[Any] = []
         self._in_process: InProcessPipeline | None = None
 
@@ -293,10 +293,11 @@ class PACIStrategy(PipelineCheckpointing, PipelineEvaluation, LocalStepHooks, DD
         self.topology = Topology.for_world(self.world_size, self.pipeline_stages)
         backend = dist.get_backend()
         # Every rank creates every group, in the same order: new_group is collective.
-        # Stage-to-stage transfers get a group of their own: a receive posted ahead (comm.py) that an
-        # exception leaves unmatched then dies with the group in teardown instead of lingering on
-        # the default group, where it would swallow a message of a later fit in this process.
-        self._p2p_group = dist.new_group()
+        # Stage-to-stage transfers get groups of their own, one per direction: on NCCL both directions of
+        # a link on one communicator deadlock (comm.LinkGroups). And a receive posted ahead (comm.py) that
+        # an exception leaves unmatched dies with its group in teardown instead of lingering on the
+        # default group, where it would swallow a message of a later fit in this process.
+        self._p2p_groups = LinkGroups.create()
         self._header_group = None if backend == "gloo" else dist.new_group(backend="gloo")
         for stage in range(self.pipeline_stages):
             self._dp_groups[stage] = dist.new_group(self.topology.replica_ranks(stage))
@@ -360,7 +361,7 @@ class PACIStrategy(PipelineCheckpointing, PipelineEvaluation, LocalStepHooks, DD
         if self.pipeline_stages > 1:
             comm = PointToPoint(
                 self.stage, self.topology.stage_of, self.root_device, self.p2p_timeout,
-                group=self._p2p_group, header_group=self._header_group,
+                groups=self._p2p_groups, header_group=self._header_group,
             )  # fmt: skip
         self.runtime = PipelineRuntime(
             stage, self.schedule, max(1, trainer.accumulate_grad_batches), module.pipeline_input, comm, prev_rank,
@@ -413,12 +414,15 @@ class PACIStrategy(PipelineCheckpointing, PipelineEvaluation, LocalStepHooks, DD
         if not dist.is_initialized():
             return
         groups = [*self._dp_groups.values(), *self._pipeline_groups.values()]
-        groups += [self._signal_group, self._header_group, self._p2p_group, *self._tie_groups.values()]
+        groups += [self._signal_group, self._header_group]
         for group in groups:
             if group is not None:
                 dist.destroy_process_group(group)
+        for links in [self._p2p_groups, *self._tie_groups.values()]:
+            if links is not None:
+                links.destroy()
         self._dp_groups, self._pipeline_groups, self._tie_groups = {}, {}, {}
-        self._signal_group = self._header_group = self._p2p_group = None
+        self._signal_group = self._header_group = self._p2p_groups = None
 
     def _gather_model_on_rank_zero(self) -> None:
         """Rebuild the whole model on global rank 0 (CPU) so the user's object is complete after fit."""

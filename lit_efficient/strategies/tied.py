@@ -8,10 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch.distributed as dist
 from torch import nn
 
-from lit_efficient.pipeline.comm import TiedExchange
+from lit_efficient.pipeline.comm import LinkGroups, TiedExchange
 from lit_efficient.pipeline.schedules import ScheduleName
 from lit_efficient.pipeline.stage import PipelineStage
 from lit_efficient.pipeline.tied import TiedWeight, tie_delay
@@ -21,11 +20,12 @@ from lit_efficient.strategies.split import Split
 TIED_ATTR = "_lit_efficient_tied"  # set on a tied copy: clipping treats it once, see `tied_aware_norm`
 
 
-def tie_groups(topology: Topology) -> dict[int, dist.ProcessGroup]:
-    """One two-rank group per replica: its first and its last stage. Collective: every rank calls it."""
+def tie_groups(topology: Topology) -> dict[int, LinkGroups]:
+    """Per replica, the groups of its first and its last stage, one per direction (`LinkGroups`: on NCCL,
+    PACI's two-way exchange on one communicator would deadlock). Collective: every rank calls it."""
     first, last = 0, topology.num_stages - 1
     return {
-        r: dist.new_group(sorted({topology.rank_of(first, r), topology.rank_of(last, r)}))
+        r: LinkGroups.create(sorted({topology.rank_of(first, r), topology.rank_of(last, r)}))
         for r in range(topology.num_replicas)
     }
 
@@ -37,7 +37,7 @@ def install_tied_weights(
     accumulate: int,
     topology: Topology,
     rank: int,
-    group: dist.ProcessGroup,
+    groups: LinkGroups,
     timeout: float,
 ) -> list[TiedWeight]:
     """Install the tied-weight rule on ``stage`` (first or last) for every tie of ``split``."""
@@ -47,7 +47,7 @@ def install_tied_weights(
     replica = topology.replica_of(rank)
     peer_stage = last if s == 0 else 0
     peer = topology.rank_of(peer_stage, replica)
-    exchange = TiedExchange(s, peer, peer_stage, group, timeout)
+    exchange = TiedExchange(s, peer, peer_stage, groups, timeout, stage.device)
     tied = []
     for tie in split.ties:
         part, name = tie.first if s == 0 else tie.last
