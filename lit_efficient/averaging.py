@@ -200,7 +200,7 @@ class ReplicaAverager:
         self.bytes_communicated += all_reduce_flat(sums + buffers, self.group)
         for b in buffers:
             b.div_(self._world)
-        diff_sq, avg_sq = _zero(), _zero()
+        diff_sq, avg_sq = _zeros(self._params)
         for p, s in zip(self._params, sums, strict=True):
             avg = s.div_(self._world)
             diff_sq += (p.detach().float() - avg.float()).pow(2).sum(dtype=torch.float64)
@@ -216,7 +216,7 @@ class ReplicaAverager:
             for t in pseudo_grads + buffers:
                 t.div_(self._world)
         # This replica minus the average = local - (anchor - mean pseudo-gradient).
-        diff_sq, avg_sq = _zero(), _zero()
+        diff_sq, avg_sq = _zeros(self._params)
         for a, p, g in zip(self._anchor, self._params, pseudo_grads, strict=True):
             avg = a - g
             diff_sq += (p.detach().float() - avg).pow(2).sum(dtype=torch.float64)
@@ -308,13 +308,17 @@ def _group_size(group: ProcessGroup | None) -> int:
     return size
 
 
-def _zero() -> Tensor:
-    return torch.zeros((), dtype=torch.float64)
+def _zeros(params: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+    # The divergence's two float64 sums, on the parameters' device: the per-parameter terms are 0-dim
+    # device tensors, and CUDA refuses to add them into a CPU accumulator in place. Summing there also
+    # keeps the loop free of host syncs; `_relative` reads both once.
+    device = params[0].device if params else torch.device("cpu")
+    return torch.zeros((), dtype=torch.float64, device=device), torch.zeros((), dtype=torch.float64, device=device)
 
 
 def _relative(diff_sq: Tensor, avg_sq: Tensor) -> float:
-    # Host sync, once per sync: the metric is for logging and syncs are rare.
-    diff, avg = torch.stack([diff_sq.cpu(), avg_sq.cpu()]).tolist()
+    # Host sync, once per sync (one transfer of both sums): the metric is for logging and syncs are rare.
+    diff, avg = torch.stack([diff_sq, avg_sq]).tolist()
     if avg == 0.0:
         return 0.0 if diff == 0.0 else math.inf
     return math.sqrt(diff / avg)

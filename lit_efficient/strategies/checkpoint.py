@@ -58,14 +58,17 @@ def rank_share(
         checkpoint: Lightning's checkpoint dict as this rank built it (its stage's keys only).
         module: The split module (its parameters are this stage's).
         optimizer: This stage's optimizer, or None.
-        extras: ``stage``, ``replica`` and the pipeline state of this rank (accumulation, RNG, averager).
+        extras: ``stage``, ``replica`` and the pipeline state of this rank (accumulation, RNG, averager), on
+            any device: the share holds host copies, and loading puts them back on the loading rank's device.
         keep_weights: Send weights and optimizer state (replica 0 always; other replicas when they diverge).
         tied_copies: Names of this stage's second copies of weights tied to the first stage (the LM head's
             copy of the token table): one device's optimizer holds such a weight once, so the merged
             optimizer leaves them out (``optimizer_by_name`` keeps them, for a pipeline to resume by name).
     """
     names = {id(p): n for n, p in module.named_parameters()}
-    share = dict(extras, tied_copies=list(tied_copies))
+    # Host copies of everything: the share is pickled to rank 0 (`gather_object`), where a CUDA storage
+    # would be reopened on the sending rank's device index. Costs one device-to-host copy of what it holds.
+    share = dict(_cpu(extras), tied_copies=list(tied_copies))
     if keep_weights:
         share["state_dict"] = _cpu(checkpoint["state_dict"])
         if optimizer is not None and checkpoint.get("optimizer_states"):  # none under save_weights_only
@@ -335,6 +338,7 @@ def consolidate_checkpoint(path: str | os.PathLike) -> dict[str, Tensor]:
 
 
 def _cpu(obj: Any) -> Any:
+    """``obj`` with every tensor in its dicts, lists and tuples detached and on the host."""
     if isinstance(obj, Tensor):
         return obj.detach().cpu()
     if isinstance(obj, dict):

@@ -57,7 +57,7 @@ from lit_efficient.strategies.config import (
 from lit_efficient.strategies.evaluation import PipelineEvaluation
 from lit_efficient.strategies.hooks import drain_before, undo_drain_before, warn_uncalled_hooks
 from lit_efficient.strategies.in_process import InProcessPipeline
-from lit_efficient.strategies.profile import profile_layers
+from lit_efficient.strategies.profile import first_batch, profile_layers
 from lit_efficient.strategies.split import (
     LayerOnOtherStage,
     Split,
@@ -472,7 +472,8 @@ class PACIStrategy(PipelineCheckpointing, PipelineEvaluation, LocalStepHooks, DD
                 f"PACIStrategy(balance='profile'): stage times {[f'{t * 1e3:.1f} ms' for t in times]}, predicted "
                 f"utilization {predicted_utilization(times, trainer.accumulate_grad_batches, self.schedule):.1%}"
             )
-        dist.broadcast_object_list(sizes_box, src=0, group=self._cpu_group())
+        if self._in_process is None:  # one process (devices=1) has no group and no peer to tell
+            dist.broadcast_object_list(sizes_box, src=0, group=self._cpu_group())
         return list(sizes_box[0])
 
     # -- training ---------------------------------------------------------------------------------
@@ -659,10 +660,8 @@ def _point_metrics_at(module: LightningModule, group: dist.ProcessGroup) -> None
 
 
 def _first_training_batch(trainer: Trainer) -> Any:
-    source = trainer.fit_loop._data_source
-    loader = source.dataloader()
-    batch = next(iter(loader))
-    return batch
+    # Without a trace in the loader's random streams: only rank 0 draws it (profile.first_batch).
+    return first_batch(trainer.fit_loop._data_source.dataloader())
 
 
 def first_tensor(batch: Any) -> Tensor | None:
