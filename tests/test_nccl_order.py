@@ -236,11 +236,11 @@ def _model() -> GPT:
     return GPT(n_layer=4, n_head=2, n_embd=32, block_size=16, tie_weights=True)
 
 
-def _trainer_run(tmp_path, stages: int, schedule: str) -> None:
+def _trainer_run(tmp_path, stages: int, schedule: str, devices: int) -> None:
     from lit_efficient.data import TextDataModule
 
     trainer = Trainer(
-        accelerator="cpu", devices=stages, max_steps=5, val_check_interval=7, limit_val_batches=2,
+        accelerator="cpu", devices=devices, max_steps=5, val_check_interval=7, limit_val_batches=2,
         strategy=PACIStrategy(pipeline_stages=stages, schedule=schedule, start_method="forkserver"),
         callbacks=[GradientAccumulation(steps=2), ModelCheckpoint(tmp_path / "ckpt", every_n_train_steps=3)],
         logger=False, enable_progress_bar=False, enable_model_summary=False,
@@ -250,12 +250,15 @@ def _trainer_run(tmp_path, stages: int, schedule: str) -> None:
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize(("stages", "schedule"), [(2, "paci"), (2, "1f1b_flush"), (4, "paci")])
-def test_trainer_order_cannot_deadlock_on_nccl(tmp_path, monkeypatch, stages, schedule):
-    """Fit with tied embeddings, validation 7 micro-batches in (mid-window), a checkpoint every 3 steps."""
+@pytest.mark.parametrize(
+    ("stages", "schedule", "devices"), [(2, "paci", 2), (2, "1f1b_flush", 2), (4, "paci", 4), (2, "1f1b_flush", 4)]
+)
+def test_trainer_order_cannot_deadlock_on_nccl(tmp_path, monkeypatch, stages, schedule, devices):
+    """Fit with tied embeddings, validation 7 micro-batches in (mid-window), a checkpoint every 3 steps; on
+    two replicas too (their gradient all-reduce and the tied all-reduce are collectives of the replay)."""
     monkeypatch.setenv(TRACE_ENV, str(tmp_path / "trace"))
-    _trainer_run(tmp_path, stages, schedule)
+    _trainer_run(tmp_path, stages, schedule, devices)
     assert [p.name for p in (tmp_path / "ckpt").iterdir()] == ["epoch=0-step=3.ckpt"]
     result = _check(tmp_path / "trace")
-    assert result["ranks"] == stages
+    assert result["ranks"] == devices
     assert result["one_group_per_role"] == "deadlocks", result
