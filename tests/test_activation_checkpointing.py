@@ -220,3 +220,105 @@ def test_real_fit_toggle_mid_run_logged_bytes_and_flag_survives_resume(tmp_path)
     _trainer(tmp_path, [resumed_ac, resumed], max_steps=5).fit(tiny_gpt(dropout=0.1), datamodule=data, ckpt_path=ckpt)
     assert not resumed_ac.enabled
     assert resumed.saved == [off]
+
+
+# -- selective mode and random numbers drawn inside a kept op (fused attention's dropout on CUDA) -------
+
+_DROPOUT_OPS = [
+    name
+    for name in (
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_fused_attention_overrideable",
+    )
+    if hasattr(torch.ops.aten, name)
+]
+
+
+@pytest.mark.parametrize("name", _DROPOUT_OPS)
+def test_selective_recomputes_fused_attention_that_draws_a_dropout_mask(name):
+    """The CUDA attention kernels draw their dropout mask inside (Philox offsets of the device's stream).
+    Kept, such a call is skipped at recompute, so every random op after it in the block draws at other
+    offsets than in forward: other dropout masks, wrong gradients. Kept only without dropout."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from lit_efficient.callbacks.activation_checkpointing import SELECTIVE_SAVE_OPS, _selective_policy
+
+    op = getattr(torch.ops.aten, name).default
+    assert op in SELECTIVE_SAVE_OPS
+    schema = op._schema.arguments
+    position = next(i for i, a in enumerate(schema) if a.name == "dropout_p")
+    q = torch.empty(1, 2, 8, 4, device="meta")
+    stand_ins = {"query": q, "key": q, "value": q, "compute_log_sumexp": True}  # attn_bias: None
+    args = [stand_ins.get(a.name) for a in schema[:position]]
+    ctx = SimpleNamespace(is_recompute=False, op_output=None)
+    for is_recompute in (False, True):
+        ctx.is_recompute = is_recompute
+        assert _selective_policy(ctx, op, *args, 0.1) == CheckpointPolicy.PREFER_RECOMPUTE
+        assert _selective_policy(ctx, op, *args, 0.0) == CheckpointPolicy.MUST_SAVE
+        assert _selective_policy(ctx, op, *args) == CheckpointPolicy.MUST_SAVE  # the default: no dropout
+        assert _selective_policy(ctx, op, *args, dropout_p=0.1) == CheckpointPolicy.PREFER_RECOMPUTE
+
+
+# A CPU stand-in for fused attention with dropout (which CPU kernels refuse: they decompose it instead):
+# one op that draws its dropout mask inside, from the process's stream, as the CUDA kernels do.
+@torch.library.custom_op(
+    "lit_efficient_test::fused_mm_dropout", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,)
+)
+def _fused_mm_dropout(x: torch.Tensor, w: torch.Tensor, dropout_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    mask = (torch.rand(x.shape[0], w.shape[1]) >= dropout_p).to(x.dtype) / (1 - dropout_p)
+    return (x @ w) * mask, mask
+
+
+@_fused_mm_dropout.register_fake
+def _(x, w, dropout_p):
+    return x.new_empty(x.shape[0], w.shape[1]), x.new_empty(x.shape[0], w.shape[1])
+
+
+def _fused_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0], inputs[1], output[1])
+
+
+def _fused_backward(ctx, grad, _grad_mask):
+    x, w, mask = ctx.saved_tensors
+    g = grad * mask
+    return g @ w.t(), x.t() @ g, None
+
+
+_fused_mm_dropout.register_autograd(_fused_backward, setup_context=_fused_setup)
+
+
+class FusedBlock(nn.Module):
+    """attention-like fused op with dropout, then the block's other random op (residual dropout)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(8, 8) / 3)
+        self.w2 = nn.Parameter(torch.randn(8, 8) / 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y, _ = _fused_mm_dropout(x, self.w1, 0.3)
+        y = torch.nn.functional.dropout(torch.nn.functional.gelu(y), 0.3)
+        return x + y @ self.w2
+
+
+def test_selective_gradients_exact_when_a_kept_op_draws_random_numbers(monkeypatch):
+    """With a kept op that draws random numbers (fused attention with dropout, as on CUDA), the masks
+    drawn after it at recompute must be the forward's: gradients equal those without checkpointing."""
+    from lit_efficient.callbacks import activation_checkpointing as ac_module
+
+    op = torch.ops.lit_efficient_test.fused_mm_dropout.default
+    monkeypatch.setattr(ac_module, "SELECTIVE_SAVE_OPS", ac_module.SELECTIVE_SAVE_OPS | {op})
+    x = torch.randn(4, 8)
+    grads = []
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(FusedBlock(), FusedBlock())
+        if wrap:
+            assert ActivationCheckpointing(mode="selective").wrap(model) == ["0", "1"]
+        torch.manual_seed(123)
+        model(x).pow(2).sum().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=0, atol=0, msg=name)

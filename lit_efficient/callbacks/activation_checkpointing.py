@@ -40,7 +40,8 @@ def _selective_save_ops() -> frozenset[Any]:
     Everything else (LayerNorm, GELU, dropout, adds, views) is recomputed: cheap in FLOPs, costly in bytes.
     Looked up by name because the attention kernels differ by torch version and device; on CPU,
     `F.scaled_dot_product_attention` without dropout dispatches to `_scaled_dot_product_flash_attention_for_cpu`
-    and with dropout to the math path, i.e. `bmm` (both saved).
+    and with dropout to the math path, i.e. `bmm` (both saved). A call that draws random numbers (fused
+    attention with dropout, on CUDA) is recomputed nonetheless: see `_draws_random_numbers`.
     """
     names = (
         "mm",
@@ -139,8 +140,30 @@ def _tensors_of(module: nn.Module) -> Iterator[Tensor]:
     yield from module.buffers()
 
 
+def _draws_random_numbers(op: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether this call draws from the random stream: ops tagged so do, except the fused attention
+    kernels called with ``dropout_p=0`` (they draw their dropout mask only when there is dropout).
+
+    Such a call must be recomputed, never kept. Checkpointing restores the RNG state before the
+    recompute and relies on the recompute drawing what the forward drew, in the same order. A kept call
+    is not run again, so it does not draw: on CUDA the Philox offset then stays behind, and every random
+    op after it in the block (residual and MLP dropout) draws a different mask than in the forward, so
+    the gradients are those of another function. CPU never shows it: its attention kernels refuse dropout
+    and it runs as separate ops (`bmm`, dropout), each recomputed or kept on its own. Cost, with attention
+    dropout on CUDA only: one attention forward more per checkpointed block at backward.
+    """
+    if torch.Tag.nondeterministic_seeded not in op.tags:
+        return False
+    for i, argument in enumerate(op._schema.arguments):
+        if argument.name == "dropout_p":
+            value = args[i] if i < len(args) else kwargs.get("dropout_p", argument.default_value)
+            return bool(value)
+    return True
+
+
 def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    if op not in SELECTIVE_SAVE_OPS:
+    # Decided by the call's arguments alone, so the forward and the recompute decide alike.
+    if op not in SELECTIVE_SAVE_OPS or _draws_random_numbers(op, args, kwargs):
         return CheckpointPolicy.PREFER_RECOMPUTE
     meter = _ACTIVE_METER.get()
     # `op_output` exists from torch 2.6 on; without it selective mode's cache goes uncounted (an undercount).
@@ -292,7 +315,8 @@ class ActivationCheckpointing(Callback):
     Uses non-reentrant `torch.utils.checkpoint` with the RNG state preserved, so dropout masks and
     gradients are the same as without it. Full mode keeps only each block's input (about one extra
     forward of compute); selective mode also keeps matmul and attention outputs and recomputes only
-    the cheap ops (LayerNorm, GELU, dropout, adds) in between.
+    the cheap ops (LayerNorm, GELU, dropout, adds) in between; a fused attention kernel that draws a
+    dropout mask (attention dropout on CUDA) is recomputed too, so that every mask is the forward's.
 
     The callback wraps in `on_fit_start`, after the strategy has set up (and, under `PACIStrategy`,
     split) the model, and unwraps in `teardown`. `validate`/`test`/`predict` run without autograd,
