@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from lit_efficient.pipeline.comm import PipelineCommError, PointToPoint
+from lit_efficient.pipeline.wire import WireFormat
 from tests.multiproc import spawn, values
 
 pytestmark = pytest.mark.multiproc
@@ -55,8 +56,9 @@ def _same(a: tuple, b: tuple) -> bool:
     )
 
 
-def _exchange(rank, world, messages, prepost_every):
-    comm = PointToPoint(rank, lambda r: r, torch.device("cpu"), timeout=60.0)
+def _exchange(rank, world, messages, prepost_every, wire=None):
+    comm = PointToPoint(rank, lambda r: r, torch.device("cpu"), timeout=60.0, wire=wire)
+    wire = comm.wire
     if rank == 0:
         for i in range(messages):
             comm.send(_message(i), 1, i, "activations")
@@ -72,14 +74,24 @@ def _exchange(rank, world, messages, prepost_every):
                 comm.prepost(0)
                 comm.prepost(0)  # a second call is a no-op: one message, one posted receive
             got = comm.recv(0, j, "activations")
-            if not _same(got, _message(j)):
+            if not _same(got, tuple(None if t is None else wire.round_trip(t) for t in _message(j))):
                 bad.append(j)
     return bad
 
 
-@pytest.mark.parametrize("prepost_every", [0, 1, 3])
-def test_every_message_arrives_intact_across_spec_changes(prepost_every):
-    results = spawn(_exchange, 2, 24, prepost_every, timeout=120)
+@pytest.mark.parametrize(
+    ("prepost_every", "wire"),
+    [
+        (0, None),
+        (1, None),
+        (3, None),
+        (1, WireFormat(torch.bfloat16)),  # every tensor packed into one buffer, float32 as bf16
+        (3, WireFormat(torch.bfloat16, pack_below=64)),  # (4, 8) fp32 alone, (2,) int64 packed
+    ],
+)
+def test_every_message_arrives_intact_across_spec_changes(prepost_every, wire):
+    """Intact: bit for bit, or as the wire format rounds it (float32 as bf16)."""
+    results = spawn(_exchange, 2, 24, prepost_every, wire, timeout=120)
     sent, bad = values(results)
     assert sent == "sent"
     assert bad == [], f"messages received wrong: {bad}"

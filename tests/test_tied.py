@@ -171,7 +171,7 @@ def test_split_keeps_a_real_copy_on_each_side_and_unsplit_ties_again():
 
 
 def test_header_carries_which_tensors_need_a_gradient():
-    from lit_efficient.pipeline.comm import decode_header, decode_requires_grad, encode_header
+    from lit_efficient.pipeline.wire import decode_header, decode_requires_grad, encode_header
 
     hidden = torch.zeros(2, 3, requires_grad=True)
     fields = encode_header(5, (hidden, torch.ones(3), None, torch.arange(4)))

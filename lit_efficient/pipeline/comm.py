@@ -23,6 +23,17 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lit_efficient.pipeline import p2p_trace
+from lit_efficient.pipeline.wire import (
+    HEADER_LEN,
+    Payload,
+    Plan,
+    Specs,
+    WireFormat,
+    decode_header,
+    decode_requires_grad,
+    encode_header,
+    specs_of,
+)
 
 
 def all_reduce_flat(tensors: Sequence[Tensor], group: dist.ProcessGroup | None = None) -> int:
@@ -55,11 +66,9 @@ class PipelineCommError(RuntimeError):
     """A peer stage failed, died or went silent; the message names it."""
 
 
-# A message is a fixed-size int64 header followed by one payload transfer per tensor. The header
-# carries the micro-batch index (checked on arrival: a mismatch is a schedule bug, caught at once)
-# and each tensor's dtype and shape, so stages can exchange tuples of any shape and dtype, and
-# shapes may change between micro-batches (variable sequence lengths). Headers always travel on a
-# CPU (gloo) group: reading one on the host costs no device synchronization when payloads go over
+# A message is a fixed-size int64 header followed by its payload transfers (lit_efficient.pipeline.wire:
+# the header's fields, the wire dtype, which tensors share one packed buffer). Headers always travel on
+# a CPU (gloo) group: reading one on the host costs no device synchronization when payloads go over
 # NCCL.
 #
 # Gloo transfers are rendezvous: data moves only once the receiver has posted its irecv, so each
@@ -71,77 +80,17 @@ class PipelineCommError(RuntimeError):
 # When the specs change, the sender first sends placeholder payloads of the old specs, which the
 # already-posted irecvs absorb, then the real ones: a shape change costs one wasted transfer, the
 # steady state none.
-_HEADER_LEN = 256
-_NONE = -1
-_DTYPES = (
-    torch.float32, torch.float16, torch.bfloat16, torch.float64,
-    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-)  # fmt: skip
-_DTYPE_CODE = {dtype: code for code, dtype in enumerate(_DTYPES)}
-_REQUIRES_GRAD = 64  # added to a tensor's dtype code when it requires grad on the sending side
 _ABORT_KEY = "lit_efficient/abort"
-
-Payload = tuple[Tensor | None, ...]
-Spec = tuple[torch.dtype, tuple[int, ...]] | None  # a payload tensor's dtype and shape; None for None
-Specs = tuple[Spec, ...]
-
-
-def encode_header(microbatch: int, tensors: Payload) -> list[int]:
-    """Header fields for ``tensors``: ``[microbatch, count, (dtype, ndim, *shape) per tensor]``."""
-    fields = [microbatch, len(tensors)]
-    for t in tensors:
-        if t is None:
-            fields.append(_NONE)
-            continue
-        if t.dtype not in _DTYPE_CODE:
-            raise TypeError(f"cannot send a {t.dtype} tensor between stages; supported: {list(_DTYPE_CODE)}")
-        # The receiver makes a tensor a gradient-collecting leaf only if it required grad here: side
-        # inputs (rotary cos/sin, float masks) then get no gradient computed or sent back.
-        fields += [_DTYPE_CODE[t.dtype] + _REQUIRES_GRAD * t.requires_grad, t.dim(), *t.shape]
-    if len(fields) > _HEADER_LEN:
-        raise ValueError(
-            f"a stage boundary carries {len(tensors)} tensors whose shapes need {len(fields)} header fields "
-            f"(> {_HEADER_LEN}); pass fewer tensors between pipeline layers"
-        )
-    return fields
-
-
-def decode_header(fields: list[int]) -> tuple[int, list[Spec]]:
-    """Inverse of `encode_header`: the micro-batch and, per tensor, its dtype and shape (None for None)."""
-    microbatch, specs, _ = _decode(fields)
-    return microbatch, specs
-
-
-def decode_requires_grad(fields: list[int]) -> list[bool]:
-    """Per tensor of a header: whether it required grad on the sending side (False for None)."""
-    return _decode(fields)[2]
-
-
-def _decode(fields: list[int]) -> tuple[int, list[Spec], list[bool]]:
-    microbatch, count, pos = fields[0], fields[1], 2
-    specs: list[Spec] = []
-    grads: list[bool] = []
-    for _ in range(count):
-        code = fields[pos]
-        if code == _NONE:
-            specs.append(None)
-            grads.append(False)
-            pos += 1
-            continue
-        ndim = fields[pos + 1]
-        specs.append((_DTYPES[code % _REQUIRES_GRAD], tuple(fields[pos + 2 : pos + 2 + ndim])))
-        grads.append(code >= _REQUIRES_GRAD)
-        pos += 2 + ndim
-    return microbatch, specs, grads
 
 
 @dataclass
 class _PostedRecv:
-    """The irecvs posted for the next message of one channel: header plus payloads of ``specs``."""
+    """The irecvs posted for the next message of one channel: header plus the payloads of ``specs``."""
 
     header: Tensor
     header_work: dist.Work
     specs: Specs
+    plan: Plan
     buffers: list[Tensor]
     works: list[dist.Work]
 
@@ -171,9 +120,10 @@ class LinkGroups:
     to_higher: dist.ProcessGroup | None = None
 
     @classmethod
-    def create(cls, ranks: Sequence[int] | None = None, backend: str | None = None) -> LinkGroups:
-        """Two new groups of ``ranks`` (default: every rank). Collective: every rank calls it, in the same order."""
-        return cls(dist.new_group(ranks, backend=backend), dist.new_group(ranks, backend=backend))
+    def create(cls, ranks: Sequence[int] | None = None, timeout: timedelta | None = None) -> LinkGroups:
+        """Two new groups of ``ranks`` (default: every rank) on the default backend. Collective: every rank
+        calls it, in the same order. ``timeout`` is NCCL's watchdog timeout for their work (None: torch's)."""
+        return cls(dist.new_group(ranks, timeout=timeout), dist.new_group(ranks, timeout=timeout))
 
     @property
     def directed(self) -> bool:
@@ -243,6 +193,8 @@ class PointToPoint:
         groups: Groups carrying payloads, one per direction (`LinkGroups`); gloo on CPU, NCCL on CUDA.
             The default (the default group both ways) is accepted on CPU only.
         header_group: CPU (gloo) group carrying headers; None: the payload group of the message's direction.
+        wire: How payloads travel (`lit_efficient.pipeline.wire.WireFormat`: bf16 on the wire, packing);
+            every rank of a pipeline must use the same.
     """
 
     def __init__(
@@ -253,6 +205,7 @@ class PointToPoint:
         timeout: float,
         groups: LinkGroups | None = None,
         header_group: dist.ProcessGroup | None = None,
+        wire: WireFormat | None = None,
     ) -> None:
         groups = groups if groups is not None else LinkGroups()
         if device.type != "cpu" and not groups.directed:
@@ -267,6 +220,7 @@ class PointToPoint:
         self._timeout = timedelta(seconds=timeout)
         self._groups = groups
         self._header_group = header_group
+        self.wire = wire if wire is not None else WireFormat()
         self._on_stream = device.type != "cpu"  # payloads are device work: wait on the stream (see above)
         # (work, tensor kept alive until sent, peer, micro-batch, what, on the device?)
         self._pending: list[tuple[dist.Work, Tensor, int, int, str, bool]] = []
@@ -298,22 +252,19 @@ class PointToPoint:
     def send(self, tensors: Payload, dst: int, microbatch: int, what: str) -> None:
         """Start sending ``tensors`` (None entries allowed) for ``microbatch`` to global rank ``dst``."""
         self._reap()
-        header = torch.zeros(_HEADER_LEN, dtype=torch.int64)
+        header = torch.zeros(HEADER_LEN, dtype=torch.int64)
         fields = encode_header(microbatch, tensors)
         header[: len(fields)] = torch.tensor(fields, dtype=torch.int64)
         self._isend(header, dst, microbatch, what, device=False)
-        specs = _specs_of(tensors)
+        specs = specs_of(tensors)
         expected = self._sent_specs.get(dst)
         if expected is not None and expected != specs:
-            for spec in expected:  # placeholders for the payload irecvs the receiver already posted
-                if spec is not None:
-                    placeholder = torch.empty(spec[1], dtype=spec[0], device=self._device)
-                    self._isend(placeholder, dst, microbatch, what, device=True)
-        for t in tensors:
-            if t is not None:
-                payload = t.detach().contiguous()
-                self._isend(payload, dst, microbatch, what, device=True)
-                self.bytes_sent += payload.numel() * payload.element_size()
+            # Placeholders for the payload irecvs the receiver already posted (the old specs' transfers).
+            for dtype, shape in self.wire.plan(expected).transfers:
+                self._isend(torch.empty(shape, dtype=dtype, device=self._device), dst, microbatch, what, device=True)
+        for payload in self.wire.encode(tensors, self.wire.plan(specs), self._device):
+            self._isend(payload, dst, microbatch, what, device=True)
+            self.bytes_sent += payload.numel() * payload.element_size()
         self._sent_specs[dst] = specs
 
     def prepost(self, src: int) -> None:
@@ -339,31 +290,32 @@ class PointToPoint:
             )
         for work in posted.works:  # the payloads, or the placeholders sent because the specs changed
             self._wait(work, src, microbatch, what, device=True)
-        buffers = posted.buffers
+        buffers, plan = posted.buffers, posted.plan
         if tuple(specs) != posted.specs:
-            buffers, works = self._post_payloads(src, tuple(specs), microbatch, what)
+            plan = self.wire.plan(tuple(specs))
+            buffers, works = self._post_payloads(src, plan, microbatch, what)
             for work in works:
                 self._wait(work, src, microbatch, what, device=True)
         self._recv_specs[src] = tuple(specs)
-        filled = iter(buffers)
-        received = tuple(None if spec is None else next(filled) for spec in specs)
+        received = self.wire.decode(buffers, tuple(specs), plan)
         return tuple(
             t.requires_grad_() if t is not None and grad else t
             for t, grad in zip(received, decode_requires_grad(fields), strict=True)
         )
 
     def _post(self, src: int) -> _PostedRecv:
-        header = torch.empty(_HEADER_LEN, dtype=torch.int64)
+        header = torch.empty(HEADER_LEN, dtype=torch.int64)
         group = self._header_group_of(src, self.rank)
         header_work = dist.irecv(header, src, group=group)
         _trace_issue(header_work, "recv", src, group, header, device=False, role="header", what="next header")
         specs = self._recv_specs.get(src, ())
-        return _PostedRecv(header, header_work, specs, *self._post_payloads(src, specs, None, "payload"))
+        plan = self.wire.plan(specs)
+        return _PostedRecv(header, header_work, specs, plan, *self._post_payloads(src, plan, None, "payload"))
 
     def _post_payloads(
-        self, src: int, specs: Specs, microbatch: int | None, what: str
+        self, src: int, plan: Plan, microbatch: int | None, what: str
     ) -> tuple[list[Tensor], list[dist.Work]]:
-        buffers = [torch.empty(spec[1], dtype=spec[0], device=self._device) for spec in specs if spec is not None]
+        buffers = [torch.empty(shape, dtype=dtype, device=self._device) for dtype, shape in plan.transfers]
         group = self._groups.carrying(src, self.rank)
         works = []
         for buf in buffers:
@@ -471,11 +423,16 @@ class LocalExchange:
     One FIFO mailbox per (sender, receiver) pair of (virtual) ranks, the same channels the process
     transport has. Payloads are handed over as detached tensors, not copies: a sender never writes
     to what it sent (it keeps it only for its own backward, if at all), so a copy would double the
-    activations at every stage boundary for nothing.
+    activations at every stage boundary for nothing. Under a wire format that rounds (bf16 on the wire),
+    tensors are rounded as the process transport's would be (`WireFormat.round_trip`): the same numerics.
+
+    Args:
+        wire: The wire format the process pipeline would use.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, wire: WireFormat | None = None) -> None:
         self._boxes: dict[tuple[int, int], deque[tuple[int, Payload]]] = {}
+        self.wire = wire if wire is not None else WireFormat()
 
     def endpoint(self, rank: int, stage: int, stage_of_rank: Callable[[int], int]) -> LocalPointToPoint:
         """The transport of the stage that plays ``rank``."""
@@ -518,8 +475,11 @@ class LocalPointToPoint:
         """Put ``tensors`` for ``microbatch`` into ``dst``'s mailbox."""
         # Detached, but saying whether it required grad, as the process transport's header does: the
         # receiving stage makes only those collect a gradient to send back (side inputs get none).
-        payload = tuple(None if t is None else t.detach().requires_grad_(t.requires_grad) for t in tensors)
-        self.bytes_sent += sum(t.numel() * t.element_size() for t in payload if t is not None)
+        wire = self.exchange.wire
+        payload = tuple(
+            None if t is None else wire.round_trip(t.detach()).requires_grad_(t.requires_grad) for t in tensors
+        )
+        self.bytes_sent += sum(t.numel() * wire.wire_dtype(t.dtype).itemsize for t in payload if t is not None)
         self.exchange.box(self.rank, dst).append((microbatch, payload))
 
     def connect(self, peers: Sequence[int]) -> None:
@@ -547,10 +507,6 @@ class LocalPointToPoint:
 
     def flush(self) -> None:
         """Nothing in flight: sends complete at once."""
-
-
-def _specs_of(tensors: Payload) -> Specs:
-    return tuple(None if t is None else (t.dtype, tuple(t.shape)) for t in tensors)
 
 
 _printed_failure = False

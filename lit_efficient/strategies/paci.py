@@ -44,6 +44,7 @@ from lit_efficient.pipeline.stage import PipelineStage
 from lit_efficient.pipeline.staleness import CORRECTIONS, CorrectionName
 from lit_efficient.pipeline.tied import finish_tied
 from lit_efficient.pipeline.topology import Topology
+from lit_efficient.pipeline.wire import WireFormat
 from lit_efficient.progress import swap_stock_progress_bar
 from lit_efficient.strategies.checkpointing import PipelineCheckpointing
 from lit_efficient.strategies.config import (
@@ -72,6 +73,7 @@ from lit_efficient.strategies.step_hooks import LocalStepHooks
 from lit_efficient.strategies.tied import install_tied_weights, tie_groups
 
 Balance = Literal["parameters", "uniform", "profile"]
+_WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class PACIStrategy(PipelineCheckpointing, PipelineEvaluation, LocalStepHooks, DDPStrategy):
@@ -97,7 +99,12 @@ class PACIStrategy(PipelineCheckpointing, PipelineEvaluation, LocalStepHooks, DD
         balance: How layers are split: ``"parameters"`` balances parameter counts, ``"uniform"``
             balances layer counts, ``"profile"`` times every layer on the device with a real
             micro-batch and minimizes the slowest stage; or an explicit list of layers per stage.
-        p2p_timeout: Seconds a stage waits for a neighbour before failing with an error naming it.
+        p2p_timeout: Seconds a stage waits for a neighbour before failing with an error naming it (also the
+            watchdog timeout of the NCCL groups that carry the stages' tensors).
+        wire_dtype: The dtype float32 tensors (activations, gradients) cross a stage boundary in:
+            ``"float32"`` (exact) or ``"bfloat16"``: half the bytes between stages, each boundary tensor
+            rounded to bf16 and cast back on arrival (what it costs: BENCHMARKS.md, "bf16 on the wire").
+            Other dtypes travel as they are; tensors under 64 KiB share one transfer either way.
         on_nonfinite: A NaN/Inf loss or gradient: ``"raise"`` an error naming the stage, optimizer step and
             micro-batch, or ``"skip"`` that window's update on every stage and replica alike.
         local_sgd_steps: None: replicas all-reduce gradients every step (DDP semantics). H: replicas
@@ -146,6 +153,7 @@ class PACIStrategy(PipelineCheckpointing, PipelineEvaluation, LocalStepHooks, DD
         recompute: bool = False,
         balance: Balance | list[int] = "parameters",
         p2p_timeout: float = 600.0,
+        wire_dtype: Literal["float32", "bfloat16"] = "float32",
         on_nonfinite: Literal["raise", "skip"] = "raise",
         local_sgd_steps: int | None = None,
         local_sgd_warmup_steps: int = 0,
@@ -174,6 +182,8 @@ class PACIStrategy(PipelineCheckpointing, PipelineEvaluation, LocalStepHooks, DD
             raise ValueError(
                 f"staleness_correction={staleness_correction!r} is not one of {', '.join(CORRECTIONS)} (or None: off)"
             )
+        if wire_dtype not in _WIRE_DTYPES:
+            raise ValueError(f"wire_dtype={wire_dtype!r} must be one of {', '.join(map(repr, _WIRE_DTYPES))}")
         if not isinstance(staleness_anneal_steps, int) or staleness_anneal_steps < 1:
             raise ValueError(f"staleness_anneal_steps={staleness_anneal_steps!r} must be an integer >= 1")
         super().__init__(
@@ -188,6 +198,7 @@ class PACIStrategy(PipelineCheckpointing, PipelineEvaluation, LocalStepHooks, DD
         self.recompute = recompute
         self.balance = balance
         self.p2p_timeout = p2p_timeout
+        self.wire_dtype = wire_dtype
         self.on_nonfinite = on_nonfinite
         self.local_sgd_steps = local_sgd_steps
         self.local_sgd_warmup_steps = local_sgd_warmup_steps
@@ -212,6 +223,11 @@ class PACIStrategy(PipelineCheckpointing, PipelineEvaluation, LocalStepHooks, DD
         self._tie_groups: dict[int, LinkGroups] = {}
         self._tied: list[Any] = []
         self._in_process: InProcessPipeline | None = None
+
+    @property
+    def wire_format(self) -> WireFormat:
+        """How tensors cross stage boundaries (`lit_efficient.pipeline.wire`), on processes and in one."""
+        return WireFormat(_WIRE_DTYPES[self.wire_dtype])
 
     @property
     def in_process(self) -> bool:
@@ -297,7 +313,7 @@ class PACIStrategy(PipelineCheckpointing, PipelineEvaluation, LocalStepHooks, DD
         # a link on one communicator deadlock (comm.LinkGroups). And a receive posted ahead (comm.py) that
         # an exception leaves unmatched dies with its group in teardown instead of lingering on the
         # default group, where it would swallow a message of a later fit in this process.
-        self._p2p_groups = LinkGroups.create()
+        self._p2p_groups = LinkGroups.create(timeout=timedelta(seconds=self.p2p_timeout))
         self._header_group = None if backend == "gloo" else dist.new_group(backend="gloo")
         for stage in range(self.pipeline_stages):
             self._dp_groups[stage] = dist.new_group(self.topology.replica_ranks(stage))
@@ -350,7 +366,7 @@ class PACIStrategy(PipelineCheckpointing, PipelineEvaluation, LocalStepHooks, DD
             self._replace_sigterm_barrier(trainer)
             stage.correction = self.correction_for(self.stage, trainer)
         if ties:
-            self._tie_groups = self._tie_groups or tie_groups(self.topology)  # collective: every rank
+            self._tie_groups = self._tie_groups or tie_groups(self.topology, self.p2p_timeout)  # collective
             if fitting:
                 self._tied = install_tied_weights(
                     stage, self._split, self.schedule, max(1, trainer.accumulate_grad_batches), self.topology,
@@ -361,7 +377,7 @@ class PACIStrategy(PipelineCheckpointing, PipelineEvaluation, LocalStepHooks, DD
         if self.pipeline_stages > 1:
             comm = PointToPoint(
                 self.stage, self.topology.stage_of, self.root_device, self.p2p_timeout,
-                groups=self._p2p_groups, header_group=self._header_group,
+                groups=self._p2p_groups, header_group=self._header_group, wire=self.wire_format,
             )  # fmt: skip
         self.runtime = PipelineRuntime(
             stage, self.schedule, max(1, trainer.accumulate_grad_batches), module.pipeline_input, comm, prev_rank,

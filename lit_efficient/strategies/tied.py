@@ -7,6 +7,7 @@ only finds this rank's copies, makes the two-rank groups and installs the hooks.
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import timedelta
 
 from torch import nn
 
@@ -20,12 +21,15 @@ from lit_efficient.strategies.split import Split
 TIED_ATTR = "_lit_efficient_tied"  # set on a tied copy: clipping treats it once, see `tied_aware_norm`
 
 
-def tie_groups(topology: Topology) -> dict[int, LinkGroups]:
+def tie_groups(topology: Topology, timeout: float) -> dict[int, LinkGroups]:
     """Per replica, the groups of its first and its last stage, one per direction (`LinkGroups`: on NCCL,
-    PACI's two-way exchange on one communicator would deadlock). Collective: every rank calls it."""
+    PACI's two-way exchange on one communicator would deadlock), with ``timeout`` seconds as NCCL's watchdog
+    timeout. Collective: every rank calls it."""
     first, last = 0, topology.num_stages - 1
     return {
-        r: LinkGroups.create(sorted({topology.rank_of(first, r), topology.rank_of(last, r)}))
+        r: LinkGroups.create(
+            sorted({topology.rank_of(first, r), topology.rank_of(last, r)}), timedelta(seconds=timeout)
+        )
         for r in range(topology.num_replicas)
     }
 
