@@ -8,6 +8,11 @@ optimizer step per stage). It measures nothing itself inside the pipeline: the n
 action) and the runtime's action timeline; the monitor resets the runtime's stats at the start of
 training and after every logged interval, so each logged value covers one interval.
 
+Every time is taken on the device's clock (`lit_efficient.pipeline.clock`): host time on CPU, CUDA
+events on a GPU, where host time around asynchronous kernels would measure their launch. The events
+are recorded per action without waiting and read only here, at the logging interval (one host sync
+per interval, beside the gather's), and once per fit for the timeline.
+
 Metric keys (logged from global rank 0 through ``trainer.loggers``, at ``trainer.global_step``):
 
 - ``pipeline/utilization_stage{s}``: busy / elapsed of stage s, averaged over its replicas;
@@ -22,6 +27,9 @@ Metric keys (logged from global rank 0 through ``trainer.loggers``, at ``trainer
   peak resident set size on CPU (since the process started).
 
 Under a strategy without a pipeline (single device, DDP) only throughput and memory (``stage0``) apply.
+With the whole pipeline in one process (``Trainer(devices=1)``) every stage has its row and its timeline,
+as S ranks would; utilization there describes the stages' turns on one device, and every stage's memory
+key holds that device's peak.
 """
 
 from __future__ import annotations
@@ -41,6 +49,8 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lit_efficient.pipeline.actions import Action
+from lit_efficient.pipeline.clock import Clock, Mark, Spans, clock_for
+from lit_efficient.pipeline.local import LocalPipeline
 from lit_efficient.pipeline.runtime import PipelineRuntime
 from lit_efficient.runs import run_dir
 from lit_efficient.strategies.paci import PACIStrategy, first_tensor
@@ -53,6 +63,9 @@ _TIMELINE_START = 1
 _TIMELINE_STEPS = 4
 TIMELINE_PNG = "pipeline_timeline.png"
 TIMELINE_JSON = "pipeline_timeline.json"
+# What a rank keeps of its timeline window until fit ends: per stage it runs (None: the rank's own stage)
+# its actions as (action, start, end) in perf_counter seconds.
+_Recorded = list[tuple[int | None, list[tuple[str, float, float]]]]
 _COLORS = {"F": "#4C72B0", "B": "#55A868", "STEP": "#C44E52"}
 _LABELS = {"F": "forward", "B": "backward", "STEP": "optimizer step"}
 
@@ -112,15 +125,17 @@ class PipelineMonitor(Callback):
         self.timeline_paths: list[Path] = []  # files written (rank 0), for the caller
         self._tokens = 0
         self._samples = 0
-        self._interval_start = 0.0
+        self._clock: Clock | None = None  # the root device's (see _device_clock)
+        self._clock_device: torch.device | None = None
+        self._interval_start: Mark | None = None
         self._last_step = -1
         self._logged_step = -1
         self._recording = False
         self._stop_step = 0
-        self._eval_seconds = 0.0  # validation inside the current interval: not training time
-        self._eval_start = 0.0
+        self._eval: Spans | None = None  # validation inside the current interval: not training time
+        self._eval_start: Mark | None = None
         self._timeline_done = False
-        self._recorded: list[tuple[str, float, float]] | None = None  # this rank's window, until fit ends
+        self._recorded: _Recorded | None = None  # this rank's window, until fit ends
 
     # -- hooks -------------------------------------------------------------------------------------
 
@@ -133,8 +148,8 @@ class PipelineMonitor(Callback):
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         self._tokens = self._samples = 0
-        self._interval_start = time.perf_counter()
-        self._eval_seconds = 0.0
+        clock = self._device_clock(trainer)
+        self._interval_start, self._eval = clock.mark(), Spans(clock)
         self._last_step = self._logged_step = trainer.global_step
         self._timeline_done = not self.timeline
         self._recording, self._recorded = False, None
@@ -167,12 +182,13 @@ class PipelineMonitor(Callback):
 
     @override
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._eval_start = time.perf_counter()
+        self._eval_start = self._device_clock(trainer).mark()
 
     @override
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if trainer.training:  # validation inside fit: keep it out of the interval's training time
-            self._eval_seconds += time.perf_counter() - self._eval_start
+        # Validation inside fit: keep it out of the interval's training time.
+        if trainer.training and self._eval is not None and self._eval_start is not None:
+            self._eval.add("validation", self._eval_start, self._device_clock(trainer).mark())
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -185,29 +201,42 @@ class PipelineMonitor(Callback):
         if self._recorded is not None:
             self._write_timeline(trainer, self._recorded)
             self._recorded = None
+        # Events are no state to keep (nor to pickle into a later fit's ranks): the next fit starts afresh.
+        self._clock = self._interval_start = self._eval = self._eval_start = None
 
     # -- metrics -----------------------------------------------------------------------------------
 
     def _log(self, trainer: Trainer, runtime: PipelineRuntime | None) -> None:
-        row = _local_row(trainer, runtime, self._tokens, self._samples)
-        local = torch.tensor(row, dtype=torch.float64, device=trainer.strategy.root_device)
+        # Host sync (CUDA), once per interval: reading the runtime's stats waits for the events recorded
+        # since the last log. This rank's copy of the row to the device below would wait as well.
+        rows = _local_rows(trainer, runtime, self._tokens, self._samples)
+        local = torch.tensor(rows, dtype=torch.float64, device=trainer.strategy.root_device)
         # Synchronization point every `logging_interval` optimizer steps: one all-gather of a few
         # floats per rank, at a window end (the same batch on every rank). Under PACI it stalls the
         # faster stages until the slowest reaches this batch; at one per interval (default 50 windows)
-        # that costs far less than the bubble it measures. The `.tolist()` below is the host sync.
+        # that costs far less than the bubble it measures. The `.tolist()` below is rank 0's host sync.
         gathered = trainer.strategy.all_gather(local) if trainer.world_size > 1 else local
-        wall = time.perf_counter() - self._interval_start - self._eval_seconds
+        clock = self._device_clock(trainer)
+        assert self._interval_start is not None and self._eval is not None  # set in on_train_start
+        wall = clock.seconds(self._interval_start, clock.mark()) - self._eval.total("validation")
         if trainer.is_global_zero:
-            rows = [Row(*r) for r in gathered.reshape(-1, len(Row._fields)).tolist()]
-            metrics = aggregate(rows, wall)
+            everyone = [Row(*r) for r in gathered.reshape(-1, len(Row._fields)).tolist()]
+            metrics = aggregate(everyone, wall)
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)
         if runtime is not None:
             runtime.reset_stats()
         self._tokens = self._samples = 0
-        self._interval_start = time.perf_counter()
-        self._eval_seconds = 0.0
+        self._interval_start, self._eval = clock.mark(), Spans(clock)
         self._logged_step = trainer.global_step
+
+    def _device_clock(self, trainer: Trainer) -> Clock:
+        """The clock of the root device (CUDA events on a GPU), made once; validation hooks may need it
+        before ``on_train_start`` (the sanity check)."""
+        device = trainer.strategy.root_device
+        if self._clock is None or self._clock_device != device:
+            self._clock, self._clock_device = clock_for(device), device
+        return self._clock
 
     # -- timeline ----------------------------------------------------------------------------------
 
@@ -222,31 +251,36 @@ class PipelineMonitor(Callback):
         # stall the pipeline nor land inside a measured interval.
         self._recording, self._timeline_done = False, True
         if runtime is not None:
-            self._recorded = list(runtime.timeline or [])
+            # On CUDA reading the timeline waits for its events: one host sync, once per fit.
+            if isinstance(runtime, LocalPipeline):  # every stage in this process
+                self._recorded = [(rt.stage.stage, list(rt.timeline or [])) for rt in runtime.runtimes]
+            else:
+                self._recorded = [(None, list(runtime.timeline or []))]
             runtime.record_timeline(False)
 
-    def _write_timeline(self, trainer: Trainer, local: list[tuple[str, float, float]]) -> None:
+    def _write_timeline(self, trainer: Trainer, local: _Recorded) -> None:
         strategy = trainer.strategy
         assert isinstance(strategy, PACIStrategy)
-        stage, replica = strategy.stage, strategy.replica
+        mine = [(strategy.stage if stage is None else stage, recorded) for stage, recorded in local]
         # Ranks on different hosts have different perf_counter origins: each reports its clock right
         # after a barrier, and rank 0 shifts every rank's events onto its own clock (skew: the
         # barrier's exit spread, well under one action). Two collectives, once per fit.
         if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
             dist.barrier()
-            payload = (stage, replica, time.perf_counter(), local)
+            payload = (strategy.replica, time.perf_counter(), mine)
             gathered: list[Any] | None = [None] * trainer.world_size if trainer.is_global_zero else None
             dist.gather_object(payload, gathered, dst=0)
         else:
-            gathered = [(stage, replica, time.perf_counter(), local)]
+            gathered = [(strategy.replica, time.perf_counter(), mine)]
         if not trainer.is_global_zero:
             return
         assert gathered is not None
         folder = run_dir(trainer)
-        reference = gathered[0][2]
+        reference = gathered[0][1]
         events = [
             TimelineEvent(s, r, action, start + reference - now, end + reference - now)
-            for s, r, now, recorded in gathered
+            for r, now, per_stage in gathered
+            for s, recorded in per_stage
             for action, start, end in recorded
         ]
         folder.mkdir(parents=True, exist_ok=True)
@@ -339,21 +373,28 @@ def draw_gantt(events: Sequence[TimelineEvent], path: Path) -> None:
 # ------------------------------------------------------------------------ measurements of this rank
 
 
-def _runtime(trainer: Trainer) -> PipelineRuntime | None:
+def _runtime(trainer: Trainer) -> PipelineRuntime | LocalPipeline | None:
     return trainer.strategy.runtime if isinstance(trainer.strategy, PACIStrategy) else None
 
 
-def _local_row(trainer: Trainer, runtime: PipelineRuntime | None, tokens: int, samples: int) -> Row:
+def _local_rows(
+    trainer: Trainer, runtime: PipelineRuntime | LocalPipeline | None, tokens: int, samples: int
+) -> list[Row]:
+    """This rank's rows: one, or one per stage when the whole pipeline runs in this process."""
     peak = _peak_bytes(trainer.strategy.root_device)
     if runtime is None:
-        return Row(0, trainer.global_rank, False, 0.0, 0.0, 0.0, 0.0, 0.0, tokens, samples, peak)
-    s = runtime.stats()
+        return [Row(0, trainer.global_rank, False, 0.0, 0.0, 0.0, 0.0, 0.0, tokens, samples, peak)]
     strategy = trainer.strategy
     assert isinstance(strategy, PACIStrategy)
-    return Row(
-        strategy.stage, strategy.replica, True, s["busy_seconds"], s["elapsed_seconds"], s["drift_max"],
-        runtime.stage.stats.drift_sum, s["backwards"], tokens, samples, peak,
-    )  # fmt: skip
+    runtimes = runtime.runtimes if isinstance(runtime, LocalPipeline) else [runtime]
+    rows = []
+    for rt in runtimes:
+        s = rt.stats()
+        rows.append(Row(
+            rt.stage.stage, strategy.replica, True, s["busy_seconds"], s["elapsed_seconds"], s["drift_max"],
+            rt.stage.stats.drift_sum, s["backwards"], tokens, samples, peak,
+        ))  # fmt: skip
+    return rows
 
 
 def _peak_bytes(device: torch.device) -> float:

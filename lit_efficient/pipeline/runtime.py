@@ -27,13 +27,13 @@ when no further micro-batch comes, so nothing stays posted once the pipeline is 
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch import Tensor
 
 from lit_efficient.pipeline.actions import Action
+from lit_efficient.pipeline.clock import Mark, Spans
 from lit_efficient.pipeline.comm import Payload, PointToPoint
 from lit_efficient.pipeline.schedules import ScheduleName, stage_actions
 from lit_efficient.pipeline.stage import PipelineStage
@@ -91,12 +91,14 @@ class PipelineRuntime:
         self._last_executed: Action | None = None
         self._batch: Any = None
         self._last_loss: Tensor | None = None
-        self._clock_start: float | None = None
-        self._clock_end = 0.0
-        self.wait_seconds = 0.0
-        # (action, start, end) in time.perf_counter() seconds, recorded only when asked: the
-        # monitor's timeline picture. None keeps the hot path free of the bookkeeping.
-        self.timeline: list[tuple[str, float, float]] | None = None
+        # Every time below is a mark on the stage's clock (lit_efficient.pipeline.clock: the host's on
+        # CPU, CUDA events on a GPU), resolved only when stats() or the timeline is read.
+        self._clock_start: Mark | None = None
+        self._clock_end: Mark | None = None
+        self._waits = Spans(stage.clock)
+        # (action, start, end) marks, recorded only when asked: the monitor's timeline picture. None
+        # keeps the hot path free of the bookkeeping.
+        self._timeline: list[tuple[str, Mark, Mark]] | None = None
 
     # -- training --------------------------------------------------------------------------------
 
@@ -248,10 +250,33 @@ class PipelineRuntime:
 
     # -- accounting ------------------------------------------------------------------------------
 
+    @property
+    def wait_seconds(self) -> float:
+        """Time this stage spent receiving (waiting for a neighbour's message) since the last `reset_stats`.
+
+        On CUDA this resolves the pending events (waits for the device): read it where results are read.
+        """
+        return self._waits.total("wait")
+
+    @property
+    def timeline(self) -> list[tuple[str, float, float]] | None:
+        """The recorded actions as ``(action, start, end)`` in ``time.perf_counter()`` seconds, or None
+        when not recording. On CUDA this waits for the device once (the events' times): read it once."""
+        if self._timeline is None:
+            return None
+        clock = self.stage.clock
+        times = iter(clock.host_seconds([m for _, start, end in self._timeline for m in (start, end)]))
+        return [(action, next(times), next(times)) for action, _, _ in self._timeline]
+
     def stats(self) -> dict[str, float]:
-        """Measured numbers of this stage since the last `reset_stats`."""
+        """Measured numbers of this stage since the last `reset_stats`.
+
+        Times are the stage clock's (device time on CUDA); on CUDA reading them waits for the device once,
+        for the events recorded since the last read: the logging interval's sync, never one per action.
+        """
         s = self.stage.stats
-        elapsed = (self._clock_end - self._clock_start) if self._clock_start is not None else 0.0
+        started = self._clock_start is not None and self._clock_end is not None
+        elapsed = self.stage.clock.seconds(self._clock_start, self._clock_end) if started else 0.0
         return {
             "stage": self.stage.stage,
             "forwards": s.forwards,
@@ -272,9 +297,9 @@ class PipelineRuntime:
 
     def reset_stats(self) -> None:
         """Start measuring afresh (after warm-up, or per logging interval)."""
-        self.stage.stats = type(self.stage.stats)()
-        self._clock_start = None
-        self.wait_seconds = 0.0
+        self.stage.reset_stats()
+        self._clock_start = self._clock_end = None
+        self._waits = Spans(self.stage.clock)
 
     # -- internals -------------------------------------------------------------------------------
 
@@ -299,11 +324,11 @@ class PipelineRuntime:
 
     def record_timeline(self, enabled: bool = True) -> None:
         """Start (or stop) recording every executed action with its start and end time."""
-        self.timeline = [] if enabled else None
+        self._timeline = [] if enabled else None
 
     def _execute(self, action: Action) -> None:
         self._tick()
-        start = time.perf_counter()
+        start = self.stage.clock.mark() if self._timeline is not None else None
         stage, j = self.stage, action.index
         if action.kind == "F":
             if stage.is_first:
@@ -335,8 +360,8 @@ class PipelineRuntime:
         self._executed += 1
         self._last_executed = action
         self._tock()
-        if self.timeline is not None:
-            self.timeline.append((str(action), start, self._clock_end))
+        if self._timeline is not None:
+            self._timeline.append((str(action), start, self._clock_end))
 
     def _end_segment(self) -> None:
         # Matches the activation receive the last forward left posted (see _execute). Every rank of the
@@ -356,17 +381,19 @@ class PipelineRuntime:
             self.comm.prepost(self.next_rank)  # type: ignore[union-attr, arg-type]
 
     def _recv(self, src: int | None, microbatch: int, what: str) -> Payload:
-        start = time.perf_counter()
+        # On CUDA the span is the stream's: from where it finished the work before the receive to where
+        # the received tensors are usable on it, i.e. the time the device waited, not the host.
+        start = self.stage.clock.mark()
         out = self.comm.recv(src, microbatch, what)  # type: ignore[union-attr, arg-type]
-        self.wait_seconds += time.perf_counter() - start
+        self._waits.add("wait", start, self.stage.clock.mark())
         return out
 
     def _tick(self) -> None:
         if self._clock_start is None:
-            self._clock_start = time.perf_counter()
+            self._clock_start = self.stage.clock.mark()
 
     def _tock(self) -> None:
-        self._clock_end = time.perf_counter()
+        self._clock_end = self.stage.clock.mark()  # on CUDA one event per action; only the last is kept
 
 
 def _as_payload(x: Tensor | tuple[Tensor, ...]) -> Payload:

@@ -24,7 +24,6 @@ Two ways to run the backward of a micro-batch whose stage stepped after its forw
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -33,6 +32,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from lit_efficient.pipeline.clock import Clock, HostClock, Spans, clock_for
 from lit_efficient.pipeline.comm import Payload
 from lit_efficient.pipeline.staleness import StalenessCorrection
 
@@ -76,25 +76,48 @@ class _InFlight:
 
 @dataclass
 class StageStats:
-    """Measured accounting of one stage (not derived from formulas)."""
+    """Measured accounting of one stage (not derived from formulas).
+
+    Times are spans on the stage's clock (`lit_efficient.pipeline.clock`): host time on CPU, CUDA events
+    on a GPU. Reading a ``*_seconds`` property resolves the pending events, which on CUDA waits for the
+    device: read them where results are read (the monitor's logging interval), not per action.
+    """
 
     forwards: int = 0
     backwards: int = 0
     steps: int = 0
     max_in_flight: int = 0
-    forward_seconds: float = 0.0
-    backward_seconds: float = 0.0
-    step_seconds: float = 0.0
-    evaluate_seconds: float = 0.0
     drift_sum: int = 0
     drift_max: int = 0
     # (micro-batch, version at forward, version at backward) of the most recent micro-batches.
     versions: list[tuple[int, int, int]] = field(default_factory=list)
+    # Seconds per kind of action: "forward", "backward", "step", "evaluate".
+    times: Spans = field(default_factory=lambda: Spans(HostClock()))
+
+    @property
+    def forward_seconds(self) -> float:
+        """Time in forwards (the last stage's loss included)."""
+        return self.times.total("forward")
+
+    @property
+    def backward_seconds(self) -> float:
+        """Time in backwards."""
+        return self.times.total("backward")
+
+    @property
+    def step_seconds(self) -> float:
+        """Time in local optimizer steps (normalization, checks and hooks included)."""
+        return self.times.total("step")
+
+    @property
+    def evaluate_seconds(self) -> float:
+        """Time in evaluation forwards."""
+        return self.times.total("evaluate")
 
     @property
     def busy_seconds(self) -> float:
         """Time in compute: forward, backward, optimizer step and evaluation forwards."""
-        return self.forward_seconds + self.backward_seconds + self.step_seconds + self.evaluate_seconds
+        return sum(self.times.totals().values())
 
 
 class NonFiniteError(FloatingPointError):
@@ -165,7 +188,9 @@ class PipelineStage:
         # masks do not depend on which other stages share its process: what makes a one-process
         # pipeline bit-identical to S processes. Cost: two ~5 KB state copies per action.
         self.rng = _capture_rng(self.device)
-        self.stats = StageStats()
+        # Host time on CPU, CUDA events on a GPU (host time around a GPU forward measures its launch).
+        self.clock: Clock = clock_for(self.device)
+        self.stats = StageStats(times=Spans(self.clock))
         self.skipped_windows = 0
         self._in_flight: dict[int, _InFlight] = {}
         self._output_grad_flags: dict[tuple, tuple[bool, ...]] = {}  # recompute: see _forward_without_graph
@@ -193,7 +218,7 @@ class PipelineStage:
             pending_steps: Optimizer steps this stage takes before this micro-batch's backward (its drift,
                 known from the schedule); only a staleness correction reads it.
         """
-        start = time.perf_counter()
+        start = self.clock.mark()
         correct = nullcontext()
         if self.correction is not None:
             weight = self._window[0] if self._window is not None else None
@@ -204,7 +229,7 @@ class PipelineStage:
             result = self._forward(microbatch, inputs, batch)
         self.stats.forwards += 1
         self.stats.max_in_flight = max(self.stats.max_in_flight, len(self._in_flight))
-        self.stats.forward_seconds += time.perf_counter() - start
+        self.stats.times.add("forward", start, self.clock.mark())
         return result
 
     def _forward(self, microbatch: int, inputs: Payload, batch: Any) -> Payload | Tensor:
@@ -236,14 +261,14 @@ class PipelineStage:
             grads: From the next stage: gradients of this stage's outputs followed by the aux tensor
                 ``[weight, non-finite flag]`` of the micro-batch; None on the last stage.
         """
-        start = time.perf_counter()
+        start = self.clock.mark()
         record = self._in_flight.pop(microbatch)
         with self._own_rng():
             aux = self._backward(record, grads)
         self._accumulate(microbatch, aux)
         input_grads = tuple(t.grad if isinstance(t, Tensor) and t.requires_grad else None for t in record.inputs)
         self._account(microbatch, record.version)
-        self.stats.backward_seconds += time.perf_counter() - start
+        self.stats.times.add("backward", start, self.clock.mark())
         return (*input_grads, aux.detach())
 
     def _backward(self, record: _InFlight, grads: Payload | None) -> Tensor:
@@ -267,7 +292,7 @@ class PipelineStage:
         Args:
             window: The optimizer step's number (for error messages).
         """
-        start = time.perf_counter()
+        start = self.clock.mark()
         params = list(self.parameters())
         grads = [p.grad for p in params if p.grad is not None]
         totals = self._window if self._window is not None else torch.stack([self._one, 0 * self._one, -self._one])
@@ -301,13 +326,20 @@ class PipelineStage:
         self.version += 1
         self._window = None
         self.stats.steps += 1
-        self.stats.step_seconds += time.perf_counter() - start
+        self.stats.times.add("step", start, self.clock.mark())
 
     def _check_finite(self, grads: list[Tensor], totals: Tensor, window: int) -> bool:
         """Whether to apply the update; raises or skips on NaN/Inf as configured."""
         norms = torch._foreach_norm(grads) if grads else [self._one]
         own = (~torch.isfinite(torch.stack([n.to(torch.float64) for n in norms]).sum())).to(torch.float64)
-        # Host sync once per optimizer step (not per micro-batch): whether to step depends on it.
+        # The one host sync of an optimizer step (none per micro-batch: every flag up to here stays on the
+        # device), and it is required. Whether to apply the update is a host decision: raising needs the
+        # host, and skipping must skip the optimizer's and the scheduler's step, calls no generic optimizer
+        # can make conditional on a device flag (fused Adam's found_inf can, for Adam alone). Deciding later,
+        # without waiting, would apply a NaN update before raising, and a skipped window's update could not
+        # be taken back. What it costs on a GPU: the step's kernels are launched only once the window's last
+        # backward has finished, so the device idles for one optimizer launch (well under a millisecond)
+        # per N micro-batches of compute.
         downstream_bad, own_bad, first_bad = torch.stack([totals[1], own, totals[2]]).tolist()
         if not downstream_bad and not own_bad:
             return True
@@ -329,11 +361,15 @@ class PipelineStage:
 
     def evaluate(self, inputs: Payload) -> Payload:
         """Forward without gradients (validation, test, predict)."""
-        start = time.perf_counter()
+        start = self.clock.mark()
         with self._own_rng(), torch.no_grad(), self.forward_context():
             outputs = run_layers(self.layers, inputs, self.first_layer)
-        self.stats.evaluate_seconds += time.perf_counter() - start
+        self.stats.times.add("evaluate", start, self.clock.mark())
         return outputs
+
+    def reset_stats(self) -> None:
+        """Start this stage's accounting afresh (counters, drift, times), on its own clock."""
+        self.stats = StageStats(times=Spans(self.clock))
 
     # -- state -----------------------------------------------------------------------------------
 
