@@ -1,0 +1,72 @@
+"""What one GPU can check (marker ``gpu``, skipped without CUDA): ``python -m pytest -m gpu``.
+
+The checks are benchmarks/gpu_smoke.py's, one test each, so the script and the tests cannot drift
+apart: the in-process S=4 pipeline in bf16-mixed against one device, peak memory against the
+estimate, activation checkpointing with dropout, a checkpoint round trip, the monitor's CUDA-event
+timings and the host syncs per optimizer step. Beside them, the CUDA clock on real events. NCCL
+between processes needs two GPUs; the strict-order transport tests carry that part on CPU.
+
+One test here runs without a GPU: the script's command line on CPU, so it keeps working until the
+first GPU runs it.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS (flush_exact), before CUDA starts
+
+import json  # noqa: E402
+import time  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from benchmarks import gpu_smoke  # noqa: E402
+from lit_efficient.pipeline.clock import CudaClock, Spans  # noqa: E402
+
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@cuda_only
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("name", list(gpu_smoke.CHECKS))
+def test_smoke_check_passes_on_cuda(name):
+    result = gpu_smoke.CHECKS[name]("cuda")
+    assert result.status == "pass", f"{result.detail}\n{json.dumps(result.numbers, default=str)[:4000]}"
+
+
+@pytest.mark.gpu
+@cuda_only
+def test_cuda_clock_times_the_device_work_not_its_launch():
+    """An event span covers the kernel's run on the GPU; host time around the launch is far shorter, and
+    recording the events waits for nothing (sync debug mode set to raise)."""
+    clock = CudaClock("cuda")
+    torch.cuda.synchronize()
+    spans = Spans(clock)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        host_start = time.perf_counter()
+        start = clock.mark()
+        torch.cuda._sleep(50_000_000)  # ~25-50 ms of GPU time at 1-2 GHz
+        spans.add("forward", start, clock.mark())
+        launch = time.perf_counter() - host_start
+        assert spans.pending == 1  # the kernel is still running: nothing resolved yet
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    device = spans.total("forward")
+    assert device >= 0.005 and device > 5 * launch, (device, launch)
+    placed = clock.host_seconds([start])
+    assert host_start - 0.01 <= placed[0] <= time.perf_counter()
+
+
+def test_smoke_script_runs_on_cpu_and_writes_its_table_and_json(tmp_path, capsys):
+    """The command line the first GPU runs, here on CPU with its quickest check."""
+    out = tmp_path / "smoke.json"
+    assert gpu_smoke.main(["--device", "cpu", "--checks", "host_syncs", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "host_syncs" in printed and "PASS" in printed and "0 failed" in printed
+    saved = json.loads(out.read_text())
+    assert [c["name"] for c in saved["checks"]] == ["host_syncs"] and saved["checks"][0]["status"] == "pass"
+    assert saved["checks"][0]["numbers"]["syncs"] == saved["checks"][0]["numbers"]["optimizer_steps"]
