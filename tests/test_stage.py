@@ -138,8 +138,8 @@ def test_accumulation_state_round_trip_resumes_a_window():
 def test_runtime_rejects_a_jump_with_micro_batches_in_flight():
     layers = build_layers(n_layer=1, dim=16, heads=2, block=8)
     stage = PipelineStage(layers[:1], 0, 2, None, None)
-    runtime = PipelineRuntime(stage, "paci", 2, lambda b: b[0], comm=object())  # type: ignore[arg-type]
-    runtime.comm = type("Sink", (), {"send": lambda *a: None, "prepost": lambda *a: None, "flush": lambda self: None})()
+    sink = {"send": lambda *a: None, "prepost": lambda *a: None, "flush": lambda self: None, "connect": lambda *a: None}
+    runtime = PipelineRuntime(stage, "paci", 2, lambda b: b[0], comm=type("Sink", (), sink)())  # type: ignore[arg-type]
     batch = next(batches(embedded_corpus(50_000), 8, 2, 0))
     runtime.feed(batch, 0)
     with pytest.raises(RuntimeError, match="still in flight"):
