@@ -7,11 +7,14 @@ fails as on CUDA); `tests.devices.OnDevice` counts the host reads a CUDA tensor 
 from __future__ import annotations
 
 import contextlib
+import csv
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 
 from lit_efficient import PACIStrategy, averaging
@@ -226,3 +229,106 @@ def test_profile_layers_restores_buffers_random_streams_and_placement():
     for k, v in net.state_dict().items():
         assert torch.equal(v, buffers[k]), k  # BatchNorm's running statistics and counter untouched
     assert all(p.grad is None for p in net.parameters())
+
+
+# -- train_loss: one logger row and one host read per optimizer step ----------------------------------
+
+N = 4  # micro-batches per optimizer step
+
+
+class _LogsAuxLoss(GPT):
+    """Also logs its loss from `pipeline_loss` (where the pipeline runs it) per step and per epoch."""
+
+    def pipeline_loss(self, output, batch):
+        loss, items = super().pipeline_loss(output, batch)
+        if self.trainer.training:
+            self.log("aux_loss", loss, on_step=True, on_epoch=True, batch_size=batch[0].shape[0])
+        return loss, items
+
+
+def _csv_rows(log_dir) -> list[dict[str, str]]:
+    with open(Path(log_dir) / "metrics.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def _logged_run(tmp: Path, name: str, strategy, devices: int) -> list[dict[str, str]]:
+    from tests.test_strategy import _data, _model, _trainer
+
+    model = _model()
+    model.__class__ = _LogsAuxLoss
+    logger = CSVLogger(tmp, name=name, version=0)
+    # Two epochs of 8 micro-batches: two optimizer steps each, and the epoch aggregates.
+    trainer = _trainer(
+        strategy, devices, -1, tmp, max_epochs=2, limit_train_batches=2 * N, accumulate_grad_batches=N,
+        logger=logger, log_every_n_steps=1,
+    )  # fmt: skip
+    trainer.fit(model, datamodule=_data())
+    return _csv_rows(Path(tmp, name, "version_0"))
+
+
+@pytest.fixture(scope="module")
+def one_device_rows(tmp_path_factory) -> list[dict[str, str]]:
+    """Plain Lightning on one device with ``accumulate_grad_batches=N``: what the pipeline must write."""
+    return _logged_run(tmp_path_factory.mktemp("one"), "one", "auto", 1)
+
+
+def _column(rows, key) -> list[tuple[int, int, float]]:
+    return [(int(r["epoch"]), int(r["step"]), float(r[key])) for r in rows if r.get(key)]
+
+
+PIPELINES = [
+    pytest.param(1, "1f1b_flush", id="one-process-flush"),
+    pytest.param(1, "paci", id="one-process-paci"),
+    pytest.param(2, "1f1b_flush", id="two-processes-flush", marks=pytest.mark.multiproc),
+]
+
+
+@pytest.mark.parametrize(("devices", "schedule"), PIPELINES)
+def test_train_loss_one_logger_row_per_optimizer_step_as_one_device(tmp_path, one_device_rows, devices, schedule):
+    """One device with accumulation writes a row per optimizer step (its last micro-batch's loss), not
+    per micro-batch; so does the pipeline, for its own train_loss and for what pipeline_loss logs on
+    step. The epoch aggregate still averages every micro-batch."""
+    strategy = PACIStrategy(pipeline_stages=2, schedule=schedule, start_method="forkserver")
+    rows = _logged_run(tmp_path, "piped", strategy, devices)
+    for key in ("train_loss", "aux_loss_step", "aux_loss_epoch"):
+        expected, got = _column(one_device_rows, key), _column(rows, key)
+        assert [(e, s) for e, s, _ in got] == [(e, s) for e, s, _ in expected], key
+        # Flush is one device's math up to float reassociation; PACI's first window (nothing stepped
+        # yet) is too, its later losses see stale weights on the first stage.
+        compared = expected if schedule == "1f1b_flush" else expected[:1] if key != "aux_loss_epoch" else []
+        for (_, _, want), (_, _, value) in zip(compared, got, strict=False):
+            assert value == pytest.approx(want, rel=1e-5, abs=1e-6), key
+    assert [(e, s) for e, s, _ in _column(one_device_rows, "train_loss")] == [(0, 0), (0, 1), (1, 2), (1, 3)]
+
+
+class _LossOnDevice(Callback):
+    """The pipeline's losses as device tensors would be: every host read of them is counted."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        runtime = trainer.strategy.runtime
+        feed = runtime.feed
+
+        def feed_on_device(batch, index=None):
+            loss = feed(batch, index)
+            return None if loss is None else OnDevice.of(loss)
+
+        runtime.feed = feed_on_device
+
+
+def test_train_loss_reaches_the_host_once_per_optimizer_step(tmp_path):
+    """Lightning converts progress-bar metrics with ``.item()`` after every batch (stale values too): a
+    device loss logged with ``prog_bar=True`` per micro-batch costs a host sync per micro-batch on the
+    last stage, which sets the pipeline's pace. One copy per optimizer step, whatever reads it after."""
+    from tests.test_strategy import _data, _model, _trainer
+
+    steps = 3
+    strategy = PACIStrategy(pipeline_stages=2, schedule="paci")
+    trainer = _trainer(
+        strategy, 1, steps, tmp_path, logger=CSVLogger(tmp_path, name="sync"), log_every_n_steps=1,
+        enable_progress_bar=True, callbacks=[_LossOnDevice()],
+    )  # fmt: skip
+    with OnDevice.counting() as counter:
+        trainer.fit(_model(), datamodule=_data())
+    assert trainer.global_step == steps
+    assert counter.reads == steps
+    assert len(_column(_csv_rows(Path(tmp_path, "sync", "version_0")), "train_loss")) == steps

@@ -70,6 +70,7 @@ from lit_efficient.strategies.split import (
     unsplit,
 )
 from lit_efficient.strategies.step_hooks import LocalStepHooks
+from lit_efficient.strategies.step_logging import log_once_per_optimizer_step
 from lit_efficient.strategies.tied import install_tied_weights, tie_groups
 
 Balance = Literal["parameters", "uniform", "profile"]
@@ -499,6 +500,7 @@ class PACIStrategy(PipelineCheckpointing, PipelineEvaluation, LocalStepHooks, DD
         assert self.runtime is not None
         module, trainer = self.lightning_module, self.lightning_module.trainer
         loop = trainer.fit_loop.epoch_loop
+        log_once_per_optimizer_step(trainer)  # rows as one device writes them under accumulation
         self._update_accumulation(trainer, batch_idx)
         loss = self.runtime.feed(batch, batch_idx)
         epoch_end = loop._num_ready_batches_reached()
@@ -507,14 +509,21 @@ class PACIStrategy(PipelineCheckpointing, PipelineEvaluation, LocalStepHooks, DD
             for config in self._epoch_schedulers:
                 if (trainer.current_epoch + 1) % config.frequency == 0:
                     config.scheduler.step()
-        if not loop._should_accumulate():
+        window_end = not loop._should_accumulate()
+        if window_end:
             # A window of N micro-batches has been fed on every rank: count Lightning's optimizer
             # step (global_step) here; the stages step their optimizers on their own schedule.
             self._lightning_optimizers[0].step()
             self._log_averaging()
         if loss is None:
             return None
-        module.log("train_loss", loss, prog_bar=True, on_step=True, on_epoch=False, batch_size=_batch_size(batch))
+        if window_end:
+            # What one device logs for the step: its last micro-batch's loss. As a host copy: the one host
+            # sync per optimizer step on the last stage, which sets the pipeline's pace. Lightning converts
+            # progress-bar values with .item() after every batch, a stale one too, so a device tensor
+            # here would cost a sync per micro-batch.
+            value = loss.detach().cpu()
+            module.log("train_loss", value, prog_bar=True, on_step=True, on_epoch=False, batch_size=_batch_size(batch))
         return {"loss": loss}
 
     def _log_averaging(self) -> None:
