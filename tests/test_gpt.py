@@ -225,3 +225,22 @@ def test_fit_refuses_data_the_model_cannot_embed():
     data = TextDataModule(block_size=32, batch_size=2, max_bytes=20_000)
     with pytest.raises(ValueError, match="vocab_size=256"):
         _trainer(max_steps=1).fit(tiny_gpt(vocab_size=100, max_steps=1), datamodule=data)
+
+
+@pytest.mark.parametrize("pipeline", [False, True], ids=["one-device", "in-process-pipeline"])
+def test_validate_then_fit_with_validation(pipeline):
+    """Trainer.validate leaves the perplexity's states inference tensors; a later fit validates under no_grad
+    and used to fail updating them in place, on one device as under the pipeline."""
+    from lit_efficient import PACIStrategy
+
+    model = tiny_gpt()
+    data = TextDataModule(block_size=32, batch_size=4, max_bytes=60_000)
+    strategy = PACIStrategy(pipeline_stages=2, schedule="1f1b_flush") if pipeline else "auto"
+    kw = dict(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+              enable_model_summary=False, limit_val_batches=2)  # fmt: skip
+    before = Trainer(strategy=strategy, **kw).validate(model, datamodule=data)[0]["val_ppl"]
+    strategy = PACIStrategy(pipeline_stages=2, schedule="1f1b_flush") if pipeline else "auto"
+    trainer = Trainer(strategy=strategy, max_steps=4, val_check_interval=2, **kw)
+    trainer.fit(model, datamodule=data)
+    after = trainer.callback_metrics["val_ppl"].item()
+    assert math.isfinite(before) and math.isfinite(after) and after < before

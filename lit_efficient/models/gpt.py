@@ -328,6 +328,15 @@ class GPT(LightningModule):
         return {"loss": loss, "num_items": num_items}
 
     @override
+    def on_fit_start(self) -> None:
+        # A Trainer.validate/test before this fit reset the metrics under inference mode, which leaves their
+        # states inference tensors; fit validates under no_grad, where updating those in place is an error
+        # ("Inplace update to inference tensor outside InferenceMode"), on one device as under the pipeline.
+        # Resetting here, outside inference mode, makes them ordinary tensors again; they hold nothing yet.
+        self.val_ppl.reset()
+        self.test_ppl.reset()
+
+    @override
     def validation_step(self, batch: Sequence[Tensor], batch_idx: int) -> Tensor:
         return self._eval_step(batch, "val", self.val_ppl)
 
