@@ -194,6 +194,11 @@ class PipelineStage:
         self.skipped_windows = 0
         self._in_flight: dict[int, _InFlight] = {}
         self._output_grad_flags: dict[tuple, tuple[bool, ...]] = {}  # recompute: see _forward_without_graph
+        # recompute: the buffers a forward updates in place (BatchNorm's running statistics and counter),
+        # restored after each recompute (see _recompute). Learned from the first forward's values (a kernel
+        # that updates a buffer in place, as batch_norm does its running statistics, leaves the buffer's
+        # version counter alone) and from every forward's version counters.
+        self._mutated_buffers: dict[int, Tensor] | None = None
         # Per window, on the device: [sum of micro-batch weights, number of non-finite losses seen
         # downstream, first such micro-batch or -1]. Reduced across replicas with the gradients.
         self._window: Tensor | None = None
@@ -281,9 +286,15 @@ class PipelineStage:
         else:
             assert grads is not None
             *output_grads, aux = grads
-            outputs = record.outputs if record.outputs is not None else self._recompute(record)
+            if record.outputs is not None:
+                outputs, updated = record.outputs, []
+            else:
+                outputs, updated = self._recompute(record)
             pairs = [(o, g) for o, g in zip(outputs, output_grads, strict=True) if g is not None and o.requires_grad]
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            with torch.no_grad():  # after the backward: batch_norm saves the running statistics it was given
+                for buffer, value in updated:
+                    buffer.copy_(value)
         return aux
 
     def step(self, window: int = -1) -> None:
@@ -451,8 +462,17 @@ class PipelineStage:
         per input pattern from a forward with autograd on (its graph freed at once) and reused."""
         key = tuple(None if t is None else t.requires_grad for t in inputs)
         flags = self._output_grad_flags.get(key)
+        buffers = [b for layer in self.layers for b in layer.buffers()]
+        versions = [b._version for b in buffers]
+        first = self._mutated_buffers is None
+        before = [b.clone() for b in buffers] if first else []  # once per stage: a copy of its buffers
         with torch.set_grad_enabled(flags is None), self.forward_context():
             outputs = run_layers(self.layers, inputs, self.first_layer)
+        mutated = self._mutated_buffers if self._mutated_buffers is not None else {}
+        for i, (b, v) in enumerate(zip(buffers, versions, strict=True)):
+            if b._version != v or (first and not torch.equal(b, before[i])):
+                mutated[id(b)] = b
+        self._mutated_buffers = mutated
         if flags is None:
             flags = tuple(isinstance(t, Tensor) and t.requires_grad for t in outputs)
             self._output_grad_flags[key] = flags
@@ -474,9 +494,15 @@ class PipelineStage:
             self.rng = _capture_rng(self.device)
             _restore_rng(outer, self.device)
 
-    def _recompute(self, record: _InFlight) -> Payload:
+    def _recompute(self, record: _InFlight) -> tuple[Payload, list[tuple[Tensor, Tensor]]]:
+        """The forward again, with the micro-batch's RNG state; also the buffers it updated, with the values
+        to put back once the backward is done."""
         assert record.rng is not None
         devices = [self.device] if self.device.type == "cuda" else []
+        # The micro-batch's first forward already updated BatchNorm's running statistics (and the like): the
+        # recompute, in training mode too, must not update them a second time. Only the buffers a forward
+        # was seen to change are saved (a few small tensors), not every buffer of the stage.
+        saved = [(b, b.detach().clone()) for b in (self._mutated_buffers or {}).values()]
         with torch.random.fork_rng(devices=devices, device_type=self.device.type):
             torch.set_rng_state(record.rng[0])
             if record.rng[1] is not None:
@@ -484,7 +510,8 @@ class PipelineStage:
             inputs = tuple(_as_leaf(t) for t in record.inputs) if not self.is_first else record.inputs
             record.inputs = inputs
             with self.forward_context():
-                return run_layers(self.layers, inputs, self.first_layer)
+                outputs = run_layers(self.layers, inputs, self.first_layer)
+        return outputs, saved
 
     def _accumulate(self, microbatch: int, aux: Tensor) -> None:
         weight, bad = aux[0], aux[1]
