@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Trainer
+from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor
 
@@ -84,6 +85,17 @@ class LocalStepHooks:
             return lambda params: torch.nn.utils.clip_grad_value_(params, value)
         group = self._pipeline_groups.get(self.replica)  # None in one process, where flush refuses norm clipping
         exact = self.schedule == "1f1b_flush" and self.pipeline_stages > 1
+        if not exact and self.pipeline_stages > 1 and not getattr(self, "_warned_clipping", False):
+            self._warned_clipping = True  # once per strategy: in one process every stage builds a clipper
+            rank_zero_warn(
+                f"Trainer(gradient_clip_val={value}) under PACIStrategy(schedule='paci') clips each of the "
+                f"{self.pipeline_stages} stages' gradient norms to {value} separately, so the whole model's norm "
+                f"can reach sqrt({self.pipeline_stages}) x {value} = {value * self.pipeline_stages**0.5:.3g}: "
+                "stages step at different times, and a global norm would make each wait for the others (PACI "
+                "would no longer be bubble-free). schedule='1f1b_flush' clips the global norm, exactly as one "
+                "device; clipping by value (gradient_clip_algorithm='value') is the same under both.",
+                category=UserWarning,
+            )
 
         def clip_norm(params: list[torch.nn.Parameter]) -> None:
             if not exact:  # a tied weight's copies must scale alike: paci clips it by its own norm
