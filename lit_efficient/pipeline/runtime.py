@@ -26,6 +26,7 @@ when no further micro-batch comes, so nothing stays posted once the pipeline is 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -99,6 +100,9 @@ class PipelineRuntime:
         # (action, start, end) marks, recorded only when asked: the monitor's timeline picture. None
         # keeps the hot path free of the bookkeeping.
         self._timeline: list[tuple[str, Mark, Mark]] | None = None
+        # Wraps every action and receive in a named span of a profiler (Lightning's `trainer.profiler.profile`,
+        # set by the strategy when one is configured); the default does nothing.
+        self.profile: Callable[[str], contextlib.AbstractContextManager[Any]] = _no_profile
 
     # -- training --------------------------------------------------------------------------------
 
@@ -327,6 +331,10 @@ class PipelineRuntime:
         self._timeline = [] if enabled else None
 
     def _execute(self, action: Action) -> None:
+        with self.profile(f"[pipeline] stage {self.stage.stage} {_ACTION_NAMES[action.kind]}"):
+            self._run(action)
+
+    def _run(self, action: Action) -> None:
         self._tick()
         start = self.stage.clock.mark() if self._timeline is not None else None
         stage, j = self.stage, action.index
@@ -384,7 +392,8 @@ class PipelineRuntime:
         # On CUDA the span is the stream's: from where it finished the work before the receive to where
         # the received tensors are usable on it, i.e. the time the device waited, not the host.
         start = self.stage.clock.mark()
-        out = self.comm.recv(src, microbatch, what)  # type: ignore[union-attr, arg-type]
+        with self.profile(f"[pipeline] stage {self.stage.stage} receive {what}"):
+            out = self.comm.recv(src, microbatch, what)  # type: ignore[union-attr, arg-type]
         self._waits.add("wait", start, self.stage.clock.mark())
         return out
 
@@ -394,6 +403,13 @@ class PipelineRuntime:
 
     def _tock(self) -> None:
         self._clock_end = self.stage.clock.mark()  # on CUDA one event per action; only the last is kept
+
+
+_ACTION_NAMES = {"F": "forward", "B": "backward", "STEP": "optimizer step"}
+
+
+def _no_profile(name: str) -> contextlib.AbstractContextManager[Any]:
+    return contextlib.nullcontext()
 
 
 def _as_payload(x: Tensor | tuple[Tensor, ...]) -> Payload:

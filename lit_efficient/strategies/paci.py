@@ -28,6 +28,7 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.profilers import PassThroughProfiler
 from lightning.pytorch.strategies import DDPStrategy, Strategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
@@ -330,6 +331,7 @@ class PACIStrategy(PipelineCheckpointing, PipelineEvaluation, LocalStepHooks, DD
         assert self.accelerator is not None and self.topology is not None
         if self._in_process is not None:
             self._in_process.setup(trainer)
+            self._attach_profiler(trainer)
             return
         self.accelerator.setup(trainer)
         module = self.lightning_module
@@ -384,6 +386,7 @@ class PACIStrategy(PipelineCheckpointing, PipelineEvaluation, LocalStepHooks, DD
             stage, self.schedule, max(1, trainer.accumulate_grad_batches), module.pipeline_input, comm, prev_rank,
             next_rank,
         )  # fmt: skip
+        self._attach_profiler(trainer)
         _point_metrics_at(module, self._dp_groups[self.pipeline_stages - 1])
         if fitting:
             drain_before(module, "on_validation_model_zero_grad", self.drain)
@@ -400,6 +403,14 @@ class PACIStrategy(PipelineCheckpointing, PipelineEvaluation, LocalStepHooks, DD
         swap_stock_progress_bar(trainer)
         if not any(isinstance(cb, _SyncCallbackMetrics) for cb in trainer.callbacks):
             trainer.callbacks.insert(0, _SyncCallbackMetrics())
+
+    def _attach_profiler(self, trainer: Trainer) -> None:
+        """Give a configured profiler (`Trainer(profiler="simple")`, ...) a row per pipeline action: forward,
+        backward, optimizer step and receive of each stage, inside Lightning's `run_training_batch`."""
+        if isinstance(trainer.profiler, PassThroughProfiler):
+            return  # none configured: the runtime's default spans cost nothing
+        for runtime in getattr(self.runtime, "runtimes", [self.runtime]):  # in one process: every stage's
+            runtime.profile = trainer.profiler.profile
 
     @override
     def teardown(self) -> None:
