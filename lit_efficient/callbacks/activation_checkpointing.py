@@ -17,7 +17,6 @@ import functools
 import types
 from collections import Counter
 from collections.abc import Iterable, Iterator
-from contextlib import nullcontext
 from typing import Any, Literal
 
 import torch
@@ -25,7 +24,11 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from torch.autograd.graph import saved_tensors_hooks
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 from typing_extensions import override
 
 METRIC_KEY = "activation_checkpointing/saved_bytes"
@@ -205,17 +208,15 @@ def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if not state.switch.enabled or not torch.is_grad_enabled():
         return original(*args, **kwargs)
     fn = functools.partial(original, **kwargs) if kwargs else original  # kwargs never clash with checkpoint's own
-    context_fn = _selective_contexts if state.switch.mode == "selective" else _no_contexts
-    return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, context_fn=context_fn)
+    if state.switch.mode == "selective":
+        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, context_fn=_selective_contexts)
+    # Full mode passes no context_fn at all: torch.compile refuses one that is not a pair of dispatch modes.
+    return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True)
 
 
 # A pickled bound method is restored as ``getattr(module, __name__)``; named "forward", that yields the
 # class's plain forward on unpickling, so a pickled wrapped module loads (unwrapped) instead of failing.
 _checkpointed_forward.__name__ = "forward"
-
-
-def _no_contexts() -> tuple[Any, Any]:
-    return nullcontext(), nullcontext()
 
 
 def _wrap(module: nn.Module, switch: _Switch) -> None:

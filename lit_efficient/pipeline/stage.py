@@ -56,7 +56,8 @@ def run_layers(layers: Sequence[nn.Module], inputs: Payload, first_layer: int = 
             if type(err) not in (TypeError, RuntimeError, ValueError):
                 raise  # a subclass (e.g. a comm error) carries its own message and constructor
             got = ", ".join(f"{type(t).__name__}{tuple(t.shape) if isinstance(t, Tensor) else ''}" for t in x)
-            raise type(err)(f"pipeline layer {k} ({type(layer).__name__}) failed on input ({got}): {err}") from err
+            name = type(getattr(layer, "_orig_mod", layer)).__name__  # a compiled layer: its module's class
+            raise type(err)(f"pipeline layer {k} ({name}) failed on input ({got}): {err}") from err
         x = out if isinstance(out, tuple) else (out,)
     return x
 
@@ -165,6 +166,7 @@ class PipelineStage:
         if on_nonfinite not in ("raise", "skip"):
             raise ValueError(f"on_nonfinite={on_nonfinite!r} is not one of 'raise', 'skip'")
         self.layers = list(layers)
+        self._callables: list[Any] = list(self.layers)  # what runs: the layers, or their compiled forms
         self.stage = stage
         self.num_stages = num_stages
         self.is_first = stage == 0
@@ -237,6 +239,12 @@ class PipelineStage:
         self.stats.times.add("forward", start, self.clock.mark())
         return result
 
+    def compile_layers(self, compile_fn: Callable[[nn.Module], Any]) -> None:
+        """From now on run each layer as ``compile_fn(layer)`` (``torch.compile`` or the dynamo context of a
+        ``torch.compile``-d LightningModule). The compiled callables share the layers' parameters, buffers
+        and state dicts; everything else (recompute, RNG, checkpointing of layers) is unchanged."""
+        self._callables = [compile_fn(layer) for layer in self.layers]
+
     def _forward(self, microbatch: int, inputs: Payload, batch: Any) -> Payload | Tensor:
         if not self.is_first:
             inputs = tuple(_as_leaf(t) for t in inputs)
@@ -247,7 +255,7 @@ class PipelineStage:
             outputs = self._forward_without_graph(inputs)
         else:
             with self.forward_context():
-                outputs = run_layers(self.layers, inputs, self.first_layer)
+                outputs = run_layers(self._callables, inputs, self.first_layer)
             record.outputs = outputs
         result: Payload | Tensor = outputs
         if self.is_last:
@@ -374,7 +382,7 @@ class PipelineStage:
         """Forward without gradients (validation, test, predict)."""
         start = self.clock.mark()
         with self._own_rng(), torch.no_grad(), self.forward_context():
-            outputs = run_layers(self.layers, inputs, self.first_layer)
+            outputs = run_layers(self._callables, inputs, self.first_layer)
         self.stats.times.add("evaluate", start, self.clock.mark())
         return outputs
 
@@ -467,7 +475,7 @@ class PipelineStage:
         first = self._mutated_buffers is None
         before = [b.clone() for b in buffers] if first else []  # once per stage: a copy of its buffers
         with torch.set_grad_enabled(flags is None), self.forward_context():
-            outputs = run_layers(self.layers, inputs, self.first_layer)
+            outputs = run_layers(self._callables, inputs, self.first_layer)
         mutated = self._mutated_buffers if self._mutated_buffers is not None else {}
         for i, (b, v) in enumerate(zip(buffers, versions, strict=True)):
             if b._version != v or (first and not torch.equal(b, before[i])):
@@ -510,7 +518,7 @@ class PipelineStage:
             inputs = tuple(_as_leaf(t) for t in record.inputs) if not self.is_first else record.inputs
             record.inputs = inputs
             with self.forward_context():
-                outputs = run_layers(self.layers, inputs, self.first_layer)
+                outputs = run_layers(self._callables, inputs, self.first_layer)
         return outputs, saved
 
     def _accumulate(self, microbatch: int, aux: Tensor) -> None:

@@ -125,6 +125,11 @@ class PACIStrategy(PipelineCheckpointing, PipelineEvaluation, LocalStepHooks, DD
             "PACI at depth"): weight prediction brings S=4 and S=8 within 1% of flush at lr 5e-4 and 1e-3,
             not at 2e-3 with a short warmup; lr_scale helps at S=2. See `lit_efficient.pipeline.staleness`.
         staleness_anneal_steps: Optimizer steps over which ``"lr_scale"`` returns to the plain learning rate.
+        compile_layers: ``torch.compile`` each stage's layers: True with torch's defaults, or a dict of
+            ``torch.compile``'s keyword arguments (``{"backend": "inductor", "mode": "max-autotune"}``, ...).
+            ``trainer.fit(torch.compile(model))`` does the same with that call's options (the pipeline runs
+            the layers, not the module's forward, so the module's own steps then run eager around them).
+            Measured in BENCHMARKS.md, "torch.compile".
         start_method: How processes are launched: ``"popen"`` re-runs the script per rank (also under
             torchrun/SLURM), ``"spawn"`` starts them from this process (notebooks, tests),
             ``"forkserver"`` forks them from a server that imports what
@@ -165,6 +170,7 @@ class PACIStrategy(PipelineCheckpointing, PipelineEvaluation, LocalStepHooks, DD
         average_buffers: bool = True,
         staleness_correction: CorrectionName | None = None,
         staleness_anneal_steps: int = 100,
+        compile_layers: bool | dict[str, Any] = False,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -184,6 +190,11 @@ class PACIStrategy(PipelineCheckpointing, PipelineEvaluation, LocalStepHooks, DD
             raise ValueError(
                 f"staleness_correction={staleness_correction!r} is not one of {', '.join(CORRECTIONS)} (or None: off)"
             )
+        if not isinstance(compile_layers, (bool, dict)):
+            raise ValueError(
+                f"compile_layers={compile_layers!r} must be True, False or a dict of torch.compile's keyword "
+                "arguments, e.g. {'backend': 'inductor', 'mode': 'max-autotune'}"
+            )
         if wire_dtype not in _WIRE_DTYPES:
             raise ValueError(f"wire_dtype={wire_dtype!r} must be one of {', '.join(map(repr, _WIRE_DTYPES))}")
         if not isinstance(staleness_anneal_steps, int) or staleness_anneal_steps < 1:
@@ -201,6 +212,8 @@ class PACIStrategy(PipelineCheckpointing, PipelineEvaluation, LocalStepHooks, DD
         self.balance = balance
         self.p2p_timeout = p2p_timeout
         self.wire_dtype = wire_dtype
+        self.compile_layers = compile_layers
+        self._compiled_steps: dict[str, Any] = {}  # a torch.compile-d module's steps, set aside while it trains
         self.on_nonfinite = on_nonfinite
         self.local_sgd_steps = local_sgd_steps
         self.local_sgd_warmup_steps = local_sgd_warmup_steps
@@ -279,6 +292,14 @@ class PACIStrategy(PipelineCheckpointing, PipelineEvaluation, LocalStepHooks, DD
     def _check_before_launch(self, trainer: Trainer) -> None:
         """Refuse a layout or accumulation setting that cannot work, before any process starts."""
         world = self.num_nodes * self.num_processes
+        if isinstance(self._launcher, _MultiProcessingLauncher) and trainer.lightning_module._compiler_ctx is not None:
+            raise ValueError(
+                f"trainer.fit(torch.compile(model)) cannot start ranks with PACIStrategy(start_method="
+                f"{self._start_method!r}): they get a pickled copy of the module, and a compiled module's forward "
+                "does not pickle. Pass the module uncompiled with PACIStrategy(compile_layers={...}) holding the "
+                "same torch.compile options (each stage compiles its own layers), or launch with "
+                "start_method='popen' / torchrun / SLURM, where every rank runs your script and compiles itself."
+            )
         if world > 1 and world % self.pipeline_stages:
             raise ValueError(
                 f"PACIStrategy(pipeline_stages={self.pipeline_stages}) does not divide the world size {world} "
@@ -331,7 +352,7 @@ class PACIStrategy(PipelineCheckpointing, PipelineEvaluation, LocalStepHooks, DD
         assert self.accelerator is not None and self.topology is not None
         if self._in_process is not None:
             self._in_process.setup(trainer)
-            self._attach_profiler(trainer)
+            self._prepare_runtimes(trainer)
             return
         self.accelerator.setup(trainer)
         module = self.lightning_module
@@ -386,7 +407,7 @@ class PACIStrategy(PipelineCheckpointing, PipelineEvaluation, LocalStepHooks, DD
             stage, self.schedule, max(1, trainer.accumulate_grad_batches), module.pipeline_input, comm, prev_rank,
             next_rank,
         )  # fmt: skip
-        self._attach_profiler(trainer)
+        self._prepare_runtimes(trainer)
         _point_metrics_at(module, self._dp_groups[self.pipeline_stages - 1])
         if fitting:
             drain_before(module, "on_validation_model_zero_grad", self.drain)
@@ -404,19 +425,49 @@ class PACIStrategy(PipelineCheckpointing, PipelineEvaluation, LocalStepHooks, DD
         if not any(isinstance(cb, _SyncCallbackMetrics) for cb in trainer.callbacks):
             trainer.callbacks.insert(0, _SyncCallbackMetrics())
 
-    def _attach_profiler(self, trainer: Trainer) -> None:
-        """Give a configured profiler (`Trainer(profiler="simple")`, ...) a row per pipeline action: forward,
-        backward, optimizer step and receive of each stage, inside Lightning's `run_training_batch`."""
-        if isinstance(trainer.profiler, PassThroughProfiler):
-            return  # none configured: the runtime's default spans cost nothing
-        for runtime in getattr(self.runtime, "runtimes", [self.runtime]):  # in one process: every stage's
-            runtime.profile = trainer.profiler.profile
+    def _prepare_runtimes(self, trainer: Trainer) -> None:
+        """What every stage's runtime takes from Lightning, on processes and in one process (every stage's):
+        a configured profiler (`Trainer(profiler="simple")`, ...) gets a row per forward, backward, optimizer
+        step and receive of each stage; compiled layers (`compile_layers`, or `fit(torch.compile(model))`)."""
+        runtimes = getattr(self.runtime, "runtimes", [self.runtime])
+        if not isinstance(trainer.profiler, PassThroughProfiler):  # none configured: the default spans cost nothing
+            for runtime in runtimes:
+                runtime.profile = trainer.profiler.profile
+        compile_fn = self._compile_fn()
+        if compile_fn is not None:
+            for runtime in runtimes:
+                runtime.stage.compile_layers(compile_fn)
+
+    def _compile_fn(self) -> Any:
+        """How to compile a layer, or None. A module passed as ``torch.compile(model)`` had its forward and steps
+        replaced by compiled ones (Lightning's `from_compiled`); the stages call its layers instead, so those get
+        that compile call's options, and its steps run eager until teardown (a compiled validation_step would
+        recompile at every batch around the pipeline's answer to ``self(...)``, see evaluation.py)."""
+        module = self.lightning_module
+        ctx = getattr(module, "_compiler_ctx", None)
+        if ctx is not None:
+            for name in ("forward", "training_step", "validation_step", "test_step", "predict_step"):
+                self._compiled_steps.setdefault(name, module.__dict__.get(name))
+                setattr(module, name, ctx[f"original_{name}"])
+            return ctx["dynamo_ctx"]
+        if self.compile_layers is False:
+            return None
+        options = self.compile_layers if isinstance(self.compile_layers, dict) else {}
+        return lambda layer: torch.compile(layer, **options)
+
+    def _restore_compiled_steps(self, module: LightningModule) -> None:
+        for name, compiled in self._compiled_steps.items():
+            if compiled is not None:
+                setattr(module, name, compiled)
+        self._compiled_steps = {}
 
     @override
     def teardown(self) -> None:
         module = self.lightning_module
         trainer = module._trainer if module is not None else None
         healthy = not self._failed and trainer is not None and trainer.state.status == TrainerStatus.RUNNING
+        if module is not None:
+            self._restore_compiled_steps(module)  # the module leaves fit compiled, as it came
         if module is not None:
             undo_drain_before(module, "on_validation_model_zero_grad")
         if module is not None and self._split is not None:

@@ -1,0 +1,96 @@
+"""torch.compile through the pipeline: `trainer.fit(torch.compile(model))` and `PACIStrategy(compile_layers=...)`
+compile each stage's layers and train as the eager pipeline does.
+
+The tests compile with the ``aot_eager`` backend (dynamo and AOTAutograd, eager kernels): the same graphs
+and autograd as inductor's, without minutes of C++ compilation on 2 cores; inductor's speed-up is a
+benchmark (benchmarks/compile.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+
+from lit_efficient import ActivationCheckpointing, PACIStrategy
+from lit_efficient.data import TextDataModule
+from lit_efficient.models import GPT
+
+
+def _model() -> GPT:
+    torch.manual_seed(0)
+    return GPT(n_layer=2, n_head=2, n_embd=32, block_size=32, dropout=0.0)
+
+
+def _fit(model, devices: int = 1, callbacks=(), **strategy) -> tuple[dict[str, torch.Tensor], float]:
+    trainer = Trainer(
+        accelerator="cpu", devices=devices, max_steps=3, accumulate_grad_batches=2, val_check_interval=3,
+        limit_val_batches=2, callbacks=list(callbacks), logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+        strategy=PACIStrategy(pipeline_stages=2, schedule="1f1b_flush", **strategy),
+    )  # fmt: skip
+    trainer.fit(model, datamodule=TextDataModule(block_size=32, batch_size=4, max_bytes=60_000))
+    module = getattr(model, "_orig_mod", model)
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}, float(trainer.callback_metrics["val_loss"])
+
+
+def _frames() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def _assert_same(got, want) -> None:
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-6, msg=k)
+
+
+@pytest.mark.parametrize(
+    ("recompute", "checkpointing"),
+    [(False, False), (True, False), (False, True)],
+    ids=["keep-graph", "recompute", "activation-checkpointing"],
+)
+def test_fit_of_a_compiled_module_compiles_every_stage_and_trains_as_eager(recompute, checkpointing):
+    callbacks = lambda: [ActivationCheckpointing()] if checkpointing else []  # noqa: E731
+    eager, eager_val = _fit(_model(), recompute=recompute, callbacks=callbacks())
+    assert _frames() == 0
+    compiled_model = torch.compile(_model(), backend="aot_eager")
+    compiled, compiled_val = _fit(compiled_model, recompute=recompute, callbacks=callbacks())
+    assert _frames() >= 2  # each stage's layers, not 0 as before (the stages never called the module)
+    _assert_same(compiled, eager)
+    assert abs(compiled_val - eager_val) <= 1e-6
+    assert compiled_model._orig_mod._compiler_ctx is not None  # the module leaves fit compiled, as it came
+
+
+def test_compile_layers_option_compiles_an_unwrapped_module():
+    eager, _ = _fit(_model())
+    compiled, _ = _fit(_model(), compile_layers={"backend": "aot_eager"})
+    assert _frames() >= 2
+    _assert_same(compiled, eager)
+
+
+def test_compile_layers_refuses_what_it_cannot_use():
+    with pytest.raises(ValueError, match="compile_layers='yes'"):
+        PACIStrategy(compile_layers="yes")
+
+
+@pytest.mark.multiproc
+def test_compile_layers_on_processes_trains_as_eager():
+    eager, _ = _fit(_model(), devices=2, start_method="forkserver")
+    compiled, _ = _fit(_model(), devices=2, start_method="forkserver", compile_layers={"backend": "aot_eager"})
+    _assert_same(compiled, eager)
+
+
+def test_a_compiled_module_is_not_sent_to_spawned_ranks():
+    with pytest.raises(ValueError, match=r"compile_layers=\{\.\.\.\}"):
+        _fit(torch.compile(_model(), backend="aot_eager"), devices=2, start_method="forkserver")
