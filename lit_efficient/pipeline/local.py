@@ -8,6 +8,13 @@ message is not there yet (runtime.py), and `LocalPipeline` gives each stage its 
 is quiescent (waiting for the next micro-batch). If a round gives no stage anything to do while some
 still wait, the schedule deadlocks, and `PipelineDeadlockError` says who waits for what.
 
+A stage can also need another stage's message in the middle of an action: under 1F1B-flush a weight
+tied between the first and the last stage is all-reduced inside both stages' optimizer steps
+(`lit_efficient.pipeline.tied.LocalTiedLink`), and the last stage gets there first. Its rank would
+block in the collective; here `run_others_until` gives the other stages their turns, the same turns
+as above, until the message is there, and the step continues. Only stages not inside an action of
+their own take turns, so no stage is re-entered.
+
 What it costs: the memory of the unsplit model plus the activations in flight (each stage keeps
 those of up to S-s micro-batches, as on S devices; stage-boundary tensors are shared, not copied),
 and the time of the whole model's compute, serialized: no bubble to hide and none to save.
@@ -18,7 +25,8 @@ in one process, fast tests, and training on one device with exactly the numerics
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from torch import Tensor
@@ -68,21 +76,28 @@ class LocalPipeline:
             raise ValueError("LocalPipeline needs one runtime per stage, stage 0 first")
         self.runtimes = list(runtimes)
         self.selected = len(runtimes) - 1
+        self._acting: list[PipelineRuntime] = []  # the stages inside an action now, outermost first
+        # The call (feed, drain) of the pipeline each stage has yet to get, by stage. Every stage gets it
+        # before the stages settle; one that waits inside an action gives it to the others first (a
+        # partial window's tied-weight exchange at an epoch's end needs the peer's drain to have begun).
+        self._calls: dict[int, Callable[[PipelineRuntime], None]] = {}
 
     # -- the runtime's calls, for the whole pipeline ------------------------------------------------
 
     def feed(self, batch: Any, index: int | None = None) -> Tensor | None:
         """Micro-batch ``index`` into every stage; returns its loss (detached) from the last stage."""
-        for rt in self.runtimes:
-            rt.feed(batch, index)
-        self._settle()
+        self._call_every_stage(lambda rt: rt.feed(batch, index))
         return self.runtimes[-1].last_loss
 
     def drain(self, step_partial_window: bool = False) -> None:
         """Finish every micro-batch in flight on every stage (see `PipelineRuntime.drain`)."""
-        for rt in self.runtimes:
-            rt.drain(step_partial_window)
-        self._settle()
+        self._call_every_stage(lambda rt: rt.drain(step_partial_window))
+
+    def run_others_until(self, done: Callable[[], bool], what: str) -> None:
+        """Called from inside a stage's action that needs ``what`` from another stage: give every stage that
+        is not inside an action its turns (first the call the pipeline got, if it has not had it yet) until
+        ``done()``; a round without progress is a deadlock."""
+        self._settle(done, what)
 
     def evaluate(self, batch: Any, index: int) -> Payload | None:
         """Forward-only pass of one batch through the stages in order; the last stage's outputs."""
@@ -145,18 +160,44 @@ class LocalPipeline:
 
     # -- internals ------------------------------------------------------------------------------------
 
-    def _settle(self) -> None:
-        """Give every stage turns until all are quiescent; a round in which none runs is a deadlock."""
-        while True:
-            waiting = [rt for rt in self.runtimes if not rt.quiescent]
-            if not waiting:
-                return
+    def _call_every_stage(self, call: Callable[[PipelineRuntime], None]) -> None:
+        self._calls = dict.fromkeys(range(len(self.runtimes)), call)
+        self._settle()
+
+    @contextmanager
+    def _turn(self, rt: PipelineRuntime) -> Iterator[None]:
+        self._acting.append(rt)
+        try:
+            yield
+        finally:
+            self._acting.pop()
+
+    def _settle(self, done: Callable[[], bool] | None = None, what: str = "") -> None:
+        """Give every stage not inside an action its call and then turns until all are quiescent (or until
+        ``done()``); a round in which none runs while something is still awaited is a deadlock."""
+        while done is None or not done():
+            free = [rt for rt in self.runtimes if all(rt is not a for a in self._acting)]
+            called = [rt for rt in free if rt.stage.stage in self._calls]
+            for rt in called:  # stage order, as processes would each get it
+                call = self._calls.pop(rt.stage.stage, None)
+                if call is not None:  # a stage waiting inside its call may have given it already
+                    with self._turn(rt):
+                        call(rt)
+                if done is not None and done():
+                    return
+            waiting = [rt for rt in free if not rt.quiescent]
             # Last stage first: backwards (which free memory) run as soon as their gradients exist.
-            progressed = False
+            progressed = bool(called)
             for rt in reversed(waiting):
-                progressed |= rt.resume()
+                with self._turn(rt):
+                    progressed |= rt.resume()
+                if done is not None and done():
+                    return
             if not progressed:
+                if done is None and not waiting:
+                    return
+                blocked = [f"stage {self._acting[-1].stage.stage} waits for {what}"] if done is not None else []
                 raise PipelineDeadlockError(
                     "no stage of the in-process pipeline can progress: "
-                    + "; ".join(str(rt.waiting_for()) for rt in waiting)
+                    + "; ".join([*blocked, *(str(rt.waiting_for()) for rt in waiting)])
                 )

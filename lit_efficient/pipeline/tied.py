@@ -26,12 +26,22 @@ the same tensor). The two stages talk through `comm.TiedExchange`; this file own
 Gradients are exchanged after normalization (divided by the window's weight), so token-weighted
 accumulation combines them exactly. Only updates that are applied count: a window skipped for a
 non-finite loss is skipped on both stages alike, so the two update counts stay equal.
+
+When the whole pipeline runs in one process, `LocalTiedLink` stands in for the transport: the same
+rule, the same messages, in mailboxes. Under ``paci`` every message is there when it is needed (the
+order argument above holds for any order of the stages' turns). Under ``1f1b_flush`` the last stage
+reaches its all-reduce first, while stage 0 still has the window's backwards to run; no stage of one
+process can block, so the waiting stage lets the others take their turns until the peer's gradient
+is there (`LocalTiedLink.wait`, which `LocalPipeline` provides), as its rank would wait in the
+collective. The sum of two tensors does not depend on the order of its operands, so both copies get
+bit for bit what the two-rank all-reduce gives them.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 from typing import Protocol
 
 from torch import Tensor, nn
@@ -114,3 +124,69 @@ def finish_tied(tied: list[TiedWeight]) -> None:
     for t in tied:
         t.exchange.flush()
         t._own.clear()
+
+
+class LocalTiedLink:
+    """The tied-weight exchange between the first and the last stage of a pipeline that runs in one process.
+
+    `end` gives each of the two stages its side, answering `Exchange`'s calls like `comm.TiedExchange`.
+    Sends are mailbox appends of the sent tensor itself (the rule never changes a tensor it sent); an
+    all-reduce posts a copy of its operand. A receive or an all-reduce whose message is not there calls
+    `wait`, set by the driver of the stages (`LocalPipeline.run_others_until`): the other stages take
+    their turns until it is.
+    """
+
+    def __init__(self) -> None:
+        self._sent: tuple[deque[Tensor], deque[Tensor]] = (deque(), deque())  # to the first stage, to the last
+        self._summands: tuple[deque[Tensor], deque[Tensor]] = (deque(), deque())
+        self.wait: Callable[[Callable[[], bool], str], None] | None = None
+
+    def end(self, is_first: bool) -> LocalTiedEnd:
+        """The first stage's side (``is_first``) or the last stage's."""
+        return LocalTiedEnd(self, is_first)
+
+    @property
+    def pending(self) -> int:
+        """Messages sent and not yet received (0 after `finish_tied`)."""
+        return sum(len(box) for box in (*self._sent, *self._summands))
+
+    def _until(self, box: deque[Tensor], what: str) -> Tensor:
+        if not box:
+            if self.wait is None:
+                raise RuntimeError(f"{what} is not there and nothing runs the other stages (LocalTiedLink.wait)")
+            self.wait(lambda: bool(box), what)
+        return box.popleft()
+
+
+class LocalTiedEnd:
+    """One stage's side of a `LocalTiedLink`: the `Exchange` calls of the tied-weight rule.
+
+    Args:
+        link: The link shared with the other stage.
+        is_first: Whether this is the first stage's side.
+    """
+
+    def __init__(self, link: LocalTiedLink, is_first: bool) -> None:
+        self.link = link
+        self.is_first = is_first
+        self._inbox, self._outbox = (0, 1) if is_first else (1, 0)
+        self.bytes_sent = 0
+        self._peer = "the last stage" if is_first else "stage 0"
+
+    def all_reduce(self, t: Tensor) -> None:
+        """Sum ``t`` in place with the peer's tensor of the same update (waiting for it if needed)."""
+        self.link._summands[self._outbox].append(t.detach().clone())  # the peer adds it after ``t`` has changed
+        self.bytes_sent += t.numel() * t.element_size()
+        t.add_(self.link._until(self.link._summands[self._inbox], f"the tied-weight all-reduce with {self._peer}"))
+
+    def send(self, t: Tensor) -> None:
+        """Hand ``t`` to the peer (not copied: the rule does not change it afterwards)."""
+        self.link._sent[self._outbox].append(t)
+        self.bytes_sent += t.numel() * t.element_size()
+
+    def recv(self, like: Tensor) -> Tensor:
+        """The next tensor the peer sent (waiting for it if needed)."""
+        return self.link._until(self.link._sent[self._inbox], f"the tied-weight gradient from {self._peer}")
+
+    def flush(self) -> None:
+        """Nothing in flight: sends complete at once."""

@@ -114,6 +114,21 @@ def group_key(group: dict[str, Any]) -> str:
     return repr(sorted((k, v) for k, v in group.items() if k not in ("params", "lr", "initial_lr")))
 
 
+def merge_group_names(
+    stages: Sequence[tuple[int, list[tuple[str, list[str]]], list[str], list[str]]],
+) -> tuple[list[list[str]], dict[str, str]]:
+    """The unsplit optimizer's parameter names per group from every stage's ``(stage, [(group key, names)],
+    first copies, second copies)``: groups matched by key in order of first appearance, stage by stage (as
+    `_merge_optimizers` merges them), and ``{second copy: first copy}`` of the tied weights by name."""
+    merged: dict[str, list[str]] = {}
+    for _, stage_groups, _, _ in sorted(stages, key=lambda x: x[0]):
+        for key, group_names in stage_groups:
+            merged.setdefault(key, []).extend(group_names)
+    firsts = [n for _, _, f, _ in stages for n in f]
+    seconds = [n for _, _, _, c in stages for n in c]
+    return list(merged.values()), dict(zip(seconds, firsts, strict=True))
+
+
 def _merge_optimizers(primary: list[dict[str, Any]]) -> tuple[dict[str, Any], list[list[str]], dict]:
     """One optimizer state in the unsplit index space. A stage may lack a group (no biases on an
     embedding stage), so groups are matched by `group_key`, in order of first appearance, stage by stage.

@@ -26,6 +26,7 @@ from lit_efficient.strategies.checkpoint import (
     local_accumulation,
     local_optimizer_state,
     local_state_dict,
+    merge_group_names,
     rank_share,
     regroup_schedulers,
     to_automatic_loops,
@@ -193,22 +194,22 @@ class PipelineCheckpointing:
         appearance, stage by stage, as checkpoint.py merges them, without tied weights' second copies
         (one device holds a tied weight once); and ``{second copy: first copy}`` by name. Collective over
         this replica's pipeline."""
-        assert self.topology is not None and self.lightning_module is not None
+        assert self.topology is not None
+        gathered: list[Any] = [None] * len(self.topology.pipeline_ranks(self.replica))
+        mine = self._stage_group_names(self.optimizers[0])
+        dist.all_gather_object(gathered, mine, group=self._pipeline_groups[self.replica])
+        return merge_group_names(gathered)
+
+    def _stage_group_names(self, optimizer: Any) -> tuple[int, list[tuple[str, list[str]]], list[str], list[str]]:
+        """This stage's part of `_group_names`: ``(stage, [(group key, names)], first copies, second copies)``."""
+        assert self.lightning_module is not None
         names = {id(p): n for n, p in self.lightning_module.named_parameters()}
         first, second = self._tied_copy_names()
         groups = [
             (group_key(g), [names[id(p)] for p in g["params"] if names[id(p)] not in second])
-            for g in self.optimizers[0].param_groups
+            for g in optimizer.param_groups
         ]
-        gathered: list[Any] = [None] * len(self.topology.pipeline_ranks(self.replica))
-        dist.all_gather_object(gathered, (self.stage, groups, first, second), group=self._pipeline_groups[self.replica])
-        merged: dict[str, list[str]] = {}
-        for _, stage_groups, _, _ in sorted(gathered, key=lambda x: x[0]):
-            for key, group_names in stage_groups:
-                merged.setdefault(key, []).extend(group_names)
-        firsts = [n for _, _, f, _ in gathered for n in f]
-        seconds = [n for _, _, _, c in gathered for n in c]
-        return list(merged.values()), dict(zip(seconds, firsts, strict=True))
+        return self.stage, groups, first, second
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:

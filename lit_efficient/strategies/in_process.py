@@ -1,47 +1,62 @@
 """PACIStrategy's in-process mode: ``Trainer(devices=1)`` with ``pipeline_stages=S`` runs all S stages here.
 
 The stages, schedules and runtimes are the multi-process ones; only the transport differs (comm.py's
-`LocalExchange`) and `LocalPipeline` gives the stages their turns. What this module adds is what
-each process would have done for its own stage, done S times in one:
+`LocalExchange`, and `pipeline.tied.LocalTiedLink` for a tied weight) and `LocalPipeline` gives the
+stages their turns. What this module adds is what each process would have done for its own stage,
+done S times in one, through the process path's own pieces:
 
 - the module is never split (the user's object stays whole), but ``configure_optimizers`` is called
-  once per stage with every other stage's layers swapped out for placeholders, so each stage gets
-  the optimizer and LR schedulers its rank would build (its own parameter groups, its own schedule
-  stepping with its own steps);
+  once per stage with every other stage's layers swapped out for placeholders (`split.only_stage`, the
+  slots `split_module` uses, adapter layers included), so each stage gets the optimizer and LR
+  schedulers its rank would build (its own parameter groups, its own schedule stepping with its own
+  steps);
+- a weight tied between the first and the last stage gets two copies for the run, the second on the
+  last stage as on its rank (`split.separate_tied_copies`), kept equal by the one tied-weight rule
+  (`strategies.tied.tie_stage`), and is one parameter again after it (`split.tie_again`);
 - no process group is created (there is no peer): Lightning's collectives see a world of one;
 - a checkpoint is the one file S processes would write (each stage's share assembled as rank 0
   does), and each stage reads its part back by parameter name as its rank would, so either layout
-  resumes from the other's.
+  resumes from the other's;
+- the Lightning hooks are the process path's (`PACIStrategy._join_lightning`): the same drains before
+  the same hooks, so every callback sees what it sees on S processes (docs/DESIGN.md section 7).
 
 Not supported in one process: gradient-norm clipping under ``1f1b_flush`` (its exact global norm is a
-collective across stages at the step, which one process cannot run between two stages' turns) and
-LocalSGD/DiLoCo (one replica).
+collective over every stage at the step, which one process would have to sum in gloo's own order to stay
+bit-identical) and LocalSGD/DiLoCo (one replica).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch import Trainer
 from lightning.pytorch.trainer.states import TrainerFn
-from torch import nn
+from torch import Tensor
 
 from lit_efficient.pipeline.local import LocalPipeline, local_pipeline
 from lit_efficient.pipeline.stage import PipelineStage
+from lit_efficient.pipeline.tied import LocalTiedLink, TiedWeight, tie_delay
 from lit_efficient.strategies.checkpoint import (
     assemble,
-    group_key,
     local_accumulation,
     local_optimizer_state,
+    merge_group_names,
     rank_share,
     regroup_schedulers,
     to_automatic_loops,
     write_atomically,
 )
-from lit_efficient.strategies.hooks import drain_before, warn_uncalled_hooks
-from lit_efficient.strategies.split import LayerOnOtherStage, Split, check_sharing
+from lit_efficient.strategies.split import (
+    Split,
+    check_sharing,
+    layer_slots,
+    only_stage,
+    separate_tied_copies,
+    tie_again,
+)
+from lit_efficient.strategies.tied import tie_stage, untag
 
 if TYPE_CHECKING:
     from lit_efficient.strategies.paci import PACIStrategy
@@ -59,6 +74,8 @@ class InProcessPipeline:
         self.selected = strategy.pipeline_stages - 1  # the stage `strategy.stage` reports: the last, like rank 0
         self.sizes: list[int] = []
         self._scheduler_counts: list[int] = []  # LR scheduler configs per stage, in stage order
+        self.tied: list[list[TiedWeight]] = []  # per stage: its copies of the tied weights (first and last only)
+        self.tie_link: LocalTiedLink | None = None
 
     @property
     def pipeline(self) -> LocalPipeline:
@@ -69,13 +86,17 @@ class InProcessPipeline:
 
     @contextmanager
     def select(self, stage: int) -> Iterator[None]:
-        """Let the strategy act for ``stage`` (its ``stage`` and ``runtime.stage``), as that rank would."""
-        before = self.selected
+        """Let the strategy act for ``stage`` (its ``stage``, ``runtime.stage`` and tied copies), as that rank
+        would."""
+        s = self.strategy
+        before, tied = self.selected, s._tied
         self.selected = self.pipeline.selected = stage
+        s._tied = self.tied[stage] if self.tied else []
         try:
             yield
         finally:
             self.selected = self.pipeline.selected = before
+            s._tied = tied
 
     # -- setup ------------------------------------------------------------------------------------------
 
@@ -85,6 +106,7 @@ class InProcessPipeline:
 
         s = self.strategy
         assert s.accelerator is not None and s.lightning_module is not None
+        self._scheduler_counts = []
         s._check_before_launch(trainer)  # nothing is launched here, so the check runs now
         s.accelerator.setup(trainer)
         module = s.lightning_module
@@ -92,16 +114,10 @@ class InProcessPipeline:
         layers = list(module.pipeline_layers())
         self.sizes = s._stage_sizes(module, layers, trainer)
         num_stages = s.pipeline_stages
-        ties = check_sharing(module, layers, self.sizes)
-        if ties:
-            # Both stages would hold the one Parameter in their optimizers and step it twice per window.
-            raise ValueError(
-                f"{type(module).__name__} ties {ties[0].name} to {ties[0].alias} across the first and the last "
-                f"stage; weights tied across stages need one process per stage (devices={num_stages}) in this "
-                "version, or devices=1 with pipeline_stages=1."
-            )
-        # The layout record checkpoints are checked against; the module itself stays whole.
-        s._split = Split(self.sizes, num_stages - 1, [])
+        ties = check_sharing(module, layers, self.sizes)  # a tied embedding: see lit_efficient.pipeline.tied
+        # The layout record checkpoints are checked against, and where every layer's parts sit; the module
+        # itself stays whole.
+        s._split = Split(self.sizes, num_stages - 1, layer_slots(module, layers), ties)
         s.model = s.precision_plugin.convert_module(module)
         s.model_to_device()
         fitting = trainer.state.fn == TrainerFn.FITTING
@@ -116,6 +132,11 @@ class InProcessPipeline:
                 )
             s._was_automatic = module.automatic_optimization
             module.automatic_optimization = False
+            # Before the optimizers are built: the last stage's optimizer holds its own copy, as on its rank.
+            separate_tied_copies(s._split)
+        accumulate = max(1, trainer.accumulate_grad_batches)
+        self.tie_link = LocalTiedLink() if ties and fitting else None
+        self.tied = [[] for _ in range(num_stages)]
         bounds = [(sum(self.sizes[:k]), sum(self.sizes[: k + 1])) for k in range(num_stages)]
         stages, optimizers, configs, epoch_schedulers = [], [], [], []
         for stage_index, (first, last) in enumerate(bounds):
@@ -143,20 +164,31 @@ class InProcessPipeline:
             if fitting:
                 s._install_step_hooks(stage, trainer)
                 stage.correction = s.correction_for(stage_index, trainer)
+            if self.tie_link is not None and stage_index in (0, num_stages - 1):
+                end = self.tie_link.end(stage_index == 0)
+                delay = tie_delay(num_stages, accumulate)
+                self.tied[stage_index] = tie_stage(stage, s._split, s.schedule, delay, end)
             stages.append(stage)
         if fitting:
             s.optimizers = optimizers  # Lightning sees all S (checkpoints, LR monitors), in stage order
             s.lr_scheduler_configs = configs
             s._epoch_schedulers = epoch_schedulers
+            s._tied = [t for tied in self.tied for t in tied]  # on_train_end finishes both stages' exchanges
         s.setup_precision_plugin()
-        accumulate = max(1, trainer.accumulate_grad_batches)
         s.runtime = local_pipeline(stages, s.schedule, accumulate, module.pipeline_input)  # type: ignore[assignment]
         self.pipeline.selected = self.selected
-        if fitting:
-            drain_before(module, "on_validation_model_zero_grad", s.drain)
-            warn_uncalled_hooks(module, trainer.callbacks)
-        # One replica: the user's own loader, as on S processes (PACIStrategy.setup says why).
-        trainer._accelerator_connector.use_distributed_sampler = False
+        if self.tie_link is not None:
+            self.tie_link.wait = self.pipeline.run_others_until  # a stage waiting inside its step lets the others run
+        s._join_lightning(trainer, fitting, num_replicas=1)
+
+    def teardown(self) -> None:
+        """The module as the user gave it: tied weights one parameter again (the first stage's copy, which equals
+        the last stage's after the run, as on processes after the model is gathered)."""
+        s = self.strategy
+        if s._split is not None:
+            tie_again(s._split)
+        untag([t for tied in self.tied for t in tied])
+        self.tied, self.tie_link = [], None
 
     # -- checkpoints ------------------------------------------------------------------------------------
 
@@ -169,7 +201,8 @@ class InProcessPipeline:
         for stage in range(s.pipeline_stages):
             with self._as_rank(stage, checkpoint) as view:
                 optimizer = s.optimizers[stage] if s.optimizers else None
-                shares.append(rank_share(view, module, optimizer, s.pipeline_state(), True))
+                copies = s._tied_copy_names()[1]
+                shares.append(rank_share(view, module, optimizer, s.pipeline_state(), True, tied_copies=copies))
                 views.append(view)
         # Lightning's dict as rank 0 (the last stage) built it: its schedulers, its keys.
         write_atomically(to_automatic_loops(assemble(views[-1], shares, s.layout())), filepath)
@@ -181,18 +214,19 @@ class InProcessPipeline:
         module = s.lightning_module
         assert module is not None
         names = {id(p): n for n, p in module.named_parameters()}
-        group_names = self._group_names(names)
+        group_names = self._group_names() if s.optimizers else ([], {})
         saved_schedulers = checkpoint.get("lr_schedulers", [])
         pipeline = checkpoint.get("pipeline", {})
         same_layout = pipeline.get("layout") == s.layout()
         schedulers = []
+        given: set[int] = set()  # the checkpoint's tensors an earlier stage's optimizer holds now
         for stage, rt in enumerate(self.pipeline.runtimes):
             with self.select(stage), only_stage(module, list(module.pipeline_layers()), self.sizes, stage):
                 if s.optimizers:
                     state, group_map = local_optimizer_state(
-                        checkpoint, module, s.optimizers[stage], s._rank_key(), lambda: (group_names, {})
+                        checkpoint, module, s.optimizers[stage], s._rank_key(), lambda: group_names
                     )
-                    s.optimizers[stage].load_state_dict(state)
+                    s.optimizers[stage].load_state_dict(_own_copy(state, given))
                     saved_groups = len(checkpoint["optimizer_states"][0]["param_groups"])
                     schedulers += regroup_schedulers(saved_schedulers, group_map, saved_groups)
                 accumulation = local_accumulation(checkpoint, [names[id(p)] for p in rt.stage.parameters()])
@@ -218,45 +252,34 @@ class InProcessPipeline:
                 view["lr_schedulers"] = checkpoint["lr_schedulers"][offsets[stage] : offsets[stage + 1]]
             yield view
 
-    def _group_names(self, names: dict[int, str]) -> list[list[str]]:
-        """`PACIStrategy._group_names` without the collective: every stage is here (and no tied weights:
-        the in-process pipeline refuses them)."""
-        merged: dict[str, list[str]] = {}
-        for optimizer in self.strategy.optimizers:
-            for group in optimizer.param_groups:
-                merged.setdefault(group_key(group), []).extend(names[id(p)] for p in group["params"])
-        return list(merged.values())
+    def _group_names(self) -> tuple[list[list[str]], dict[str, str]]:
+        """`PACIStrategy._group_names` without the collective: every stage's part is here."""
+        s = self.strategy
+        module = s.lightning_module
+        assert module is not None
+        layers = list(module.pipeline_layers())
+        parts = []
+        for stage in range(s.pipeline_stages):
+            with self.select(stage), only_stage(module, layers, self.sizes, stage):
+                parts.append(s._stage_group_names(s.optimizers[stage]))
+        return merge_group_names(parts)
 
 
-@contextmanager
-def only_stage(module: nn.Module, layers: Sequence[nn.Module], sizes: Sequence[int], stage: int) -> Iterator[None]:
-    """Within the block, ``module`` holds only ``stage``'s layers (the others are placeholders without
-    parameters), as on that stage's rank: ``parameters()``, ``state_dict()`` and ``configure_optimizers``
-    see that stage alone. Every layer is back in its place afterwards, untouched."""
-    slots = _slots(module, layers)
-    first = sum(sizes[:stage])
-    last = first + sizes[stage]
-    owner = [k for k, size in enumerate(sizes) for _ in range(size)]
-    try:
-        for i, ((parent, name), layer) in enumerate(zip(slots, layers, strict=True)):
-            if not first <= i < last:
-                parent._modules[name] = LayerOnOtherStage(i, owner[i], layer)
-        yield
-    finally:
-        for (parent, name), layer in zip(slots, layers, strict=True):
-            parent._modules[name] = layer
+def _own_copy(state: dict[str, Any], given: set[int]) -> dict[str, Any]:
+    """``state`` with a copy of every tensor another stage's optimizer was given already, and those tensors noted.
 
-
-def _slots(module: nn.Module, layers: Sequence[nn.Module]) -> list[tuple[nn.Module, str]]:
-    where: dict[int, tuple[nn.Module, str]] = {}
-    for parent in module.modules():
-        for name, child in parent._modules.items():
-            if child is not None:
-                where.setdefault(id(child), (parent, name))
-    missing = [i for i, layer in enumerate(layers) if id(layer) not in where]
-    if missing:
-        raise ValueError(
-            f"pipeline_layers()[{missing[0]}] is not a submodule of the module: register every pipeline layer as an "
-            "attribute or in an nn.ModuleList so the stage can find and keep it"
-        )
-    return [where[id(layer)] for layer in layers]
+    ``Optimizer.load_state_dict`` keeps the checkpoint's tensors when they already have the parameter's dtype and
+    device. A one-device checkpoint holds a tied weight's state once, and both stages' copies take it (the last
+    stage's by the first's name): on S processes each rank has its own; here the two optimizers would update one
+    pair of moment buffers, twice per step.
+    """
+    out = {}
+    for index, entry in state["state"].items():
+        mine = {}
+        for key, value in entry.items():
+            if isinstance(value, Tensor):
+                value = value.clone() if id(value) in given else value
+                given.add(id(value))
+            mine[key] = value
+        out[index] = mine
+    return dict(state, state=out)

@@ -409,6 +409,13 @@ class PACIStrategy(PipelineCheckpointing, PipelineEvaluation, LocalStepHooks, DD
         )  # fmt: skip
         self._prepare_runtimes(trainer)
         _point_metrics_at(module, self._dp_groups[self.pipeline_stages - 1])
+        self._join_lightning(trainer, fitting, self.topology.num_replicas)
+
+    def _join_lightning(self, trainer: Trainer, fitting: bool, num_replicas: int) -> None:
+        """The Lightning side of setup, the same on S processes and in one (`InProcessPipeline.setup`): the
+        drains before the hooks of docs/DESIGN.md section 7, the loader, the progress bar."""
+        module = self.lightning_module
+        assert module is not None
         if fitting:
             drain_before(module, "on_validation_model_zero_grad", self.drain)
             warn_uncalled_hooks(module, trainer.callbacks)
@@ -416,7 +423,7 @@ class PACIStrategy(PipelineCheckpointing, PipelineEvaluation, LocalStepHooks, DD
             # state after the step. Manual optimization is this strategy's inside, and after the step (of
             # a drained pipeline) is exactly what a user's automatic-optimization checkpoint holds too.
             warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
-        if self.topology.num_replicas == 1:
+        if num_replicas == 1:
             # One replica: every stage reads the user's own loader, so the pipeline sees exactly the
             # batches one device would. Lightning would wrap it in a shuffling DistributedSampler
             # of one replica (a different order) because the world has several processes.
@@ -476,6 +483,8 @@ class PACIStrategy(PipelineCheckpointing, PipelineEvaluation, LocalStepHooks, DD
                 module.automatic_optimization = self._was_automatic
             if healthy and self._in_process is None:  # in one process the module was never split
                 self._gather_model_on_rank_zero()
+        if self._in_process is not None:
+            self._in_process.teardown()  # tied weights one parameter again, also after a failure
         self.runtime = None
         self._destroy_groups()
         super().teardown()
@@ -685,9 +694,10 @@ class _SyncCallbackMetrics(Callback):
 
     Copies rank 0's callback metrics (it holds the last stage) to every rank before checkpoint and
     early-stopping callbacks read them, so all ranks take the same decisions; and drains the pipeline
-    before any other callback's ``on_train_epoch_end`` and ``on_train_end``: Lightning calls the
-    callbacks' hooks before the strategy's, and a run stopped by ``max_steps`` mid-epoch would otherwise
-    show them stage 0 still one step behind (docs/DESIGN.md section 7).
+    before any other callback's ``on_validation_start``, ``on_train_epoch_end`` and ``on_train_end``:
+    Lightning calls the callbacks' hooks (and the module's) before the strategy's, and a validation in
+    the middle of a window or a run stopped by ``max_steps`` mid-epoch would otherwise show them stage 0
+    still a step behind (docs/DESIGN.md section 7).
     """
 
     def _sync(self, trainer: Trainer) -> None:
@@ -697,6 +707,10 @@ class _SyncCallbackMetrics(Callback):
         metrics = trainer.strategy.broadcast(metrics, src=0)
         if trainer.global_rank != 0:
             trainer.callback_metrics.update(metrics[0])
+
+    @override
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        trainer.strategy.drain()  # type: ignore[attr-defined]
 
     @override
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

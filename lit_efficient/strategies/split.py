@@ -12,6 +12,11 @@ a Hugging Face model wrapped to pass side inputs along (`lit_efficient.models.HF
 parts that move between stages are then the adapter's children, at their own places in the tree, so
 the module's ``state_dict`` keys stay the wrapped model's own.
 
+A pipeline that runs whole in one process (``Trainer(devices=1)``) uses the same slots: `only_stage`
+swaps the other stages' parts out for the duration of a block (to build one stage's optimizer, or
+read its share of a checkpoint) and puts the very same objects back, and `separate_tied_copies` gives
+the last stage the copy of a tied weight its own rank would hold.
+
 This file also checks what sharing a split can honour: a module registered at two places is refused
 (moving one copy to another stage would leave the other on the meta device), and a parameter may be
 shared across stages only by the first and the last layer (a tied embedding, see
@@ -20,7 +25,8 @@ shared across stages only by the first and the last layer (a tied embedding, see
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -144,7 +150,7 @@ def split_module(
     module: nn.Module, layers: Sequence[nn.Module], sizes: Sequence[int], stage: int, ties: Sequence[Tie] = ()
 ) -> Split:
     """Replace every part of a layer outside ``stage`` with a placeholder, in place; returns the record."""
-    slots = _slots(module, layers)
+    slots = layer_slots(module, layers)
     split = Split(list(sizes), stage, slots, list(ties))
     first, last = split.bounds
     for i, parent, name in slots:
@@ -177,13 +183,55 @@ def unsplit(split: Split, state_dicts: dict[int, dict[str, torch.Tensor]], devic
             for key in unexpected:
                 part.get_buffer(key).copy_(state_dicts[k][key])
         _set(parent, name, part)
+    tie_again(split)
+
+
+@contextmanager
+def only_stage(module: nn.Module, layers: Sequence[nn.Module], sizes: Sequence[int], stage: int) -> Iterator[None]:
+    """Within the block, ``module`` holds only ``stage``'s parts (the others are placeholders without
+    parameters), as on that stage's rank after `split_module`: ``parameters()``, ``state_dict()`` and
+    ``configure_optimizers`` see that stage alone. Every part is back in its place afterwards, the same
+    object, untouched: what a pipeline in one process needs, where the module stays whole."""
+    split = Split(list(sizes), stage, layer_slots(module, layers))
+    first, last = split.bounds
+    parts = [_get(parent, name) for _, parent, name in split.slots]
+    try:
+        for (i, parent, name), part in zip(split.slots, parts, strict=True):
+            if not first <= i < last:
+                _set(parent, name, LayerOnOtherStage(i, split.stage_of_layer(i), part))
+        yield
+    finally:
+        for (_, parent, name), part in zip(split.slots, parts, strict=True):
+            _set(parent, name, part)
+
+
+def separate_tied_copies(split: Split) -> None:
+    """Give the last layer its own copy of every tied weight: a new parameter equal to the first layer's.
+
+    A pipeline in one process holds both stages' layers in one module, where a tied weight is one
+    parameter; the two-copy rule (`lit_efficient.pipeline.tied`) needs the two copies each stage holds
+    on its own rank. `tie_again` makes them one parameter again (the first layer's).
+    """
     for tie in split.ties:
-        (pa, na), (pb, nb) = tie.first, tie.last
-        owner = _get(*split.slots[pa][1:])
-        holder_path, _, attr = nb.rpartition(".")
-        holder = _get(*split.slots[pb][1:])
-        holder = holder.get_submodule(holder_path) if holder_path else holder
-        setattr(holder, attr, owner.get_parameter(na))
+        holder, attr = _holder(split, tie.last)
+        param = getattr(holder, attr)
+        setattr(holder, attr, nn.Parameter(param.detach().clone(), requires_grad=param.requires_grad))
+
+
+def tie_again(split: Split) -> None:
+    """Make every tie of ``split`` one parameter again: the last layer's copy becomes the first layer's."""
+    for tie in split.ties:
+        part, name = tie.first
+        holder, attr = _holder(split, tie.last)
+        setattr(holder, attr, _get(*split.slots[part][1:]).get_parameter(name))
+
+
+def _holder(split: Split, where: tuple[int, str]) -> tuple[nn.Module, str]:
+    """The module holding the parameter at ``(part index, name inside the part)``, and its attribute name."""
+    part, name = where
+    holder_path, _, attr = name.rpartition(".")
+    holder = _get(*split.slots[part][1:])
+    return (holder.get_submodule(holder_path) if holder_path else holder), attr
 
 
 def local_layer_state_dicts(split: Split) -> dict[int, dict[str, torch.Tensor]]:
@@ -199,7 +247,10 @@ def _part_state(part: nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
-def _slots(module: nn.Module, layers: Sequence[nn.Module]) -> list[tuple[int, nn.Module, str]]:
+def layer_slots(module: nn.Module, layers: Sequence[nn.Module]) -> list[tuple[int, nn.Module, str]]:
+    """``(layer index, parent, attribute name)`` of every part of every layer, in layer order: a registered
+    layer is one part; an adapter (kept out of the module tree, without parameters of its own) one part per
+    child. Raises, naming the layer, for a layer that is neither."""
     where: dict[int, tuple[nn.Module, str]] = {}
     for parent in module.modules():
         for name, child in parent._modules.items():
@@ -249,7 +300,7 @@ def _parameter_names(module: nn.Module) -> dict[int, list[str]]:
 
 
 def _tie(module: nn.Module, layers: Sequence[nn.Module], param: nn.Parameter) -> Tie:
-    slots = _slots(module, layers)
+    slots = layer_slots(module, layers)
     last = len(layers) - 1
 
     def locate(layer_index: int) -> tuple[int, str]:

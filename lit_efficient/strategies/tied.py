@@ -1,7 +1,8 @@
 """Wiring a weight tied between the first and the last stage into a strategy's stages.
 
-The rule lives in `lit_efficient.pipeline.tied`, the transport in `comm.TiedExchange`; this file
-only finds this rank's copies, makes the two-rank groups and installs the hooks.
+The rule lives in `lit_efficient.pipeline.tied`, the transport in `comm.TiedExchange` (or, for a
+pipeline in one process, `pipeline.tied.LocalTiedLink`); this file only finds a stage's copies, makes
+the two-rank groups and installs the hooks (`tie_stage`, for both).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from torch import nn
 from lit_efficient.pipeline.comm import LinkGroups, TiedExchange
 from lit_efficient.pipeline.schedules import ScheduleName
 from lit_efficient.pipeline.stage import PipelineStage
-from lit_efficient.pipeline.tied import TiedWeight, tie_delay
+from lit_efficient.pipeline.tied import Exchange, TiedWeight, tie_delay
 from lit_efficient.pipeline.topology import Topology
 from lit_efficient.strategies.split import Split
 
@@ -44,7 +45,8 @@ def install_tied_weights(
     groups: LinkGroups,
     timeout: float,
 ) -> list[TiedWeight]:
-    """Install the tied-weight rule on ``stage`` (first or last) for every tie of ``split``."""
+    """Install the tied-weight rule on this rank's ``stage`` (first or last) for every tie of ``split``, over
+    a `TiedExchange` with the other copy's rank."""
     s, last = topology.stage_of(rank), topology.num_stages - 1
     if not split.ties or s not in (0, last):
         return []
@@ -52,15 +54,29 @@ def install_tied_weights(
     peer_stage = last if s == 0 else 0
     peer = topology.rank_of(peer_stage, replica)
     exchange = TiedExchange(s, peer, peer_stage, groups, timeout, stage.device)
+    return tie_stage(stage, split, schedule, tie_delay(topology.num_stages, accumulate), exchange)
+
+
+def tie_stage(
+    stage: PipelineStage, split: Split, schedule: ScheduleName, delay: int, exchange: Exchange
+) -> list[TiedWeight]:
+    """Install the rule on ``stage`` (the first or the last) for every tie of ``split``: its copy of each tied
+    weight, found at the copy's place in the module, exchanged over ``exchange``."""
     tied = []
     for tie in split.ties:
-        part, name = tie.first if s == 0 else tie.last
+        part, name = tie.first if stage.is_first else tie.last
         _, parent, attr = split.slots[part]
         param = parent._modules[attr].get_parameter(name)  # type: ignore[union-attr]
-        setattr(param, TIED_ATTR, s == 0)  # True on the copy counted in a pipeline-wide norm
-        tied.append(TiedWeight(param, s == 0, schedule, tie_delay(topology.num_stages, accumulate), exchange))
+        setattr(param, TIED_ATTR, stage.is_first)  # True on the copy counted in a pipeline-wide norm
+        tied.append(TiedWeight(param, stage.is_first, schedule, delay, exchange))
     stage.exchange_tied = _all(tied)
     return tied
+
+
+def untag(tied: list[TiedWeight]) -> None:
+    """Take the tied-weight mark off ``tied``'s copies (a module kept whole in one process, after training)."""
+    for t in tied:
+        t.param.__dict__.pop(TIED_ATTR, None)
 
 
 def _all(tied: list[TiedWeight]) -> Callable[[], None]:
