@@ -262,3 +262,25 @@ def test_trainer_order_cannot_deadlock_on_nccl(tmp_path, monkeypatch, stages, sc
     result = _check(tmp_path / "trace")
     assert result["ranks"] == devices
     assert result["one_group_per_role"] == "deadlocks", result
+
+
+def test_the_replay_command_reports_a_recorded_run(tmp_path, capsys):
+    from lit_efficient.pipeline.p2p_trace import main
+
+    programs, ops = _programs({0: FIRST, 1: LAST})
+    for rank, program in programs.items():
+        lines = []
+        for event, op_id in program:
+            if event == "wait":
+                lines.append(f'{{"event": "wait", "id": {op_id}}}')
+                continue
+            op = ops[(rank, op_id)]
+            lines.append(
+                f'{{"event": "issue", "id": {op_id}, "kind": "{op.kind}", "peer": {op.peer}, "group": "{op.group}", '
+                f'"ranks": [0, 1], "bytes": {op.nbytes}, "device": true, "role": "p2p", "what": "{op.what}"}}'
+            )
+        (tmp_path / f"rank{rank}.jsonl").write_text("\n".join(lines) + "\n")
+    assert main([str(tmp_path)]) == 1
+    assert "point-to-point deadlock" in capsys.readouterr().out
+    assert main([str(tmp_path), "--eager-bytes", str(BIG)]) == 0
+    assert "no deadlock" in capsys.readouterr().out

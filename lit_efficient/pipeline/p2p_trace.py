@@ -351,3 +351,23 @@ def _explain(stuck, pending, programs, pcs, states, streams) -> str:
     if not stuck:
         lines += [f"never completes: {st.op.describe()}" for st in pending[:8]]
     return "point-to-point deadlock under NCCL's ordering rule: " + "; ".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m lit_efficient.nccl_check DIR``: replay a recorded run; exit status 1 on a deadlock."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        description="Replay a run recorded with LIT_EFFICIENT_P2P_TRACE=DIR under NCCL's rule."
+    )
+    parser.add_argument("directory", help="the folder the run's ranks wrote rank<R>.jsonl to")
+    parser.add_argument("--eager-bytes", type=int, default=0, help="sends up to this size complete unreceived")
+    args = parser.parse_args(argv)
+    programs, ops = load_traces(args.directory)
+    try:
+        ran = replay(programs, ops, eager_bytes=args.eager_bytes)
+    except (P2PDeadlockError, P2PMismatchError) as err:
+        print(err)
+        return 1
+    print(f"{len(programs)} ranks, {ran} operations: no deadlock under NCCL's ordering rule")
+    return 0
