@@ -57,3 +57,41 @@ def test_bf16_wire_rounds_float32_only_and_halves_its_bytes():
 def test_only_float32_or_bfloat16_on_the_wire():
     with pytest.raises(ValueError, match="float32_as"):
         WireFormat(torch.float16)
+
+
+def _fit(devices: int, wire_dtype: str) -> dict[str, torch.Tensor]:
+    from lightning.pytorch import Trainer
+
+    from lit_efficient import PACIStrategy
+    from lit_efficient.data import TextDataModule
+    from lit_efficient.models import GPT
+
+    torch.manual_seed(0)
+    model = GPT(n_layer=2, n_head=2, n_embd=32, block_size=32)
+    strategy = PACIStrategy(pipeline_stages=2, wire_dtype=wire_dtype, start_method="forkserver")
+    Trainer(
+        accelerator="cpu", devices=devices, strategy=strategy, max_steps=3, accumulate_grad_batches=2,
+        val_check_interval=3, limit_val_batches=2, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    ).fit(model, datamodule=TextDataModule(block_size=32, batch_size=4, max_bytes=60_000))  # fmt: skip
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.multiproc
+def test_bf16_wire_in_one_process_equals_two_processes(monkeypatch):
+    """The in-process pipeline rounds its boundary tensors as the processes' wire does: bit-identical (with
+    one thread per stage on both sides, as tests/test_in_process.py compares them)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    one, two, exact = _fit(1, "bfloat16"), _fit(2, "bfloat16"), _fit(1, "float32")
+    assert max((one[k] - two[k]).abs().max().item() for k in one) == 0.0
+    torch.set_num_threads(threads)
+    assert max((one[k] - exact[k]).abs().max().item() for k in one) > 0.0  # the rounding took effect
+
+
+def test_wire_dtype_is_refused_unless_float32_or_bfloat16():
+    from lit_efficient import PACIStrategy
+
+    with pytest.raises(ValueError, match="wire_dtype='float16'"):
+        PACIStrategy(wire_dtype="float16")

@@ -36,15 +36,21 @@ from lit_efficient.pipeline.runtime import InputFn, PipelineRuntime
 from lit_efficient.pipeline.schedules import ScheduleName
 from lit_efficient.pipeline.stage import PipelineStage
 from lit_efficient.pipeline.topology import Topology
+from lit_efficient.pipeline.wire import WireFormat
 
 
 def local_pipeline(
-    stages: Sequence[PipelineStage], schedule: ScheduleName, accumulate: int, input_fn: InputFn
+    stages: Sequence[PipelineStage],
+    schedule: ScheduleName,
+    accumulate: int,
+    input_fn: InputFn,
+    wire: WireFormat | None = None,
 ) -> LocalPipeline:
     """Runtimes for ``stages`` (stage 0 first) over one `LocalExchange`, each playing the rank it would
-    have in a one-replica pipeline of processes, driven by a `LocalPipeline`."""
+    have in a one-replica pipeline of processes, driven by a `LocalPipeline`. ``wire``: the processes' wire
+    format (bf16 on the wire rounds the boundary tensors here as it would there)."""
     topo = Topology(len(stages))
-    exchange = LocalExchange()
+    exchange = LocalExchange(wire)
     runtimes = []
     for stage in stages:
         rank = topo.rank_of(stage.stage)

@@ -175,7 +175,7 @@ class InProcessPipeline:
             s._epoch_schedulers = epoch_schedulers
             s._tied = [t for tied in self.tied for t in tied]  # on_train_end finishes both stages' exchanges
         s.setup_precision_plugin()
-        s.runtime = local_pipeline(stages, s.schedule, accumulate, module.pipeline_input)  # type: ignore[assignment]
+        s.runtime = local_pipeline(stages, s.schedule, accumulate, module.pipeline_input, s.wire_format)  # type: ignore[assignment]
         self.pipeline.selected = self.selected
         if self.tie_link is not None:
             self.tie_link.wait = self.pipeline.run_others_until  # a stage waiting inside its step lets the others run
