@@ -77,16 +77,20 @@ def _fit(devices: int, wire_dtype: str) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-@pytest.mark.multiproc
-def test_bf16_wire_in_one_process_equals_two_processes(monkeypatch):
-    """The in-process pipeline rounds its boundary tensors as the processes' wire does: bit-identical (with
-    one thread per stage on both sides, as tests/test_in_process.py compares them)."""
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+@pytest.fixture
+def one_thread(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # spawned Trainer ranks read it
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(1)  # one thread per stage on both sides, as tests/test_in_process.py compares them
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.multiproc
+def test_bf16_wire_in_one_process_equals_two_processes(one_thread):
+    """The in-process pipeline rounds its boundary tensors as the processes' wire does: bit-identical."""
     one, two, exact = _fit(1, "bfloat16"), _fit(2, "bfloat16"), _fit(1, "float32")
     assert max((one[k] - two[k]).abs().max().item() for k in one) == 0.0
-    torch.set_num_threads(threads)
     assert max((one[k] - exact[k]).abs().max().item() for k in one) > 0.0  # the rounding took effect
 
 
