@@ -143,12 +143,7 @@ class InProcessPipeline:
             optimizer, scheduler = None, None
             if fitting:
                 with only_stage(module, layers, self.sizes, stage_index):
-                    s.setup_optimizers(trainer)
-                if len(s.optimizers) != 1:
-                    raise ValueError(
-                        f"configure_optimizers returned {len(s.optimizers)} optimizers; PACIStrategy steps one "
-                        "optimizer per stage. Put all parameters into one optimizer (param groups are fine)."
-                    )
+                    s._setup_stage_optimizer(trainer)
                 optimizer = s.optimizers[0]
                 scheduler = s._step_schedulers()
                 optimizers.append(optimizer)

@@ -368,12 +368,7 @@ class PACIStrategy(PipelineCheckpointing, PipelineEvaluation, LocalStepHooks, DD
         if fitting:
             self._was_automatic = module.automatic_optimization
             module.automatic_optimization = False  # the stages zero, accumulate and step themselves
-            self.setup_optimizers(trainer)
-            if len(self.optimizers) != 1:
-                raise ValueError(
-                    f"configure_optimizers returned {len(self.optimizers)} optimizers; PACIStrategy steps one "
-                    "optimizer per stage. Put all parameters into one optimizer (param groups are fine)."
-                )
+            self._setup_stage_optimizer(trainer)
         self.setup_precision_plugin()
         first, last = self._split.bounds
         local = [layer for layer in layers[first:last]]
@@ -431,6 +426,25 @@ class PACIStrategy(PipelineCheckpointing, PipelineEvaluation, LocalStepHooks, DD
         swap_stock_progress_bar(trainer)
         if not any(isinstance(cb, _SyncCallbackMetrics) for cb in trainer.callbacks):
             trainer.callbacks.insert(0, _SyncCallbackMetrics())
+
+    def _setup_stage_optimizer(self, trainer: Trainer) -> None:
+        """Lightning's `setup_optimizers` while only this stage's layers are present (on its rank, or inside
+        `only_stage` in one process), refusing anything but one optimizer with the way to write it."""
+        one = (
+            "PACIStrategy steps one optimizer per stage, built by configure_optimizers while only that stage's "
+            "layers are present. Put all parameters into one optimizer; param groups are fine (one group per "
+            "module, each with its own lr and weight decay)."
+        )
+        try:
+            self.setup_optimizers(trainer)
+        except ValueError as err:
+            if "empty parameter list" not in str(err):
+                raise
+            raise ValueError(
+                f"configure_optimizers built an optimizer over modules that are all on other stages ({err}). {one}"
+            ) from err
+        if len(self.optimizers) != 1:
+            raise ValueError(f"configure_optimizers returned {len(self.optimizers)} optimizers. {one}")
 
     def _prepare_runtimes(self, trainer: Trainer) -> None:
         """What every stage's runtime takes from Lightning, on processes and in one process (every stage's):
