@@ -303,22 +303,33 @@ def _check_shapes(name: str, state: dict[str, Any], param: nn.Parameter) -> None
 
 
 def load_file(path: str | os.PathLike, weights_only: bool | None = None) -> dict[str, Any]:
-    """Load one checkpoint file on the CPU. ``weights_only`` True or False, as the caller asked
-    (``trainer.fit(..., weights_only=...)``), is obeyed as is. None (the default): ``weights_only=True``
-    (no arbitrary code on unpickling) when the content allows; a checkpoint holding other Python objects
-    (custom hyper-parameter types, say) falls back to a full load, with a warning: only load such
-    checkpoints from sources you trust."""
+    """Load one checkpoint file on the CPU, memory-mapped: a tensor's bytes are read from the file when it
+    is used, so a rank that takes its stage's share of a whole-model file materializes that share only
+    (the pages stay the page cache's, copied privately where written). ``weights_only`` True or False, as
+    the caller asked (``trainer.fit(..., weights_only=...)``), is obeyed as is. None (the default):
+    ``weights_only=True`` (no arbitrary code on unpickling) when the content allows; a checkpoint holding
+    other Python objects (custom hyper-parameter types, say) falls back to a full load, with a warning:
+    only load such checkpoints from sources you trust."""
     if weights_only is not None:
-        return torch.load(path, map_location="cpu", weights_only=weights_only)
+        return _load(path, weights_only)
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return _load(path, True)
     except pickle.UnpicklingError as err:
         warnings.warn(
             f"{path} holds objects weights_only=True refuses ({str(err).splitlines()[0][:200]}); loading it fully. "
             "Only load checkpoints you trust.",
             stacklevel=2,
         )
-        return torch.load(path, map_location="cpu", weights_only=False)
+        return _load(path, False)
+
+
+def _load(path: str | os.PathLike, weights_only: bool) -> dict[str, Any]:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=weights_only, mmap=True)
+    except RuntimeError as err:  # a file in torch's legacy (non-zip) serialization cannot be mapped
+        if "mmap" not in str(err):
+            raise
+        return torch.load(path, map_location="cpu", weights_only=weights_only)
 
 
 load_shard = load_file  # the name of earlier versions
@@ -339,12 +350,16 @@ def legacy_shard(path: Path, stage: int, replica: int) -> Path:
 
 
 def consolidate_checkpoint(path: str | os.PathLike) -> dict[str, Tensor]:
-    """The unsplit module's ``state_dict`` from a pipeline checkpoint (a file, or an earlier version's
-    directory of shards). For a file this is its ``state_dict``; ``Module.load_from_checkpoint(path)``
+    """The unsplit module's ``state_dict`` from a pipeline checkpoint (a file, a sharded folder, or an earlier
+    version's directory of shards). For a file this is its ``state_dict``; ``Module.load_from_checkpoint(path)``
     reads the same file directly: ``GPT(...).load_state_dict(consolidate_checkpoint("last.ckpt"))``."""
     path = Path(path)
     if not path.is_dir():
         return load_file(path)["state_dict"]
+    if (path / ".metadata").is_file():  # a sharded checkpoint (torch.distributed.checkpoint's index)
+        from lit_efficient.strategies.sharded import consolidated_state_dict
+
+        return consolidated_state_dict(path)
     meta = json.loads((path / LEGACY_META).read_text())
     state: dict[str, Tensor] = {}
     for stage in range(meta["num_stages"]):

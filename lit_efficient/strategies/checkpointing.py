@@ -3,7 +3,8 @@
 The file format and the merging are `checkpoint.py`'s; this mixin is the Lightning side: what a rank
 contributes (`pipeline_state`), the collective save, and the load hooks Lightning calls after the
 module is split, including the layouts' differences (warned, never silent) and the directory
-checkpoints of earlier versions.
+checkpoints of earlier versions. The sharded folder (``checkpoint_format="sharded"``) is `sharded.py`'s,
+and saving after ``fit``, when the stages are gone, `shares.py`'s; both load through the same hooks.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from lit_efficient.strategies.checkpoint import (
     to_automatic_loops,
     write_atomically,
 )
+from lit_efficient.strategies.sharded import from_consolidated, is_sharded
+from lit_efficient.strategies.shares import load_sharded, save_from_records
 
 
 class PipelineCheckpointing:
@@ -47,6 +50,11 @@ class PipelineCheckpointing:
     @override
     def restore_checkpoint_after_setup(self) -> bool:
         return True  # the module must be split before its stage's weights are loaded
+
+    @override
+    def on_train_start(self) -> None:
+        self._final_state = None  # what a save after the previous fit used (shares.py) is not this fit's
+        super().on_train_start()
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -89,6 +97,8 @@ class PipelineCheckpointing:
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         # Collective: every rank's stage goes to global rank 0, which writes one ordinary file (checkpoint.py).
+        if self.checkpoint_format == "sharded" or self.runtime is None:
+            return save_from_records(self, checkpoint, filepath)  # the folder; either format after fit (shares.py)
         if self._in_process is not None:
             return self._in_process.save_checkpoint(checkpoint, filepath)
         assert self.lightning_module is not None and self.topology is not None
@@ -107,6 +117,8 @@ class PipelineCheckpointing:
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(checkpoint_path)
+        if is_sharded(path):  # this rank's part only (sharded.py)
+            return from_automatic_loops(load_sharded(self, path, weights_only))
         if path.is_dir() and self._in_process is not None:
             raise ValueError(
                 f"{path} is a directory of stage shards (an earlier version's checkpoint); one device resumes only the "
@@ -115,7 +127,7 @@ class PipelineCheckpointing:
         if path.is_dir():  # an earlier version's directory of shards: its own layout only
             return load_file(legacy_shard(path, self.stage, self.replica), weights_only)
         # Before Lightning restores the loops from it: a one-device file counts steps in the automatic loop.
-        return from_automatic_loops(load_file(path, weights_only))
+        return from_automatic_loops(from_consolidated(load_file(path, weights_only)))
 
     @override
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
@@ -213,7 +225,7 @@ class PipelineCheckpointing:
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
-        if self.is_global_zero:  # a directory is an earlier version's checkpoint
+        if self.is_global_zero:  # a directory: a sharded checkpoint, or an earlier version's
             shutil.rmtree(filepath, ignore_errors=True) if Path(filepath).is_dir() else Path(filepath).unlink(True)
 
 

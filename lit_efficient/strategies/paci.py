@@ -60,6 +60,7 @@ from lit_efficient.strategies.evaluation import PipelineEvaluation
 from lit_efficient.strategies.hooks import drain_before, undo_drain_before, warn_uncalled_hooks
 from lit_efficient.strategies.in_process import InProcessPipeline
 from lit_efficient.strategies.profile import first_batch, profile_layers
+from lit_efficient.strategies.shares import FinalState, keep_final_state
 from lit_efficient.strategies.split import (
     LayerOnOtherStage,
     Split,
@@ -109,6 +110,14 @@ class PACIStrategy(PipelineCheckpointing, PipelineEvaluation, LocalStepHooks, DD
             Other dtypes travel as they are; tensors under 64 KiB share one transfer either way.
         on_nonfinite: A NaN/Inf loss or gradient: ``"raise"`` an error naming the stage, optimizer step and
             micro-batch, or ``"skip"`` that window's update on every stage and replica alike.
+        checkpoint_format: ``"file"``: one ordinary Lightning ``.ckpt`` that loads anywhere
+            (``Module.load_from_checkpoint``, any strategy's ``ckpt_path``); global rank 0 gathers every stage's
+            share and writes it, so it holds the whole model and optimizer state in host memory while saving.
+            ``"sharded"``: a folder laid out as Lightning's FSDP sharded checkpoints (``torch.distributed.checkpoint``),
+            every rank writing and reading only its own share, in parallel; ``python -m
+            lightning.pytorch.utilities.consolidate_checkpoint PATH`` makes the one file of it. Switch to
+            ``"sharded"`` when the model and optimizer state (about 16 bytes per parameter with AdamW) approach
+            rank 0's host memory or saving stalls training for long. Both resume on any layout, both are atomic.
         local_sgd_steps: None: replicas all-reduce gradients every step (DDP semantics). H: replicas
             train independently and average parameters every H optimizer steps (LocalSGD/DiLoCo).
         local_sgd_warmup_steps: Synchronous (average every step) optimizer steps before LocalSGD starts.
@@ -162,6 +171,7 @@ class PACIStrategy(PipelineCheckpointing, PipelineEvaluation, LocalStepHooks, DD
         p2p_timeout: float = 600.0,
         wire_dtype: Literal["float32", "bfloat16"] = "float32",
         on_nonfinite: Literal["raise", "skip"] = "raise",
+        checkpoint_format: Literal["file", "sharded"] = "file",
         local_sgd_steps: int | None = None,
         local_sgd_warmup_steps: int = 0,
         outer_optimizer: Literal["average", "nesterov"] = "average",
@@ -199,6 +209,11 @@ class PACIStrategy(PipelineCheckpointing, PipelineEvaluation, LocalStepHooks, DD
             raise ValueError(f"wire_dtype={wire_dtype!r} must be one of {', '.join(map(repr, _WIRE_DTYPES))}")
         if not isinstance(staleness_anneal_steps, int) or staleness_anneal_steps < 1:
             raise ValueError(f"staleness_anneal_steps={staleness_anneal_steps!r} must be an integer >= 1")
+        if checkpoint_format not in ("file", "sharded"):
+            raise ValueError(
+                f"checkpoint_format={checkpoint_format!r} must be 'file' (one Lightning .ckpt) or 'sharded' (a folder "
+                "every rank writes its own share into)"
+            )
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
             precision_plugin=precision_plugin, process_group_backend=process_group_backend, timeout=timeout,
@@ -215,6 +230,8 @@ class PACIStrategy(PipelineCheckpointing, PipelineEvaluation, LocalStepHooks, DD
         self.compile_layers = compile_layers
         self._compiled_steps: dict[str, Any] = {}  # a torch.compile-d module's steps, set aside while it trains
         self.on_nonfinite = on_nonfinite
+        self.checkpoint_format = checkpoint_format
+        self._final_state: FinalState | None = None  # the stages at the end of training (shares.py)
         self.local_sgd_steps = local_sgd_steps
         self.local_sgd_warmup_steps = local_sgd_warmup_steps
         self.outer_optimizer = outer_optimizer
@@ -658,6 +675,7 @@ class PACIStrategy(PipelineCheckpointing, PipelineEvaluation, LocalStepHooks, DD
     def on_train_end(self) -> None:
         if self.runtime is not None:
             self.runtime.drain()
+            keep_final_state(self)  # before fit takes the stages apart: for trainer.save_checkpoint after fit
         finish_tied(self._tied)
         self._tied = []
         # Every rank started the same broadcasts; wait for the last ones so no asynchronous work is

@@ -1,0 +1,194 @@
+"""What each stage puts into a checkpoint and takes from it, while the pipeline runs and after ``fit``.
+
+A stage's share (`checkpoint.rank_share`: its weights, optimizer state and schedulers under parameter
+names, and the pipeline state) is what both formats are made of: the single file merges every share on
+global rank 0 (`checkpoint.assemble`), the sharded folder has every rank write its own (`sharded.save`).
+A share is built from Lightning's checkpoint dict and a `StageRecord`: the stage's ``state_dict`` keys,
+its optimizer's parameter names, its pipeline state (`PipelineCheckpointing.pipeline_state`) and its tied
+weights' second copies.
+
+While the pipeline runs, the record is read from the stage. At the end of training
+(`PACIStrategy.on_train_end`, the pipeline drained) it is kept, because ``fit`` then takes the stages
+apart: global rank 0 gathers the whole model, the runtime goes, and in one process a tied weight becomes
+one parameter again. ``trainer.save_checkpoint(path)`` after ``fit`` builds the shares from the kept
+records and the optimizers every rank still holds, so it writes the checkpoint a `ModelCheckpoint` at the
+last step would have written, in either format, on every rank (``start_method="popen"``, torchrun,
+SLURM) and in one process (``devices=1``).
+
+After a fit whose ranks were spawned (``start_method="spawn"``/``"forkserver"``), they are gone: this
+process holds only the trained weights Lightning's launcher brought back (as under Lightning's DDP), and
+``save_checkpoint`` writes those, weights only, with a warning saying so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import nn
+
+from lit_efficient.strategies import sharded
+from lit_efficient.strategies.checkpoint import assemble, rank_share, to_automatic_loops, write_atomically
+
+if TYPE_CHECKING:
+    from lit_efficient.strategies.paci import PACIStrategy
+
+
+@dataclass(frozen=True)
+class StageRecord:
+    """What a share needs of its stage besides Lightning's dict.
+
+    Attributes:
+        stage: The stage.
+        replica: Its replica.
+        keys: The stage's ``state_dict`` keys.
+        group_names: Its optimizer's parameter names, per group, in the optimizer's order.
+        extras: `PipelineCheckpointing.pipeline_state` (accumulation, random streams, averager).
+        tied_copies: Names of its second copies of weights tied to the first stage.
+        optimizer: Its optimizer's index in ``strategy.optimizers`` (and in Lightning's ``optimizer_states``).
+        schedulers: Its slice of Lightning's ``lr_schedulers``.
+    """
+
+    stage: int
+    replica: int
+    keys: list[str]
+    group_names: list[list[str]]
+    extras: dict[str, Any]
+    tied_copies: list[str]
+    optimizer: int
+    schedulers: slice
+
+
+@dataclass(frozen=True)
+class FinalState:
+    """The records of this process's stages at the end of training, and the layout they were trained in."""
+
+    records: list[StageRecord]
+    layout: dict[str, Any]
+
+
+def live_records(strategy: PACIStrategy) -> list[StageRecord]:
+    """This process's stages as they are now: one on a rank, every stage in one process."""
+    module = strategy.lightning_module
+    assert module is not None
+    if strategy._in_process is None:
+        return [_record(strategy, module, module.state_dict().keys(), 0, slice(None))]
+    in_process = strategy._in_process
+    counts = in_process._scheduler_counts
+    offsets = [sum(counts[:k]) for k in range(len(counts) + 1)]
+    records = []
+    whole = {"state_dict": module.state_dict()}
+    for stage in range(strategy.pipeline_stages):
+        with in_process._as_rank(stage, whole) as view:  # acts for the stage; the module holds its layers only
+            schedulers = slice(offsets[stage], offsets[stage + 1]) if counts else slice(0, 0)
+            records.append(_record(strategy, module, view["state_dict"].keys(), stage, schedulers))
+    return records
+
+
+def keep_final_state(strategy: PACIStrategy) -> None:
+    """At the end of training, before ``fit`` takes the stages apart: what a save after ``fit`` needs."""
+    strategy._final_state = FinalState(live_records(strategy), strategy.layout())
+
+
+def save_from_records(strategy: PACIStrategy, checkpoint: dict[str, Any], filepath: Any) -> None:
+    """``PACIStrategy.save_checkpoint`` in the sharded format, and in both formats after ``fit``."""
+    path = Path(filepath)
+    if strategy.topology is None:  # never set up here: the parent of spawned ranks, after fit
+        return _save_weights(strategy, checkpoint, path)
+    live = strategy.runtime is not None
+    final = strategy._final_state
+    if not live and final is None:
+        raise RuntimeError(
+            "PACIStrategy cannot save a checkpoint here: its stages are gone and training did not end normally "
+            "(a failed fit keeps no final state). Save during fit with ModelCheckpoint, and resume from that."
+        )
+    records = live_records(strategy) if live else final.records  # type: ignore[union-attr]
+    layout = strategy.layout() if live else final.layout  # type: ignore[union-attr]
+    diverged = strategy.local_sgd_steps is not None and strategy.topology.num_replicas > 1
+    views = [_view(checkpoint, r) for r in records]
+    shares = [_share(strategy, view, r, r.replica == 0 or diverged) for view, r in zip(views, records, strict=True)]
+    distributed = strategy._in_process is None
+    group = strategy._cpu_group() if distributed else None
+    base = views[-1]  # Lightning's dict as global rank 0 (the last stage) built it
+    if strategy.checkpoint_format == "sharded":
+        return sharded.save(path, shares, base, layout, group=group, distributed=distributed)
+    if not distributed:
+        return write_atomically(to_automatic_loops(assemble(base, shares, layout)), path)
+    gathered: list[Any] | None = [None] * strategy.world_size if strategy.is_global_zero else None
+    dist.gather_object(shares[0], gathered, dst=0, group=group)
+    if strategy.is_global_zero:
+        write_atomically(to_automatic_loops(assemble(base, gathered, layout)), path)  # type: ignore[arg-type]
+    dist.barrier(group=group)
+
+
+def load_sharded(strategy: PACIStrategy, path: Path, weights_only: bool | None) -> dict[str, Any]:
+    """This process's part of a sharded folder, as the dict a single file would give (`sharded.read`). Weights
+    are read into the module's own tensors; nothing of another stage's is materialized."""
+    module = strategy.lightning_module
+    assert module is not None
+    state = module.state_dict()
+    names = [n for n, _ in module.named_parameters(remove_duplicate=False)]
+    if strategy._in_process is None:
+        own = [strategy._rank_key()]
+    else:
+        own = [f"stage{s}-replica0" for s in range(strategy.pipeline_stages)]
+    return sharded.read(path, state.keys(), names, own, strategy.layout(), targets=state, weights_only=weights_only)
+
+
+def _record(strategy: PACIStrategy, module: nn.Module, keys: Any, optimizer: int, schedulers: slice) -> StageRecord:
+    names = {id(p): n for n, p in module.named_parameters()}
+    opt = strategy.optimizers[optimizer] if strategy.optimizers else None
+    groups = [[names[id(p)] for p in g["params"]] for g in opt.param_groups] if opt is not None else []
+    return StageRecord(
+        strategy.stage, strategy.replica, list(keys), groups, strategy.pipeline_state(),
+        list(strategy._tied_copy_names()[1]), optimizer, schedulers,
+    )  # fmt: skip
+
+
+def _view(checkpoint: dict[str, Any], record: StageRecord) -> dict[str, Any]:
+    """Lightning's dict as the record's rank would have built it: its keys, its optimizer, its schedulers."""
+    state = checkpoint["state_dict"]
+    view = dict(checkpoint, state_dict={k: state[k] for k in record.keys if k in state})
+    if "optimizer_states" in checkpoint:
+        view["optimizer_states"] = [checkpoint["optimizer_states"][record.optimizer]]
+    if "lr_schedulers" in checkpoint:
+        view["lr_schedulers"] = checkpoint["lr_schedulers"][record.schedulers]
+    return view
+
+
+def _share(strategy: PACIStrategy, view: dict[str, Any], record: StageRecord, keep_weights: bool) -> dict[str, Any]:
+    optimizer = strategy.optimizers[record.optimizer] if strategy.optimizers else None
+    names = _RecordedNames(record.group_names, optimizer)
+    return rank_share(view, names, optimizer, record.extras, keep_weights, tied_copies=record.tied_copies)  # type: ignore[arg-type]
+
+
+class _RecordedNames:
+    """The optimizer's parameters under the record's names, where `rank_share` asks a module for them:
+    after ``fit`` the module may hold other parameter objects (rank 0's is whole again, a tied weight one)."""
+
+    def __init__(self, group_names: list[list[str]], optimizer: Any) -> None:
+        params = [p for g in optimizer.param_groups for p in g["params"]] if optimizer is not None else []
+        self.pairs = list(zip([n for names in group_names for n in names], params, strict=True))
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        return iter(self.pairs)
+
+
+def _save_weights(strategy: PACIStrategy, checkpoint: dict[str, Any], path: Path) -> None:
+    rank_zero_warn(
+        "trainer.save_checkpoint after a fit whose ranks were spawned (start_method="
+        f"{strategy._start_method!r}): they ended with fit, and this process holds only the trained weights "
+        "Lightning's launcher brought back (as under DDP). The checkpoint has those weights and no optimizer or "
+        "pipeline state: it loads with load_from_checkpoint, but does not resume training. For a checkpoint that "
+        "resumes, save during fit (ModelCheckpoint) or launch with start_method='popen' (or torchrun), where "
+        "every rank keeps its stage after fit."
+    )
+    weights = {k: v for k, v in checkpoint.items() if k not in ("optimizer_states", "lr_schedulers")}
+    if strategy.checkpoint_format == "sharded":
+        sharded.save_weights(path, weights)
+    else:
+        write_atomically(weights, path)
