@@ -12,6 +12,7 @@ saved. Every option's help text comes from the docstrings of the classes it conf
     lit-efficient fit --model GPT --model.n_layer 2 --trainer.max_steps 50
     lit-efficient fit --config configs/quickstart.yaml --print_config                # resolved config
     python -m lit_efficient.cli fit ...                                             # the same, e.g. under srun
+    lit-efficient plan --config configs/gpt2_medium_8stage_paci.yaml --device-memory 80GiB  # memory per stage
 
 Multi-process strategies re-run this command once per rank (``PACIStrategy(start_method="popen")``,
 torchrun, SLURM): every rank parses the same arguments and builds the same model from the same seed.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -138,7 +140,10 @@ class LitEfficientCLI(LightningCLI):
         kwargs.setdefault("save_config_callback", RunConfigCallback)
         kwargs.setdefault("parser_class", StrategyOptionParser)
         kwargs.setdefault("save_config_kwargs", {"config_filename": "config.yaml", "overwrite": False})
-        kwargs.setdefault("parser_kwargs", {"description": "Pipeline-parallel training for PyTorch Lightning."})
+        kwargs.setdefault("parser_kwargs", {
+            "description": "Pipeline-parallel training for PyTorch Lightning. The memory plan of a config, before "
+            "any GPU: lit-efficient plan --config ... (lit-efficient plan --help)."
+        })  # fmt: skip
         super().__init__(
             LightningModule,  # GPT by default (below), HFCausalLM or any module with vocab_size/block_size
             TextDataModule,
@@ -195,7 +200,16 @@ class LitEfficientCLI(LightningCLI):
 
 
 def main(args: ArgsType = None) -> None:
-    """Entry point of the ``lit-efficient`` console script and of ``python -m lit_efficient.cli``."""
+    """Entry point of the ``lit-efficient`` console script and of ``python -m lit_efficient.cli``.
+
+    ``lit-efficient plan ...`` is the memory plan of a config (`lit_efficient.plan`), which trains nothing;
+    every other subcommand is LightningCLI's.
+    """
+    argv = sys.argv[1:] if args is None else args
+    if isinstance(argv, (list, tuple)) and argv and argv[0] == "plan":
+        from lit_efficient.plan import main as plan_main  # only here: planning never starts a Trainer
+
+        raise SystemExit(plan_main(list(argv[1:])))
     LitEfficientCLI(args=args)
 
 
