@@ -1,7 +1,7 @@
 """Per-rank peak host memory while saving and loading a checkpoint, against the rank's own share (issue 19).
 
-S=2, PACI, a GPT of 4 blocks x 512 (12.7M parameters; AdamW: weights and two moments, about a 146 MiB
-checkpoint, half of it per rank), both checkpoint formats. For each format, two Trainer runs on fresh
+S=2 and S=4, PACI, a GPT of 4 blocks x 512 (12.9M parameters; AdamW: weights and two moments, a 148 MiB
+checkpoint, 1/S of it per rank), both checkpoint formats. For each S and format, two Trainer runs on fresh
 forkserver ranks (one thread each):
 
 - **save**: one optimizer step and a ``ModelCheckpoint`` at step 1. Each rank resets its peak resident
@@ -15,13 +15,14 @@ forkserver ranks (one thread each):
 A rank's share is the bytes of its stage's parameters and optimizer state. Resident size counts the file
 pages a memory-mapped load touches, so the "file" load figures are an upper bound on what stays resident.
 
-    python -m benchmarks.checkpoint_memory            # ~2-3 minutes on 2 cores
+    python -m benchmarks.checkpoint_memory            # ~3 minutes on 2 cores
     python -m benchmarks.checkpoint_memory --quick    # smoke run, small model
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import multiprocessing
 import re
@@ -88,23 +89,23 @@ class MeasuredPACI(PACIStrategy):
         Path(self.out, f"rank{self.global_rank}.json").write_text(json.dumps(self.record))
 
 
-def _run(fmt: str, root: Path, config: dict[str, Any], resume: bool) -> list[dict[str, Any]]:
+def _run(stages: int, fmt: str, root: Path, config: dict[str, Any], resume: bool) -> list[dict[str, Any]]:
     out = root / f"{fmt}-{'load' if resume else 'save'}"
     out.mkdir(parents=True)
     L.seed_everything(0, verbose=False)
     model = GPT(n_layer=config["n_layer"], n_head=config["n_head"], n_embd=config["n_embd"],
                 block_size=config["block"], warmup_steps=1, max_steps=10)  # fmt: skip
-    strategy = MeasuredPACI(str(out), pipeline_stages=2, checkpoint_format=fmt, start_method="forkserver")
+    strategy = MeasuredPACI(str(out), pipeline_stages=stages, checkpoint_format=fmt, start_method="forkserver")
     ckpt = ModelCheckpoint(dirpath=root / fmt, every_n_train_steps=1, filename="{step}", save_top_k=-1)
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy, max_steps=2 if resume else 1,
+        accelerator="cpu", devices=stages, strategy=strategy, max_steps=2 if resume else 1,
         accumulate_grad_batches=config["accumulate"], logger=False, enable_progress_bar=False,
         enable_model_summary=False, limit_val_batches=0, callbacks=[] if resume else [ckpt],
         enable_checkpointing=not resume,
     )  # fmt: skip
     data = TextDataModule(block_size=config["block"], batch_size=config["batch"], max_bytes=200_000)
     trainer.fit(model, datamodule=data, ckpt_path=str(root / fmt / "step=1.ckpt") if resume else None)
-    return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(2)]
+    return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(stages)]
 
 
 def main() -> None:
@@ -119,16 +120,17 @@ def main() -> None:
     multiprocessing.set_forkserver_preload(["torch", "lightning.pytorch", "lit_efficient.strategies"])
     before, start = machine(), time.perf_counter()
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for fmt in ("file", "sharded"):
-            saved = _run(fmt, Path(tmp), config, resume=False)
-            loaded = _run(fmt, Path(tmp), config, resume=True)
+    for stages, fmt in itertools.product((2, 4), ("file", "sharded")):
+        with tempfile.TemporaryDirectory() as tmp:
+            saved = _run(stages, fmt, Path(tmp), config, resume=False)
+            loaded = _run(stages, fmt, Path(tmp), config, resume=True)
             path = Path(tmp, fmt, "step=1.ckpt")
             size = sum(p.stat().st_size for p in path.rglob("*")) if path.is_dir() else path.stat().st_size
             for save, load in zip(saved, loaded, strict=True):
                 share = save["share"]
                 rows.append({
-                    "format": fmt, "rank": save["rank"], "stage": save["stage"], "checkpoint_bytes": size,
+                    "stages": stages, "format": fmt, "rank": save["rank"], "stage": save["stage"],
+                    "checkpoint_bytes": size,
                     "share_bytes": share, "save_growth_bytes": save["save_growth"],
                     "save_seconds": save["save_seconds"], "load_growth_bytes": load["load_growth"],
                     "load_seconds": load["load_seconds"], "save_growth_per_share": save["save_growth"] / share,
@@ -136,11 +138,11 @@ def main() -> None:
                 })  # fmt: skip
     payload = envelope("checkpoint_memory", args.quick, before, config, start, ranks=rows)
     path = write_json("checkpoint_memory_quick.json" if args.quick else "checkpoint_memory.json", payload)
-    print("| format | rank (stage) | checkpoint | share | save: growth | x share | load: growth | x share |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    print("| S | format | rank (stage) | checkpoint | share | save: growth | x share | load: growth | x share |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
-            f"| {r['format']} | {r['rank']} ({r['stage']}) | {r['checkpoint_bytes'] / MIB:.0f} MiB | "
+            f"| {r['stages']} | {r['format']} | {r['rank']} ({r['stage']}) | {r['checkpoint_bytes'] / MIB:.0f} MiB | "
             f"{r['share_bytes'] / MIB:.0f} MiB | {r['save_growth_bytes'] / MIB:+.0f} MiB | "
             f"{r['save_growth_per_share']:.2f} | {r['load_growth_bytes'] / MIB:+.0f} MiB | "
             f"{r['load_growth_per_share']:.2f} |"
