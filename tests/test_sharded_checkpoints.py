@@ -23,7 +23,7 @@ from torch import nn
 
 from lit_efficient import GradientAccumulation, PACIStrategy, consolidate_checkpoint
 from lit_efficient.models import GPT
-from lit_efficient.strategies import sharded
+from lit_efficient.strategies import sharded, sharded_read
 from lit_efficient.strategies.checkpoint import assemble, load_file, rank_share
 from tests.multiproc import SpawnedDDP
 from tests.test_save_after_fit import SaveBothFormatsAt, _assert_equal, one_thread  # noqa: F401 (a fixture)
@@ -142,7 +142,7 @@ def test_mid_window_paci_checkpoints_carry_the_same_state_in_both_formats_and_re
     callbacks = [SaveBothFormatsAt(tmp_path, batch_idx=9, prefix="mid")]
     _trainer(paci(), 2, 3, callbacks=callbacks).fit(_model(dropout=0.1), datamodule=_ordered())
     file = load_file(tmp_path / "mid-file.ckpt")
-    folder = sharded.from_consolidated(torch.load(_consolidate(tmp_path / "mid-sharded.ckpt"), weights_only=True))
+    folder = sharded_read.from_consolidated(torch.load(_consolidate(tmp_path / "mid-sharded.ckpt"), weights_only=True))
     windows = [r["accumulation"].get("window") for r in file["pipeline"]["ranks"].values()]
     assert all(w is not None for w in windows), "the checkpoint must be mid-window on every stage"
     for key in ("state_dict", "lr_schedulers", "global_step"):
@@ -187,7 +187,7 @@ def test_a_rank_reads_only_its_stage(saved):
     keys = [k for k in model.state_dict() if k.startswith("blocks.1.") or k.startswith("head.")]
     names = [n for n, _ in model.named_parameters() if n in keys]
     layout = {"num_stages": 2, "num_replicas": 1, "sizes": [2, 2], "schedule": "1f1b_flush"}
-    part = sharded.read(saved["path"], keys, names, ["stage1-replica0"], layout)
+    part = sharded_read.read(saved["path"], keys, names, ["stage1-replica0"], layout)
     assert set(part["state_dict"]) == set(keys)
     mine = {n for n, (_, _, state) in part["pipeline"]["optimizer_by_name"].items() if state}
     assert mine == set(names)
@@ -287,7 +287,7 @@ def test_the_folder_gives_back_the_single_files_dict(tmp_path):
     want = assemble(base, shares, layout)
     every_name = [n for s in shares for g in s["groups"] for n in g]
     keys = list(want["state_dict"])
-    got = sharded.read(tmp_path / "c.ckpt", keys, every_name, ["stage0-replica0", "stage1-replica0"], layout)
+    got = sharded_read.read(tmp_path / "c.ckpt", keys, every_name, ["stage0-replica0", "stage1-replica0"], layout)
     for key in ("state_dict", "lr_schedulers", "global_step"):
         _assert_equal(got[key], want[key], key)
     for key in ("optimizer_by_name", "ranks", "layout", "param_names"):

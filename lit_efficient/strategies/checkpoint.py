@@ -357,7 +357,7 @@ def consolidate_checkpoint(path: str | os.PathLike) -> dict[str, Tensor]:
     if not path.is_dir():
         return load_file(path)["state_dict"]
     if (path / ".metadata").is_file():  # a sharded checkpoint (torch.distributed.checkpoint's index)
-        from lit_efficient.strategies.sharded import consolidated_state_dict
+        from lit_efficient.strategies.sharded_read import consolidated_state_dict
 
         return consolidated_state_dict(path)
     meta = json.loads((path / LEGACY_META).read_text())

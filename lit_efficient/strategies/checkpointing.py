@@ -33,7 +33,8 @@ from lit_efficient.strategies.checkpoint import (
     to_automatic_loops,
     write_atomically,
 )
-from lit_efficient.strategies.sharded import from_consolidated, is_sharded
+from lit_efficient.strategies.sharded import is_sharded
+from lit_efficient.strategies.sharded_read import from_consolidated
 from lit_efficient.strategies.shares import load_sharded, save_from_records
 
 

@@ -47,6 +47,7 @@ from lit_efficient.pipeline.tied import finish_tied
 from lit_efficient.pipeline.topology import Topology
 from lit_efficient.pipeline.wire import WireFormat
 from lit_efficient.progress import swap_stock_progress_bar
+from lit_efficient.strategies.async_checkpoint import AsyncCheckpointer
 from lit_efficient.strategies.checkpointing import PipelineCheckpointing
 from lit_efficient.strategies.config import (
     _check_arguments,
@@ -118,6 +119,11 @@ class PACIStrategy(PipelineCheckpointing, PipelineEvaluation, LocalStepHooks, DD
             lightning.pytorch.utilities.consolidate_checkpoint PATH`` makes the one file of it. Switch to
             ``"sharded"`` when the model and optimizer state (about 16 bytes per parameter with AdamW) approach
             rank 0's host memory or saving stalls training for long. Both resume on any layout, both are atomic.
+        async_checkpoint: With ``checkpoint_format="sharded"``: each rank copies its share into host memory and
+            a background thread writes it while training continues; the folder is renamed into place once every
+            rank's write is complete (``ckpt_path="last"`` finds the previous checkpoint until then). The next
+            save and the end of fit wait for it. What a save still stalls: the drain and the copy; what it
+            costs: one more copy of the rank's share in host memory while it is written.
         local_sgd_steps: None: replicas all-reduce gradients every step (DDP semantics). H: replicas
             train independently and average parameters every H optimizer steps (LocalSGD/DiLoCo).
         local_sgd_warmup_steps: Synchronous (average every step) optimizer steps before LocalSGD starts.
@@ -172,6 +178,7 @@ class PACIStrategy(PipelineCheckpointing, PipelineEvaluation, LocalStepHooks, DD
         wire_dtype: Literal["float32", "bfloat16"] = "float32",
         on_nonfinite: Literal["raise", "skip"] = "raise",
         checkpoint_format: Literal["file", "sharded"] = "file",
+        async_checkpoint: bool = False,
         local_sgd_steps: int | None = None,
         local_sgd_warmup_steps: int = 0,
         outer_optimizer: Literal["average", "nesterov"] = "average",
@@ -214,6 +221,11 @@ class PACIStrategy(PipelineCheckpointing, PipelineEvaluation, LocalStepHooks, DD
                 f"checkpoint_format={checkpoint_format!r} must be 'file' (one Lightning .ckpt) or 'sharded' (a folder "
                 "every rank writes its own share into)"
             )
+        if async_checkpoint and checkpoint_format != "sharded":
+            raise ValueError(
+                f"async_checkpoint=True writes sharded checkpoints in the background; checkpoint_format="
+                f"{checkpoint_format!r} is one file that global rank 0 writes. Pass checkpoint_format='sharded'."
+            )
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
             precision_plugin=precision_plugin, process_group_backend=process_group_backend, timeout=timeout,
@@ -231,6 +243,8 @@ class PACIStrategy(PipelineCheckpointing, PipelineEvaluation, LocalStepHooks, DD
         self._compiled_steps: dict[str, Any] = {}  # a torch.compile-d module's steps, set aside while it trains
         self.on_nonfinite = on_nonfinite
         self.checkpoint_format = checkpoint_format
+        self.async_checkpoint = async_checkpoint
+        self._async_checkpointer: AsyncCheckpointer | None = None  # the save in flight (async_checkpoint.py)
         self._final_state: FinalState | None = None  # the stages at the end of training (shares.py)
         self.local_sgd_steps = local_sgd_steps
         self.local_sgd_warmup_steps = local_sgd_warmup_steps
@@ -683,6 +697,9 @@ class PACIStrategy(PipelineCheckpointing, PipelineEvaluation, LocalStepHooks, DD
         while self._sigterm_pending:
             work, _ = self._sigterm_pending.popleft()
             work.wait()
+        if self._async_checkpointer is not None:  # last: it raises what a background save raised
+            checkpointer, self._async_checkpointer = self._async_checkpointer, None
+            checkpointer.close()  # every background save written and published before fit returns
 
     @override
     def on_exception(self, exception: BaseException) -> None:

@@ -31,7 +31,8 @@ import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
-from lit_efficient.strategies import sharded
+from lit_efficient.strategies import sharded, sharded_read
+from lit_efficient.strategies.async_checkpoint import AsyncCheckpointer
 from lit_efficient.strategies.checkpoint import assemble, rank_share, to_automatic_loops, write_atomically
 
 if TYPE_CHECKING:
@@ -95,7 +96,8 @@ def keep_final_state(strategy: PACIStrategy) -> None:
 
 
 def save_from_records(strategy: PACIStrategy, checkpoint: dict[str, Any], filepath: Any) -> None:
-    """``PACIStrategy.save_checkpoint`` in the sharded format, and in both formats after ``fit``."""
+    """``PACIStrategy.save_checkpoint`` in the sharded format (in the background with ``async_checkpoint``), and
+    in both formats after ``fit``."""
     path = Path(filepath)
     if strategy.topology is None:  # never set up here: the parent of spawned ranks, after fit
         return _save_weights(strategy, checkpoint, path)
@@ -114,6 +116,13 @@ def save_from_records(strategy: PACIStrategy, checkpoint: dict[str, Any], filepa
     distributed = strategy._in_process is None
     group = strategy._cpu_group() if distributed else None
     base = views[-1]  # Lightning's dict as global rank 0 (the last stage) built it
+    saver = strategy._async_checkpointer
+    if live and strategy.async_checkpoint and strategy.checkpoint_format == "sharded":
+        if saver is None:
+            saver = strategy._async_checkpointer = AsyncCheckpointer(distributed, strategy._timeout)
+        return saver.save(path, shares, base, layout, sync_group=group)
+    if saver is not None:
+        saver.wait()  # a synchronous save after an asynchronous one: in order
     if strategy.checkpoint_format == "sharded":
         return sharded.save(path, shares, base, layout, group=group, distributed=distributed)
     if not distributed:
@@ -126,7 +135,7 @@ def save_from_records(strategy: PACIStrategy, checkpoint: dict[str, Any], filepa
 
 
 def load_sharded(strategy: PACIStrategy, path: Path, weights_only: bool | None) -> dict[str, Any]:
-    """This process's part of a sharded folder, as the dict a single file would give (`sharded.read`). Weights
+    """This process's part of a sharded folder, as the dict a single file would give (`sharded_read.read`). Weights
     are read into the module's own tensors; nothing of another stage's is materialized."""
     module = strategy.lightning_module
     assert module is not None
@@ -136,7 +145,9 @@ def load_sharded(strategy: PACIStrategy, path: Path, weights_only: bool | None) 
         own = [strategy._rank_key()]
     else:
         own = [f"stage{s}-replica0" for s in range(strategy.pipeline_stages)]
-    return sharded.read(path, state.keys(), names, own, strategy.layout(), targets=state, weights_only=weights_only)
+    return sharded_read.read(
+        path, state.keys(), names, own, strategy.layout(), targets=state, weights_only=weights_only
+    )
 
 
 def _record(strategy: PACIStrategy, module: nn.Module, keys: Any, optimizer: int, schedulers: slice) -> StageRecord:
