@@ -25,6 +25,7 @@ from lit_efficient.pipeline.local import PipelineDeadlockError, local_pipeline
 from lit_efficient.pipeline.partition import partition_uniform, stage_bounds
 from lit_efficient.pipeline.stage import PipelineStage
 from lit_efficient.pipeline.tied import LocalTiedLink, TiedWeight, finish_tied, tie_delay
+from tests.test_in_process import _assert_same
 from tests.test_runtime_multiproc import _data as _batches
 from tests.test_tied import _emulate, _optimizer, _tied_layers, _unique
 
@@ -296,22 +297,6 @@ def test_hf_models_in_one_process_equal_processes(tmp_path, arch, stages, schedu
         one, reference = _views(tmp_path / "local8/rank0.pkl"), _views(tmp_path / "one/rank0.pkl")
         lr_pairs = [(s, 0) for s in range(stages)]  # every stage's schedule is one device's
         assert _compare_views(one["views"], reference["views"], grads=False, lr_pairs=lr_pairs) <= 1e-5
-
-
-def _assert_same(a, b, where: str) -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
-        assert torch.equal(a, b), f"{where}: max abs diff {_diff(a, b)}"
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), (where, a.keys(), b.keys())
-        for k in a:
-            _assert_same(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _assert_same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, (where, a, b)
 
 
 @pytest.mark.multiproc
