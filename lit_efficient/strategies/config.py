@@ -206,6 +206,46 @@ def _check_arguments(
         raise ValueError(f"outer_momentum={outer_momentum} must be in [0, 1)")
 
 
+def _check_sharding(shard: bool, local_sgd_steps: int | None, correction: str | None) -> None:
+    """Refuse what ``shard_optimizer_state=True`` cannot serve, before any process starts."""
+    if not isinstance(shard, bool):
+        raise ValueError(f"shard_optimizer_state={shard!r} must be True or False")
+    if not shard:
+        return
+    if local_sgd_steps is not None:
+        raise ValueError(
+            f"shard_optimizer_state=True with local_sgd_steps={local_sgd_steps}: under LocalSGD/DiLoCo each replica "
+            "steps its own weights between averages and needs its own whole optimizer state, so there is nothing to "
+            "split. Drop one of the two (sharding keeps DDP semantics: gradients reduced every step)."
+        )
+    if correction == "weight_prediction":
+        raise ValueError(
+            "shard_optimizer_state=True with staleness_correction='weight_prediction': the prediction extrapolates "
+            "every weight of a stage by its AdamW moments before each stale forward, and a replica holds the moments "
+            "of 1/R of them. Use staleness_correction='lr_scale' or None with sharding, or shard_optimizer_state=False."
+        )
+
+
+def _sharding_applies(topology: Topology, in_process: bool, tied: bool) -> bool:
+    """Whether ``shard_optimizer_state=True`` splits anything in this layout (it warns where not), refusing tied
+    weights: their copies' gradients are combined across stages (`lit_efficient.pipeline.tied`) after the
+    replicas' reduction, which sharding would leave as chunks laid out differently on each stage."""
+    if tied:
+        raise ValueError(
+            "shard_optimizer_state=True does not support tied weights yet (this model shares a parameter between "
+            "the first and the last stage): untie them, or train with shard_optimizer_state=False."
+        )
+    if in_process or topology.num_replicas == 1:
+        where = "in one process" if in_process else f"with world size {topology.world_size}"
+        rank_zero_warn(
+            f"PACIStrategy(shard_optimizer_state=True) has no effect {where}: each stage has one data-parallel "
+            "replica, which holds its whole optimizer state anyway. Use a world size of pipeline_stages x R with "
+            "R > 1 replicas for it to split the state R ways."
+        )
+        return False
+    return True
+
+
 def _warn_single_replica(local_sgd_steps: int | None, topology: Topology) -> None:
     if local_sgd_steps is not None and topology.num_replicas == 1:
         rank_zero_warn(

@@ -52,15 +52,18 @@ from lit_efficient.strategies.checkpointing import PipelineCheckpointing
 from lit_efficient.strategies.config import (
     _check_arguments,
     _check_module,
+    _check_sharding,
     _CheckedMultiProcessingLauncher,
     _CheckedScriptLauncher,
     _refuse_unknown,
+    _sharding_applies,
     _warn_single_replica,
 )
 from lit_efficient.strategies.evaluation import PipelineEvaluation
 from lit_efficient.strategies.hooks import drain_before, undo_drain_before, warn_uncalled_hooks
 from lit_efficient.strategies.in_process import InProcessPipeline
 from lit_efficient.strategies.profile import first_batch, profile_layers
+from lit_efficient.strategies.sharded_optimizer import ShardedOptimizer
 from lit_efficient.strategies.shares import FinalState, keep_final_state
 from lit_efficient.strategies.split import (
     LayerOnOtherStage,
@@ -132,6 +135,15 @@ class PACIStrategy(PipelineCheckpointing, PipelineEvaluation, LocalStepHooks, DD
         outer_lr: DiLoCo outer learning rate (needs ``outer_optimizer="nesterov"``).
         outer_momentum: DiLoCo outer Nesterov momentum (needs ``outer_optimizer="nesterov"``).
         average_buffers: Also average floating-point buffers (e.g. BatchNorm statistics) at each sync.
+        shard_optimizer_state: ZeRO-1: split each stage's optimizer state by element over the stage's R
+            data-parallel replicas, so each holds 1/R of it (AdamW: 8 bytes per weight become 8/R). Gradients are
+            reduce-scattered instead of all-reduced and the updated weights all-gathered: the same bytes on the
+            wire. Checkpoints hold the whole state by parameter name as without it (consolidated on replica 0
+            while saving), so they resume on any layout, sharded or not. Needs an element-wise optimizer
+            (SGD, Adam, AdamW, ...); refused with ``local_sgd_steps`` (each replica steps on its own) and
+            ``staleness_correction="weight_prediction"`` (it reads every weight's moments), and with tied
+            weights; with one replica (and in one process) nothing is split. See
+            `lit_efficient.strategies.sharded_optimizer`.
         staleness_correction: PACI only, default off: ``"lr_scale"`` scales each stale stage's learning rate
             by ``(1 + d_s) ** -(1 - min(1, k / staleness_anneal_steps))`` with d_s = ceil((S-1-s)/N) and k its
             step (PipeMare); ``"weight_prediction"`` runs each stale forward on weights extrapolated by the
@@ -185,6 +197,7 @@ class PACIStrategy(PipelineCheckpointing, PipelineEvaluation, LocalStepHooks, DD
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
         average_buffers: bool = True,
+        shard_optimizer_state: bool = False,
         staleness_correction: CorrectionName | None = None,
         staleness_anneal_steps: int = 100,
         compile_layers: bool | dict[str, Any] = False,
@@ -203,6 +216,7 @@ class PACIStrategy(PipelineCheckpointing, PipelineEvaluation, LocalStepHooks, DD
             pipeline_stages, schedule, balance, p2p_timeout, on_nonfinite, local_sgd_steps, local_sgd_warmup_steps,
             outer_optimizer, outer_lr, outer_momentum,
         )  # fmt: skip
+        _check_sharding(shard_optimizer_state, local_sgd_steps, staleness_correction)
         if staleness_correction is not None and staleness_correction not in CORRECTIONS:
             raise ValueError(
                 f"staleness_correction={staleness_correction!r} is not one of {', '.join(CORRECTIONS)} (or None: off)"
@@ -252,6 +266,7 @@ class PACIStrategy(PipelineCheckpointing, PipelineEvaluation, LocalStepHooks, DD
         self.outer_lr = outer_lr
         self.outer_momentum = outer_momentum
         self.average_buffers = average_buffers
+        self.shard_optimizer_state = shard_optimizer_state
         self.topology: Topology | None = None
         self.runtime: PipelineRuntime | None = None
         self.averager: ReplicaAverager | None = None
@@ -476,6 +491,13 @@ class PACIStrategy(PipelineCheckpointing, PipelineEvaluation, LocalStepHooks, DD
             ) from err
         if len(self.optimizers) != 1:
             raise ValueError(f"configure_optimizers returned {len(self.optimizers)} optimizers. {one}")
+        assert self.topology is not None
+        ties = bool(self._split is not None and self._split.ties)
+        if self.shard_optimizer_state and _sharding_applies(self.topology, self._in_process is not None, ties):
+            # The stage's optimizer state split over its replicas (sharded_optimizer.py); Lightning's schedulers keep
+            # the user's optimizer, whose parameter groups the sharded one reads at every step.
+            ranks = self.topology.replica_ranks(self.stage)
+            self.optimizers = [ShardedOptimizer(self.optimizers[0], self._dp_groups[self.stage], ranks)]
 
     def _prepare_runtimes(self, trainer: Trainer) -> None:
         """What every stage's runtime takes from Lightning, on processes and in one process (every stage's):

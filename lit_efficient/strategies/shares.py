@@ -34,6 +34,7 @@ from torch import nn
 from lit_efficient.strategies import sharded, sharded_read
 from lit_efficient.strategies.async_checkpoint import AsyncCheckpointer
 from lit_efficient.strategies.checkpoint import assemble, rank_share, to_automatic_loops, write_atomically
+from lit_efficient.strategies.sharded_optimizer import ShardedOptimizer
 
 if TYPE_CHECKING:
     from lit_efficient.strategies.paci import PACIStrategy
@@ -93,6 +94,9 @@ def live_records(strategy: PACIStrategy) -> list[StageRecord]:
 def keep_final_state(strategy: PACIStrategy) -> None:
     """At the end of training, before ``fit`` takes the stages apart: what a save after ``fit`` needs."""
     strategy._final_state = FinalState(live_records(strategy), strategy.layout())
+    for optimizer in strategy.optimizers:  # a sharded one gathers its state while its replica group exists
+        if isinstance(optimizer, ShardedOptimizer):
+            optimizer.keep_consolidated()
 
 
 def save_from_records(strategy: PACIStrategy, checkpoint: dict[str, Any], filepath: Any) -> None:

@@ -1,9 +1,10 @@
 """What runs around each stage's local optimizer step under PACIStrategy, and the lagged SIGTERM check.
 
 The stages step on their own; this mixin installs what Lightning would do around a step: step-interval
-LR schedulers stepping with the stage's own steps, the data-parallel gradient reduction or the
-LocalSGD/DiLoCo averager, gradient clipping, the staleness correction, and Lightning's per-batch SIGTERM
-broadcast made asynchronous (a barrier per micro-batch would undo PACI's overlap).
+LR schedulers stepping with the stage's own steps, the data-parallel gradient reduction (an all-reduce, or
+under ``shard_optimizer_state`` the sharded optimizer's reduce-scatter) or the LocalSGD/DiLoCo averager,
+gradient clipping, the staleness correction, and Lightning's per-batch SIGTERM broadcast made asynchronous
+(a barrier per micro-batch would undo PACI's overlap).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from lit_efficient.averaging import ReplicaAverager
 from lit_efficient.pipeline.comm import all_reduce_flat
 from lit_efficient.pipeline.stage import PipelineStage
 from lit_efficient.pipeline.staleness import StalenessCorrection, make_correction
+from lit_efficient.strategies.sharded_optimizer import ShardedOptimizer
 from lit_efficient.strategies.tied import counted_in_global_norm, is_tied
 
 
@@ -53,7 +55,10 @@ class LocalStepHooks:
     def _install_step_hooks(self, stage: PipelineStage, trainer: Trainer) -> None:
         assert self.topology is not None
         replicas = self.topology.num_replicas
-        if replicas > 1 and self.local_sgd_steps is None:
+        if isinstance(stage.optimizer, ShardedOptimizer):
+            # ZeRO-1: reduce-scatter to each replica's chunk instead of the all-reduce (sharded_optimizer.py).
+            stage.reduce_gradients = stage.optimizer.reduce_gradients
+        elif replicas > 1 and self.local_sgd_steps is None:
             group = self._dp_groups[self.stage]
 
             def reduce_gradients(grads: list[Tensor], totals: Tensor) -> Tensor:
@@ -78,12 +83,16 @@ class LocalStepHooks:
             stage.after_step = lambda: averager.after_step() and None
         clip_val = trainer.gradient_clip_val
         if clip_val:
-            stage.clip_gradients = self._clipper(float(clip_val), trainer.gradient_clip_algorithm or "norm")
+            sharded = isinstance(stage.optimizer, ShardedOptimizer)
+            stage.clip_gradients = self._clipper(float(clip_val), trainer.gradient_clip_algorithm or "norm", sharded)
 
-    def _clipper(self, value: float, algorithm: str):
+    def _clipper(self, value: float, algorithm: str, sharded: bool = False):
         if algorithm == "value":
             return lambda params: torch.nn.utils.clip_grad_value_(params, value)
         group = self._pipeline_groups.get(self.replica)  # None in one process, where flush refuses norm clipping
+        # shard_optimizer_state: each replica's gradients are its chunk and zeros, so the replicas' sum of
+        # squares is the stage's (one more all-reduce of one number; sharding refuses tied weights).
+        replicas = self._dp_groups[self.stage] if sharded else None
         exact = self.schedule == "1f1b_flush" and self.pipeline_stages > 1
         if not exact and self.pipeline_stages > 1 and not getattr(self, "_warned_clipping", False):
             self._warned_clipping = True  # once per strategy: in one process every stage builds a clipper
@@ -108,6 +117,8 @@ class LocalStepHooks:
             for p in params:
                 if p.grad is not None and counted_in_global_norm(p):
                     squared += p.grad.detach().float().pow(2).sum()
+            if replicas is not None:
+                all_reduce_flat([squared], replicas)
             if exact:
                 # flush: every stage steps together, so the global norm across stages is exact.
                 all_reduce_flat([squared], group)
