@@ -41,6 +41,8 @@ from lit_efficient.pipeline.fake_memory import (
 )
 from lit_efficient.pipeline.memory_plan import MemoryPlan, StageMeasure, parse_bytes, plan_memory
 from lit_efficient.pipeline.partition import partition_profiled
+from lit_efficient.pipeline.topology import Topology
+from lit_efficient.strategies.config import _check_sharding, _sharding_applies
 from lit_efficient.strategies.paci import PACIStrategy
 
 _GPU = ("gpu", "cuda")
@@ -70,8 +72,9 @@ def plan(
         precision: ``"32-true"`` or ``"bf16-mixed"`` (fp32 weights, bf16 autocast).
         activation_checkpointing: The callback as configured, or None.
         replicas: Data-parallel replicas of each stage (world size / pipeline stages).
-        shard_optimizer_state: Optimizer state split over the replicas (None: the strategy's
-            ``shard_optimizer_state`` if it has one, else False).
+        shard_optimizer_state: Optimizer state split by element over the replicas (ZeRO-1; None: the strategy's
+            ``shard_optimizer_state``). Refused where ``PACIStrategy`` refuses it (``local_sgd_steps``,
+            weight prediction).
         device_memory: Bytes (or ``"80GiB"``) of one device, for the verdict.
         accelerator: ``"gpu"`` plans the optimizer step as torch runs it on CUDA (foreach kernels, whose
             temporaries span the whole stage); ``"cpu"`` as on CPU. The kernels measured are the host's.
@@ -83,10 +86,14 @@ def plan(
             "keep one of them"
         )
     if shard_optimizer_state is None:
-        shard_optimizer_state = bool(getattr(strategy, "shard_optimizer_state", False))
+        shard_optimizer_state = strategy.shard_optimizer_state
+    _check_sharding(shard_optimizer_state, strategy.local_sgd_steps, strategy.staleness_correction)  # as fit would
     measures, context = measure(
         module, batch, strategy, accumulate, precision, activation_checkpointing, device_memory, accelerator, max_steps
     )
+    if shard_optimizer_state:  # what fit says of this layout: tied weights refused, one replica splits nothing
+        topology = Topology.for_world(len(measures) * replicas, len(measures))
+        shard_optimizer_state = _sharding_applies(topology, in_process=False, tied=any(m.tied for m in measures))
     return plan_memory(
         measures, strategy.schedule, accumulate, recompute=strategy.recompute, replicas=replicas,
         shard_optimizer_state=shard_optimizer_state, staleness_correction=strategy.staleness_correction,

@@ -5,12 +5,14 @@ with two parameter groups, gradient-norm clipping on) trains sharded and unshard
 after fit; the parent then checks that the sharded runs end where the unsharded ones do (1F1B-flush and
 PACI, 1e-6), that each rank holds half the optimizer state, that both checkpoint formats of a sharded run
 hold what the unsharded run's hold, and that they resume unsharded, sharded, on one device and on another
-layout (2 stages in one process). The refusals are checked without processes.
+layout (2 stages in one process), and that the memory plan counts what each rank holds. The refusals are
+checked without processes.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import warnings
 from pathlib import Path
 
@@ -19,6 +21,7 @@ import torch
 
 from lit_efficient import GradientAccumulation, PACIStrategy
 from lit_efficient.pipeline.topology import Topology
+from lit_efficient.plan import plan
 from lit_efficient.strategies.config import _sharding_applies
 from lit_efficient.strategies.sharded_optimizer import ShardedOptimizer, check_elementwise, optimizer_state_bytes
 from tests.multiproc import spawn, values
@@ -93,9 +96,7 @@ def _resume_here(strategy, path: Path):
 
 
 def test_sharded_optimizer_state_trains_saves_and_resumes_like_unsharded(tmp_path):
-    spawned = spawn(_runs, 4, str(tmp_path), timeout=300, torchrun_env=True)
-    print("RANK SECONDS", [r.get("seconds") for r in spawned])
-    result = values(spawned)
+    result = values(spawn(_runs, 4, str(tmp_path), timeout=300, torchrun_env=True))
     # The weights: 1F1B-flush and PACI end where their unsharded runs end, also after resuming each other's.
     assert _max_diff(_weights(tmp_path, "sharded"), _weights(tmp_path, "plain")) <= 1e-6
     assert _max_diff(_weights(tmp_path, "paci-sharded"), _weights(tmp_path, "paci-plain")) <= 1e-6
@@ -106,6 +107,16 @@ def test_sharded_optimizer_state_trains_saves_and_resumes_like_unsharded(tmp_pat
         assert got["plain"] > 0 and got["plain-from-sharded"] == got["paci-plain"] == got["plain"], (rank, got)
         for sharded in ("sharded", "sharded-from-plain", "paci-sharded"):  # loading a whole state keeps 1/2 too
             assert 0.49 <= got[sharded] / got["plain"] <= 0.52, (rank, sharded, got)
+    # The memory plan counts each stage's largest replica's chunk: what the ranks hold, within the 4-byte step
+    # counts of the parameters a chunk boundary cuts (each stage has under 16 parameters).
+    batch = (torch.zeros(4, 32, dtype=torch.long),) * 2
+    sharding = PACIStrategy(pipeline_stages=2, schedule="1f1b_flush", shard_optimizer_state=True)
+    planned = plan(_model(), batch, sharding, accumulate=4, replicas=2, accelerator="cpu")
+    topology = Topology.for_world(4, 2)
+    for stage, row in enumerate(planned.stages):
+        ranks = topology.replica_ranks(stage)
+        assert abs(row.optimizer - max(result[r]["sharded"] for r in ranks)) <= 4 * 16, (stage, row.optimizer)
+        assert row.optimizer == math.ceil(result[ranks[0]]["plain"] / 2)
     # The checkpoints: both formats of the sharded run hold the unsharded run's weights and whole optimizer.
     for fmt in ("file", "sharded"):
         plain = torch.load(_one_file(tmp_path / f"plain-{fmt}.ckpt"), weights_only=True)

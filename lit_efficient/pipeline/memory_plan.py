@@ -10,17 +10,19 @@ Per rank of stage s, with k_s the most micro-batches in flight there (counted fr
 S-s under PACI, min(N, S-s) under 1F1B-flush, 1 on the last stage) and R data-parallel replicas:
 
 - always: weights (parameters and buffers), gradients (kept from the first backward of a window to its
-  step; the plan counts them throughout), optimizer state (its largest replica's share when sharded over
-  R, whole parameters assigned as ``ZeroRedundancyOptimizer`` does), and persistent extras: weight
-  prediction's weight-sized stash, DiLoCo's anchor and outer momentum, a tied weight's delay line.
+  step; the plan counts them throughout), optimizer state (with ``shard_optimizer_state`` the largest
+  replica's chunk: 1/R of it, split by element as `lit_efficient.strategies.sharded_optimizer` does), and
+  persistent extras: weight prediction's weight-sized stash, DiLoCo's anchor and outer momentum, a tied
+  weight's delay line.
 - activations: k_s x what a micro-batch keeps from its forward to its backward (saved tensors, the
   received input, the output sent); with ``recompute=True`` k_s - 1 stage inputs plus one micro-batch
   being recomputed (the last stage never recomputes).
 - the peak adds the larger of two transients: one micro-batch's forward and backward beyond what it
   keeps (temporaries, the gradient received, the one sent), with k_s - 1 others in flight; or the largest
-  of the local step's temporaries, which run one after another (the gradient all-reduce's flat buffer, the
-  tied-weight exchange, the optimizer's own), with the micro-batches the schedule has in flight at a step
-  (none under flush, k_s - 1 under PACI).
+  of the local step's temporaries, which run one after another (the gradient all-reduce's flat buffer, or
+  sharded the reduce-scatter's and the all-gather's flat buffers and chunks, the tied-weight exchange, the
+  optimizer's own), with the micro-batches the schedule has in flight at a step (none under flush, k_s - 1
+  under PACI).
 """
 
 from __future__ import annotations
@@ -62,9 +64,22 @@ def in_flight(schedule: ScheduleName, stage: int, num_stages: int, accumulate: i
     return most, at_step
 
 
+def element_shares(per_parameter: Sequence[int], replicas: int) -> list[int]:
+    """Optimizer-state bytes of each of ``replicas`` ranks when the state is split by element, as
+    ``PACIStrategy(shard_optimizer_state=True)`` splits it: the parameters end to end, replica r holding the
+    r-th of R equal chunks. Within a few bytes per replica of what it holds: a parameter that a chunk boundary
+    cuts has a per-parameter scalar (Adam's step count) on both sides, counted here once."""
+    if replicas < 1:
+        raise ValueError(f"replicas={replicas} must be >= 1")
+    total = sum(per_parameter)
+    chunk = math.ceil(total / replicas)
+    return [max(0, min(chunk, total - r * chunk)) for r in range(replicas)]
+
+
 def replica_shares(per_parameter: Sequence[int], replicas: int) -> list[int]:
     """Optimizer-state bytes of each of ``replicas`` ranks when the state is sharded by whole parameters:
-    largest first, each to the rank holding the least so far (``ZeroRedundancyOptimizer``'s partition)."""
+    largest first, each to the rank holding the least so far (``ZeroRedundancyOptimizer``'s partition). Not
+    what PACIStrategy does (`element_shares`); benchmarks/optimizer_sharding.py prints both."""
     if replicas < 1:
         raise ValueError(f"replicas={replicas} must be >= 1")
     shares = [0] * replicas
@@ -271,8 +286,9 @@ def plan_memory(
         accumulate: Micro-batches per optimizer step N.
         recompute: ``PACIStrategy(recompute=True)``: stages keep only their inputs between forward and backward.
         replicas: Data-parallel replicas R of every stage (world size / S).
-        shard_optimizer_state: Each stage's optimizer state is split over its R replicas (ZeRO-1); gradients
-            stay whole on every rank.
+        shard_optimizer_state: Each stage's optimizer state is split by element over its R replicas (ZeRO-1);
+            gradients stay whole on every rank. Ignored with one replica and with ``local_sgd_steps`` (which
+            ``PACIStrategy`` refuses with it).
         staleness_correction: ``"weight_prediction"`` adds a weight-sized stash on the stages it corrects.
         local_sgd_steps: LocalSGD/DiLoCo instead of a gradient all-reduce every step (None: all-reduce).
         outer_optimizer: ``"nesterov"`` (DiLoCo) keeps two fp32 copies of the parameters.
@@ -295,13 +311,17 @@ def plan_memory(
         per_mb = m.inputs + rng if rebuild else m.held
         activations = (k - 1) * per_mb + m.held + rng
         optimizer, step_opt = m.optimizer, m.step_transient
-        if shard_optimizer_state and replicas > 1 and m.optimizer:
-            optimizer = max(replica_shares(m.optimizer_per_parameter, replicas))
+        sharded = shard_optimizer_state and replicas > 1 and local_sgd_steps is None
+        if sharded and m.optimizer:
+            optimizer = max(element_shares(m.optimizer_per_parameter, replicas))
             step_opt = math.ceil(m.step_transient * optimizer / m.optimizer)  # the step runs on its slice
         extra = _extras(m, schedule, s, num_stages, accumulate, staleness_correction, replicas, local_sgd_steps,
                         outer_optimizer)  # fmt: skip
         step = {"optimizer": step_opt}
-        if replicas > 1 and local_sgd_steps is None:
+        if sharded:  # sharded_optimizer.py: one padded flat buffer and this replica's chunk of it, each phase
+            step["gradient reduce-scatter"] = m.gradients + math.ceil(m.gradients / replicas)
+            step["parameter all-gather"] = m.parameter_bytes + math.ceil(m.parameter_bytes / replicas)
+        elif replicas > 1 and local_sgd_steps is None:
             step["gradient all-reduce"] = m.gradients  # all_reduce_flat packs the gradients into one buffer
         if replicas > 1 and local_sgd_steps is not None:
             step["replica averaging"] = m.parameter_bytes  # averaging.py: a transient copy of the parameters
