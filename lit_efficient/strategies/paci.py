@@ -47,6 +47,7 @@ from lit_efficient.pipeline.tied import finish_tied
 from lit_efficient.pipeline.topology import Topology
 from lit_efficient.pipeline.wire import WireFormat
 from lit_efficient.progress import swap_stock_progress_bar
+from lit_efficient.runs import attempt_store
 from lit_efficient.strategies.async_checkpoint import AsyncCheckpointer
 from lit_efficient.strategies.checkpointing import PipelineCheckpointing
 from lit_efficient.strategies.config import (
@@ -363,6 +364,22 @@ class PACIStrategy(PipelineCheckpointing, PipelineEvaluation, LocalStepHooks, DD
             check = getattr(callback, "check_accumulation_source", None)
             if callable(check):
                 check(trainer)
+
+    @override
+    def setup_distributed(self) -> None:
+        # Under torchrun the default group rendezvouses in the elastic agent's store, which a restart
+        # hands over with the previous attempt's keys in it: form it under this attempt's own prefix
+        # (runs.attempt_store), every later group inherits the prefix. Lightning's own setup then finds
+        # the group formed and does the rest (seeds, ranks).
+        store = attempt_store(self._timeout)
+        if store is not None and not dist.is_initialized():
+            assert self.cluster_environment is not None
+            dist.init_process_group(
+                self._get_process_group_backend(), store=store, rank=self.cluster_environment.global_rank(),
+                world_size=self.cluster_environment.world_size(), timeout=self._timeout,
+                device_id=self.root_device if self.root_device.type != "cpu" else None,
+            )  # fmt: skip
+        super().setup_distributed()
 
     @override
     def setup_environment(self) -> None:
