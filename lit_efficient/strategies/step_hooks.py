@@ -130,30 +130,37 @@ class LocalStepHooks:
         return clip_norm
 
     def _replace_sigterm_barrier(self, trainer: Trainer) -> None:
-        """Make Lightning's per-batch SIGTERM broadcast asynchronous and lagged.
+        """Make Lightning's per-batch SIGTERM broadcast asynchronous, lagged, and once per window.
 
         Lightning broadcasts rank 0's SIGTERM flag before every training batch and waits for it: a
         barrier per micro-batch, which ties stage 0 to the last stage and undoes PACI's overlap
-        (measured: stage 0 idled ~19% of its time there). Here every rank starts the broadcast of
-        batch i and waits for the one of batch i-S, which in a running pipeline has long completed;
-        all ranks read the same flag at the same batch, so they still stop together.
+        (measured: stage 0 idled ~19% of its time there). Here every rank starts the broadcast at the
+        first batch of each window (a collective per micro-batch costs host time on every rank; a
+        window is the unit a stop lands on anyway) and waits only for broadcasts started at least S
+        batches earlier, which in a running pipeline have long completed (no stage runs more than S-1
+        micro-batches ahead of the last). All ranks start and read the same broadcasts at the same
+        batches, so they still stop together.
         """
         loop = trainer.fit_loop.epoch_loop
         if not hasattr(loop, "_broadcast_sigterm_tensor") or self.world_size == 1:
             return
         pending: deque[tuple[dist.Work, Tensor]] = deque()
         self._sigterm_pending = pending  # finished in on_train_end: no collective outlives training
-        lag, group = self.pipeline_stages, self._signal_group
+        started_at: deque[int] = deque()  # the batch count at which each pending broadcast started
+        lag, group, batches = self.pipeline_stages, self._signal_group, [0]
 
         def broadcast_sigterm() -> None:
-            flag = torch.tensor([int(bool(getattr(trainer, "received_sigterm", False)))], dtype=torch.int32)
-            pending.append((dist.broadcast(flag, src=0, group=group, async_op=True), flag))
-            if len(pending) <= lag:
-                return
-            work, seen = pending.popleft()
-            work.wait()
-            if int(seen[0]) == 1:  # a CPU tensor: no device synchronization
-                raise SIGTERMException()
+            batches[0] += 1
+            if (loop.batch_idx + 1) % max(1, trainer.accumulate_grad_batches) == 0:  # a window's first batch
+                flag = torch.tensor([int(bool(getattr(trainer, "received_sigterm", False)))], dtype=torch.int32)
+                pending.append((dist.broadcast(flag, src=0, group=group, async_op=True), flag))
+                started_at.append(batches[0])
+            while started_at and started_at[0] <= batches[0] - lag:
+                started_at.popleft()
+                work, seen = pending.popleft()
+                work.wait()
+                if int(seen[0]) == 1:  # a CPU tensor: no device synchronization
+                    raise SIGTERMException()
 
         loop._broadcast_sigterm_tensor = broadcast_sigterm
 
