@@ -27,6 +27,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.profilers import PassThroughProfiler
 from lightning.pytorch.strategies import DDPStrategy, Strategy
@@ -361,6 +362,13 @@ class PACIStrategy(PipelineCheckpointing, PipelineEvaluation, LocalStepHooks, DD
                 "integer >= 1. Set it to N, or leave it at 1 and use GradientAccumulation(steps=N)."
             )
         for callback in trainer.callbacks:
+            if isinstance(callback, GradientAccumulationScheduler):  # its own error blames manual optimization
+                raise ValueError(
+                    f"Lightning's GradientAccumulationScheduler(scheduling={callback.scheduling}) does not work under "
+                    "PACIStrategy, which runs the module under manual optimization (the stages step themselves). "
+                    f"Use lit_efficient.GradientAccumulation(steps={callback.scheduling}): the same {{epoch: N}} "
+                    "schedule, which the pipeline reads."
+                )
             check = getattr(callback, "check_accumulation_source", None)
             if callable(check):
                 check(trainer)

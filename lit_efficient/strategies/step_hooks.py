@@ -36,7 +36,9 @@ class LocalStepHooks:
     def _step_schedulers(self) -> _SchedulerGroup | None:
         step_wise, self._epoch_schedulers = [], []
         for config in self.lr_scheduler_configs:
-            if config.reduce_on_plateau:
+            # Lightning builds the configs under manual optimization (the strategy's), which leaves
+            # reduce_on_plateau False and drops "monitor": the scheduler's own type says it.
+            if config.reduce_on_plateau or isinstance(config.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
                 raise ValueError(
                     "ReduceLROnPlateau is not supported under PACIStrategy: each stage steps its own scheduler "
                     "without the monitored metric. Use a step- or epoch-based scheduler."
