@@ -7,7 +7,7 @@ forkserver ranks (one thread each):
 - **save**: one optimizer step and a ``ModelCheckpoint`` at step 1. Each rank resets its peak resident
   set size (``VmHWM``, through ``/proc/self/clear_refs``) just before ``strategy.save_checkpoint`` and
   reads it after: the growth is the peak minus the resident size just before (the drain and Lightning's
-  dict of references come before; the gather, the pickling, the writes are inside).
+  dict of references come before; the gather, rank by rank, and the writes are inside).
 - **load**: a run resuming from that checkpoint. The peak from just before ``load_checkpoint`` until the
   restore is done (``on_train_start``: weights, optimizer, schedulers and loops restored, Lightning's
   loaded dict released), minus the resident size just before.

@@ -35,7 +35,7 @@ from lit_efficient.strategies.checkpoint import (
 )
 from lit_efficient.strategies.sharded import is_sharded
 from lit_efficient.strategies.sharded_read import from_consolidated
-from lit_efficient.strategies.shares import load_sharded, save_from_records
+from lit_efficient.strategies.shares import gather_to_rank_zero, load_sharded, save_from_records
 
 
 class PipelineCheckpointing:
@@ -109,10 +109,9 @@ class PipelineCheckpointing:
             checkpoint, self.lightning_module, optimizer, self.pipeline_state(), self.replica == 0 or diverged,
             tied_copies=self._tied_copy_names()[1],
         )  # fmt: skip
-        shares: list[Any] | None = [None] * self.world_size if self.is_global_zero else None
-        dist.gather_object(share, shares, dst=0, group=self._cpu_group())
-        if self.is_global_zero:
-            write_atomically(to_automatic_loops(assemble(checkpoint, shares, self.layout())), filepath)  # type: ignore[arg-type]
+        shares = gather_to_rank_zero(share, self.world_size, self._cpu_group())  # one rank at a time (shares.py)
+        if shares is not None:
+            write_atomically(to_automatic_loops(assemble(checkpoint, shares, self.layout())), filepath)
         dist.barrier(group=self._cpu_group())  # nobody reads or removes it before it is complete
 
     @override

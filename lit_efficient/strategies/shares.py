@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
@@ -131,11 +132,100 @@ def save_from_records(strategy: PACIStrategy, checkpoint: dict[str, Any], filepa
         return sharded.save(path, shares, base, layout, group=group, distributed=distributed)
     if not distributed:
         return write_atomically(to_automatic_loops(assemble(base, shares, layout)), path)
-    gathered: list[Any] | None = [None] * strategy.world_size if strategy.is_global_zero else None
-    dist.gather_object(shares[0], gathered, dst=0, group=group)
-    if strategy.is_global_zero:
-        write_atomically(to_automatic_loops(assemble(base, gathered, layout)), path)  # type: ignore[arg-type]
+    gathered = gather_to_rank_zero(shares[0], strategy.world_size, group)
+    if gathered is not None:
+        write_atomically(to_automatic_loops(assemble(base, gathered, layout)), path)
     dist.barrier(group=group)
+
+
+def gather_to_rank_zero(obj: Any, world_size: int, group: dist.ProcessGroup | None) -> list[Any] | None:
+    """Every rank's ``obj`` on global rank 0, in rank order (None elsewhere): the single file's gather.
+
+    Streamed: rank 0 takes the ranks one at a time, each first sending its object's structure with every
+    tensor replaced by its shape and dtype (`_Slot`, pickled: a few KiB), then the tensors' bytes one by one,
+    received straight into tensors allocated for them. So rank 0 holds the received tensors once, which is
+    the file less its own share, and a sending rank holds nothing more than its share (its host tensors are
+    sent from where they lie). ``gather_object`` instead pickled every share on its rank (2x the share) and
+    had rank 0 receive every pickle at once and unpickle them beside it: 3.3x the whole file at S=2
+    (BENCHMARKS.md, "Checkpoints: host memory"). Collective over ``group`` (gloo: host tensors).
+    """
+    rank = dist.get_rank()
+    if rank != 0:
+        structure, tensors = _take_tensors(obj)
+        dist.send_object_list([structure], dst=0, group=group)
+        for tensor in tensors:
+            if tensor.numel():
+                dist.send(_as_bytes(tensor.contiguous()), dst=0, group=group)
+        return None
+    gathered = [obj]
+    for src in range(1, world_size):
+        box: list[Any] = [None]
+        dist.recv_object_list(box, src=src, group=group)
+        gathered.append(_fill(box[0], src, group))
+    return gathered
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """Where a tensor was in a share sent to rank 0: its position in the send order, shape and dtype."""
+
+    index: int
+    shape: tuple[int, ...]
+    dtype: Any
+
+
+def _take_tensors(obj: Any) -> tuple[Any, list[Any]]:
+    """``obj`` with each strided tensor replaced by a `_Slot` (a tensor held twice, by one slot), and the tensors."""
+    tensors: list[Any] = []
+    seen: dict[int, _Slot] = {}
+
+    def take(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.layout == torch.strided:
+            if id(x) not in seen:
+                seen[id(x)] = _Slot(len(tensors), tuple(x.shape), x.dtype)
+                tensors.append(x.detach())
+            return seen[id(x)]
+        return _map(x, take)
+
+    return take(obj), tensors
+
+
+def _fill(structure: Any, src: int, group: dist.ProcessGroup | None) -> Any:
+    """The structure `_take_tensors` made on rank ``src``, its tensors received one at a time, in slot order."""
+    received: dict[int, torch.Tensor] = {}
+
+    def put(x: Any) -> Any:
+        if isinstance(x, _Slot):
+            if x.index not in received:  # slots arrive in send order: a walk in the same order as `take`'s
+                tensor = torch.empty(x.shape, dtype=x.dtype)
+                if tensor.numel():
+                    dist.recv(_as_bytes(tensor), src=src, group=group)
+                received[x.index] = tensor
+            return received[x.index]
+        return _map(x, put)
+
+    return put(structure)
+
+
+def _map(x: Any, fn: Any) -> Any:
+    """``x`` with ``fn`` applied to each value of a dict, list or tuple (their types kept), else ``x`` itself:
+    what is left (a named tuple, another container) travels pickled, tensors included."""
+    if isinstance(x, dict):
+        items = {k: fn(v) for k, v in x.items()}
+        if type(x) is dict:
+            return items
+        try:
+            return type(x)(items)  # OrderedDict (a state_dict), Lightning's AttributeDict
+        except TypeError:
+            return items
+    if type(x) in (list, tuple):
+        return type(x)(fn(v) for v in x)
+    return x
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's memory as a flat uint8 tensor (a view: no copy), for any dtype."""
+    return tensor.reshape(-1).view(torch.uint8)
 
 
 def load_sharded(strategy: PACIStrategy, path: Path, weights_only: bool | None) -> dict[str, Any]:
