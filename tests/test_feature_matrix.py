@@ -1,0 +1,847 @@
+"""The Lightning feature-parity matrix: every Lightning feature a user has, through `PACIStrategy`, in one table.
+
+Each `Row` is a feature with the Trainer, module and callback arguments that exercise it, run the same way
+under the pipeline and on plain one-device Lightning, and how the two are compared:
+
+- ``exact vs one device (flush)``: ``Trainer(devices=1, strategy=PACIStrategy(pipeline_stages=2,
+  schedule="1f1b_flush"))`` against ``Trainer(devices=1, accumulate_grad_batches=N)``, same module, seed and
+  data: the weights after the run, ``global_step`` and epoch, ``callback_metrics``, every row the logger was
+  given, the callback hooks seen (with their steps and batch indices), what ``validate``/``test``/``predict``
+  returned and what the row itself observes, all equal, max abs difference 0 (not a tolerance). One process
+  is bit-identical to S processes (tests/test_in_process.py), so most rows run there.
+- ``documented difference: ...``: where the pipeline differs from one device by design; the row tests the
+  documented behaviour instead (against another reference, or with its own assertion).
+- ``clear error: ...``: the package's message, before training.
+
+Rows with ``processes=True`` (precision, clipping, checkpoints, validate/test/predict, the distributed sampler's
+data order) also run on two gloo processes, all of them in one spawned pair of ranks (process start paid
+once): there 1F1B-flush equals one device as above, and PACI on processes equals PACI in one process, bit for
+bit. A row that finds a bug carries ``xfail`` with the reason (strict: it fails once fixed).
+
+``python -m tests.feature_matrix_table`` prints the README's "What works with what" table from `ROWS`;
+`test_readme_table_is_generated` keeps the two equal. A new Lightning feature gets a row here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sys
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import (
+    Callback,
+    EarlyStopping,
+    GradientAccumulationScheduler,
+    LearningRateMonitor,
+    ModelCheckpoint,
+)
+from lightning.pytorch.loggers import Logger
+from torch.utils.data import DataLoader, IterableDataset
+
+from lit_efficient import ActivationCheckpointing, GradientAccumulation, PACIStrategy
+from lit_efficient.data import TextDataModule
+from lit_efficient.models import GPT
+from tests.multiproc import spawn, values
+from tests.test_in_process import _assert_same
+from tests.test_optimizers import _TwoOptimizers
+from tests.test_recompute_buffers import _BatchNormNet
+from tests.test_strategy import BLOCK, _OrderedData
+
+N = 2  # micro-batches per optimizer step in every row
+EXACT = "exact vs one device (flush)"
+DOCUMENTED = "documented difference: "
+ERROR = "clear error: "
+SCHEDULES = ("1f1b_flush", "paci")
+
+
+# -- modules and data -------------------------------------------------------------------------------------
+
+
+def _gpt(**kw) -> GPT:
+    L.seed_everything(0)
+    args = dict(n_layer=2, n_head=2, n_embd=32, block_size=BLOCK, warmup_steps=2, max_steps=20, learning_rate=3e-3)
+    return GPT(**{**args, **kw})
+
+
+def _text(**kw) -> TextDataModule:
+    return TextDataModule(**{**dict(block_size=BLOCK, batch_size=4, max_bytes=60_000, seed=1), **kw})
+
+
+class _EpochLR(GPT):
+    """SGD with a StepLR stepped once per epoch."""
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)}}
+
+
+class _Plateau(GPT):
+    """SGD with ReduceLROnPlateau on the validation loss, checked at every validation."""
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0, threshold=10.0)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": plateau, "monitor": "val_loss", "interval": "step"}}
+
+
+class _Frozen(GPT):
+    """The embedding frozen (``requires_grad_(False)``): stage 0 trains only its block."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.embed.requires_grad_(False)
+
+
+class _LogsEpoch(GPT):
+    """Logs a per-micro-batch metric on step and on epoch, from ``pipeline_loss`` where the pipeline runs it."""
+
+    def pipeline_loss(self, output, batch):
+        loss, items = super().pipeline_loss(output, batch)
+        if self.trainer.training:
+            self.log("mean_target", batch[1].float().mean(), on_step=True, on_epoch=True, batch_size=4)
+        return loss, items
+
+
+def _manual() -> GPT:
+    model = _gpt()
+    model.automatic_optimization = False
+    return model
+
+
+def _frozen() -> GPT:
+    L.seed_everything(0)
+    return _Frozen(n_layer=2, n_head=2, n_embd=32, block_size=BLOCK, warmup_steps=2, max_steps=20, learning_rate=3e-3)
+
+
+def _as(cls: type[GPT]) -> Callable[[], GPT]:
+    def build() -> GPT:
+        model = _gpt()
+        model.__class__ = cls
+        return model
+
+    build.__name__ = f"_{cls.__name__.lower()}"
+    return build
+
+
+class _LoggedBatchNorm(_BatchNormNet):
+    """test_recompute_buffers' BatchNorm MLP, logging its training loss as the strategy does for it."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss, prog_bar=True, batch_size=batch[0].shape[0])
+        return loss
+
+
+def _compiled() -> Any:
+    # dynamo and AOTAutograd with eager kernels: no C++ build. The MLP: compiling the GPT's stages takes 20 s here.
+    return torch.compile(_LoggedBatchNorm(), backend="aot_eager")
+
+
+class _Stream(IterableDataset):
+    """The first ``n`` training blocks, streamed in order."""
+
+    def __init__(self, blocks, n: int) -> None:
+        self.blocks, self.n = blocks, n
+
+    def __iter__(self):
+        return (self.blocks[i] for i in range(self.n))
+
+
+class _IterableText(TextDataModule):
+    def train_dataloader(self):
+        return DataLoader(_Stream(self.train_set, 32), batch_size=self.batch_size)
+
+
+class _Noisy(torch.utils.data.Dataset):
+    """Training blocks with random tokens blanked, drawn in the loader's worker (seeded by Lightning's
+    ``pl_worker_init_function`` under ``seed_everything(workers=True)``)."""
+
+    def __init__(self, blocks) -> None:
+        self.blocks = blocks
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def __getitem__(self, i):
+        x, y = self.blocks[i]
+        return x.masked_fill(torch.rand(x.shape) < 0.2, 0), y
+
+
+class _NoisyText(TextDataModule):
+    def train_dataloader(self):
+        return DataLoader(_Noisy(self.train_set), batch_size=self.batch_size, num_workers=1, shuffle=False)
+
+
+class _CountingText(TextDataModule):
+    """Counts ``train_dataloader`` calls (``reload_dataloaders_every_n_epochs``)."""
+
+    loads = 0
+
+    def train_dataloader(self):
+        self.loads += 1
+        return super().train_dataloader()
+
+
+class _ResumableLoader(DataLoader):
+    """A DataLoader Lightning resumes in the middle of an epoch (it saves and restores a loader's
+    ``state_dict``): the state is the batches yielded this epoch, skipped on the next iteration."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.seen, self.skip = 0, 0
+
+    def __iter__(self):
+        batches = super().__iter__()
+        for _ in range(self.skip):
+            next(batches)
+        self.seen, self.skip = self.skip, 0
+        for batch in batches:
+            self.seen += 1
+            yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"seen": self.seen}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.skip = state["seen"]
+
+
+class _ResumableText(_OrderedData):
+    """Epochs of 12 micro-batches in a fixed order, resumable mid-epoch."""
+
+    def train_dataloader(self):
+        subset = torch.utils.data.Subset(self.train_set, range(12 * self.batch_size))
+        return _ResumableLoader(subset, batch_size=self.batch_size, shuffle=False)
+
+
+def _resumable() -> _ResumableText:
+    return _ResumableText(block_size=BLOCK, batch_size=4, max_bytes=60_000)
+
+
+def _loaders() -> dict[str, DataLoader]:
+    """Plain DataLoaders handed to ``fit`` (no datamodule)."""
+    data = _text()
+    data.setup("fit")
+    return {"train_dataloaders": data.train_dataloader(), "val_dataloaders": data.val_dataloader()}
+
+
+def _seeded_workers() -> _NoisyText:
+    L.seed_everything(0, workers=True)
+    return _NoisyText(block_size=BLOCK, batch_size=4, max_bytes=60_000)
+
+
+def _regression() -> dict[str, DataLoader]:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 6, generator=g)
+    return {"train_dataloaders": DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True).sin()), 8)}
+
+
+# -- what a run records -----------------------------------------------------------------------------------
+
+
+class _Rows(Logger):
+    """Every row the Trainer writes to a logger, as (step, {name: value})."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[tuple[int | None, dict[str, float]]] = []
+
+    @property
+    def name(self) -> str:
+        return "rows"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, params, *args, **kwargs) -> None:
+        pass
+
+    def log_metrics(self, metrics, step=None) -> None:
+        self.rows.append((step, {k: float(v) for k, v in metrics.items()}))
+
+
+class _Seen(Callback):
+    """The hooks a user's callback sees, with the step, epoch and batch index at each."""
+
+    def __init__(self) -> None:
+        self.hooks: list[tuple] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.hooks.append(("train_batch_end", trainer.global_step, batch_idx))
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        self.hooks.append(("validation_end", trainer.global_step, trainer.sanity_checking))
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        self.hooks.append(("train_epoch_end", trainer.global_step, trainer.current_epoch))
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        self.hooks.append(("save_checkpoint", trainer.global_step))
+
+
+@dataclass
+class _Run:
+    """One run of a row: on one device (``where="one device"``) or under a pipeline schedule, on some devices,
+    with a folder of its own."""
+
+    row: Row
+    where: str
+    devices: int
+    root: Path
+    seen: _Seen = field(default_factory=_Seen)
+    logger: _Rows = field(default_factory=_Rows)
+
+    def strategy(self) -> Any:
+        """A fresh strategy for each Trainer (a strategy object belongs to the Trainer it was given to)."""
+        if self.where == "one device":
+            return "auto"
+        return PACIStrategy(pipeline_stages=2, schedule=self.where, **self.row.strategy)
+
+    def trainer(self, extra: tuple[Callback, ...] = (), **kw) -> L.Trainer:
+        """The row's Trainer, with ``kw`` over its arguments and ``extra`` callbacks after its own."""
+        args = dict(
+            accelerator="cpu", devices=self.devices, strategy=self.strategy(), max_steps=3, accumulate_grad_batches=N,
+            logger=self.logger, log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False, limit_val_batches=0, default_root_dir=self.root,
+        )  # fmt: skip
+        args.update(self.row.trainer)
+        args.update(kw)
+        return L.Trainer(callbacks=[self.seen, *self.row.callbacks(self.root), *extra], **args)
+
+    def fit(self, trainer: L.Trainer, module, data=None, **kw) -> None:
+        data = self.row.data() if data is None else data
+        if isinstance(data, dict):
+            trainer.fit(module, **data, **kw)
+        else:
+            trainer.fit(module, datamodule=data, **kw)
+
+
+def _weights(module) -> dict[str, torch.Tensor]:
+    module = getattr(module, "_orig_mod", module)  # torch.compile's wrapper
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+# -- actions: what a row does with its Trainer --------------------------------------------------------------
+
+
+def _fit(run: _Run):
+    trainer, module = run.trainer(), run.row.module()
+    run.fit(trainer, module)
+    return trainer, module, None
+
+
+def _evaluate(method: str):
+    def action(run: _Run):
+        trainer, module = run.trainer(), run.row.module()
+        returned = getattr(trainer, method)(module, datamodule=run.row.data())
+        return trainer, module, returned
+
+    action.__name__ = f"_{method}"
+    return action
+
+
+def _validate_then_fit(run: _Run):
+    trainer, module = run.trainer(), run.row.module()
+    returned = trainer.validate(module, datamodule=run.row.data())
+    run.fit(trainer, module)
+    return trainer, module, returned
+
+
+def _resume(run: _Run):
+    """Two steps with a "last" checkpoint in the middle of the first epoch (6 windows), then resumed from it to
+    step 4; the uninterrupted 4 steps, saving at the same step (a checkpoint drains a paci pipeline, which moves
+    its trajectory), are returned alongside."""
+
+    def last(folder: str) -> tuple[Callback]:
+        return (ModelCheckpoint(dirpath=run.root / folder, save_last=True, every_n_train_steps=2, save_top_k=0),)
+
+    run.fit(run.trainer(last("ckpt"), max_steps=2, enable_checkpointing=True), run.row.module())
+    trainer, module = run.trainer(last("ckpt"), max_steps=4, enable_checkpointing=True), run.row.module()
+    run.fit(trainer, module, ckpt_path="last")
+    uninterrupted = run.row.module()
+    run.fit(run.trainer(last("whole"), max_steps=4, enable_checkpointing=True, logger=False), uninterrupted)
+    return trainer, module, _weights(uninterrupted)
+
+
+def _cli(run: _Run):
+    from lit_efficient.cli import LitEfficientCLI
+
+    args = [
+        "fit", "--model.init_args.n_layer=2", "--model.init_args.n_embd=32", "--model.init_args.n_head=2",
+        "--model.init_args.warmup_steps=2", "--model.init_args.max_steps=20", "--data.init_args.block_size=32",
+        "--data.init_args.batch_size=4", "--data.init_args.max_bytes=60000", "--data.init_args.seed=1",
+        "--trainer.accelerator=cpu", f"--trainer.devices={run.devices}", "--trainer.max_steps=3",
+        f"--trainer.accumulate_grad_batches={N}", "--trainer.limit_val_batches=0",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.enable_model_summary=false", "--trainer.log_every_n_steps=1", "--seed_everything=0",
+        f"--trainer.default_root_dir={run.root}",
+    ]  # fmt: skip
+    strategy = ["--trainer.strategy=auto"]
+    if run.where != "one device":
+        strategy = ["--trainer.strategy=lit_efficient.PACIStrategy", "--trainer.strategy.pipeline_stages=2",
+                    f"--trainer.strategy.schedule={run.where}"]  # fmt: skip
+    record = [f"--trainer.logger={__name__}._Rows", f"--trainer.callbacks+={__name__}._Seen"]
+    argv, sys.argv = sys.argv, ["lit-efficient"]  # LightningCLI warns when given args and sys.argv both
+    try:
+        cli = LitEfficientCLI(args=[*args, *strategy, *record])
+    finally:
+        sys.argv = argv
+    run.logger = cli.trainer.logger
+    (run.seen,) = (c for c in cli.trainer.callbacks if isinstance(c, _Seen))
+    return cli.trainer, cli.model, None
+
+
+# -- what a row observes besides the common record ----------------------------------------------------------
+
+
+def _lr_monitor(root: Path) -> list[Callback]:
+    return [LearningRateMonitor(logging_interval="step")]
+
+
+def _top_k(root: Path) -> list[Callback]:
+    return [ModelCheckpoint(dirpath=root / "top", monitor="val_loss", save_top_k=2, filename="{step}")]
+
+
+def _kept(trainer, module) -> dict:
+    """The top-k files ModelCheckpoint kept, their scores and the weights and step each holds."""
+    (cb,) = trainer.checkpoint_callbacks
+    kept = {}
+    for path, score in cb.best_k_models.items():
+        saved = torch.load(path, weights_only=False)
+        kept[Path(path).name] = {"score": float(score), "weights": saved["state_dict"], "step": saved["global_step"]}
+    return {"kept": kept, "best": Path(cb.best_model_path).name}
+
+
+def _stopped(trainer, module) -> dict:
+    (cb,) = [c for c in trainer.callbacks if isinstance(c, EarlyStopping)]
+    return {"stopped_epoch": cb.stopped_epoch, "wait": cb.wait_count, "should_stop": trainer.should_stop}
+
+
+def _loads(trainer, module) -> dict:
+    return {"loads": trainer.datamodule.loads}
+
+
+def _profiled(trainer, module) -> dict:
+    durations = trainer.profiler.recorded_durations
+    return {"pipeline": {k: len(v) for k, v in durations.items() if k.startswith("[pipeline]")}}
+
+
+def _graphs(trainer, module) -> dict:
+    from torch._dynamo.utils import counters
+
+    return {"graphs": counters["stats"]["unique_graphs"]}
+
+
+# -- the row's own assertions (pipeline outcome, one-device outcome) ---------------------------------------
+
+
+def _one_row_per_step(piped: dict, ref: dict) -> None:
+    train = [step for step, metrics in piped["rows"] if "train_loss" in metrics]
+    assert train == [0, 1, 2], train  # one row per optimizer step, not N
+
+
+def _every_other_step(piped: dict, ref: dict) -> None:
+    train = [step for step, metrics in piped["rows"] if "train_loss" in metrics]
+    assert train == [1, 3], train
+
+
+def _resumed_as_uninterrupted(piped: dict, ref: dict) -> None:
+    _assert_same(piped["weights"], piped["returned"], "resumed against uninterrupted")
+
+
+def _counted_once(piped: dict, ref: dict) -> None:
+    assert int(piped["weights"]["layers.0.1.num_batches_tracked"]) == 3 * N  # one update per micro-batch, not two
+
+
+def _compiled_stages(piped: dict, ref: dict) -> None:
+    assert piped["inspected"]["graphs"] >= 2  # each stage's layers; before the fix, 0
+
+
+def _pipeline_actions(piped: dict, ref: dict) -> None:
+    rows = piped["inspected"]["pipeline"]
+    for stage in (0, 1):
+        assert rows[f"[pipeline] stage {stage} forward"] == rows[f"[pipeline] stage {stage} backward"] == 3 * N
+        assert rows[f"[pipeline] stage {stage} optimizer step"] == 3
+
+
+def _clips_per_stage(piped: dict, ref: dict) -> None:
+    said = [w for w in piped["warnings"] if "gradient_clip_val" in w]
+    assert len(said) == 1 and "clips each of the 2 stages' gradient norms to 0.1 separately" in said[0], said
+    assert "schedule='1f1b_flush'" in said[0]
+
+
+def _own_dropout_streams(piped: dict, ref: dict) -> None:
+    worst = max((piped["weights"][k] - v).abs().max().item() for k, v in ref["weights"].items())
+    assert worst > 1e-6, "the stages' masks are their own, so the run differs from one device's"
+    assert piped["step"] == ref["step"] and piped["hooks"] == ref["hooks"]
+
+
+def _frozen_stays(piped: dict, ref: dict) -> None:
+    start = _frozen().state_dict()
+    assert all(torch.equal(piped["weights"][k], start[k]) for k in start if k.startswith("embed."))
+    assert not torch.equal(piped["weights"]["blocks.0.attn.c_attn.weight"], start["blocks.0.attn.c_attn.weight"])
+
+
+def _stage_lrs_alike(piped: dict, ref: dict) -> None:
+    """Under flush every stage steps its schedule with the same steps: stage 1's rows equal stage 0's."""
+    seen = 0
+    for step, metrics in piped["rows"]:
+        for name, value in metrics.items():
+            if re.fullmatch(STAGE_1_LR, name):
+                assert value == metrics[name.replace("-1", "", 1)], (step, name)
+                seen += 1
+    assert seen >= 3, piped["rows"]
+
+
+def _predictions(piped: dict, ref: dict) -> None:
+    assert len(piped["returned"]) == 2 and piped["returned"][0].shape == (4, BLOCK)
+
+
+# -- the table ------------------------------------------------------------------------------------------------
+
+
+def _none(root: Path) -> list[Callback]:
+    return []
+
+
+@dataclass(frozen=True)
+class Row:
+    """One feature: its arguments, how it runs and how the pipeline's result is compared.
+
+    Args:
+        feature: What a Lightning user would call it.
+        how: `EXACT`, or ``DOCUMENTED + why``, or ``ERROR + the message`` (matched literally).
+        trainer: Trainer arguments over the common ones (`_Run.trainer`).
+        strategy: PACIStrategy arguments besides ``pipeline_stages=2`` and the schedule.
+        module: Builds the LightningModule (seeded).
+        data: Builds the datamodule, or the dataloaders passed to ``fit`` as a dict.
+        callbacks: The row's callbacks, given the run's folder.
+        action: What runs: fit, validate, test, predict, resume, the CLI.
+        observe: What the row reads from the Trainer after the run; compared like the rest.
+        inspect: What the row reads for its own check only (not compared: one device has none of it).
+        ignore: Metric names (a regex) left out of the comparison: the documented difference.
+        tolerance: The largest difference allowed on processes (weights, metrics; 0: none), where a collective
+            sums in another order than one device.
+        check: The row's own assertion on (pipeline outcome, one-device outcome).
+        reference: Compare with another row's one-device run (its feature name) instead of this row's.
+        exact: Compare the pipeline with the reference at all (a documented difference may not).
+        schedule: The one-process pipeline's schedule.
+        processes: Also on two processes: flush there equals one device, paci there equals paci in one process.
+        note: For the table.
+        xfail: A known bug: the reason (the row is expected to fail, strictly).
+    """
+
+    feature: str
+    how: str = EXACT
+    trainer: dict = field(default_factory=dict)
+    strategy: dict = field(default_factory=dict)
+    module: Callable[[], Any] = _gpt
+    data: Callable[[], Any] = _text
+    callbacks: Callable[[Path], list] = _none
+    action: Callable[[_Run], tuple] = _fit
+    observe: Callable[[Any, Any], dict] | None = None
+    inspect: Callable[[Any, Any], dict] | None = None
+    ignore: str = ""
+    tolerance: float = 0.0
+    check: Callable[[dict, dict], None] | None = None
+    reference: str = ""
+    exact: bool = True
+    schedule: str = "1f1b_flush"
+    processes: bool = False
+    note: str = ""
+    xfail: str = ""
+
+
+VAL = dict(limit_val_batches=2)
+PER_STAGE_LR = "LearningRateMonitor logs every stage's optimizer (lr-AdamW, lr-AdamW-1: stage 0, stage 1)"
+STAGE_1_LR = r"lr-\w+-1(/pg\d)?"
+EPOCHS = dict(max_steps=-1, max_epochs=3, limit_train_batches=4)  # epochs of 2 windows
+
+ROWS: list[Row] = [
+    # -- data and the loop
+    Row("accumulate_grad_batches=N, LightningDataModule, the default shuffled loader (DDP-style data order)",
+        processes=True, note="the distributed sampler of one replica reads what one device reads"),
+    Row("DataLoaders passed to fit", trainer=dict(VAL, val_check_interval=2), data=_loaders),
+    Row("IterableDataset", data=lambda: _IterableText(block_size=BLOCK, batch_size=4, max_bytes=60_000)),
+    Row("max_epochs, limit_train_batches, limit_val_batches", trainer=dict(EPOCHS, **VAL)),
+    Row("limit_train_batches as a fraction", trainer=dict(max_steps=2, limit_train_batches=0.25)),
+    Row("an epoch ending in a partial window, with GradientAccumulation",
+        trainer=dict(max_steps=-1, max_epochs=2, limit_train_batches=3),
+        callbacks=lambda root: [GradientAccumulation(steps=N)],
+        note="one device normalizes the short window by its real size too"),
+    Row("an epoch ending in a partial window, plain accumulate_grad_batches",
+        how=DOCUMENTED + "the pipeline divides a partial window by its real size, Lightning by N (#19987)",
+        trainer=dict(max_steps=-1, max_epochs=2, limit_train_batches=3),
+        reference="an epoch ending in a partial window, with GradientAccumulation",
+        note="equals one device with GradientAccumulation"),
+    Row("overfit_batches", trainer=dict(overfit_batches=2)),
+    Row("fast_dev_run=True", trainer=dict(fast_dev_run=True), callbacks=lambda root: [GradientAccumulation(steps=N)],
+        note="one batch: a partial window, so with GradientAccumulation on both sides (as the rows above)"),
+    Row("max_time (the Timer callback)", trainer=dict(max_time={"minutes": 10}),
+        note="max_steps ends the run first: a time limit reached mid-run is not reproducible"),
+    Row("reload_dataloaders_every_n_epochs", trainer=dict(EPOCHS, reload_dataloaders_every_n_epochs=1),
+        data=lambda: _CountingText(block_size=BLOCK, batch_size=4, max_bytes=60_000), observe=_loads),
+    Row("seed_everything(workers=True), DataLoader workers", data=_seeded_workers),
+    Row("deterministic=True", trainer=dict(deterministic=True)),
+    Row("detect_anomaly=True", trainer=dict(detect_anomaly=True, max_steps=2)),
+    # -- accumulation and the optimizer
+    Row("GradientAccumulation(steps=N)", callbacks=lambda root: [GradientAccumulation(steps=N)]),
+    Row("GradientAccumulation schedule {epoch: N}", trainer=dict(EPOCHS, accumulate_grad_batches=1),
+        callbacks=lambda root: [GradientAccumulation(steps={0: 1, 1: 2})]),
+    Row("Lightning's GradientAccumulationScheduler",
+        how=ERROR + "Use lit_efficient.GradientAccumulation(steps={0: 1, 1: 2})",
+        trainer=dict(EPOCHS, accumulate_grad_batches=1),
+        callbacks=lambda root: [GradientAccumulationScheduler({0: 1, 1: 2})]),
+    Row("LR scheduler by step, LearningRateMonitor", how=DOCUMENTED + PER_STAGE_LR, callbacks=_lr_monitor,
+        ignore=STAGE_1_LR, check=_stage_lrs_alike,
+        note="one process: every stage's optimizer is in trainer.optimizers"),
+    Row("LR scheduler by epoch", how=DOCUMENTED + PER_STAGE_LR, trainer=EPOCHS, module=_as(_EpochLR),
+        callbacks=_lr_monitor, ignore=STAGE_1_LR, check=_stage_lrs_alike),
+    Row("ReduceLROnPlateau on val_loss", how=ERROR + "ReduceLROnPlateau is not supported under PACIStrategy",
+        trainer=dict(VAL, val_check_interval=2, max_steps=4), module=_as(_Plateau)),
+    Row("frozen layers (requires_grad=False)", module=_frozen, check=_frozen_stays),
+    Row("bf16-mixed precision", trainer=dict(precision="bf16-mixed"), processes=True),
+    Row("gradient_clip_algorithm='value'", trainer=dict(gradient_clip_val=0.01, gradient_clip_algorithm="value"),
+        processes=True),
+    Row("gradient-norm clipping under 1f1b_flush, one process",
+        how=ERROR + "needs the norm over every stage at the step, which a pipeline in one process cannot gather",
+        trainer=dict(gradient_clip_val=0.1), processes=True, tolerance=1e-7,
+        note="on processes: the global norm, vs one device to 1e-7 (the stages' squared norms are summed by an "
+        "all-reduce)"),
+    Row("gradient-norm clipping under paci",
+        how=DOCUMENTED + "each stage clips its own norm, said once at setup", trainer=dict(gradient_clip_val=0.1),
+        schedule="paci", exact=False, check=_clips_per_stage, note="issue 22 item 6; flush clips the global norm"),
+    Row("two optimizers split by module", how=ERROR + "one optimizer per stage", module=_as(_TwoOptimizers),
+        note="issue 22 item 4; param groups are fine"),
+    Row("manual optimization (automatic_optimization=False)",
+        how=ERROR + "uses manual optimization; PACIStrategy schedules forwards, backwards and steps itself",
+        module=_manual, trainer=dict(accumulate_grad_batches=1),
+        note="Lightning's own error first when accumulate_grad_batches > 1"),
+    # -- validation, checkpoints, evaluation
+    Row("val_check_interval in the middle of a window", trainer=dict(VAL, val_check_interval=3)),
+    Row("check_val_every_n_epoch", trainer=dict(EPOCHS, check_val_every_n_epoch=2, **VAL)),
+    Row("num_sanity_val_steps", trainer=dict(VAL, num_sanity_val_steps=2, val_check_interval=4)),
+    Row("EarlyStopping", trainer=dict(VAL, max_steps=8, val_check_interval=2),
+        callbacks=lambda root: [EarlyStopping("val_loss", min_delta=10.0, patience=1)], observe=_stopped),
+    Row("ModelCheckpoint top-k on val_loss", trainer=dict(VAL, max_steps=4, val_check_interval=2,
+        enable_checkpointing=True), callbacks=_top_k, observe=_kept, processes=True),
+    Row("resume from ckpt_path='last' in the middle of an epoch", data=_resumable, action=_resume,
+        check=_resumed_as_uninterrupted, processes=True, note="resumed == uninterrupted"),
+    Row("trainer.validate", trainer=VAL, action=_evaluate("validate"), processes=True),
+    Row("trainer.test", trainer=dict(limit_test_batches=2), action=_evaluate("test"), processes=True),
+    Row("trainer.predict and what it returns", trainer=dict(limit_predict_batches=2), action=_evaluate("predict"),
+        check=_predictions, processes=True),
+    Row("validate, then fit with validation (GPT)", trainer=dict(VAL, val_check_interval=2),
+        action=_validate_then_fit, note="issue 22 item 5"),
+    # -- logging and tooling
+    Row("self.log on step: one logger row per optimizer step", check=_one_row_per_step,
+        note="issue 22 item 1; every row compares the logged rows"),
+    Row("self.log on_epoch from pipeline_loss", module=_as(_LogsEpoch), trainer=dict(EPOCHS)),
+    Row("log_every_n_steps", trainer=dict(max_steps=4, log_every_n_steps=2), check=_every_other_step),
+    Row("progress bar and model summary", trainer=dict(enable_progress_bar=True, enable_model_summary=True)),
+    Row("simple profiler", trainer=dict(profiler="simple"), inspect=_profiled, check=_pipeline_actions,
+        note="issue 22 item 6: a row per stage and pipeline action"),
+    Row("ActivationCheckpointing", callbacks=lambda root: [ActivationCheckpointing()]),
+    Row("BatchNorm with recompute=True", module=_LoggedBatchNorm, data=_regression, strategy=dict(recompute=True),
+        check=_counted_once, note="issue 22 item 2: running statistics updated once per micro-batch"),
+    Row("trainer.fit(torch.compile(model))", module=_compiled, data=_regression, inspect=_graphs,
+        check=_compiled_stages, reference="BatchNorm with recompute=True",
+        note="issue 22 item 3: every stage's layers compiled; against the eager module on one device"),
+    Row("dropout", module=lambda: _gpt(dropout=0.1), how=DOCUMENTED + "each stage draws masks from its own stream",
+        exact=False, check=_own_dropout_streams,
+        note="so masks do not depend on placement: one process == processes (tests/test_in_process.py)"),
+    Row("LightningCLI (lit-efficient fit)", action=_cli),
+]  # fmt: skip
+
+BY_NAME = {row.feature: row for row in ROWS}
+assert len(BY_NAME) == len(ROWS), "feature names are the rows' ids"
+
+
+# -- running rows ---------------------------------------------------------------------------------------------
+
+COMPARED = ("weights", "step", "epoch", "metrics", "rows", "hooks", "returned", "observed")
+
+
+def _outcome(row: Row, where: str, devices: int, root: Path) -> dict:
+    """Run ``row`` once; what it did (see COMPARED), the warnings it gave, or the error it raised."""
+    root.mkdir(parents=True, exist_ok=True)
+    run = _Run(row, where, devices, root)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            trainer, module, returned = row.action(run)
+        except Exception as err:  # noqa: BLE001 - a clear-error row asserts on it
+            return {"error": f"{type(err).__name__}: {err}"}
+        finally:
+            torch.use_deterministic_algorithms(deterministic)  # deterministic=True sets it for the process
+    return {
+        "weights": _weights(module), "step": trainer.global_step, "epoch": trainer.current_epoch,
+        "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}, "rows": run.logger.rows,
+        "hooks": run.seen.hooks, "returned": returned,
+        "observed": row.observe(trainer, module) if row.observe else None,
+        "inspected": row.inspect(trainer, module) if row.inspect else None,
+        "warnings": [str(w.message) for w in caught],
+    }  # fmt: skip
+
+
+class _Runs:
+    """Each (row, where) run once per session: one-device references are shared by the rows naming them."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.done: dict[tuple[str, str], dict] = {}
+
+    def get(self, row: Row, where: str) -> dict:
+        key = (row.feature, where)
+        if key not in self.done:
+            folder = self.root / re.sub(r"\W+", "-", f"{where}-{row.feature}")[:80]
+            if row.module is _compiled:
+                torch._dynamo.reset()
+                from torch._dynamo.utils import counters
+
+                counters.clear()
+            self.done[key] = _outcome(row, where, 1, folder)
+        return self.done[key]
+
+    def reference(self, row: Row) -> dict:
+        return self.get(BY_NAME[row.reference] if row.reference else row, "one device")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One thread here and in the ranks: float reduction order does not depend on the thread count."""
+    before, env = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+    if env is None:
+        os.environ.pop("OMP_NUM_THREADS", None)
+    else:
+        os.environ["OMP_NUM_THREADS"] = env
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> _Runs:
+    return _Runs(tmp_path_factory.mktemp("matrix"))
+
+
+def _param(row: Row):
+    marks = [pytest.mark.xfail(strict=True, reason=row.xfail)] if row.xfail else []
+    return pytest.param(row, id=row.feature, marks=marks)
+
+
+def _without(outcome: dict, ignore: str) -> dict:
+    """``outcome`` without the metrics whose names match ``ignore`` (in callback_metrics and logged rows)."""
+    if not ignore:
+        return outcome
+    keep = lambda metrics: {k: v for k, v in metrics.items() if not re.fullmatch(ignore, k)}  # noqa: E731
+    return {**outcome, "metrics": keep(outcome["metrics"]), "rows": [(s, keep(m)) for s, m in outcome["rows"]]}
+
+
+def _assert_close(a, b, tolerance: float, where: str) -> None:
+    """`_assert_same`, allowing ``tolerance`` on every floating tensor and float."""
+    if isinstance(a, torch.Tensor) and a.is_floating_point():
+        assert a.shape == b.shape and (a.double() - b.double()).abs().max().item() <= tolerance, where
+    elif isinstance(a, float):
+        assert abs(a - b) <= tolerance, (where, a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            _assert_close(a[k], b[k], tolerance, f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _assert_close(x, y, tolerance, f"{where}[{i}]")
+    else:
+        _assert_same(a, b, where)
+
+
+def _assert_outcomes(got: dict, want: dict, where: str, ignore: str = "", tolerance: float = 0.0) -> None:
+    assert "error" not in got, f"{where}: {got['error']}"
+    assert "error" not in want, f"{where}, the reference: {want['error']}"
+    got, want = _without(got, ignore), _without(want, ignore)
+    for key in COMPARED:
+        if tolerance:
+            _assert_close(got[key], want[key], tolerance, f"{where}: {key}")
+        else:
+            _assert_same(got[key], want[key], f"{where}: {key}")
+
+
+@pytest.mark.parametrize("row", [_param(r) for r in ROWS])
+def test_one_process(runs, row):
+    """The row in one process against plain one-device Lightning, as its `how` says."""
+    piped = runs.get(row, row.schedule)
+    if row.how.startswith(ERROR):
+        message = row.how.removeprefix(ERROR)
+        assert "error" in piped and message in piped["error"], piped.get("error", "no error raised")
+        return
+    reference = runs.reference(row)
+    if row.exact:
+        _assert_outcomes(piped, reference, row.feature, row.ignore)
+    assert "error" not in piped, piped["error"]
+    if row.check is not None:
+        row.check(piped, reference)
+
+
+# -- two processes: every processes row in one spawned pair of ranks ---------------------------------------
+
+PROCESS_ROWS = [i for i, row in enumerate(ROWS) if row.processes]
+
+
+def _on_ranks(rank: int, world: int, root: str) -> dict | None:
+    """Every processes row under both schedules, one after the other on the same two ranks; rank 0 (the
+    last stage: the loss, the logger, the metrics, the whole model after fit) returns what it saw."""
+    warnings.filterwarnings("ignore")
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    out = {}
+    for i in PROCESS_ROWS:
+        row = ROWS[i]
+        for schedule in SCHEDULES:
+            folder = Path(root, f"{schedule}-{i}")
+            out[(i, schedule)] = _outcome(row, schedule, world, folder)
+    return out if rank == 0 else None
+
+
+@pytest.fixture(scope="module")
+def on_processes(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("processes")
+    return values(spawn(_on_ranks, 2, str(root), timeout=300, torchrun_env=True))[0]
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("row", [_param(ROWS[i]) for i in PROCESS_ROWS])
+def test_processes(runs, on_processes, row):
+    """On two processes, 1F1B-flush against one device (or against flush in one process, where the row is a
+    documented difference) and PACI against PACI in one process: bit for bit."""
+    i = ROWS.index(row)
+    paci = on_processes[(i, "paci")]
+    _assert_outcomes(paci, runs.get(row, "paci"), f"{row.feature}: paci, processes against one process", row.ignore)
+    flush = on_processes[(i, "1f1b_flush")]
+    want = runs.reference(row) if row.exact else runs.get(row, "1f1b_flush")
+    _assert_outcomes(flush, want, f"{row.feature}: 1f1b_flush on processes", row.ignore, row.tolerance)
+    if row.check is not None:
+        row.check(paci, runs.reference(row))
+
+
+# -- the README's table ---------------------------------------------------------------------------------------
+
+
+def test_readme_table_is_generated():
+    from tests.feature_matrix_table import README, current_section, section
+
+    assert current_section(README.read_text()) == section(), (
+        "README.md's 'What works with what' table is not the generated one: run "
+        "`python -m tests.feature_matrix_table --write`"
+    )
