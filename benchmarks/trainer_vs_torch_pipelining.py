@@ -12,7 +12,8 @@ What is measured, and how:
   (c) the bare `PipelineRuntime` with ``paci`` (no Lightning), fed batches from the same data
   (d) ``torch.distributed.pipelining.Schedule1F1B`` and (e) ``ScheduleGPipe`` driving a
       ``PipelineStage(nn.Sequential(<the stage's GPT layers>))``: ``step(x)`` on stage 0 with the
-      N micro-batches concatenated, ``step(target=y, losses=[])`` on the last, then AdamW.
+      N micro-batches concatenated, ``step(target=y, losses=[])`` on the last, then the GPT's own
+      AdamW (its ``configure_optimizers`` groups), as every variant.
 
   The Trainer runs inside the already-initialized process group (Lightning sees ``LOCAL_RANK`` and
   launches nothing), so no variant pays process start-up inside its timing and all share a pair.
@@ -113,21 +114,48 @@ def stage_layers(model: Any, stage: int) -> list[nn.Module]:
 BALANCE = (3, 3)  # n_layer=4: [embed, b0, b1] | [b2, b3, head]
 
 
+def module_optimizer(model: Any, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    """The GPT's own optimizer (``configure_optimizers``: AdamW, decayed and undecayed groups) over
+    ``params``, as the strategy builds it for a stage: every variant steps the same optimizer as the
+    Trainer (the LR schedule aside), so the comparison measures the pipeline, not the optimizer."""
+    from lit_efficient.plan import _stand_in_trainer, optimizer_factory
+
+    with _stand_in_trainer(model, 1000, 1):
+        make = optimizer_factory(model, foreach=False)
+    return make(list(dict.fromkeys(params)))
+
+
 # -- variants (inside a rank) ----------------------------------------------------------------------
 
 
 class WindowClock(Callback):
-    """The time at the end of every window of N training batches, on this rank."""
+    """The time at the end of every window of N training batches, on this rank; and this thread's CPU time
+    there, in total and inside the runtime's ``feed`` (the rest is the Lightning layer: loop, hooks, logging)."""
 
     def __init__(self, accumulate: int, warm: int) -> None:
         self.accumulate, self.warm = accumulate, warm
         self.marks: list[float] = []
+        self.cpu_marks: list[tuple[float, float]] = []  # (thread CPU, of it inside feed) at each window end
         self.threads = 0
         self.stats: dict[str, float] = {}
+        self._inside = 0.0
+
+    def on_train_start(self, trainer, pl_module) -> None:  # noqa: D102
+        runtime, feed = trainer.strategy.runtime, trainer.strategy.runtime.feed
+
+        def timed_feed(*args, **kwargs):
+            start = time.thread_time()
+            try:
+                return feed(*args, **kwargs)
+            finally:
+                self._inside += time.thread_time() - start
+
+        runtime.feed = timed_feed
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: D102
         if (batch_idx + 1) % self.accumulate == 0:
             self.marks.append(time.perf_counter())
+            self.cpu_marks.append((time.thread_time(), self._inside))
             if len(self.marks) == self.warm:
                 trainer.strategy.runtime.reset_stats()  # the runtime's busy/wait over the timed windows
             self.stats = trainer.strategy.runtime.stats()
@@ -150,12 +178,19 @@ def run_trainer(config: dict[str, Any], schedule: str, accumulate: int, warm: in
     trainer.fit(build_model(config, steps), datamodule=build_data(config))
     torch.set_num_threads(1)
     marks = clock.marks[warm - 1 : warm + windows]
-    return {"span": marks[-1] - marks[0], "windows": len(marks) - 1, "threads": clock.threads, "stats": clock.stats}
+    (cpu0, in0), (cpu1, in1) = clock.cpu_marks[warm - 1], clock.cpu_marks[warm + windows - 1]
+    return {
+        "span": marks[-1] - marks[0], "windows": len(marks) - 1, "threads": clock.threads, "stats": clock.stats,
+        "main_thread_cpu_seconds": cpu1 - cpu0, "lightning_cpu_seconds": (cpu1 - cpu0) - (in1 - in0),
+    }  # fmt: skip
 
 
 def run_bare(setup: RankSetup, accumulate: int, warm: int, windows: int) -> dict[str, Any]:
     seg = run_segment(setup, "paci", accumulate, warm, windows, None)
-    return {"span": seg["marks"][-1], "windows": windows, "stats": seg["stats"], "costs": seg["costs"]}
+    return {
+        "span": seg["marks"][-1], "windows": windows, "stats": seg["stats"], "costs": seg["costs"],
+        "main_thread_cpu_seconds": seg["main_thread_cpu_seconds"],
+    }  # fmt: skip
 
 
 def run_torch(
@@ -175,7 +210,7 @@ def run_torch(
 
     cls = Schedule1F1B if kind == "torch_1f1b" else ScheduleGPipe
     schedule = cls(stage, n_microbatches=accumulate, loss_fn=loss_fn)
-    optimizer = torch.optim.AdamW(module.parameters(), lr=3e-4, weight_decay=0.0)
+    optimizer = module_optimizer(model, list(module.parameters()))
     chunks = itertools.cycle(data)
     marks = []
     for _ in range(warm + windows):
@@ -200,7 +235,7 @@ def _worker(rank: int, world: int, config: dict[str, Any]) -> dict[str, Any]:
     data = list(itertools.islice(iter(datamodule.train_dataloader()), 64))
     model = build_model(config, 1000)
     mine = stage_layers(model, s)
-    optimizer = torch.optim.AdamW([p for layer in mine for p in layer.parameters()], lr=3e-4, weight_decay=0.0)
+    optimizer = module_optimizer(model, [p for layer in mine for p in layer.parameters()])
     stage = TimedStage(mine, s, S, optimizer, loss_fn=model.pipeline_loss)
     comm = PointToPoint(s, topo.stage_of, torch.device("cpu"), timeout=300.0)
     prev_rank, next_rank = topo.neighbours(rank)
@@ -266,10 +301,19 @@ def summarize(results: list[dict[str, Any]], config: dict[str, Any]) -> list[dic
         foreign_n: list[float] = []
         round_foreign: dict[int, list[float]] = {}
         loads = []
+        # Main-thread CPU ms per micro-batch, per variant and stage (and of it the Lightning layer's): load on
+        # other cores barely changes it, so it says what a quiet machine's throughput ratio would be.
+        cpu_ms: dict[str, list[list[float]]] = {v: [[] for _ in range(S)] for v in ("trainer_paci", "bare_paci")}
+        lightning_ms: list[list[float]] = [[] for _ in range(S)]
         for res in results:
             for seg in res["segments"]:
                 if seg["N"] != n:
                     continue
+                if seg["variant"] in cpu_ms and "main_thread_cpu_seconds" in seg:
+                    per = 1e3 / (seg["windows"] * n)
+                    cpu_ms[seg["variant"]][res["stage"]].append(seg["main_thread_cpu_seconds"] * per)
+                    if "lightning_cpu_seconds" in seg:
+                        lightning_ms[res["stage"]].append(seg["lightning_cpu_seconds"] * per)
                 if "stats" in seg:  # Trainer and bare runtime: the runtime's own busy / elapsed per stage
                     trainer_stats.setdefault(seg["variant"], []).append({"stage": res["stage"], **_brief(seg["stats"])})
                 if seg["variant"] == "bare_paci":
@@ -302,6 +346,10 @@ def summarize(results: list[dict[str, Any]], config: dict[str, Any]) -> list[dic
             "runtime_utilization": {
                 v: statistics.median(x["utilization"] for x in st) for v, st in trainer_stats.items()
             },
+            "cpu_ms_per_microbatch": {
+                v: [statistics.median(x) if x else math.nan for x in per_stage] for v, per_stage in cpu_ms.items()
+            },
+            "lightning_layer_cpu_ms_per_microbatch": [statistics.median(x) if x else math.nan for x in lightning_ms],
             "loadavg": [min(loads), statistics.median(loads), max(loads)],
             "foreign_load_cores": [min(foreign_n), statistics.median(foreign_n), max(foreign_n)],
             "foreign_load_per_round": {r: max(x) for r, x in round_foreign.items()},
@@ -360,6 +408,24 @@ def table(rows: list[dict[str, Any]]) -> str:
     return head + "\n".join(lines)
 
 
+def cpu_table(rows: list[dict[str, Any]]) -> str:
+    """Main-thread CPU ms per micro-batch per stage, Trainer against bare, and the Lightning layer's part."""
+    head = (
+        "| N | stage | Trainer paci CPU ms/mb | bare paci CPU ms/mb | bare / Trainer | Lightning layer CPU ms/mb |\n"
+        "|---|---|---|---|---|---|\n"
+    )
+    lines = []
+    for r in rows:
+        cpu = r["cpu_ms_per_microbatch"]
+        for s in range(S):
+            t, b = cpu["trainer_paci"][s], cpu["bare_paci"][s]
+            lines.append(
+                f"| {r['N']} | {s} | {t:.2f} | {b:.2f} | {b / t:.3f} | "
+                f"{r['lightning_layer_cpu_ms_per_microbatch'][s]:.2f} |"
+            )
+    return head + "\n".join(lines)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_gpt_timing_args(p, rounds=4, quick="smoke run: 1 round, N in {2, 4}, few windows")
@@ -387,6 +453,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     payload = envelope("trainer_vs_torch_pipelining", args.quick, before, config, start, rows=rows, raw=results)
     path = write_json(args.out, payload)
     print(table(rows))
+    if {"trainer_paci", "bare_paci"} <= set(args.variants):
+        print(cpu_table(rows))
     print(f"wrote {path} in {payload['wall_seconds']:.0f} s; load {before['loadavg']} -> {payload['loadavg_end']}")
     return payload
 

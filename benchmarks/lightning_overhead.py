@@ -1,0 +1,260 @@
+"""The Lightning layer against the bare pipeline runtime: throughput ratio and where the time goes.
+
+Issue: the design's target is a Lightning layer that costs at most 5% of throughput against the bare
+runtime, at every N (short windows, N=2, are where a per-window cost weighs most).
+
+What is measured, in one process (``--stages`` stages of a GPT, every stage here, so the whole
+model's compute is serialized and every millisecond of host overhead shows):
+
+- ``trainer``: ``Trainer(devices=1, strategy=PACIStrategy(pipeline_stages=S))`` with the user's
+  defaults (progress bar, CSV logger at ``log_every_n_steps=50``, model summary), validation and
+  checkpointing off (their cost is not per micro-batch), fed the same list of batches as the bare
+  runtime (a ``DataLoader(batches, batch_size=None)``: no collation, so data loading is equal);
+- ``bare``: the same stages (same layers, split and optimizer: the module's own
+  ``configure_optimizers``, its groups and hyper-parameters; the LR schedule is not stepped) in a
+  `LocalPipeline`, fed in a Python loop.
+
+Both variants run in interleaved rounds (order alternating per round) at each N; tokens/s is taken
+between window ends after ``--warm`` windows. For the Trainer the time spent inside the runtime
+(``feed``/``drain``) is also clocked, so *outside* = the Lightning layer (loop, hooks, logging,
+progress bar, batch fetch), per micro-batch, in ms; the report says which Lightning calls that is
+from a cProfile of one more Trainer segment (``--profile``).
+
+    python -m benchmarks.lightning_overhead                 # ~4 minutes on 2 cores
+    python -m benchmarks.lightning_overhead --quick         # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import logging
+import pstats
+import statistics
+import time
+import warnings
+from typing import Any
+
+import torch
+
+from benchmarks.harness import RESULTS, envelope, machine, write_json
+
+
+def build_model(args: argparse.Namespace, max_steps: int) -> Any:
+    import lightning as L
+
+    from lit_efficient.models import GPT
+
+    L.seed_everything(args.seed, verbose=False)
+    return GPT(
+        n_layer=args.layers, n_head=args.heads, n_embd=args.dim, block_size=args.block, dropout=0.0,
+        learning_rate=3e-4, warmup_steps=2, max_steps=max(max_steps, 3),
+    )  # fmt: skip
+
+
+def build_batches(args: argparse.Namespace, count: int) -> list[Any]:
+    from lit_efficient.data import TextDataModule
+
+    data = TextDataModule(block_size=args.block, batch_size=args.batch_size, max_bytes=args.max_bytes, seed=args.seed)
+    data.setup("fit")
+    batches = []
+    while len(batches) < count:
+        batches.extend(iter(data.train_dataloader()))
+    return batches[:count]
+
+
+class _Clock:
+    """Window-end times, and the seconds spent inside the runtime's calls (feed, drain): wall-clock and
+    this thread's CPU time (which load on other cores barely changes: the figure to trust on a busy machine)."""
+
+    def __init__(self, accumulate: int) -> None:
+        self.accumulate = accumulate
+        self.marks: list[tuple[float, float]] = []  # (wall, thread CPU) at each window end
+        self.inside: list[tuple[float, float]] = []  # cumulative (wall, CPU) inside the runtime at each mark
+        self._inside = (0.0, 0.0)
+
+    def timed(self, fn: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            t0, c0 = time.perf_counter(), time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                wall, cpu = self._inside
+                self._inside = (wall + time.perf_counter() - t0, cpu + time.thread_time() - c0)
+
+        return call
+
+    def mark(self) -> None:
+        self.marks.append((time.perf_counter(), time.thread_time()))
+        self.inside.append(self._inside)
+
+
+def run_trainer(args: argparse.Namespace, batches: list[Any], accumulate: int, profile: bool = False) -> dict[str, Any]:
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from lit_efficient import PACIStrategy
+
+    clock = _Clock(accumulate)
+    profiler = cProfile.Profile() if profile else None
+
+    class Clocked(L.Callback):
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            runtime = trainer.strategy.runtime
+            runtime.feed, runtime.drain = clock.timed(runtime.feed), clock.timed(runtime.drain)
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            if (batch_idx + 1) % accumulate == 0:
+                clock.mark()
+                if profiler is not None and len(clock.marks) == args.warm:
+                    profiler.enable()
+
+    steps = len(batches) // accumulate
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=steps, accumulate_grad_batches=accumulate,
+        strategy=PACIStrategy(pipeline_stages=args.stages, schedule=args.schedule), callbacks=[Clocked()],
+        logger=L.pytorch.loggers.CSVLogger(str(RESULTS / "lightning_overhead_logs")), enable_checkpointing=False,
+        limit_val_batches=0, num_sanity_val_steps=0,
+    )  # fmt: skip
+    trainer.fit(build_model(args, steps), train_dataloaders=DataLoader(batches, batch_size=None))
+    if profiler is not None:
+        profiler.disable()
+    return _segment(clock, args, accumulate) | ({"profile": _top(profiler)} if profiler is not None else {})
+
+
+def run_bare(args: argparse.Namespace, batches: list[Any], accumulate: int) -> dict[str, Any]:
+    from lit_efficient.pipeline.local import local_pipeline
+    from lit_efficient.pipeline.partition import stage_bounds
+    from lit_efficient.pipeline.stage import PipelineStage
+    from lit_efficient.plan import _stand_in_trainer, optimizer_factory
+
+    model = build_model(args, len(batches) // accumulate)
+    with _stand_in_trainer(model, len(batches) // accumulate, accumulate):
+        make_optimizer = optimizer_factory(model, foreach=False)  # the module's own, as the strategy builds it
+    layers = list(model.pipeline_layers())
+    per, extra = divmod(len(layers), args.stages)
+    sizes = [per + (1 if s < extra else 0) for s in range(args.stages)]
+    stages = []
+    for s, (lo, hi) in enumerate(stage_bounds(sizes)):
+        own = layers[lo:hi]
+        params = list(dict.fromkeys(p for layer in own for p in layer.parameters()))
+        optimizer = make_optimizer(params)
+        stages.append(PipelineStage(own, s, args.stages, optimizer, loss_fn=model.pipeline_loss, first_layer=lo))
+    pipeline = local_pipeline(stages, args.schedule, accumulate, model.pipeline_input)
+    clock = _Clock(accumulate)
+    for index, batch in enumerate(batches):
+        pipeline.feed(batch, index)
+        if (index + 1) % accumulate == 0:
+            clock.mark()
+    pipeline.drain()
+    return _segment(clock, args, accumulate)
+
+
+def _segment(clock: _Clock, args: argparse.Namespace, accumulate: int) -> dict[str, Any]:
+    lo = args.warm - 1
+    (w1, c1), (w0, c0) = clock.marks[-1], clock.marks[lo]
+    (iw1, ic1), (iw0, ic0) = clock.inside[-1], clock.inside[lo]
+    microbatches = (len(clock.marks) - 1 - lo) * accumulate
+    ms = 1e3 / microbatches
+    timed_inside = iw1 > iw0  # the Trainer's runtime calls are clocked; the bare loop is all runtime
+    return {
+        "tokens_per_s": microbatches * args.batch_size * args.block / (w1 - w0),
+        "ms_per_microbatch": ms * (w1 - w0),
+        "cpu_ms_per_microbatch": ms * (c1 - c0),
+        # The Lightning layer: what the Trainer path runs outside the runtime, per micro-batch.
+        "outside_ms_per_microbatch": ms * ((w1 - w0) - (iw1 - iw0)) if timed_inside else 0.0,
+        "outside_cpu_ms_per_microbatch": ms * ((c1 - c0) - (ic1 - ic0)) if timed_inside else 0.0,
+        "microbatches": microbatches,
+    }
+
+
+def _top(profiler: cProfile.Profile, count: int = 25) -> list[str]:
+    """The Lightning-side functions by cumulative time, the runtime's own calls excluded."""
+    out = io.StringIO()
+    stats = pstats.Stats(profiler, stream=out)
+    rows = []
+    for (path, line, name), (_, calls, _, cumulative, _) in stats.stats.items():  # type: ignore[attr-defined]
+        if "lit_efficient/pipeline" in path or "torch/" in path:
+            continue
+        rows.append((cumulative, calls, f"{path.split('site-packages/')[-1]}:{line}:{name}"))
+    return [f"{c * 1e3:8.1f} ms {n:6d} calls  {where}" for c, n, where in sorted(rows, reverse=True)[:count]]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="smoke run: 1 round, N in {2, 4}")
+    p.add_argument("--accumulate", type=int, nargs="+", default=[2, 4, 8], help="values of N")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--stages", type=int, default=4)
+    p.add_argument("--schedule", default="paci", choices=["paci", "1f1b_flush"])
+    p.add_argument("--timed-microbatches", type=int, default=32)
+    p.add_argument("--warm", type=int, default=3, help="windows before timing starts")
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--block", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--max-bytes", type=int, default=400_000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="lightning_overhead.json")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.rounds, args.accumulate, args.timed_microbatches = 1, [2, 4], 8
+        if args.out == "lightning_overhead.json":
+            args.out = "lightning_overhead_quick.json"
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    warnings.filterwarnings("ignore")
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    torch.set_num_threads(1)
+    start, before = time.perf_counter(), machine()
+    rows, raw = [], []
+    for n in args.accumulate:
+        count = (args.warm + max(2, args.timed_microbatches // n)) * n
+        batches = build_batches(args, count)
+        segments: dict[str, list[dict[str, Any]]] = {"trainer": [], "bare": []}
+        for r in range(args.rounds):
+            order = ("trainer", "bare") if r % 2 == 0 else ("bare", "trainer")
+            for variant in order:
+                run = run_trainer if variant == "trainer" else run_bare
+                segments[variant].append(run(args, batches, n))
+        pairs = list(zip(segments["trainer"], segments["bare"], strict=True))
+        ratios = [t["tokens_per_s"] / b["tokens_per_s"] for t, b in pairs]
+        profile = run_trainer(args, batches, n, profile=True)["profile"]
+        # CPU time per micro-batch, bare over Trainer: the throughput ratio if the machine were quiet
+        # (one thread does all the work here, so CPU time is the work, not the waiting).
+        cpu_ratios = [b["cpu_ms_per_microbatch"] / t["cpu_ms_per_microbatch"] for t, b in pairs]
+
+        def med(key: str, variant: str = "trainer", segments: dict = segments) -> float:
+            return statistics.median(s[key] for s in segments[variant])
+
+        rows.append({
+            "N": n, "ratios": ratios, "ratio_median": statistics.median(ratios),
+            "cpu_ratios": cpu_ratios, "cpu_ratio_median": statistics.median(cpu_ratios),
+            "trainer_ms": med("ms_per_microbatch"), "bare_ms": med("ms_per_microbatch", "bare"),
+            "trainer_cpu_ms": med("cpu_ms_per_microbatch"), "bare_cpu_ms": med("cpu_ms_per_microbatch", "bare"),
+            "outside_ms": med("outside_ms_per_microbatch"), "outside_cpu_ms": med("outside_cpu_ms_per_microbatch"),
+            "profile": profile,
+        })  # fmt: skip
+        raw.append(segments)
+        row = rows[-1]
+        print(
+            f"N={n}: Trainer/bare wall {row['ratio_median']:.3f} (rounds {', '.join(f'{x:.3f}' for x in ratios)}), "
+            f"CPU {row['cpu_ratio_median']:.3f} (rounds {', '.join(f'{x:.3f}' for x in cpu_ratios)}); "
+            f"CPU ms/micro-batch Trainer {row['trainer_cpu_ms']:.1f}, bare {row['bare_cpu_ms']:.1f}, of which the "
+            f"Lightning layer {row['outside_cpu_ms']:.2f} (wall {row['outside_ms']:.2f})",
+            flush=True,
+        )
+        print("\n".join(profile[:12]), flush=True)
+    payload = envelope("lightning_overhead", args.quick, before, vars(args), start, rows=rows, raw=raw)
+    path = write_json(args.out, payload)
+    print(f"wrote {path} in {payload['wall_seconds']:.0f} s; load {before['loadavg']} -> {payload['loadavg_end']}")
+    return payload
+
+
+if __name__ == "__main__":
+    main()
