@@ -5,8 +5,8 @@ The agent is torchrun's own (`torch.distributed.launcher.api.elastic_launch`, wh
 c10d rendezvous, the store it shares with the workers, the restart count, the kill of the surviving rank and
 the second rendezvous are all torchrun's. What differs from the command line is how a worker starts:
 forked from the agent, which was forked from the test session's preloaded server, instead of a fresh
-``python train.py`` importing torch and Lightning (about 15 s of CPU per worker and attempt here, four times
-a test's budget). ``python -m benchmarks.restart`` runs the ``torchrun`` command itself, ten times.
+``python train.py`` importing torch and Lightning (about 15 s of CPU per worker and attempt here: a minute
+per test, four workers). ``python -m benchmarks.restart`` runs the ``torchrun`` command itself, ten times.
 
 Each test runs, in one agent process: the killed-and-restarted run (rank 1 kills itself once, on the first
 attempt, at optimizer step 2; a `ModelCheckpoint` saves every step and ``last``), then a second launch that
