@@ -3,8 +3,7 @@
 This module owns the periodic synchronization of a stage's weights across its data-parallel
 ("dp") group (docs/DESIGN.md section 3): which local steps synchronize, the averaging and outer
 Nesterov math, the DiLoCo anchor and outer momentum, and their checkpoint state. It is pure
-PyTorch (no Lightning); every collective goes through `lit_efficient.pipeline.comm`, except one
-broadcast at construction that comm does not offer yet (`_broadcast_flat`, marked for moving).
+PyTorch (no Lightning); every collective goes through `lit_efficient.pipeline.comm`.
 
 Cost of one sync for a stage with P parameter elements and B floating-point buffer elements:
 
@@ -33,7 +32,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from lit_efficient.pipeline.comm import all_reduce_flat
+from lit_efficient.pipeline.comm import all_reduce_flat, broadcast_flat
 
 OuterOptimizer = Literal["average", "nesterov"]
 _OUTER_OPTIMIZERS = ("average", "nesterov")
@@ -128,7 +127,7 @@ class ReplicaAverager:
             )
         else:
             # One model copy, once: DiLoCo anchors that start apart never meet again.
-            self.setup_bytes = _broadcast_flat(self._synced_tensors(), group)
+            self.setup_bytes = broadcast_flat(self._synced_tensors(), group)
             self.bytes_communicated += self.setup_bytes
 
         self._anchor: list[Tensor] = []
@@ -322,27 +321,3 @@ def _relative(diff_sq: Tensor, avg_sq: Tensor) -> float:
     if avg == 0.0:
         return 0.0 if diff == 0.0 else math.inf
     return math.sqrt(diff / avg)
-
-
-# TODO(comm): move into lit_efficient.pipeline.comm as `broadcast_flat` (the only collective here
-# that does not go through comm; averaging.py does not own comm.py).
-def _broadcast_flat(tensors: Sequence[Tensor], group: ProcessGroup | None = None) -> int:
-    """Overwrite ``tensors`` in place with the group's first rank's values, returning the bytes
-    handed to the collective. One broadcast per dtype, packed like `all_reduce_flat`."""
-    by_dtype: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
-    for t in tensors:
-        by_dtype.setdefault((t.dtype, t.device), []).append(t)
-    # Global rank of group rank 0; `group_src=` would do this but needs torch >= 2.6.
-    src = dist.get_global_rank(group if group is not None else dist.group.WORLD, 0)
-    sent = 0
-    with torch.no_grad():
-        for bucket in by_dtype.values():
-            flat = torch.cat([t.reshape(-1) for t in bucket])
-            dist.broadcast(flat, src=src, group=group)
-            offset = 0
-            for t in bucket:
-                n = t.numel()
-                t.copy_(flat[offset : offset + n].view_as(t))
-                offset += n
-            sent += flat.numel() * flat.element_size()
-    return sent

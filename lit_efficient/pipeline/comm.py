@@ -62,6 +62,28 @@ def all_reduce_flat(tensors: Sequence[Tensor], group: dist.ProcessGroup | None =
     return sent
 
 
+def broadcast_flat(tensors: Sequence[Tensor], group: dist.ProcessGroup | None = None) -> int:
+    """Overwrite ``tensors`` in place with the values of ``group``'s first rank, returning the bytes
+    handed to the collective. One broadcast per dtype, packed like `all_reduce_flat`."""
+    by_dtype: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault((t.dtype, t.device), []).append(t)
+    # Global rank of group rank 0; `group_src=` would do this but needs torch >= 2.6.
+    src = dist.get_global_rank(group if group is not None else dist.group.WORLD, 0)
+    sent = 0
+    with torch.no_grad():
+        for bucket in by_dtype.values():
+            flat = torch.cat([t.reshape(-1) for t in bucket])
+            dist.broadcast(flat, src=src, group=group)
+            offset = 0
+            for t in bucket:
+                n = t.numel()
+                t.copy_(flat[offset : offset + n].view_as(t))
+                offset += n
+            sent += flat.numel() * flat.element_size()
+    return sent
+
+
 class PipelineCommError(RuntimeError):
     """A peer stage failed, died or went silent; the message names it."""
 

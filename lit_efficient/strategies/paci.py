@@ -38,7 +38,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lit_efficient.averaging import ReplicaAverager
-from lit_efficient.pipeline.comm import LinkGroups, PointToPoint, report_failure
+from lit_efficient.pipeline.comm import LinkGroups, PointToPoint, broadcast_flat, report_failure
 from lit_efficient.pipeline.partition import check_sizes, partition_balanced, partition_uniform, predicted_utilization
 from lit_efficient.pipeline.runtime import PipelineRuntime
 from lit_efficient.pipeline.schedules import SCHEDULES, ScheduleName
@@ -435,6 +435,13 @@ class PACIStrategy(PipelineCheckpointing, PipelineEvaluation, LocalStepHooks, DD
         self._split = split_module(module, layers, sizes, self.stage, ties)
         self.model = self.precision_plugin.convert_module(module)
         self.model_to_device()
+        if self.topology.num_replicas > 1:
+            # Every replica of a stage starts from its first replica's weights, as DDP broadcasts at wrap:
+            # under torchrun or SLURM each process builds its own model, and processes not seeded alike
+            # would otherwise train R different models on averaged gradients, silently.
+            first, last = self._split.bounds
+            own = [t for layer in layers[first:last] for t in (*layer.parameters(), *layer.buffers())]
+            broadcast_flat(list({id(t): t for t in own}.values()), self._dp_groups[self.stage])
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             self._was_automatic = module.automatic_optimization
