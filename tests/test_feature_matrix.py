@@ -271,6 +271,7 @@ def _outcome(row: Row, where: str, devices: int, root: Path) -> dict:
     root.mkdir(parents=True, exist_ok=True)
     run = _Run(row, where, devices, root)
     deterministic = torch.are_deterministic_algorithms_enabled()
+    seeds = {k: os.environ.get(k) for k in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS")}  # seed_everything sets them
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -279,6 +280,11 @@ def _outcome(row: Row, where: str, devices: int, root: Path) -> dict:
             return {"error": f"{type(err).__name__}: {err}"}
         finally:
             torch.use_deterministic_algorithms(deterministic)  # deterministic=True sets it for the process
+            for k, v in seeds.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
     return {
         "weights": _weights(module), "step": trainer.global_step, "epoch": trainer.current_epoch,
         "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}, "rows": run.logger.rows,
