@@ -104,6 +104,25 @@ def test_checkpoint_io_is_refused_as_never_called():
     assert "checkpoint_io=<object" in message and "never calls a CheckpointIO" in message
 
 
+@pytest.mark.parametrize("devices", [1, 2])
+def test_a_checkpoint_io_plugin_is_refused_before_training_not_ignored(devices, tmp_path):
+    """``Trainer(plugins=[CheckpointIO])`` reaches the strategy past its constructor: refused at fit, before any
+    process starts or any step runs, in one process and on processes alike."""
+    from lightning.pytorch.plugins import AsyncCheckpointIO
+
+    from lit_efficient.models import GPT
+
+    trainer = L.Trainer(
+        accelerator="cpu", devices=devices, strategy=PACIStrategy(pipeline_stages=2), plugins=[AsyncCheckpointIO()],
+        max_steps=1, default_root_dir=tmp_path, logger=False, enable_progress_bar=False,
+    )  # fmt: skip
+    model = GPT(n_layer=2, n_head=2, n_embd=16, block_size=8)
+    refused = r"plugins=\[AsyncCheckpointIO\(\.\.\.\)\]\) would be ignored.*async_checkpoint=True"
+    with pytest.raises(ValueError, match=refused):
+        trainer.fit(model, train_dataloaders=[(torch.zeros(2, 8, dtype=torch.long),) * 2])
+    assert trainer.global_step == 0
+
+
 def test_every_ddp_strategy_parameter_is_passed_through_or_refused():
     # A Lightning release that adds a DDPStrategy parameter fails here until it is sorted into one or the other.
     ddp = [n for n in inspect.signature(DDPStrategy.__init__).parameters if n not in ("self", "kwargs")]

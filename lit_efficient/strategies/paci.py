@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins import ClusterEnvironment
+from lightning.fabric.plugins import ClusterEnvironment, TorchCheckpointIO
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -340,6 +340,13 @@ class PACIStrategy(PipelineCheckpointing, PipelineEvaluation, LocalStepHooks, DD
     def _check_before_launch(self, trainer: Trainer) -> None:
         """Refuse a layout or accumulation setting that cannot work, before any process starts."""
         world = self.num_nodes * self.num_processes
+        if self._checkpoint_io is not None and type(self._checkpoint_io) is not TorchCheckpointIO:
+            raise ValueError(
+                f"Trainer(plugins=[{type(self._checkpoint_io).__name__}(...)]) would be ignored: PACIStrategy writes "
+                "and reads its checkpoints itself (each stage's share, gathered into one file or written as a "
+                "sharded folder) and never calls a CheckpointIO. Remove the plugin; for saves that do not stall "
+                "training use PACIStrategy(checkpoint_format='sharded', async_checkpoint=True)."
+            )
         if isinstance(self._launcher, _MultiProcessingLauncher) and trainer.lightning_module._compiler_ctx is not None:
             raise ValueError(
                 f"trainer.fit(torch.compile(model)) cannot start ranks with PACIStrategy(start_method="
