@@ -117,3 +117,27 @@ def test_run_restarted_after_a_sigkilled_rank_ends_at_the_deliberate_resume(tmp_
     deliberate.load_state_dict(torch.load(tmp_path / "resumed" / "weights.pt", weights_only=True))
     assert _max_diff(trained, _model()) > 1e-3  # it trained
     assert _max_diff(trained, deliberate) <= 1e-6
+
+
+def test_each_attempt_rendezvouses_under_its_own_keys_in_torchruns_store(monkeypatch):
+    """What the restart rests on (lit_efficient.runs.attempt_store): under torchrun's shared store, a group's
+    keys are written under the attempt's prefix, so attempt 1 never reads what attempt 0 left; elsewhere
+    (SLURM, a plain launch, spawned ranks) nothing changes."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from lit_efficient.runs import attempt_store
+
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    assert attempt_store(timedelta(seconds=5)) is None
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=5))
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(server.port))
+    for attempt in ("0", "1"):
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", attempt)
+        attempt_store(timedelta(seconds=5)).set("0/rank_0", f"address of attempt {attempt}")  # type: ignore[union-attr]
+    assert server.get("lit_efficient/attempt_0/0/rank_0") == b"address of attempt 0"
+    assert server.get("lit_efficient/attempt_1/0/rank_0") == b"address of attempt 1"
+    assert not server.check(["0/rank_0"])

@@ -66,7 +66,7 @@ from lit_efficient.strategies.hooks import drain_before, undo_drain_before, warn
 from lit_efficient.strategies.in_process import InProcessPipeline
 from lit_efficient.strategies.profile import first_batch, profile_layers
 from lit_efficient.strategies.sharded_optimizer import ShardedOptimizer
-from lit_efficient.strategies.shares import FinalState, keep_final_state
+from lit_efficient.strategies.shares import FinalState, gather_to_rank_zero, keep_final_state
 from lit_efficient.strategies.split import (
     LayerOnOtherStage,
     Split,
@@ -622,11 +622,10 @@ class PACIStrategy(PipelineCheckpointing, PipelineEvaluation, LocalStepHooks, DD
         """Rebuild the whole model on global rank 0 (CPU) so the user's object is complete after fit."""
         assert self._split is not None and self.topology is not None
         mine = local_layer_state_dicts(self._split) if self.replica == 0 else {}
-        gathered: list[dict | None] = [None] * self.world_size if self.global_rank == 0 else None  # type: ignore
-        dist.gather_object(mine, gathered, dst=0, group=self._cpu_group())
-        if self.global_rank == 0:
+        gathered = gather_to_rank_zero(mine, self.world_size, self._cpu_group())  # one rank at a time (shares.py)
+        if gathered is not None:
             state: dict[int, dict[str, Tensor]] = {}
-            for part in gathered:  # type: ignore[union-attr]
+            for part in gathered:
                 state.update(part or {})
             unsplit(self._split, state, torch.device("cpu"))
             self._split = None

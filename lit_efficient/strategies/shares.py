@@ -147,7 +147,8 @@ def gather_to_rank_zero(obj: Any, world_size: int, group: dist.ProcessGroup | No
     the file less its own share, and a sending rank holds nothing more than its share (its host tensors are
     sent from where they lie). ``gather_object`` instead pickled every share on its rank (2x the share) and
     had rank 0 receive every pickle at once and unpickle them beside it: 3.3x the whole file at S=2
-    (BENCHMARKS.md, "Checkpoints: host memory"). Collective over ``group`` (gloo: host tensors).
+    (BENCHMARKS.md, "Checkpoints: host memory"). Collective over ``group`` (gloo); rank 0 gets host tensors,
+    a device tensor is copied to the host as it is sent.
     """
     rank = dist.get_rank()
     if rank != 0:
@@ -155,7 +156,7 @@ def gather_to_rank_zero(obj: Any, world_size: int, group: dist.ProcessGroup | No
         dist.send_object_list([structure], dst=0, group=group)
         for tensor in tensors:
             if tensor.numel():
-                dist.send(_as_bytes(tensor.contiguous()), dst=0, group=group)
+                dist.send(_as_bytes(tensor.cpu().contiguous()), dst=0, group=group)  # a device tensor: one at a time
         return None
     gathered = [obj]
     for src in range(1, world_size):
@@ -175,16 +176,19 @@ class _Slot:
 
 
 def _take_tensors(obj: Any) -> tuple[Any, list[Any]]:
-    """``obj`` with each strided tensor replaced by a `_Slot` (a tensor held twice, by one slot), and the tensors."""
+    """``obj`` with each strided tensor replaced by a `_Slot`, and the tensors. Tensors that are the same memory
+    (a tied weight's two state-dict entries: two tensor objects, one storage) get one slot, so rank 0 gets one
+    tensor for them, as unpickling would have given it."""
     tensors: list[Any] = []
-    seen: dict[int, _Slot] = {}
+    seen: dict[tuple, _Slot] = {}
 
     def take(x: Any) -> Any:
         if isinstance(x, torch.Tensor) and x.layout == torch.strided:
-            if id(x) not in seen:
-                seen[id(x)] = _Slot(len(tensors), tuple(x.shape), x.dtype)
+            key = (x.untyped_storage().data_ptr(), x.storage_offset(), tuple(x.shape), x.stride(), x.dtype, x.device)
+            if key not in seen:
+                seen[key] = _Slot(len(tensors), tuple(x.shape), x.dtype)
                 tensors.append(x.detach())
-            return seen[id(x)]
+            return seen[key]
         return _map(x, take)
 
     return take(obj), tensors
