@@ -139,9 +139,10 @@ def test_architecture_it_cannot_split_is_named():
     with pytest.raises(ValueError, match="decoder-only"):
         HFCausalLM(t5)
     model = llama()
-    model.model.extra = nn.Linear(4, 4)  # a second weighted module after the layers: which one is the norm?
-    with pytest.raises(ValueError, match="final norm"):
-        HFCausalLM(model)
+    model.model.extra = nn.Linear(4, 4)  # weights the forward never calls: the first stage holds them
+    layers = HFCausalLM(model).pipeline_layers()
+    assert layers[0].extra is model.model.extra and type(layers[-1]).__name__ == "HFHead"
+    assert [n for n, _ in layers[-1].named_children()] == ["final_norm", "lm_head"]
 
 
 def test_layers_registered_twice_are_refused_naming_the_fix():

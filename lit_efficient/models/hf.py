@@ -3,21 +3,26 @@
 This file owns the adapter between a `transformers` model and the pipeline protocol: finding the
 model's parts, passing its side inputs between stages, its loss on both batch formats, its optimizer.
 
-The model is split as ``[input embeddings, decoder layer 0, ..., decoder layer L-1, final norm + LM
-head]``, found from the model's own structure: ``model.base_model`` holds one ``nn.ModuleList`` of
-``config.num_hidden_layers`` decoder layers and, after it, one module with weights (the final norm);
-``model.get_output_embeddings()`` is the head. GPT-2 and every Llama-layout model (Llama, Mistral,
-Qwen2, ...) have that shape, with no per-model code here.
+The model is split as ``[input embeddings, decoder layer 0, ..., decoder layer L-1, head]``, found
+from the model's own structure and behaviour, with no per-model code here (`find_structure`): the
+decoder layers are the one ``nn.ModuleList`` of ``config.num_hidden_layers`` modules wherever it sits
+(``model.model.layers``, ``model.transformer.h``, OPT's ``model.model.decoder.layers``); the module
+holding it is the decoder stack, whose other children are sorted by one hooked run of its forward into
+those it calls before the layers (embeddings, rotary tables) and after them (the final norm, with or
+without weights, a projection, or nothing).
 
 Side inputs (position ids, rotary cos/sin, causal and padding masks) are the model's own: the first
-stage runs the base model's forward with every decoder layer replaced by a recorder, so HF's code
+stage runs the decoder stack's forward with every decoder layer replaced by a recorder, so HF's code
 computes them exactly as it would unsplit; the first recorder call gives the hidden states, each call
 the arguments of that layer. They travel with the hidden states (as tensors, never requiring grad, so
 no gradient is computed or sent back for them), and each decoder-layer adapter replays its layer's
-call with them. Which arguments are tensors and which ones are shared by several layers is learned
-once, from a dry run on a tiny padded batch, which also checks that the chain of parts reproduces the
-model's logits (so an architecture whose forward does more, e.g. logit soft-capping, is refused
-instead of trained wrong).
+call with them. The last stage runs the modules called after the layers, then the causal LM's own
+forward with the decoder stack replaced by a stub returning those hidden states: the LM head and
+whatever the model does to its logits (soft-capping, logit scales) are the model's code, not a copy.
+Which arguments are tensors and which ones are shared by several layers is learned once, from a dry
+run on a tiny padded batch, which also checks that the chain of parts reproduces the model's logits at
+its weights and at enlarged ones (so the check does not pass or fail with the weights' scale), and
+refuses, naming what failed, an architecture it cannot reproduce instead of training it wrong.
 
 The adapters are not registered in this module's tree (they hold the model's own submodules), so
 ``module.model`` stays the real HF model: ``state_dict`` keys are ``model.<HF key>`` and
@@ -26,7 +31,9 @@ The adapters are not registered in this module's tree (they hold the model's own
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+import dataclasses
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -83,52 +90,122 @@ def load_hf_model(model: Any, vocab_size: int | None = None, attn_implementation
 
 @dataclass
 class _Structure:
-    """Where the parts of a causal LM are, by attribute name."""
+    """Where the parts of a causal LM are. ``base`` is the module whose forward runs the decoder layers
+    (``model.model``, ``model.transformer``, OPT's ``model.model.decoder``), found by its layers, not by name."""
 
-    base: nn.Module  # model.base_model: the decoder stack
-    embed: list[str]  # children of base that the embedding stage runs (embeddings, dropout, rotary)
+    base: nn.Module  # the decoder stack: its forward computes the side inputs and calls every decoder layer
+    parent: nn.Module  # the module holding ``base`` as its child ``base_name`` (where the head stage stubs it)
+    base_name: str
+    path: str  # ``base``'s qualified name in the model, for messages
+    embed: list[str]  # children of base the first stage holds (embeddings, dropout, rotary, unused ones)
     layers: str  # the ModuleList of decoder layers in base
-    norm: str  # the final norm in base
-    head: str  # the LM head in model
+    finals: list[str]  # children of base its forward calls after the last layer, in call order (final norm, ...)
+    head: list[str]  # children of the model outside the decoder stack (the LM head, ...): the last stage's
+    output_type: type  # what base's forward returns (a ModelOutput class), for the head stage's stub
+
+
+def _probe_ids(model: nn.Module) -> tuple[Tensor, Tensor]:
+    """A tiny batch of two rows of four tokens, the second right-padded: what the structure probe and the dry
+    run feed (ids below the vocabulary, so any model takes them)."""
+    device = next(model.parameters()).device
+    ids = torch.arange(8, device=device).remainder(model.config.vocab_size).view(2, 4)
+    mask = torch.ones_like(ids)
+    mask[1, -1] = 0
+    return ids, mask
 
 
 def find_structure(model: nn.Module) -> _Structure:
-    """The parts of ``model``, or a ValueError saying what was looked for and not found."""
+    """The parts of ``model``, or a ValueError saying what was looked for and not found.
+
+    The decoder layers are the one ``nn.ModuleList`` of ``config.num_hidden_layers`` modules (the one with
+    the most weights if several have that length), wherever it sits: ``base`` is its parent. Which other
+    children of ``base`` come before the layers and which after them (the final norm, with or without
+    weights, or none at all) is read from one run of ``base``'s forward on a tiny batch (eval mode, no grad)
+    with a hook on each child, so no attribute name is assumed."""
     arch = type(model).__name__
     config = getattr(model, "config", None)
     want = (
-        f"HFCausalLM splits a decoder-only causal LM as [input embeddings, decoder layers, final norm, LM head] and "
-        f"could not find that shape in {arch}"
+        f"HFCausalLM splits a decoder-only causal LM as [input embeddings, decoder layers, final modules + LM head] "
+        f"and could not find that shape in {arch}"
     )
     if config is None or getattr(config, "is_encoder_decoder", False):
         raise ValueError(f"{want}: it is not a decoder-only transformers model (is_encoder_decoder or no config).")
-    base = getattr(model, "base_model", None)
-    if base is None or base is model:
-        raise ValueError(f"{want}: model.base_model (the decoder stack) is missing; pass an ...ForCausalLM model.")
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    head_name = next((n for n, m in model.named_children() if m is head), None)
-    if head is None or head_name is None:
-        raise ValueError(f"{want}: model.get_output_embeddings() (the LM head) is not a direct child of the model.")
     n_layers = getattr(config, "num_hidden_layers", None)
-    children = list(base.named_children())
-    lists = [n for n, m in children if isinstance(m, nn.ModuleList) and len(m) == n_layers]
-    if len(lists) != 1:
+    lists = [
+        (name, m)
+        for name, m in model.named_modules()
+        if name and isinstance(m, nn.ModuleList) and len(m) == n_layers and any(True for _ in m.parameters())
+    ]
+    if not lists:
         raise ValueError(
-            f"{want}: looked for one nn.ModuleList of config.num_hidden_layers={n_layers} decoder layers in "
-            f"model.{model.base_model_prefix}, found {lists or 'none'} among its children {[n for n, _ in children]}."
+            f"{want}: looked for an nn.ModuleList of config.num_hidden_layers={n_layers} decoder layers and found none."
         )
-    at = [n for n, _ in children].index(lists[0])
-    weighted_after = [n for n, m in children[at + 1 :] if any(True for _ in m.parameters())]
-    if len(weighted_after) != 1:
+    layers_path, _ = max(lists, key=lambda nm: sum(p.numel() for p in nm[1].parameters()))
+    path, _, layers = layers_path.rpartition(".")
+    if not path:
+        raise ValueError(f"{want}: its decoder layers are a direct child of the model, with no decoder stack around them.")
+    base = model.get_submodule(path)
+    parent_path, _, base_name = path.rpartition(".")
+    parent = model.get_submodule(parent_path)
+    top = path.split(".")[0]
+    head = [n for n, _ in model.named_children() if n != top]
+    held = {id(p) for p in base.parameters()}
+    held |= {id(p) for n in head for p in model.get_submodule(n).parameters()}
+    stray = sorted({n.rpartition(".")[0] for n, p in model.named_parameters() if id(p) not in held})
+    if stray:  # e.g. a vision tower beside the text decoder, or weights on the way down to it
+        raise ValueError(f"{want}: {stray} hold weights outside the decoder stack model.{path} and the model's head.")
+    order, output_type = _call_order(model, base, layers)
+    children = [n for n, _ in base.named_children() if n != layers]
+    n = len(base._modules[layers])  # type: ignore[arg-type]
+    first_layer, last_layer = order.index(f"{layers}.0"), order.index(f"{layers}.end")
+    between = sorted({c for c in order[first_layer:last_layer] if c in children})
+    if between:
         raise ValueError(
-            f"{want}: looked for one module with weights (the final norm) after model.{model.base_model_prefix}."
-            f"{lists[0]}, found {weighted_after or 'none'}."
+            f"{want}: model.{path}'s forward calls {between} between its decoder layers, which a split between layers "
+            "cannot reproduce."
         )
-    others = [n for n, m in model.named_children() if m is not base and m is not head and any(m.parameters())]
-    if others:
-        raise ValueError(f"{want}: {others} hold weights outside the decoder stack and the LM head.")
-    embed = [n for n, _ in children if n not in (lists[0], weighted_after[0])]
-    return _Structure(base, embed, lists[0], weighted_after[0], head_name)
+    before = {c for c in order[:first_layer] if c in children}
+    finals = list(dict.fromkeys(c for c in order[last_layer:] if c in children))
+    # A module without weights may run on both ends (nanochat's norm after the embedding and after the layers).
+    shared = sorted(c for c in before & set(finals) if any(True for _ in base._modules[c].parameters()))  # type: ignore[union-attr]
+    if shared:
+        raise ValueError(
+            f"{want}: model.{path}'s forward calls {shared} both before and after its decoder layers; they hold "
+            "weights, so they belong to no single stage."
+        )
+    embed = [c for c in children if c not in finals or c in before]
+    return _Structure(base, parent, base_name, path, embed, layers, finals, head, output_type)
+
+
+def _call_order(model: nn.Module, base: nn.Module, layers: str) -> tuple[list[str], type]:
+    """The order in which ``base``'s forward calls its children (each decoder layer as ``layers.i``) on the probe
+    batch, and the type of what it returns."""
+    order: list[str] = []
+    handles = []
+    for name, child in base.named_children():
+        subs = list(child.named_children()) if name == layers else [("", child)]
+        for i, m in subs:
+            label = f"{name}.{i}" if i else name
+            handles.append(m.register_forward_pre_hook(lambda *_, label=label: order.append(label)))
+    last = base._modules[layers][-1]  # type: ignore[index]
+    handles.append(last.register_forward_hook(lambda *_: order.append(f"{layers}.end")))
+    ids, mask = _probe_ids(model)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            out = base(input_ids=ids, attention_mask=mask, use_cache=False)
+    finally:
+        model.train(was_training)
+        for h in handles:
+            h.remove()
+    n = len(base._modules[layers])  # type: ignore[arg-type]
+    if [o for o in order if o.startswith(f"{layers}.")] != [*(f"{layers}.{i}" for i in range(n)), f"{layers}.end"]:
+        raise ValueError(
+            f"HFCausalLM needs {type(model).__name__}'s decoder stack to call each of its {n} decoder layers once, in "
+            "order; it did not."
+        )
+    return order, type(out)
 
 
 # ----------------------------------------------------------------------------- side inputs
@@ -162,13 +239,9 @@ def _record_calls(s: _Structure, input_ids: Tensor, attention_mask: Tensor | Non
     original = s.base._modules[s.layers]
     log: list[tuple[tuple, dict]] = []
     n = len(original)  # type: ignore[arg-type]
-    s.base._modules[s.layers] = nn.ModuleList(_Recorder(i, n - 1, original[i], log) for i in range(n))  # type: ignore[index]
-    try:
+    recorders = nn.ModuleList(_Recorder(i, n - 1, original[i], log) for i in range(n))  # type: ignore[index]
+    with _swapped(s.base, s.layers, recorders), contextlib.suppress(_Recorded):
         s.base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-    except _Recorded:
-        pass
-    finally:
-        s.base._modules[s.layers] = original
     if len(log) != n:
         raise ValueError(f"the base model's forward called {len(log)} of its {n} decoder layers; HFCausalLM needs all")
     return log
@@ -247,7 +320,7 @@ class _Template:
             return e[1]
 
         out = layer(*(value(e) for e in self.args[i]), **{k: value(e) for k, e in self.kwargs[i].items()})
-        return out[0] if isinstance(out, tuple) else out
+        return out[0] if isinstance(out, (tuple, list)) else out  # openai-gpt's blocks return lists
 
 
 # ----------------------------------------------------------------------------- pipeline layers
@@ -282,17 +355,107 @@ class HFDecoderLayer(nn.Module):
         return (self.template.call(self.index, self.layer, hidden, side), *side)
 
 
-class HFHead(nn.Module):
-    """Last pipeline layer: final norm and LM head, ``(hidden, *side)`` -> logits ``(B, T, V)``."""
+class _Stub(nn.Module):
+    """Stands in for the decoder stack during the head stage's run of the causal LM's forward: returns the
+    hidden states the stage received, as the stack's own output type, whatever it is called with."""
 
-    def __init__(self, norm: nn.Module, lm_head: nn.Module) -> None:
+    def __init__(self, hidden: Tensor, output_type: type) -> None:
         super().__init__()
-        self.norm = norm
-        self.lm_head = lm_head
+        self.__dict__.update(hidden=hidden, output_type=output_type)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if dataclasses.is_dataclass(self.output_type):
+            return self.output_type(last_hidden_state=self.hidden)
+        return (self.hidden,)
+
+
+class HFHead(nn.Module):
+    """Last pipeline layer, ``(hidden, *side)`` -> logits ``(B, T, V)``: the modules the decoder stack calls after
+    its last layer (the final norm, a projection; none for some models), then the causal LM's own forward with the
+    decoder stack replaced by a stub returning those hidden states. So the LM head and whatever the model does to
+    its logits (Gemma-2's soft-capping, Cohere's and Granite's logit scales, ...) are the model's own code, not a
+    copy of it here."""
+
+    def __init__(self, s: _Structure, model: nn.Module) -> None:
+        super().__init__()
+        # Children, not a ModuleList: every part of an adapter is a module registered in the model (split.py).
+        finals = [s.base._modules[n] for n in s.finals]
+        for name, module in zip(s.finals, finals, strict=True):
+            self.add_module(f"final_{name}", module)
+        for name in s.head:
+            self.add_module(name, model._modules[name])
+        self.__dict__.update(structure_=s, causal_lm=model, finals=finals)
 
     @override
     def forward(self, hidden: Tensor, *side: Tensor | None) -> Tensor:
-        return self.lm_head(self.norm(hidden))
+        for module in self.finals:
+            hidden = module(hidden)
+        s = self.structure_
+        with _swapped(s.parent, s.base_name, _Stub(hidden, s.output_type)):
+            return self.causal_lm(use_cache=False).logits
+
+
+@contextlib.contextmanager
+def _swapped(parent: nn.Module, name: str, replacement: nn.Module) -> Iterator[None]:
+    """``parent.<name>`` is ``replacement`` inside the block (the model's own forward then runs around it)."""
+    original = parent._modules[name]
+    parent._modules[name] = replacement
+    try:
+        yield
+    finally:
+        parent._modules[name] = original
+
+
+def _run_chain(model: nn.Module, s: _Structure, chain: Sequence[nn.Module], ids: Tensor, mask: Tensor) -> Tensor:
+    x: Any = (ids, mask)
+    try:
+        for layer in chain:
+            x = layer(*x) if isinstance(x, tuple) else layer(x)
+    except Exception as err:
+        raise ValueError(
+            f"HFCausalLM's dry run of {type(model).__name__} split as [model.{s.path} up to its decoder layers, each "
+            f"decoder layer, {[f'model.{s.path}.{n}' for n in s.finals]} + the causal LM's forward from there] failed "
+            f"in {type(layer).__name__}: {type(err).__name__}: {err}. Its forward needs more than that chain gives it "
+            "(e.g. the input ids on the last stage), so it cannot be split this way."
+        ) from err
+    return x
+
+
+@contextlib.contextmanager
+def _enlarged(model: nn.Module, s: _Structure) -> Iterator[None]:
+    """Inside the block, the final modules' floating weights are 10x and the LM head's weight is scaled so that the
+    logits are about 100 in size; restored bit for bit afterwards."""
+    finals = [p for n in s.finals for p in s.base._modules[n].parameters() if p.is_floating_point()]  # type: ignore[union-attr]
+    head = getattr(model.get_output_embeddings(), "weight", None)
+    params = list({id(p): p for p in [*finals, *([head] if isinstance(head, Tensor) else [])]}.values())
+    saved = [p.detach().clone() for p in params]
+    try:
+        for p in finals:
+            p.mul_(10.0)
+        if isinstance(head, Tensor):
+            size = model(input_ids=_probe_ids(model)[0], use_cache=False).logits.abs().max().item()
+            if size > 0:
+                head.mul_(100.0 / size)
+        yield
+    finally:
+        for p, value in zip(params, saved, strict=True):
+            p.copy_(value)
+
+
+def _check_logits(model: nn.Module, s: _Structure, got: Tensor, want: Tensor, when: str) -> None:
+    """Raise, naming what differs, unless the chain's logits ``got`` equal the model's ``want`` to float
+    reassociation (relative to the logits' size, so the check does not pass or fail with the weights' scale)."""
+    scale = max(1.0, want.abs().max().item())
+    if got.shape == want.shape and torch.allclose(got, want, rtol=1e-4, atol=1e-5 * scale):
+        return
+    diff = (got - want).abs().max().item() if got.shape == want.shape else float("nan")
+    raise ValueError(
+        f"HFCausalLM cannot reproduce {type(model).__name__}'s logits {when} from the chain [model.{s.path} up to "
+        f"its decoder layers, each decoder layer, {[f'model.{s.path}.{n}' for n in s.finals]} + the causal LM's "
+        f"forward from there] (max difference {diff:.3g} at logits of size {scale:.3g}): its forward does something "
+        "between the layers or on the way to the logits that depends on more than one stage's inputs, so it cannot "
+        "be split this way."
+    )
 
 
 # ----------------------------------------------------------------------------- the module
@@ -383,13 +546,7 @@ class HFCausalLM(LightningModule):
         s = find_structure(self.model)
         if self._template is None:
             self.__dict__["_template"] = self._dry_run(s)
-        template = self._template
-        layers = s.base._modules[s.layers]
-        return [
-            HFEmbedding(s, template),
-            *(HFDecoderLayer(i, layer, template) for i, layer in enumerate(layers)),  # type: ignore[arg-type]
-            HFHead(s.base._modules[s.norm], self.model._modules[s.head]),  # type: ignore[arg-type]
-        ]
+        return self._chain(s, self._template)
 
     def pipeline_input(self, batch: Any) -> tuple[Tensor, ...]:
         """What the embedding layer consumes: ``(input_ids,)`` or ``(input_ids, attention_mask)``."""
@@ -420,37 +577,36 @@ class HFCausalLM(LightningModule):
         return F.pad(labels, (0, 1), value=HF_IGNORE_INDEX)[..., 1:]
 
     def _dry_run(self, s: _Structure) -> _Template:
-        """Learn the layers' call template on a tiny right-padded batch, and check that the parts in a chain
-        give the model's own logits. Eval mode and no grad: no dropout, no RNG drawn, nothing trained."""
+        """Learn the layers' call template on a tiny right-padded batch, and check that the parts in a chain give
+        the model's own logits twice: at the model's weights, and enlarged (the final modules' weights x10, the LM
+        head's scaled to logits of about 100), since a soft-cap, a clamp or any saturating step is invisible at
+        random init's small values and plain at large ones. Eval mode and no grad: no dropout, no RNG drawn, the
+        weights restored exactly afterwards."""
         model = self.model
-        device = next(model.parameters()).device
-        ids = torch.arange(8, device=device).remainder(model.config.vocab_size).view(2, 4)
-        mask = torch.ones_like(ids)
-        mask[1, -1] = 0
+        ids, mask = _probe_ids(model)
         was_training = model.training
         model.eval()
         try:
             with torch.no_grad():
                 template = _Template.learn(_record_calls(s, ids, mask))
+                chain = self._chain(s, template)
                 want = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-                x: Any = (ids, mask)
-                layers = [
-                    HFEmbedding(s, template),
-                    *(HFDecoderLayer(i, m, template) for i, m in enumerate(s.base._modules[s.layers])),
-                ]  # type: ignore[arg-type]
-                for layer in layers:
-                    x = layer(*x)
-                got = HFHead(s.base._modules[s.norm], model._modules[s.head])(*x)  # type: ignore[arg-type]
+                _check_logits(model, s, _run_chain(model, s, chain, ids, mask), want, "at its weights")
+                with _enlarged(model, s):
+                    want = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+                    got = _run_chain(model, s, chain, ids, mask)
+                    _check_logits(model, s, got, want, "with enlarged final-module and LM-head weights")
         finally:
             model.train(was_training)
-        if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-4, atol=1e-5):
-            diff = (got - want).abs().max().item() if got.shape == want.shape else float("nan")
-            raise ValueError(
-                f"HFCausalLM cannot reproduce {type(model).__name__}'s logits from [embeddings, decoder layers, "
-                f"model.{model.base_model_prefix}.{s.norm}, {s.head}] (max difference {diff:.3g}): its forward does "
-                "more than that chain (e.g. logit scaling or soft-capping), so it cannot be split this way."
-            )
         return template
+
+    def _chain(self, s: _Structure, template: _Template) -> list[nn.Module]:
+        layers = s.base._modules[s.layers]
+        return [
+            HFEmbedding(s, template),
+            *(HFDecoderLayer(i, layer, template) for i, layer in enumerate(layers)),  # type: ignore[arg-type]
+            HFHead(s, self.model),
+        ]
 
     # ----------------------------------------------------------------- Lightning steps
 

@@ -1,0 +1,163 @@
+"""HFCausalLM over many architectures: tiny random models built from their own Config classes (nothing
+downloaded; `benchmarks.hf_zoo` builds them and runs the whole list of the installed transformers).
+
+The chain of pipeline layers gives the model's own logits at its weights and at enlarged ones (nested
+decoders, final norms without weights or none, a `base_model_prefix` naming no attribute, soft-capped and
+scaled logits, complex rotary tables); flush trains exactly as one device, in one process for many
+architectures and on two processes for a few (one spawned run trains them all); what it cannot
+reproduce is refused with the reason.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lit_efficient import PACIStrategy
+from lit_efficient.models import HFCausalLM
+from lit_efficient.pipeline.stage import run_layers
+from tests.multiproc import spawn, values
+
+transformers = pytest.importorskip("transformers")
+from benchmarks.hf_zoo import batches, build, fit, flush_in_one_process, max_diff, sgd_module  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # spawned ranks read it
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _chain_and_model(module: HFCausalLM, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    with torch.no_grad():
+        return run_layers(module.pipeline_layers(), (ids,))[0], module.model(input_ids=ids, use_cache=False).logits
+
+
+def _scale_head(model: nn.Module, factor: float) -> None:
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(factor)
+
+
+# What each architecture exercises in the split.
+STRUCTURES = {
+    "opt": "decoder layers at model.decoder.layers, a tied head",
+    "olmo": "a final LayerNorm without weights",
+    "nanochat": "one norm without weights before and after the layers",
+    "openai-gpt": "no final norm, blocks returning lists",
+    "llama4_text": "base_model_prefix ('language_model') names no attribute",
+    "deepseek_v2": "complex64 rotary tables (freqs_cis) as side inputs",
+}
+
+
+@pytest.mark.parametrize("model_type", list(STRUCTURES))
+def test_the_chain_gives_the_models_logits_at_its_weights_and_enlarged(model_type):
+    module = HFCausalLM(build(model_type).eval())
+    ids = batches(1)[0][0]
+    got, want = _chain_and_model(module, ids)
+    assert torch.equal(got, want), STRUCTURES[model_type]
+    _scale_head(module.model, 1000.0)
+    got, want = _chain_and_model(module, ids)
+    assert want.abs().max() > 10 and torch.allclose(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    if model_type == "deepseek_v2":
+        side = run_layers(module.pipeline_layers()[:1], (ids,))[1:]
+        assert any(t is not None and t.is_complex() for t in side)  # what the wire must carry
+
+
+def test_gemma2_softcapping_and_logit_scales_are_applied_by_the_head():
+    """At enlarged head weights the soft-cap bounds the logits (|logit| < cap) and the head's chain keeps it; a
+    head of norm + LM head only would not (at random init both are within the old dry run's tolerance)."""
+    module = HFCausalLM(build("gemma2", final_logit_softcapping=5.0).eval())
+    _scale_head(module.model, 1000.0)
+    ids = batches(1)[0][0]
+    got, want = _chain_and_model(module, ids)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-4) and want.abs().max() <= 5.0
+    with torch.no_grad():
+        hidden = module.model.model(input_ids=ids, use_cache=False).last_hidden_state
+        uncapped = module.model.lm_head(hidden)
+    assert uncapped.abs().max() > 50  # what the pipeline would have trained without the cap
+    for model_type, attr, scale in [("cohere", "logit_scale", 0.25), ("granite", "logits_scaling", 0.25)]:
+        module = HFCausalLM(build(model_type).eval())  # OVERRIDES set the scales to something not 1
+        assert getattr(module.model.config, attr) in (scale, 1 / scale)
+        got, want = _chain_and_model(module, ids)
+        assert torch.equal(got, want), model_type
+
+
+class _ClampedLlamaModel(transformers.LlamaModel):
+    """A decoder stack whose forward clamps its output after the final norm (not a module call): invisible at
+    random init, where the normed values are far below the bound, and plain once the norm's weights grow."""
+
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        out.last_hidden_state = out.last_hidden_state.clamp(-8.0, 8.0)
+        return out
+
+
+class _InputDependentHead(transformers.LlamaForCausalLM):
+    """A causal LM adding a function of the input ids to its logits: the last stage has no input ids."""
+
+    def forward(self, input_ids=None, **kwargs):
+        out = super().forward(input_ids=input_ids, **kwargs)
+        out.logits = out.logits + input_ids.unsqueeze(-1).float()
+        return out
+
+
+def test_what_the_chain_cannot_reproduce_is_refused_with_the_reason():
+    model = build("llama")
+    model.model.__class__ = _ClampedLlamaModel
+    with torch.no_grad():
+        hidden = model.model(input_ids=batches(1)[0][0]).last_hidden_state
+    assert hidden.abs().max() < 8.0  # at its weights the clamp does nothing: a check there alone would pass
+    with pytest.raises(ValueError, match="logits with enlarged final-module and LM-head weights"):
+        HFCausalLM(model).pipeline_layers()
+    model = build("llama")
+    model.__class__ = _InputDependentHead
+    with pytest.raises(ValueError, match="failed in HFHead: .*needs more than that chain gives it"):
+        HFCausalLM(model).pipeline_layers()
+    model = build("llama")
+    inner = model.model
+    calls = inner.layers[1].register_forward_pre_hook(lambda m, args: (inner.norm(args[0]), *args[1:]))
+    with pytest.raises(ValueError, match=r"calls \['norm'\] between its decoder layers"):
+        HFCausalLM(model)
+    calls.remove()
+    config = transformers.AutoConfig.for_model("t5", d_model=16, d_ff=32, num_layers=1, num_heads=2, vocab_size=64)
+    with pytest.raises(ValueError, match="not a decoder-only"):
+        HFCausalLM(transformers.T5ForConditionalGeneration(config))
+
+
+# Flush in one process against one device: tied and untied heads, the structures above and the logit scales.
+IN_PROCESS = ["opt", "olmo", "nanochat", "gemma2", "cohere", "granite", "llama4_text", "qwen3_moe"]
+
+
+@pytest.mark.parametrize("model_type", IN_PROCESS)
+def test_flush_in_one_process_equals_one_device(model_type):
+    assert flush_in_one_process(model_type) <= 1e-5
+
+
+ON_PROCESSES = ["deepseek_v2", "gemma2"]  # complex side inputs on the wire (untied); soft-capping, tied
+
+
+def _fit_on_every_rank(rank: int, world: int, types: list[str]) -> dict[str, dict[str, torch.Tensor]] | None:
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    out = {}
+    for model_type in types:  # one process start for every model
+        strategy = PACIStrategy(pipeline_stages=2, schedule="1f1b_flush")
+        out[model_type] = fit(sgd_module(build(model_type)), strategy, world, batches())
+    return out if rank == 0 else None  # rank 0 holds the whole trained model after fit
+
+
+@pytest.mark.multiproc
+def test_flush_on_two_processes_equals_one_device_for_several_models():
+    piped = values(spawn(_fit_on_every_rank, 2, ON_PROCESSES, timeout=240, torchrun_env=True))[0]
+    for model_type in ON_PROCESSES:
+        tied = build(model_type).config.tie_word_embeddings
+        single = fit(sgd_module(build(model_type)), "auto", 1, batches())
+        assert max_diff(piped[model_type], single) <= 1e-5, (model_type, tied)
+    assert {build(t).config.tie_word_embeddings for t in ON_PROCESSES} == {True, False}
