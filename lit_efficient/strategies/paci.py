@@ -15,6 +15,7 @@ stop, validate and save at the same batch.
 
 from __future__ import annotations
 
+import atexit
 import warnings
 from collections import deque
 from datetime import timedelta
@@ -24,6 +25,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment, TorchCheckpointIO
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import _destroy_dist_connection
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
@@ -389,11 +391,14 @@ class PACIStrategy(PipelineCheckpointing, PipelineEvaluation, LocalStepHooks, DD
         store = attempt_store(self._timeout)
         if store is not None and not dist.is_initialized():
             assert self.cluster_environment is not None
+            backend = self._get_process_group_backend()
             dist.init_process_group(
-                self._get_process_group_backend(), store=store, rank=self.cluster_environment.global_rank(),
+                backend, store=store, rank=self.cluster_environment.global_rank(),
                 world_size=self.cluster_environment.world_size(), timeout=self._timeout,
                 device_id=self.root_device if self.root_device.type != "cpu" else None,
             )  # fmt: skip
+            if backend == "nccl":  # as Lightning's own setup does, which now returns early
+                atexit.register(_destroy_dist_connection)
         super().setup_distributed()
 
     @override
