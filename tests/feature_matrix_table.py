@@ -24,7 +24,7 @@ def _one_process(row: Row) -> str:
         return "clear error"
     if row.how.startswith(DOCUMENTED):
         return "documented"
-    return "= one device"
+    return f"= one device (to {row.tolerance:g})" if row.tolerance else "= one device"
 
 
 def _processes(row: Row) -> str:

@@ -207,3 +207,44 @@ class LocalPipeline:
                     "no stage of the in-process pipeline can progress: "
                     + "; ".join([*blocked, *(str(rt.waiting_for()) for rt in waiting)])
                 )
+
+
+class LocalStageSum:
+    """The all-reduce over a pipeline's stages (``all_reduce_flat`` over the pipeline group on processes), for
+    a pipeline that runs in one process: 1F1B-flush's gradient-norm clipping sums every stage's squared norm
+    inside each stage's optimizer step.
+
+    Each stage's k-th `all_reduce` joins the k-th round; a stage whose round is not complete calls `wait`
+    (`LocalPipeline.run_others_until`, set by the driver), so the other stages take their turns until they
+    have contributed. Every stage gets the same sum, added in the order of ``ranks`` (the stages in the
+    order of their ranks on processes: with two stages the sum equals gloo's bit for bit; with more it may
+    differ from it in the last bit, as gloo's own order is its algorithm's).
+
+    Args:
+        ranks: The stages in rank order (``[Topology.stage_of(r) for r in range(S)]``).
+    """
+
+    def __init__(self, ranks: Sequence[int]) -> None:
+        self.ranks = list(ranks)
+        self._rounds: dict[int, dict[int, Tensor]] = {}  # round -> the stages' contributions so far
+        self._calls = dict.fromkeys(self.ranks, 0)  # stage -> rounds it has joined
+        self._read: dict[int, int] = {}  # round -> stages that have read its sum
+        self.wait: Callable[[Callable[[], bool], str], None] | None = None
+
+    def all_reduce(self, stage: int, t: Tensor) -> None:
+        """Sum ``t`` in place with the other stages' tensors of the same round (waiting for them if needed)."""
+        k = self._calls[stage]
+        self._calls[stage] += 1
+        contributions = self._rounds.setdefault(k, {})
+        contributions[stage] = t.detach().clone()
+        if len(contributions) < len(self.ranks):
+            if self.wait is None:
+                raise RuntimeError("a stage sum waits for other stages and nothing runs them (LocalStageSum.wait)")
+            self.wait(lambda: len(contributions) == len(self.ranks), f"the stage-sum of round {k}")
+        total = contributions[self.ranks[0]].clone()
+        for s in self.ranks[1:]:
+            total += contributions[s]
+        t.copy_(total)
+        self._read[k] = self._read.get(k, 0) + 1
+        if self._read[k] == len(self.ranks):  # every stage has its sum: the round is done
+            del self._rounds[k], self._read[k]

@@ -20,9 +20,13 @@ done S times in one, through the process path's own pieces:
 - the Lightning hooks are the process path's (`PACIStrategy._join_lightning`): the same drains before
   the same hooks, so every callback sees what it sees on S processes (docs/DESIGN.md section 7).
 
-Not supported in one process: gradient-norm clipping under ``1f1b_flush`` (its exact global norm is a
-collective over every stage at the step, which one process would have to sum in gloo's own order to stay
-bit-identical) and LocalSGD/DiLoCo (one replica).
+- gradient-norm clipping under ``1f1b_flush`` clips the global norm as on processes: each stage's step
+  sums the stages' squared norms through `pipeline.local.LocalStageSum` (the collective's stand-in), the
+  other stages taking their turns while one waits inside its step, as for a tied weight.
+
+Not supported in one process: LocalSGD/DiLoCo (one replica), and flush's norm clipping together with a
+weight tied between the first and the last stage (each of the two stages would wait inside its step for
+the other: the tied gradient, the norm).
 """
 
 from __future__ import annotations
@@ -35,9 +39,10 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 
-from lit_efficient.pipeline.local import LocalPipeline, local_pipeline
+from lit_efficient.pipeline.local import LocalPipeline, LocalStageSum, local_pipeline
 from lit_efficient.pipeline.stage import PipelineStage
 from lit_efficient.pipeline.tied import LocalTiedLink, TiedWeight, tie_delay
+from lit_efficient.pipeline.topology import Topology
 from lit_efficient.strategies.checkpoint import (
     assemble,
     local_accumulation,
@@ -123,13 +128,22 @@ class InProcessPipeline:
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             clips_norm = trainer.gradient_clip_val and (trainer.gradient_clip_algorithm or "norm") == "norm"
-            if clips_norm and s.schedule == "1f1b_flush":
+            # flush clips the global norm: each stage's step sums the stages' squared norms, here among
+            # the stages themselves (the others take their turns while one waits inside its step).
+            topo = Topology(num_stages)
+            exact_norm = clips_norm and s.schedule == "1f1b_flush" and num_stages > 1
+            if exact_norm and ties:
+                # The last stage's step waits for the first stage's tied gradient, and the first stage's
+                # step then waits for the last stage's squared norm: two stages waiting inside their
+                # steps for each other, which one process taking turns cannot untangle (S processes can).
                 raise ValueError(
-                    "gradient_clip_algorithm='norm' under schedule='1f1b_flush' needs the norm over every stage at "
-                    "the step, which a pipeline in one process cannot gather between two stages' turns. Use "
-                    "gradient_clip_algorithm='value', schedule='paci' (each stage clips its own norm), or devices="
-                    f"{num_stages}."
+                    "gradient_clip_algorithm='norm' under schedule='1f1b_flush' with a weight tied between the "
+                    "first and the last stage cannot run in one process: each of the two stages' steps waits for "
+                    "the other's (the tied gradient, the global norm). Use devices="
+                    f"{num_stages} (one process per stage), gradient_clip_algorithm='value', or schedule='paci' "
+                    "(each stage clips its own norm)."
                 )
+            s._local_stage_sum = LocalStageSum([topo.stage_of(r) for r in range(num_stages)]) if exact_norm else None
             s._was_automatic = module.automatic_optimization
             module.automatic_optimization = False
             # Before the optimizers are built: the last stage's optimizer holds its own copy, as on its rank.
@@ -172,8 +186,9 @@ class InProcessPipeline:
         s.setup_precision_plugin()
         s.runtime = local_pipeline(stages, s.schedule, accumulate, module.pipeline_input, s.wire_format)  # type: ignore[assignment]
         self.pipeline.selected = self.selected
-        if self.tie_link is not None:
-            self.tie_link.wait = self.pipeline.run_others_until  # a stage waiting inside its step lets the others run
+        for link in (self.tie_link, getattr(s, "_local_stage_sum", None)):
+            if link is not None:
+                link.wait = self.pipeline.run_others_until  # a stage waiting inside its step lets the others run
         s._join_lightning(trainer, fitting, num_replicas=1)
 
     def teardown(self) -> None:

@@ -86,12 +86,21 @@ class LocalStepHooks:
         clip_val = trainer.gradient_clip_val
         if clip_val:
             sharded = isinstance(stage.optimizer, ShardedOptimizer)
-            stage.clip_gradients = self._clipper(float(clip_val), trainer.gradient_clip_algorithm or "norm", sharded)
+            algorithm = trainer.gradient_clip_algorithm or "norm"
+            stage.clip_gradients = self._clipper(float(clip_val), algorithm, sharded, stage.stage)
 
-    def _clipper(self, value: float, algorithm: str, sharded: bool = False):
+    def _clipper(self, value: float, algorithm: str, sharded: bool = False, stage_index: int = 0):
         if algorithm == "value":
             return lambda params: torch.nn.utils.clip_grad_value_(params, value)
-        group = self._pipeline_groups.get(self.replica)  # None in one process, where flush refuses norm clipping
+        group = self._pipeline_groups.get(self.replica)  # None in one process: the stages sum among themselves
+        local_sum = getattr(self, "_local_stage_sum", None)  # in one process under flush (in_process.py)
+
+        def sum_over_stages(squared: Tensor) -> None:
+            if local_sum is not None:
+                local_sum.all_reduce(stage_index, squared)
+            else:
+                all_reduce_flat([squared], group)
+
         # shard_optimizer_state: each replica's gradients are its chunk and zeros, so the replicas' sum of
         # squares is the stage's (one more all-reduce of one number; sharding refuses tied weights).
         replicas = self._dp_groups[self.stage] if sharded else None
@@ -123,7 +132,7 @@ class LocalStepHooks:
                 all_reduce_flat([squared], replicas)
             if exact:
                 # flush: every stage steps together, so the global norm across stages is exact.
-                all_reduce_flat([squared], group)
+                sum_over_stages(squared)
             # paci: stages step at different times; each clips its own norm (<= the global one).
             scale = (value / (squared.sqrt() + 1e-6)).clamp(max=1.0)
             for g in grads:
