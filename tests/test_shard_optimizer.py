@@ -5,8 +5,9 @@ with two parameter groups, gradient-norm clipping on) trains sharded and unshard
 after fit; the parent then checks that the sharded runs end where the unsharded ones do (1F1B-flush and
 PACI, 1e-6), that each rank holds half the optimizer state, that both checkpoint formats of a sharded run
 hold what the unsharded run's hold, and that they resume unsharded, sharded, on one device and on another
-layout (2 stages in one process), and that the memory plan counts what each rank holds. The refusals are
-checked without processes.
+layout (2 stages in one process), and that the memory plan counts what each rank holds; the ranks also check
+that a NaN in one replica's gradient makes every replica refuse the update. The refusals are checked without
+processes.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from lit_efficient import GradientAccumulation, PACIStrategy
 from lit_efficient.pipeline.topology import Topology
@@ -50,10 +52,25 @@ def _fit(root: str, name: str, steps: int, ckpt: str | None = None, formats: tup
     return optimizer_state_bytes(optimizer)
 
 
+def _nonfinite_chunk_poisons_every_replica(rank: int) -> bool:
+    """A NaN in one replica's gradient lands in one replica's chunk of the sum; every replica must then see a
+    non-finite gradient (and refuse the update), or the others would wait for it in the all-gather."""
+    layer = torch.nn.Linear(3, 2)
+    optimizer = ShardedOptimizer(torch.optim.AdamW(layer.parameters()), dist.group.WORLD, range(dist.get_world_size()))
+    for p in layer.parameters():
+        p.grad = torch.ones_like(p)
+    if rank == 1:
+        layer.bias.grad[1] = float("nan")  # the last elements: the last replica's chunk
+    totals = optimizer.reduce_gradients([p.grad for p in layer.parameters()], torch.tensor([1.0, 0.0, -1.0]))
+    finite = all(torch.isfinite(p.grad).all() for p in layer.parameters())
+    return not finite and totals[0].item() == dist.get_world_size()
+
+
 def _runs(rank: int, world: int, root: str) -> dict[str, int]:
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     both = ("file", "sharded")
+    assert _nonfinite_chunk_poisons_every_replica(rank)
     return {
         "plain": _fit(root, "plain", 2, formats=both),
         "sharded": _fit(root, "sharded", 2, formats=both, shard_optimizer_state=True),
