@@ -4,8 +4,9 @@ This file owns the CLI's wiring and nothing else: which classes it exposes (any 
 ``vocab_size`` and ``block_size``, such as `GPT` or `HFCausalLM`, and any `TextDataModule` subclass; GPT
 and TextDataModule by default), the links that keep the data and the
 model consistent (``data.block_size`` and ``data.vocab_size`` feed the model's), the default
-logger (W&B, offline, under ``runs/``), where W&B may write, and where the resolved run config is
-saved. Every option's help text comes from the docstrings of the classes it configures.
+logger (W&B, offline, under ``runs/``; one run id for every attempt of a torchrun or SLURM job, so a
+restart continues its chart and finds its checkpoints), where W&B may write, and where the resolved run
+config is saved. Every option's help text comes from the docstrings of the classes it configures.
 
     lit-efficient fit --config configs/quickstart.yaml
     lit-efficient fit --config configs/quickstart.yaml --config configs/flush.yaml   # overlays compose
@@ -184,6 +185,14 @@ class LitEfficientCLI(LightningCLI):
                 init = logger.init_args
                 offline = bool(init.get("offline")) or "offline" in (init.get("mode"), os.environ.get("WANDB_MODE"))
                 keep_wandb_local(init.get("save_dir") or init.get("dir") or ".", offline)
+                job = restartable_job_id()
+                if job is not None and not (init.get("id") or init.get("version")):
+                    # One W&B run, and one checkpoint folder (<save_dir>/<project>/<run id>/checkpoints), for
+                    # every attempt of a job: a restarted attempt continues the chart and finds its
+                    # ckpt_path="last", where a fresh id per launch would start the run over.
+                    init["id"] = job
+                    if init.get("resume") is None:
+                        init["resume"] = "allow"
 
     def after_fit(self) -> None:
         """Say where the run's checkpoint is, and how to resume from it, or that none was saved."""
@@ -197,6 +206,20 @@ class LitEfficientCLI(LightningCLI):
             f"lit-efficient: the run ended without saving a checkpoint ({why}). Add a ModelCheckpoint (the "
             "quickstart config has one), with every_n_train_steps or a validation for it to act on."
         )
+
+
+def restartable_job_id() -> str | None:
+    """An id every attempt of one job shares and no other job has, or None outside a restartable launcher:
+    torchrun's rendezvous id (``--rdzv-id``; with ``--standalone`` the one the launcher draws once) or SLURM's
+    job id (kept by ``--requeue``). torchrun's default ``--rdzv-id`` ("none") names no job, so it is not used."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id and run_id != "none":
+        job = f"torchrun-{run_id}"
+    elif os.environ.get("SLURM_JOB_ID"):
+        job = f"slurm-{os.environ['SLURM_JOB_ID']}"
+    else:
+        return None
+    return re.sub(r"[^A-Za-z0-9_-]", "-", job)[:64]  # the characters and length a W&B run id may have
 
 
 def main(args: ArgsType = None) -> None:

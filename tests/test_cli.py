@@ -253,3 +253,22 @@ def test_readme_keeps_the_setup_commands_and_documents_every_option():
             if name != "self":
                 row = f"| `**{name}` |" if param.kind is param.VAR_KEYWORD else f"| `{name}` |"
                 assert row in section, f"README's {cls.__name__} table lacks {name}"
+
+
+@pytest.mark.parametrize(
+    ("env", "want"),
+    [({"TORCHELASTIC_RUN_ID": "job/7"}, "torchrun-job-7"), ({"SLURM_JOB_ID": "4242"}, "slurm-4242"),
+     ({"TORCHELASTIC_RUN_ID": "none"}, None), ({}, None)],
+)  # fmt: skip
+def test_every_attempt_of_a_restartable_job_logs_to_one_wandb_run_and_checkpoint_folder(env, want, monkeypatch):
+    """A restarted torchrun/SLURM attempt must find the checkpoints of the one before: they live under the
+    W&B run's id (<save_dir>/<project>/<id>/checkpoints), which is one id per job, not a fresh one per launch."""
+    for var in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    logger = _cli("--trainer.logger.init_args.save_dir=runs-test").trainer.logger
+    assert logger.version == want and logger._wandb_init["id"] == want
+    assert logger._wandb_init["resume"] == ("allow" if want else None)
+    given = _cli("--trainer.logger.init_args.save_dir=runs-test", "--trainer.logger.init_args.id=mine").trainer.logger
+    assert given.version == "mine"  # the user's own id wins
