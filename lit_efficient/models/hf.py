@@ -226,6 +226,16 @@ class _Recorder(nn.Module):
         for key, value in vars(getattr(like, "structure", like)).items():
             if not key.startswith("_") and key != "training" and isinstance(value, (str, int, float, bool)):
                 self.__dict__.setdefault(key, value)
+        self.__dict__["like_"] = like
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:  # a class attribute of the layer (Inkling's attention_type): plain values only
+            value = getattr(self.__dict__["like_"], name)
+            if isinstance(value, (str, int, float, bool)):
+                return value
+            raise
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.log.append((args, kwargs))
@@ -359,8 +369,12 @@ class _Stub(nn.Module):
     """Stands in for the decoder stack during the head stage's run of the causal LM's forward: returns the
     hidden states the stage received, as the stack's own output type, whatever it is called with."""
 
-    def __init__(self, hidden: Tensor, output_type: type) -> None:
+    def __init__(self, hidden: Tensor, output_type: type, like: nn.Module) -> None:
         super().__init__()
+        # Plain attributes the causal LM's forward may read from its decoder stack (Falcon-H1's multipliers).
+        for key, value in vars(like).items():
+            if not key.startswith("_") and key != "training" and isinstance(value, (str, int, float, bool)):
+                self.__dict__[key] = value
         self.__dict__.update(hidden=hidden, output_type=output_type)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -391,7 +405,7 @@ class HFHead(nn.Module):
         for module in self.finals:
             hidden = module(hidden)
         s = self.structure_
-        with _swapped(s.parent, s.base_name, _Stub(hidden, s.output_type)):
+        with _swapped(s.parent, s.base_name, _Stub(hidden, s.output_type, s.base)):
             return self.causal_lm(use_cache=False).logits
 
 
