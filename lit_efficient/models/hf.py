@@ -143,7 +143,7 @@ def find_structure(model: nn.Module) -> _Structure:
     layers_path, _ = max(lists, key=lambda nm: sum(p.numel() for p in nm[1].parameters()))
     path, _, layers = layers_path.rpartition(".")
     if not path:
-        raise ValueError(f"{want}: its decoder layers are a direct child of the model, with no decoder stack around them.")
+        raise ValueError(f"{want}: its decoder layers are a direct child of the model, with no decoder stack around")
     base = model.get_submodule(path)
     parent_path, _, base_name = path.rpartition(".")
     parent = model.get_submodule(parent_path)
@@ -156,7 +156,6 @@ def find_structure(model: nn.Module) -> _Structure:
         raise ValueError(f"{want}: {stray} hold weights outside the decoder stack model.{path} and the model's head.")
     order, output_type = _call_order(model, base, layers)
     children = [n for n, _ in base.named_children() if n != layers]
-    n = len(base._modules[layers])  # type: ignore[arg-type]
     first_layer, last_layer = order.index(f"{layers}.0"), order.index(f"{layers}.end")
     between = sorted({c for c in order[first_layer:last_layer] if c in children})
     if between:
