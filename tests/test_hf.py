@@ -160,6 +160,22 @@ def test_layers_registered_twice_are_refused_naming_the_fix():
         layer_parameter_counts(module, module.pipeline_layers())
 
 
+def test_a_stateless_module_shared_by_layers_is_accepted():
+    """openai-gpt's blocks share one activation object: nothing to copy or train, so no refusal."""
+    act = nn.GELU()
+
+    class Shared(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Sequential(nn.Linear(4, 4), act) for _ in range(3))
+
+        def pipeline_layers(self):
+            return list(self.layers)
+
+    module = Shared()
+    assert layer_parameter_counts(module, module.pipeline_layers()) == [20, 20, 20]
+
+
 def test_a_stage_without_parameters_is_refused_before_training():
     check_stage_parameters([10, 0, 5], [1, 2])
     with pytest.raises(ValueError, match="stage 1 would hold pipeline layers 2..3, which have no parameters"):

@@ -129,7 +129,7 @@ def test_what_the_chain_cannot_reproduce_is_refused_with_the_reason():
 
 
 # Flush in one process against one device: tied and untied heads, the structures above and the logit scales.
-IN_PROCESS = ["opt", "olmo", "nanochat", "gemma2", "cohere", "granite", "llama4_text", "qwen3_moe"]
+IN_PROCESS = ["opt", "olmo", "nanochat", "openai-gpt", "gemma2", "cohere", "granite", "llama4_text", "qwen3_moe"]
 
 
 @pytest.mark.parametrize("model_type", IN_PROCESS)

@@ -275,14 +275,17 @@ def layer_slots(module: nn.Module, layers: Sequence[nn.Module]) -> list[tuple[in
 
 def _check_registered_once(module: nn.Module, layers: Sequence[nn.Module]) -> None:
     """A module reachable at two places would keep a copy on every stage (and the moved-out copy's parameters
-    on the meta device: the 'Cannot copy out of meta tensor' error at setup). Refuse it, naming both places."""
+    on the meta device: the 'Cannot copy out of meta tensor' error at setup). Refuse it, naming both places.
+    A module with no parameters and no buffers (an activation that blocks share, as openai-gpt's do) holds
+    nothing to copy or to train: every stage may call the one object."""
     paths: dict[int, list[str]] = {}
     for name, m in module.named_modules(remove_duplicate=False):
         paths.setdefault(id(m), []).append(name)
     for i, layer in enumerate(layers):
         for m in layer.modules():
             found = paths.get(id(m), [])
-            if len(found) > 1:
+            stateless = next(m.parameters(), None) is None and next(m.buffers(), None) is None
+            if len(found) > 1 and not stateless:
                 raise ValueError(
                     f"pipeline_layers()[{i}] ({type(layer).__name__}) contains a {type(m).__name__} registered twice "
                     f"in {type(module).__name__}, as '{found[0]}' and '{found[1]}' (e.g. the original model kept "
