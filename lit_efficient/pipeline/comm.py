@@ -43,44 +43,41 @@ def all_reduce_flat(tensors: Sequence[Tensor], group: dist.ProcessGroup | None =
     all) rather than one collective per tensor: per-call latency dominates small tensors, and a
     transformer stage has hundreds of them.
     """
+
+    def all_reduce(flat: Tensor) -> None:
+        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        _trace_issue(work, "all_reduce", None, group, flat, device=True, role="replicas", what="replica all-reduce")
+        _trace_wait(work)
+        work.wait()
+
+    return _flat_in_place(tensors, all_reduce)
+
+
+def broadcast_flat(tensors: Sequence[Tensor], group: dist.ProcessGroup | None = None) -> int:
+    """Overwrite ``tensors`` in place with the values of ``group``'s first rank, returning the bytes
+    handed to the collective. One broadcast per dtype, packed like `all_reduce_flat`."""
+    # Global rank of group rank 0; `group_src=` would do this but needs torch >= 2.6.
+    src = dist.get_global_rank(group if group is not None else dist.group.WORLD, 0)
+    with torch.no_grad():
+        return _flat_in_place(tensors, lambda flat: dist.broadcast(flat, src=src, group=group))
+
+
+def _flat_in_place(tensors: Sequence[Tensor], collective: Callable[[Tensor], object]) -> int:
+    """Run ``collective`` on one packed buffer per (dtype, device) of ``tensors`` and copy the result back
+    into them; the bytes handed to it."""
     by_dtype: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault((t.dtype, t.device), []).append(t)
     sent = 0
     for bucket in by_dtype.values():
         flat = torch.cat([t.reshape(-1) for t in bucket])
-        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
-        _trace_issue(work, "all_reduce", None, group, flat, device=True, role="replicas", what="replica all-reduce")
-        _trace_wait(work)
-        work.wait()
+        collective(flat)
         offset = 0
         for t in bucket:
             n = t.numel()
             t.copy_(flat[offset : offset + n].view_as(t))
             offset += n
         sent += flat.numel() * flat.element_size()
-    return sent
-
-
-def broadcast_flat(tensors: Sequence[Tensor], group: dist.ProcessGroup | None = None) -> int:
-    """Overwrite ``tensors`` in place with the values of ``group``'s first rank, returning the bytes
-    handed to the collective. One broadcast per dtype, packed like `all_reduce_flat`."""
-    by_dtype: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
-    for t in tensors:
-        by_dtype.setdefault((t.dtype, t.device), []).append(t)
-    # Global rank of group rank 0; `group_src=` would do this but needs torch >= 2.6.
-    src = dist.get_global_rank(group if group is not None else dist.group.WORLD, 0)
-    sent = 0
-    with torch.no_grad():
-        for bucket in by_dtype.values():
-            flat = torch.cat([t.reshape(-1) for t in bucket])
-            dist.broadcast(flat, src=src, group=group)
-            offset = 0
-            for t in bucket:
-                n = t.numel()
-                t.copy_(flat[offset : offset + n].view_as(t))
-                offset += n
-            sent += flat.numel() * flat.element_size()
     return sent
 
 
