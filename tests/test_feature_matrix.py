@@ -96,6 +96,8 @@ from tests.test_in_process import _assert_same
 from tests.test_optimizers import _TwoOptimizers
 from tests.test_strategy import BLOCK
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
 EXACT = "exact vs one device (flush)"
 DOCUMENTED = "documented difference: "
 ERROR = "clear error: "
@@ -316,20 +318,6 @@ class _Runs:
 
     def reference(self, row: Row) -> dict:
         return self.get(BY_NAME[row.reference] if row.reference else row, "one device")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One thread here and in the ranks: float reduction order does not depend on the thread count."""
-    before, env = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-    if env is None:
-        os.environ.pop("OMP_NUM_THREADS", None)
-    else:
-        os.environ["OMP_NUM_THREADS"] = env
 
 
 @pytest.fixture(scope="module")

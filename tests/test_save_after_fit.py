@@ -15,7 +15,6 @@ weights only (as under Lightning's DDP) and writes those, saying so.
 from __future__ import annotations
 
 import logging
-import os
 import warnings
 from pathlib import Path
 
@@ -30,26 +29,9 @@ from lit_efficient.models import GPT
 from tests.multiproc import spawn, values
 from tests.test_strategy import _max_diff, _model, _ordered, _trainer
 
-pytestmark = pytest.mark.multiproc
+pytestmark = [pytest.mark.multiproc, pytest.mark.usefixtures("one_thread")]
 
 FORMATS = ("file", "sharded")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One thread here and in every rank: one device, one process and S processes then agree bit for bit
-    under 1F1B-flush (a matmul's reduction order depends on the thread count). The ranks read
-    OMP_NUM_THREADS (PACIStrategy's forkserver launcher applies it); without it they keep the thread count
-    of the forkserver, which depends on which test started it."""
-    before, env = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-    if env is None:
-        os.environ.pop("OMP_NUM_THREADS", None)
-    else:
-        os.environ["OMP_NUM_THREADS"] = env
 
 
 def _flush(**kw) -> PACIStrategy:
