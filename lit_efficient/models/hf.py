@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from typing_extensions import override
 
 from lit_efficient.models.gpt import adamw_with_warmup_cosine
@@ -188,11 +189,15 @@ def _call_order(model: nn.Module, base: nn.Module, layers: str) -> tuple[list[st
             handles.append(m.register_forward_pre_hook(lambda *_, label=label: order.append(label)))
     last = base._modules[layers][-1]  # type: ignore[index]
     handles.append(last.register_forward_hook(lambda *_: order.append(f"{layers}.end")))
-    ids, mask = _probe_ids(model)
+    # On the meta device (a model planned, never materialized: lit_efficient.plan) the probe runs on fake
+    # tensors: transformers reads values (a padding mask's `.all()`) that meta tensors do not have, and takes
+    # its tracing paths for fake ones. The order of the calls is the same.
+    on_meta = next(model.parameters()).is_meta
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True) if on_meta else contextlib.nullcontext():
+            ids, mask = _probe_ids(model)
             out = base(input_ids=ids, attention_mask=mask, use_cache=False)
     finally:
         model.train(was_training)
