@@ -18,10 +18,9 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 from lit_efficient import PACIStrategy
 from lit_efficient.strategies import sharded
-from tests.test_save_after_fit import one_thread  # noqa: F401 (a fixture)
 from tests.test_strategy import _max_diff, _model, _ordered, _trainer
 
-pytestmark = pytest.mark.multiproc
+pytestmark = [pytest.mark.multiproc, pytest.mark.usefixtures("one_thread")]  # tests/conftest.py
 
 
 def _async(stages: int = 2) -> PACIStrategy:

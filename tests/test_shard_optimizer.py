@@ -27,10 +27,10 @@ from lit_efficient.plan import plan
 from lit_efficient.strategies.config import _sharding_applies
 from lit_efficient.strategies.sharded_optimizer import ShardedOptimizer, check_elementwise, optimizer_state_bytes
 from tests.multiproc import spawn, values
-from tests.test_save_after_fit import _one_file, one_thread  # noqa: F401 - a fixture: one thread in every rank
+from tests.test_save_after_fit import _one_file
 from tests.test_strategy import _max_diff, _model, _ordered, _trainer
 
-pytestmark = pytest.mark.multiproc
+pytestmark = [pytest.mark.multiproc, pytest.mark.usefixtures("one_thread")]  # one thread in every rank
 
 CLIP = 0.05  # below the tiny GPT's gradient norms: every step clips
 

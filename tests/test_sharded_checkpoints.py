@@ -26,10 +26,10 @@ from lit_efficient.models import GPT
 from lit_efficient.strategies import sharded, sharded_read
 from lit_efficient.strategies.checkpoint import assemble, load_file, rank_share
 from tests.multiproc import SpawnedDDP
-from tests.test_save_after_fit import SaveBothFormatsAt, _assert_equal, one_thread  # noqa: F401 (a fixture)
+from tests.test_save_after_fit import SaveBothFormatsAt, _assert_equal
 from tests.test_strategy import _max_diff, _model, _ordered, _trainer
 
-pytestmark = pytest.mark.multiproc
+pytestmark = [pytest.mark.multiproc, pytest.mark.usefixtures("one_thread")]  # tests/conftest.py
 
 
 def _sharded(stages: int = 2, **kw) -> PACIStrategy:
