@@ -186,7 +186,7 @@ class InProcessPipeline:
         s.setup_precision_plugin()
         s.runtime = local_pipeline(stages, s.schedule, accumulate, module.pipeline_input, s.wire_format)  # type: ignore[assignment]
         self.pipeline.selected = self.selected
-        for link in (self.tie_link, getattr(s, "_local_stage_sum", None)):
+        for link in (self.tie_link, s._local_stage_sum):
             if link is not None:
                 link.wait = self.pipeline.run_others_until  # a stage waiting inside its step lets the others run
         s._join_lightning(trainer, fitting, num_replicas=1)
@@ -199,6 +199,7 @@ class InProcessPipeline:
             tie_again(s._split)
         untag([t for tied in self.tied for t in tied])
         self.tied, self.tie_link = [], None
+        s._local_stage_sum = None
 
     # -- checkpoints ------------------------------------------------------------------------------------
 

@@ -41,6 +41,7 @@ from typing_extensions import override
 
 from lit_efficient.averaging import ReplicaAverager
 from lit_efficient.pipeline.comm import LinkGroups, PointToPoint, broadcast_flat, report_failure
+from lit_efficient.pipeline.local import LocalStageSum
 from lit_efficient.pipeline.partition import check_sizes, partition_balanced, partition_uniform, predicted_utilization
 from lit_efficient.pipeline.runtime import PipelineRuntime
 from lit_efficient.pipeline.schedules import SCHEDULES, ScheduleName
@@ -281,6 +282,9 @@ class PACIStrategy(PipelineCheckpointing, PipelineEvaluation, LocalStepHooks, DD
         self._p2p_groups: LinkGroups | None = None
         self._signal_group: dist.ProcessGroup | None = None
         self._sigterm_pending: deque[tuple[dist.Work, Tensor]] = deque()
+        # In one process under 1F1B-flush with norm clipping: the stages' stand-in for the all-reduce of their
+        # squared norms (set by InProcessPipeline.setup, read by the clippers of step_hooks.py).
+        self._local_stage_sum: LocalStageSum | None = None
         self._was_automatic = True
         self._epoch_schedulers: list[Any] = []
         self._eval_index = 0

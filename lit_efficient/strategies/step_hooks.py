@@ -32,6 +32,7 @@ class LocalStepHooks:
 
     topology: Any
     lr_scheduler_configs: Any
+    _local_stage_sum: Any  # pipeline.local.LocalStageSum in one process under flush, else None
 
     def _step_schedulers(self) -> _SchedulerGroup | None:
         step_wise, self._epoch_schedulers = [], []
@@ -93,7 +94,7 @@ class LocalStepHooks:
         if algorithm == "value":
             return lambda params: torch.nn.utils.clip_grad_value_(params, value)
         group = self._pipeline_groups.get(self.replica)  # None in one process: the stages sum among themselves
-        local_sum = getattr(self, "_local_stage_sum", None)  # in one process under flush (in_process.py)
+        local_sum = self._local_stage_sum  # in one process under flush (in_process.py); None on processes
 
         def sum_over_stages(squared: Tensor) -> None:
             if local_sum is not None:
