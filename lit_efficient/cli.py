@@ -37,7 +37,7 @@ import lit_efficient  # noqa: F401 - registers the strategy names "paci" and "1f
 from lit_efficient import PACIStrategy
 from lit_efficient.data import TextDataModule
 from lit_efficient.models import GPT, HFCausalLM  # noqa: F401 - HFCausalLM: known to --model by name
-from lit_efficient.runs import run_dir
+from lit_efficient.runs import restartable_job_id, run_dir
 from lit_efficient.strategies.config import explain_refused, options_of, refusal_footer
 
 DEFAULT_SAVE_DIR = "runs"
@@ -206,20 +206,6 @@ class LitEfficientCLI(LightningCLI):
             f"lit-efficient: the run ended without saving a checkpoint ({why}). Add a ModelCheckpoint (the "
             "quickstart config has one), with every_n_train_steps or a validation for it to act on."
         )
-
-
-def restartable_job_id() -> str | None:
-    """An id every attempt of one job shares and no other job has, or None outside a restartable launcher:
-    torchrun's rendezvous id (``--rdzv-id``; with ``--standalone`` the one the launcher draws once) or SLURM's
-    job id (kept by ``--requeue``). torchrun's default ``--rdzv-id`` ("none") names no job, so it is not used."""
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
-    if run_id and run_id != "none":
-        job = f"torchrun-{run_id}"
-    elif os.environ.get("SLURM_JOB_ID"):
-        job = f"slurm-{os.environ['SLURM_JOB_ID']}"
-    else:
-        return None
-    return re.sub(r"[^A-Za-z0-9_-]", "-", job)[:64]  # the characters and length a W&B run id may have
 
 
 def main(args: ArgsType = None) -> None:

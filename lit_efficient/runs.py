@@ -1,6 +1,7 @@
 """A run across its launches: where its files go, and which attempt of it this process belongs to.
 
-Where the files go is one answer for the CLI's config copy and the monitor's timeline (`run_dir`).
+Where the files go is one answer for the CLI's config copy and the monitor's timeline (`run_dir`); the
+job every attempt belongs to is one id (`restartable_job_id`: the CLI's W&B run, hence its checkpoints).
 
 A run restarted after a fault (``torchrun --max-restarts``, or SLURM requeueing the job) is one run in
 several attempts. Under torchrun, the restarted workers rendezvous in the store the elastic agent kept
@@ -10,6 +11,7 @@ from the attempt before (`attempt_store`), so their process groups must not read
 from __future__ import annotations
 
 import os
+import re
 from datetime import timedelta
 from pathlib import Path
 
@@ -59,3 +61,17 @@ def attempt_store(timeout: timedelta) -> dist.Store | None:
         return None
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
     return dist.PrefixStore(f"lit_efficient/attempt_{restart_count()}", store)
+
+
+def restartable_job_id() -> str | None:
+    """An id every attempt of one job shares and no other job has, or None outside a restartable launcher:
+    torchrun's rendezvous id (``--rdzv-id``; with ``--standalone`` the one the launcher draws once) or SLURM's
+    job id (kept by ``--requeue``). torchrun's default ``--rdzv-id`` ("none") names no job, so it is not used."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id and run_id != "none":
+        job = f"torchrun-{run_id}"
+    elif os.environ.get("SLURM_JOB_ID"):
+        job = f"slurm-{os.environ['SLURM_JOB_ID']}"
+    else:
+        return None
+    return re.sub(r"[^A-Za-z0-9_-]", "-", job)[:64]  # the characters and length a W&B run id may have
