@@ -45,7 +45,6 @@ from lightning.pytorch.callbacks import (
 
 from lit_efficient import ActivationCheckpointing, GradientAccumulation
 from tests.feature_matrix_parts import (
-    STAGE_1_LR,
     N,
     _as,
     _cli,
@@ -69,6 +68,7 @@ from tests.feature_matrix_parts import (
     _LoggedBatchNorm,
     _LogsEpoch,
     _lr_monitor,
+    _lrs_logged,
     _manual,
     _one_row_per_step,
     _own_dropout_streams,
@@ -82,7 +82,6 @@ from tests.feature_matrix_parts import (
     _resumed_as_uninterrupted,
     _Run,
     _seeded_workers,
-    _stage_lrs_alike,
     _stopped,
     _stopped_early,
     _text,
@@ -160,7 +159,6 @@ class Row:
 
 
 VAL = dict(limit_val_batches=2)
-PER_STAGE_LR = "LearningRateMonitor logs every stage's optimizer (lr-AdamW, lr-AdamW-1: stage 0, stage 1)"
 EPOCHS = dict(max_steps=-1, max_epochs=3, limit_train_batches=4)  # epochs of 2 windows
 
 ROWS: list[Row] = [
@@ -198,11 +196,10 @@ ROWS: list[Row] = [
         how=ERROR + "Use lit_efficient.GradientAccumulation(steps={0: 1, 1: 2})",
         trainer=dict(EPOCHS, accumulate_grad_batches=1),
         callbacks=lambda root: [GradientAccumulationScheduler({0: 1, 1: 2})]),
-    Row("LR scheduler by step, LearningRateMonitor", how=DOCUMENTED + PER_STAGE_LR, callbacks=_lr_monitor,
-        ignore=STAGE_1_LR, check=_stage_lrs_alike,
-        note="one process: every stage's optimizer is in trainer.optimizers"),
-    Row("LR scheduler by epoch", how=DOCUMENTED + PER_STAGE_LR, trainer=EPOCHS, module=_as(_EpochLR),
-        callbacks=_lr_monitor, ignore=STAGE_1_LR, check=_stage_lrs_alike),
+    Row("LR scheduler by step, LearningRateMonitor", callbacks=_lr_monitor, check=_lrs_logged, processes=True,
+        note="the last stage's schedule, as global rank 0 logs it; every stage steps its own"),
+    Row("LR scheduler by epoch", trainer=EPOCHS, module=_as(_EpochLR), callbacks=_lr_monitor, check=_lrs_logged,
+        processes=True, note="every stage's epoch schedulers step at the epoch's end"),
     Row("ReduceLROnPlateau on val_loss", how=ERROR + "ReduceLROnPlateau is not supported under PACIStrategy",
         trainer=dict(VAL, val_check_interval=2, max_steps=4), module=_as(_Plateau)),
     Row("frozen layers (requires_grad=False)", module=_frozen, check=_frozen_stays),

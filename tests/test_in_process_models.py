@@ -146,14 +146,12 @@ class Views(Callback):
         self.losses: list[float] = []
 
     def _see(self, hook: str, trainer, pl_module, **extra) -> None:
-        strategy = trainer.strategy
-        if getattr(strategy, "in_process", False):
-            stages = range(strategy.pipeline_stages)
-        else:
-            stages = [getattr(strategy, "stage", 0)]
-        lrs = {s: [g["lr"] for g in opt.param_groups] for s, opt in zip(stages, trainer.optimizers, strict=True)}
-        runtime = getattr(strategy, "runtime", None)
+        runtime = getattr(trainer.strategy, "runtime", None)
         runtimes = getattr(runtime, "runtimes", [runtime] if runtime is not None else [])
+        # Each stage's own optimizer: a rank's one, or every stage's in one process, where trainer.optimizers
+        # holds the last stage's only (as on global rank 0); one device's otherwise.
+        optimizers = {rt.stage.stage: rt.stage.optimizer for rt in runtimes} or {0: trainer.optimizers[0]}
+        lrs = {s: [g["lr"] for g in opt.param_groups] for s, opt in optimizers.items()}
         versions = {rt.stage.stage: rt.stage.version for rt in runtimes}  # optimizer steps each stage has taken
         self.views.append({
             "hook": hook, "step": trainer.global_step, **extra, "lr": lrs, "versions": versions,

@@ -9,7 +9,10 @@ done S times in one, through the process path's own pieces:
   once per stage with every other stage's layers swapped out for placeholders (`split.only_stage`, the
   slots `split_module` uses, adapter layers included), so each stage gets the optimizer and LR
   schedulers its rank would build (its own parameter groups, its own schedule stepping with its own
-  steps);
+  steps). Lightning is shown what global rank 0 shows it, the last stage's optimizer and schedulers
+  (``trainer.optimizers``, ``trainer.lr_scheduler_configs``: `LearningRateMonitor` logs the keys and values
+  it logs on processes); every stage's are kept here (`InProcessPipeline.optimizers`,
+  ``scheduler_configs``), every stage's epoch-interval schedulers step, and checkpoints hold every stage's;
 - a weight tied between the first and the last stage gets two copies for the run, the second on the
   last stage as on its rank (`split.separate_tied_copies`), kept equal by the one tied-weight rule
   (`strategies.tied.tie_stage`), and is one parameter again after it (`split.tie_again`);
@@ -35,6 +38,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
+import torch
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch import Trainer
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
@@ -78,7 +83,11 @@ class InProcessPipeline:
         self.strategy = strategy
         self.selected = strategy.pipeline_stages - 1  # the stage `strategy.stage` reports: the last, like rank 0
         self.sizes: list[int] = []
-        self._scheduler_counts: list[int] = []  # LR scheduler configs per stage, in stage order
+        # Every stage's optimizer and LR scheduler configs, in stage order. Lightning holds only the last
+        # stage's (its `optimizers`), as on global rank 0. Kept after fit, as Lightning keeps its own, for a
+        # save after fit.
+        self.optimizers: list[Any] = []
+        self.scheduler_configs: list[list[Any]] = []
         self.tied: list[list[TiedWeight]] = []  # per stage: its copies of the tied weights (first and last only)
         self.tie_link: LocalTiedLink | None = None
 
@@ -111,7 +120,6 @@ class InProcessPipeline:
 
         s = self.strategy
         assert s.accelerator is not None and s.lightning_module is not None
-        self._scheduler_counts = []
         s._check_before_launch(trainer)  # nothing is launched here, so the check runs now
         s.accelerator.setup(trainer)
         module = s.lightning_module
@@ -152,7 +160,7 @@ class InProcessPipeline:
         self.tie_link = LocalTiedLink() if ties and fitting else None
         self.tied = [[] for _ in range(num_stages)]
         bounds = [(sum(self.sizes[:k]), sum(self.sizes[: k + 1])) for k in range(num_stages)]
-        stages, optimizers, configs, epoch_schedulers = [], [], [], []
+        stages, optimizers, configs, epoch_schedulers = [], [], [], []  # per stage (configs: lists)
         for stage_index, (first, last) in enumerate(bounds):
             optimizer, scheduler = None, None
             if fitting:
@@ -161,8 +169,7 @@ class InProcessPipeline:
                 optimizer = s.optimizers[0]
                 scheduler = s._step_schedulers()
                 optimizers.append(optimizer)
-                configs += s.lr_scheduler_configs
-                self._scheduler_counts.append(len(s.lr_scheduler_configs))
+                configs.append(s.lr_scheduler_configs)
                 epoch_schedulers += s._epoch_schedulers
             stage = PipelineStage(
                 layers[first:last], stage_index, num_stages, optimizer,
@@ -179,9 +186,11 @@ class InProcessPipeline:
                 self.tied[stage_index] = tie_stage(stage, s._split, s.schedule, delay, end)
             stages.append(stage)
         if fitting:
-            s.optimizers = optimizers  # Lightning sees all S (checkpoints, LR monitors), in stage order
-            s.lr_scheduler_configs = configs
-            s._epoch_schedulers = epoch_schedulers
+            self.optimizers, self.scheduler_configs = optimizers, configs
+            # Lightning and every callback see what they see on global rank 0 (the last stage): one optimizer,
+            # so LearningRateMonitor's keys (lr-AdamW, lr-AdamW/pg1) name the last stage's, as on processes.
+            s.optimizers, s.lr_scheduler_configs = [optimizers[-1]], configs[-1]
+            s._epoch_schedulers = epoch_schedulers  # every stage's: each rank steps its own at an epoch's end
             s._tied = [t for tied in self.tied for t in tied]  # on_train_end finishes both stages' exchanges
         s.setup_precision_plugin()
         s.runtime = local_pipeline(stages, s.schedule, accumulate, module.pipeline_input, s.wire_format)  # type: ignore[assignment]
@@ -200,6 +209,9 @@ class InProcessPipeline:
         untag([t for tied in self.tied for t in tied])
         self.tied, self.tie_link = [], None
         s._local_stage_sum = None
+        # What Lightning's teardown does with its optimizer (the last stage's), for the others: on an
+        # accelerator their state would otherwise stay in its memory after fit.
+        _optimizers_to_device(self.optimizers[:-1], torch.device("cpu"))
 
     # -- checkpoints ------------------------------------------------------------------------------------
 
@@ -208,15 +220,38 @@ class InProcessPipeline:
         s = self.strategy
         module = s.lightning_module
         assert module is not None
+        checkpoint = self.every_stage(checkpoint)
         shares, views = [], []
         for stage in range(s.pipeline_stages):
             with self._as_rank(stage, checkpoint) as view:
-                optimizer = s.optimizers[stage] if s.optimizers else None
+                optimizer = self.optimizers[stage] if self.optimizers else None
                 copies = s._tied_copy_names()[1]
                 shares.append(rank_share(view, module, optimizer, s.pipeline_state(), True, tied_copies=copies))
                 views.append(view)
         # Lightning's dict as rank 0 (the last stage) built it: its schedulers, its keys.
         write_atomically(to_automatic_loops(assemble(views[-1], shares, s.layout())), filepath)
+
+    def every_stage(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        """Lightning's dict with every stage's optimizer state and scheduler states, in stage order, where
+        Lightning put the last stage's only (what `_as_rank` and `shares.live_records` slice per stage).
+
+        Lightning's own entries stay the last stage's: they are what rank 0's dict holds, hooks' changes
+        (``on_save_checkpoint``) included.
+        """
+        if "optimizer_states" not in checkpoint:  # save_weights_only: no optimizer, no schedulers
+            return checkpoint
+        earlier = range(len(self.optimizers) - 1)
+        return dict(
+            checkpoint,
+            optimizer_states=[
+                *(self.strategy.optimizer_state(self.optimizers[k]) for k in earlier),
+                *checkpoint["optimizer_states"],
+            ],
+            lr_schedulers=[
+                *(c.scheduler.state_dict() for k in earlier for c in self.scheduler_configs[k]),
+                *checkpoint.get("lr_schedulers", []),
+            ],
+        )
 
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
         """Every stage takes its optimizer state, schedulers, accumulation and streams by parameter name, as
@@ -225,26 +260,29 @@ class InProcessPipeline:
         module = s.lightning_module
         assert module is not None
         names = {id(p): n for n, p in module.named_parameters()}
-        group_names = self._group_names() if s.optimizers else ([], {})
+        group_names = self._group_names() if self.optimizers else ([], {})
         saved_schedulers = checkpoint.get("lr_schedulers", [])
         pipeline = checkpoint.get("pipeline", {})
         same_layout = pipeline.get("layout") == s.layout()
-        schedulers = []
         given: set[int] = set()  # the checkpoint's tensors an earlier stage's optimizer holds now
         for stage, rt in enumerate(self.pipeline.runtimes):
             with self.select(stage), only_stage(module, list(module.pipeline_layers()), self.sizes, stage):
-                if s.optimizers:
+                if self.optimizers:
                     state, group_map = local_optimizer_state(
-                        checkpoint, module, s.optimizers[stage], s._rank_key(), lambda: group_names
+                        checkpoint, module, self.optimizers[stage], s._rank_key(), lambda: group_names
                     )
-                    s.optimizers[stage].load_state_dict(_own_copy(state, given))
+                    self.optimizers[stage].load_state_dict(_own_copy(state, given))
                     saved_groups = len(checkpoint["optimizer_states"][0]["param_groups"])
-                    schedulers += regroup_schedulers(saved_schedulers, group_map, saved_groups)
+                    schedulers = regroup_schedulers(saved_schedulers, group_map, saved_groups)
+                    if stage < s.pipeline_stages - 1:
+                        # zip, not strict: what Lightning's restore does with the last stage's (next).
+                        for config, saved in zip(self.scheduler_configs[stage], schedulers, strict=False):
+                            config.scheduler.load_state_dict(saved)
+                    else:
+                        checkpoint["lr_schedulers"] = schedulers  # Lightning restores them next, as on rank 0
                 accumulation = local_accumulation(checkpoint, [names[id(p)] for p in rt.stage.parameters()])
                 mine = pipeline.get("ranks", {}).get(s._rank_key(), {}) if same_layout else {}
                 s._load_rank_state(mine, accumulation)
-        if s.optimizers:
-            checkpoint["lr_schedulers"] = schedulers  # Lightning restores them next, in stage order
 
     @contextmanager
     def _as_rank(self, stage: int, checkpoint: dict[str, Any]) -> Iterator[dict[str, Any]]:
@@ -253,13 +291,14 @@ class InProcessPipeline:
         s = self.strategy
         module = s.lightning_module
         assert module is not None
-        offsets = [sum(self._scheduler_counts[:k]) for k in range(len(self._scheduler_counts) + 1)]
+        counts = [len(configs) for configs in self.scheduler_configs]
+        offsets = [sum(counts[:k]) for k in range(len(counts) + 1)]
         with self.select(stage), only_stage(module, list(module.pipeline_layers()), self.sizes, stage):
             keys = module.state_dict().keys()
             view = dict(checkpoint, state_dict={k: checkpoint["state_dict"][k] for k in keys})
             if "optimizer_states" in checkpoint:
                 view["optimizer_states"] = [checkpoint["optimizer_states"][stage]]
-            if "lr_schedulers" in checkpoint and self._scheduler_counts:
+            if "lr_schedulers" in checkpoint and counts:
                 view["lr_schedulers"] = checkpoint["lr_schedulers"][offsets[stage] : offsets[stage + 1]]
             yield view
 
@@ -272,7 +311,7 @@ class InProcessPipeline:
         parts = []
         for stage in range(s.pipeline_stages):
             with self.select(stage), only_stage(module, layers, self.sizes, stage):
-                parts.append(s._stage_group_names(s.optimizers[stage]))
+                parts.append(s._stage_group_names(self.optimizers[stage]))
         return merge_group_names(parts)
 
 

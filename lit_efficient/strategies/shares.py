@@ -52,8 +52,9 @@ class StageRecord:
         group_names: Its optimizer's parameter names, per group, in the optimizer's order.
         extras: `PipelineCheckpointing.pipeline_state` (accumulation, random streams, averager).
         tied_copies: Names of its second copies of weights tied to the first stage.
-        optimizer: Its optimizer's index in ``strategy.optimizers`` (and in Lightning's ``optimizer_states``).
-        schedulers: Its slice of Lightning's ``lr_schedulers``.
+        optimizer: Its optimizer's index in `stage_optimizers` (and in Lightning's ``optimizer_states``, every
+            stage's in one process: `InProcessPipeline.every_stage`).
+        schedulers: Its slice of Lightning's ``lr_schedulers`` (every stage's in one process, likewise).
     """
 
     stage: int
@@ -81,7 +82,7 @@ def live_records(strategy: PACIStrategy) -> list[StageRecord]:
     if strategy._in_process is None:
         return [_record(strategy, module, module.state_dict().keys(), 0, slice(None))]
     in_process = strategy._in_process
-    counts = in_process._scheduler_counts
+    counts = [len(configs) for configs in in_process.scheduler_configs]
     offsets = [sum(counts[:k]) for k in range(len(counts) + 1)]
     records = []
     whole = {"state_dict": module.state_dict()}
@@ -92,10 +93,16 @@ def live_records(strategy: PACIStrategy) -> list[StageRecord]:
     return records
 
 
+def stage_optimizers(strategy: PACIStrategy) -> list[Any]:
+    """This process's stages' optimizers, as `StageRecord.optimizer` indexes them: its own on a rank, every
+    stage's in one process (where Lightning's ``optimizers`` holds the last stage's only, as on global rank 0)."""
+    return strategy._in_process.optimizers if strategy._in_process is not None else strategy.optimizers
+
+
 def keep_final_state(strategy: PACIStrategy) -> None:
     """At the end of training, before ``fit`` takes the stages apart: what a save after ``fit`` needs."""
     strategy._final_state = FinalState(live_records(strategy), strategy.layout())
-    for optimizer in strategy.optimizers:  # a sharded one gathers its state while its replica group exists
+    for optimizer in stage_optimizers(strategy):  # a sharded one gathers its state while its replica group exists
         if isinstance(optimizer, ShardedOptimizer):
             optimizer.keep_consolidated()
 
@@ -114,6 +121,8 @@ def save_from_records(strategy: PACIStrategy, checkpoint: dict[str, Any], filepa
             "(a failed fit keeps no final state). Save during fit with ModelCheckpoint, and resume from that."
         )
     records = live_records(strategy) if live else final.records  # type: ignore[union-attr]
+    if strategy._in_process is not None:  # Lightning's dict holds the last stage's optimizer only, as rank 0's
+        checkpoint = strategy._in_process.every_stage(checkpoint)
     layout = strategy.layout() if live else final.layout  # type: ignore[union-attr]
     diverged = strategy.local_sgd_steps is not None and strategy.topology.num_replicas > 1
     views = [_view(checkpoint, r) for r in records]
@@ -250,7 +259,8 @@ def load_sharded(strategy: PACIStrategy, path: Path, weights_only: bool | None) 
 
 def _record(strategy: PACIStrategy, module: nn.Module, keys: Any, optimizer: int, schedulers: slice) -> StageRecord:
     names = {id(p): n for n, p in module.named_parameters()}
-    opt = strategy.optimizers[optimizer] if strategy.optimizers else None
+    optimizers = stage_optimizers(strategy)
+    opt = optimizers[optimizer] if optimizers else None
     groups = [[names[id(p)] for p in g["params"]] for g in opt.param_groups] if opt is not None else []
     return StageRecord(
         strategy.stage, strategy.replica, list(keys), groups, strategy.pipeline_state(),
@@ -270,7 +280,8 @@ def _view(checkpoint: dict[str, Any], record: StageRecord) -> dict[str, Any]:
 
 
 def _share(strategy: PACIStrategy, view: dict[str, Any], record: StageRecord, keep_weights: bool) -> dict[str, Any]:
-    optimizer = strategy.optimizers[record.optimizer] if strategy.optimizers else None
+    optimizers = stage_optimizers(strategy)
+    optimizer = optimizers[record.optimizer] if optimizers else None
     names = _RecordedNames(record.group_names, optimizer)
     return rank_share(view, names, optimizer, record.extras, keep_weights, tied_copies=record.tied_copies)  # type: ignore[arg-type]
 
