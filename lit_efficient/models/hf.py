@@ -103,6 +103,7 @@ class _Structure:
     finals: list[str]  # children of base its forward calls after the last layer, in call order (final norm, ...)
     head: list[str]  # children of the model outside the decoder stack (the LM head, ...): the last stage's
     output_type: type  # what base's forward returns (a ModelOutput class), for the head stage's stub
+    layer_returns: int | None  # how many values a decoder layer returns (RWKV's 3), None for a bare tensor
 
 
 def _probe_ids(model: nn.Module) -> tuple[Tensor, Tensor]:
@@ -131,7 +132,9 @@ def find_structure(model: nn.Module) -> _Structure:
     )
     if config is None or getattr(config, "is_encoder_decoder", False):
         raise ValueError(f"{want}: it is not a decoder-only transformers model (is_encoder_decoder or no config).")
-    n_layers = getattr(config, "num_hidden_layers", None)
+    # A composite config (Fuyu's: text + vision) keeps the decoder's depth in its text part.
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    n_layers = getattr(text_config, "num_hidden_layers", None)
     lists = [
         (name, m)
         for name, m in model.named_modules()
@@ -155,7 +158,7 @@ def find_structure(model: nn.Module) -> _Structure:
     stray = sorted({n.rpartition(".")[0] for n, p in model.named_parameters() if id(p) not in held})
     if stray:  # e.g. a vision tower beside the text decoder, or weights on the way down to it
         raise ValueError(f"{want}: {stray} hold weights outside the decoder stack model.{path} and the model's head.")
-    order, output_type = _call_order(model, base, layers)
+    order, output_type, layer_returns = _call_order(model, base, layers)
     children = [n for n, _ in base.named_children() if n != layers]
     first_layer, last_layer = order.index(f"{layers}.0"), order.index(f"{layers}.end")
     between = sorted({c for c in order[first_layer:last_layer] if c in children})
@@ -174,13 +177,14 @@ def find_structure(model: nn.Module) -> _Structure:
             "weights, so they belong to no single stage."
         )
     embed = [c for c in children if c not in finals or c in before]
-    return _Structure(base, parent, base_name, path, embed, layers, finals, head, output_type)
+    return _Structure(base, parent, base_name, path, embed, layers, finals, head, output_type, layer_returns)
 
 
-def _call_order(model: nn.Module, base: nn.Module, layers: str) -> tuple[list[str], type]:
+def _call_order(model: nn.Module, base: nn.Module, layers: str) -> tuple[list[str], type, int | None]:
     """The order in which ``base``'s forward calls its children (each decoder layer as ``layers.i``) on the probe
-    batch, and the type of what it returns."""
+    batch, the type of what it returns, and how many values a decoder layer returns (None: a bare tensor)."""
     order: list[str] = []
+    returns: list[int | None] = []
     handles = []
     for name, child in base.named_children():
         subs = list(child.named_children()) if name == layers else [("", child)]
@@ -189,6 +193,9 @@ def _call_order(model: nn.Module, base: nn.Module, layers: str) -> tuple[list[st
             handles.append(m.register_forward_pre_hook(lambda *_, label=label: order.append(label)))
     last = base._modules[layers][-1]  # type: ignore[index]
     handles.append(last.register_forward_hook(lambda *_: order.append(f"{layers}.end")))
+    handles.append(
+        last.register_forward_hook(lambda _m, _a, out: returns.append(len(out) if isinstance(out, tuple) else None))
+    )
     # On the meta device (a model planned, never materialized: lit_efficient.plan) the probe runs on fake
     # tensors: transformers reads values (a padding mask's `.all()`) that meta tensors do not have, and takes
     # its tracing paths for fake ones. The order of the calls is the same.
@@ -209,7 +216,7 @@ def _call_order(model: nn.Module, base: nn.Module, layers: str) -> tuple[list[st
             f"HFCausalLM needs {type(model).__name__}'s decoder stack to call each of its {n} decoder layers once, in "
             "order; it did not."
         )
-    return order, type(out)
+    return order, type(out), returns[0]
 
 
 # ----------------------------------------------------------------------------- side inputs
@@ -222,9 +229,9 @@ class _Recorded(Exception):
 class _Recorder(nn.Module):
     """Stands in for decoder layer ``index`` during the first stage's run of the base forward."""
 
-    def __init__(self, index: int, last: int, like: nn.Module, log: list) -> None:
+    def __init__(self, index: int, last: int, like: nn.Module, log: list, returns: int | None = None) -> None:
         super().__init__()
-        self.index, self.last = index, last
+        self.index, self.last, self.returns = index, last, returns
         self.__dict__["log"] = log
         # Plain attributes some base forwards read from their layers (e.g. attention_type).
         for key, value in vars(getattr(like, "structure", like)).items():
@@ -235,9 +242,13 @@ class _Recorder(nn.Module):
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)
-        except AttributeError:  # a class attribute of the layer (Inkling's attention_type): plain values only
+        except AttributeError:
+            # A class attribute of the layer (Inkling's attention_type), or one of its submodules: RWKV's base
+            # forward rescales its blocks' weights in place when the model switches between eval and training, and
+            # must reach the real weights. Nothing that computes: a base forward calling a layer's submodule would
+            # change the hidden states, which the dry run's logits check catches.
             value = getattr(self.__dict__["like_"], name)
-            if isinstance(value, (str, int, float, bool)):
+            if isinstance(value, (str, int, float, bool, nn.Module)):
                 return value
             raise
 
@@ -245,7 +256,11 @@ class _Recorder(nn.Module):
         self.log.append((args, kwargs))
         if self.index == self.last:
             raise _Recorded
-        return args[0] if args else kwargs["hidden_states"]
+        hidden = args[0] if args else kwargs["hidden_states"]
+        # A base forward that unpacks its layers' tuples (RWKV's `hidden, state, attentions = block(...)`) gets a
+        # tuple as long; the other values are None, what they are without a cache or attention outputs. A base that
+        # used them would feed the next layer something else, which the dry run's logits check catches.
+        return hidden if self.returns is None else (hidden, *(None,) * (self.returns - 1))
 
 
 def _record_calls(s: _Structure, input_ids: Tensor, attention_mask: Tensor | None) -> list[tuple[tuple, dict]]:
@@ -253,7 +268,7 @@ def _record_calls(s: _Structure, input_ids: Tensor, attention_mask: Tensor | Non
     original = s.base._modules[s.layers]
     log: list[tuple[tuple, dict]] = []
     n = len(original)  # type: ignore[arg-type]
-    recorders = nn.ModuleList(_Recorder(i, n - 1, original[i], log) for i in range(n))  # type: ignore[index]
+    recorders = nn.ModuleList(_Recorder(i, n - 1, original[i], log, s.layer_returns) for i in range(n))  # type: ignore[index]
     with _swapped(s.base, s.layers, recorders), contextlib.suppress(_Recorded):
         s.base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     if len(log) != n:
