@@ -46,16 +46,24 @@ SIZES: dict[str, Any] = dict(
     moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4, num_local_experts=4,
     n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
     kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, qk_head_dim=16,
-    bos_token_id=0, eos_token_id=0, pad_token_id=0, sliding_window=8, rotary_dim=8,
+    bos_token_id=0, eos_token_id=0, pad_token_id=0, sliding_window=8, rotary_dim=8, hidden_size_global=32,
 )  # fmt: skip
 
 
 def tiny_config(model_type: str, **overrides: Any) -> Any:
     """``model_type``'s Config with the tiny `SIZES` it has, every dropout 0, per-layer lists cut to 2 layers,
-    and ``overrides`` last."""
-    from transformers import AutoConfig
+    every sub-config (Dbrx's attention, a composite's text and vision parts) made tiny the same way, and
+    ``overrides`` last."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    default = AutoConfig.for_model(model_type)
+    return _tiny(CONFIG_MAPPING[model_type], overrides)
+
+
+def _tiny(cls: type, overrides: dict[str, Any]) -> Any:
+    try:
+        default = cls()
+    except Exception:  # noqa: BLE001 - defaults its own validator rejects (Gemma-4 assistant): read with the overrides
+        default = cls(**overrides)
     values = {k: v for k, v in SIZES.items() if _has(default, k)}
     if "kv_lora_rank" in values:  # multi-head latent attention: as many key heads as query heads
         values["num_key_value_heads"] = values["num_attention_heads"]
@@ -65,16 +73,35 @@ def tiny_config(model_type: str, **overrides: Any) -> Any:
             values[key] = 0.0
         elif isinstance(value, list) and depth and len(value) == depth and depth != SIZES["num_hidden_layers"]:
             values[key] = value[: SIZES["num_hidden_layers"]]  # layer_types and other per-layer lists
+    for name in getattr(cls, "sub_configs", {}):
+        sub = getattr(default, name, None)
+        if name not in overrides and sub is not None and hasattr(sub, "to_dict"):
+            # Its own class (Fuyu's text_config is whatever AutoConfig made), with its type's OVERRIDES.
+            values[name] = _tiny(type(sub), OVERRIDES.get(getattr(sub, "model_type", ""), {}))
     values.update(overrides)
     for _ in range(len(values)):
         try:
-            return type(default)(**values)
-        except AttributeError as err:  # a derived size (a property without a setter): let the class derive it
-            key = next((k for k in values if f"'{k}'" in str(err)), None)
+            return cls(**values)
+        except (AttributeError, NotImplementedError) as err:
+            # A derived size (a property without a setter, XLNet's refusing max_position_embeddings): let the class
+            # derive it.
+            named = [k for k in values if f"'{k}'" in str(err)]
+            key = next(iter(named or [k for k in values if isinstance(getattr(cls, k, None), property)]), None)
             if key is None or key in overrides:
                 raise
             del values[key]
-    raise AssertionError("unreachable")
+    raise ValueError(
+        f"{cls.__name__} still refuses {sorted(values)} after dropping every derived size it named; add the sizes "
+        "it needs to OVERRIDES"
+    )
+
+
+def _text_config(config: Any) -> Any:
+    """``config``'s text decoder config (itself for a plain one), or None where the class cannot say."""
+    try:
+        return config.get_text_config()
+    except Exception:  # noqa: BLE001 - a config whose text part is ambiguous: treated as plain
+        return None
 
 
 def _has(config: Any, key: str) -> bool:
@@ -84,12 +111,55 @@ def _has(config: Any, key: str) -> bool:
         return False
 
 
-# Per-type sizes the generic ones get wrong (the model type's own constraints), and settings that exercise
-# what HFCausalLM must reproduce (a logit scale that is not 1).
+# Per-type sizes the generic ones get wrong (the model type's own constraints, each named by the check its Config
+# class makes), and settings that exercise what HFCausalLM must reproduce (a logit scale that is not 1). Hybrid
+# models get one layer of each kind, so both kinds are split and trained.
+_MAMBA = dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=16)  # heads x d_head = 2 x 32
+# fmt: off
 OVERRIDES: dict[str, dict[str, Any]] = {
     "granite": dict(logits_scaling=4.0, embedding_multiplier=2.0, residual_multiplier=0.5),
     "cohere": dict(logit_scale=0.25),
+    "bamba": dict(_MAMBA, attn_layer_indices=[1]),
+    "granitemoehybrid": dict(_MAMBA, layer_types=["mamba", "attention"]),
+    "mamba2": dict(num_heads=4, head_dim=16, state_size=16, n_groups=1, chunk_size=16),  # num_heads x head_dim = 2 x 32
+    "zaya": dict(num_experts_per_tok=1),  # "ZAYA currently supports num_experts_per_tok=1 only"
+    "olmo_hybrid": dict(layer_types=["linear_attention", "full_attention"]),  # needs an attention layer
+    # Per-layer input tables of the vocabulary's size (262,144 rows by default), key/value sharing across the last
+    # 15 layers by default: none of 2 layers here, so every layer type producing a cache also uses one.
+    "gemma3n_text": dict(
+        layer_types=["sliding_attention", "full_attention"], num_kv_shared_layers=0, hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=VOCAB, laurel_rank=8,
+    ),
+    "gemma4_text": dict(
+        layer_types=["sliding_attention", "full_attention"], hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=VOCAB,
+    ),
+    "xlnet": dict(d_head=8),  # d_model // n_head
+    # Built as a decoder (ReformerModelWithLMHead asks for is_decoder=True), one local and one LSH layer.
+    "reformer": dict(
+        is_decoder=True, attn_layers=["local", "lsh"], axial_pos_shape=[4, 4], axial_pos_embds_dim=[16, 16],
+        local_attn_chunk_length=4, lsh_attn_chunk_length=4, num_buckets=4,
+    ),  # axial positions multiply to the 16-token blocks and sum to the width
+    "blt": dict(encoder_hash_byte_group_vocab=64),  # the byte n-gram hash tables: 500,002 rows by default
+    # Its modeling code reads attn_config.rope_theta, which DbrxAttentionConfig does not define (transformers 5.24).
+    # Its attention clamps by clip_qkv, which defaults to None (torch.clamp refuses no bound): DBRX's own value, 8.
+    # Its FFN sub-config copies d_model before the hidden_size alias sets it: d_model is given by its own name.
+    "dbrx": dict(
+        d_model=32, attn_config=dict(kv_n_heads=2, rope_theta=10_000.0, clip_qkv=8.0),
+        ffn_config=dict(ffn_hidden_size=64, moe_num_experts=4, moe_top_k=2),
+    ),
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"]),  # its default of None does not build
+    # Its rotary embedding looks up rope_parameters by layer type; the default has none keyed so.
+    "cohere_compass_text": dict(rope_parameters={"full_attention": dict(rope_type="default", rope_theta=10_000.0)}),
+    # Its linear attention defaults to 32 heads of 128 (4096 wide at any hidden size), which the pure-PyTorch
+    # delta-rule fallback runs in minutes on a CPU: 4 heads of 8 here, and one layer of each kind.
+    "kimi_linear": dict(linear_num_heads=4, linear_head_dim=8, layer_types=["linear_attention", "full_attention"]),
+    "dots3_note_text": dict(
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=8, index_head_dim=16,
+        index_n_heads=4, index_topk=8, shared_experts_intermediate_size=32,
+    ),  # sizes it reads per layer, which the generic look-up does not see
 }
+# fmt: on
 
 
 def build(model_type: str, seed: int = 0, **overrides: Any) -> Any:
@@ -177,16 +247,35 @@ MAX_PARAMS = 10_000_000  # a "tiny" model above this kept sub-configs at full si
 
 
 def skip_reason(model_type: str, class_name: str) -> str | None:
-    """Why ``model_type`` is not a decoder-only text model HFCausalLM is for, or None."""
+    """Why ``model_type`` is not a decoder-only text model HFCausalLM is for, or None. Each reason is a rule
+    read from the class or its config, not a list of names."""
+    import inspect
+
+    import transformers
     from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     if class_name.endswith("ForConditionalGeneration"):
         return f"multimodal: its causal-LM class is {class_name} (a vision/audio tower beside the text decoder)"
+    forward = getattr(getattr(transformers, class_name, None), "forward", None)
+    if forward is not None and "shared_kv_states" in inspect.signature(forward).parameters:
+        return (
+            "a draft model for speculative decoding: its forward takes the main model's embeddings and key/value "
+            "states (shared_kv_states), so it does not train on tokens alone"
+        )
     config = AutoConfig.for_model(model_type)
     if getattr(config, "is_encoder_decoder", False):
         return "the decoder half of an encoder-decoder model (its config is encoder-decoder)"
-    if "bert" in class_name.lower() and hasattr(config, "add_cross_attention"):
-        return "an encoder (BERT family) run as a decoder"
+    if getattr(config, "is_decoder", None) is False and hasattr(config, "add_cross_attention"):
+        # BERT, RoBERTa, ELECTRA, RoFormer, X-MOD, ...: a bidirectional encoder unless built with is_decoder=True.
+        return "an encoder (BERT family) run as a decoder: its config's is_decoder defaults to False"
+    text = _text_config(config)
+    text_type = getattr(text, "model_type", model_type)
+    if text is not config and MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(text_type) == class_name:
+        return (
+            f"its config is the composite (text + {', '.join(n for n in config.sub_configs if n != 'text_config')}) "
+            f"one; {class_name} is built from its text part, the row of {text_type}"
+        )
     return None
 
 
