@@ -20,7 +20,7 @@ from lit_efficient.pipeline.stage import run_layers
 from tests.multiproc import spawn, values
 
 transformers = pytest.importorskip("transformers")
-from benchmarks.hf_zoo import batches, build, fit, flush_in_one_process, max_diff, sgd_module  # noqa: E402
+from benchmarks.hf_zoo import batches, build, fit, flush_in_one_process, max_diff, sgd_module, skip_reason  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -128,13 +128,31 @@ def test_what_the_chain_cannot_reproduce_is_refused_with_the_reason():
         HFCausalLM(transformers.T5ForConditionalGeneration(config))
 
 
-# Flush in one process against one device: tied and untied heads, the structures above and the logit scales.
+# Flush in one process against one device: tied and untied heads, the structures above and the logit scales;
+# rwkv: blocks returning (hidden, state, attentions) tuples the base unpacks, and weights rescaled in place when
+# the model switches between eval and training; bamba (a Mamba-2 and an attention layer), dbrx (sub-configs) and
+# kimi_linear (a linear-attention and an attention layer): per-type sizes of the zoo; mllama: a composite config.
 IN_PROCESS = ["opt", "olmo", "nanochat", "openai-gpt", "gemma2", "cohere", "granite", "llama4_text", "qwen3_moe"]
+IN_PROCESS += ["rwkv", "bamba", "dbrx", "kimi_linear", "mllama"]
 
 
 @pytest.mark.parametrize("model_type", IN_PROCESS)
 def test_flush_in_one_process_equals_one_device(model_type):
     assert flush_in_one_process(model_type) <= 1e-5
+
+
+def test_the_zoos_skip_rules_are_read_from_the_class_not_a_list_of_names():
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as mapping
+
+    def reason(model_type):
+        return skip_reason(model_type, mapping[model_type]) or ""
+
+    for bert_like in ["bert", "electra", "roformer", "big_bird", "xmod"]:  # is_decoder defaults to False
+        assert "BERT family" in reason(bert_like), bert_like
+    for decoder in ["gpt2", "trocr", "llama", "rwkv", "mllama"]:  # gpt2 can cross-attend, trocr's is_decoder is False
+        assert reason(decoder) == "", decoder
+    assert "the row of llama4_text" in reason("llama4")  # the same class, built from the composite's text part
+    assert "shared_kv_states" in reason("gemma4_assistant")
 
 
 ON_PROCESSES = ["deepseek_v2", "gemma2"]  # complex side inputs on the wire (untied); soft-capping, tied
