@@ -10,17 +10,26 @@ model's compute is serialized and every millisecond of host overhead shows):
   defaults (progress bar, CSV logger at ``log_every_n_steps=50``, model summary), validation and
   checkpointing off (their cost is not per micro-batch), fed the same list of batches as the bare
   runtime (a ``DataLoader(batches, batch_size=None)``: no collation, so data loading is equal);
-- ``bare``: the same stages (same layers, split and optimizer: the module's own
-  ``configure_optimizers``, its groups and hyper-parameters; the LR schedule is not stepped) in a
-  `LocalPipeline`, fed in a Python loop.
+- ``bare``: the same runtime's ``feed`` called from a plain Python loop.
 
-Both variants run in interleaved rounds (order alternating per round) at each N; tokens/s is taken
-between window ends after ``--warm`` windows. For the Trainer the time spent inside the runtime
-(``feed``/``drain``) is also clocked, so *outside* = the Lightning layer (loop, hooks, logging,
-progress bar, batch fetch), per micro-batch, in ms; the report says which Lightning calls that is
-from a cProfile of one more Trainer segment (``--profile``).
+``--method interleaved`` (the default): ONE Trainer fit in which blocks of ``--block-windows`` windows
+driven by the Trainer alternate with bare blocks on the very same `LocalPipeline` (same stage objects,
+layers, optimizer states), seconds apart: a callback drains the pipeline at the end of each Trainer block,
+feeds the same batches to the runtime's own ``feed`` in a loop, drains again and lets the Trainer go on.
+Each block is timed from its first window end (both pay the same warm-up after a drain) to its last; one
+pair per round. Until this method, the variants were separate runs (``--method separate``: a Trainer fit
+and a bare pipeline of its own per round, its LR schedule not stepped, order alternating), and their CPU
+per micro-batch *inside the runtime* differed by up to 20% either way between rounds: different objects
+built at different times on a VM whose speed depends on what ran before (the allocator's state, caches).
+The interleaved pairs see the same objects under the same conditions, so what differs is what the
+Trainer runs around ``feed`` and whatever that costs inside it.
 
-    python -m benchmarks.lightning_overhead                 # ~4 minutes on 2 cores
+For the Trainer the time spent inside the runtime (``feed``/``drain``) is also clocked, so *outside* = the
+Lightning layer (loop, hooks, logging, progress bar, batch fetch), per micro-batch, in ms; the report
+lists the Python functions that time is spent in (self time, the pipeline's compute left out) from a
+cProfile of one more Trainer run.
+
+    python -m benchmarks.lightning_overhead                 # ~2 minutes on 2 cores
     python -m benchmarks.lightning_overhead --quick         # smoke run
 """
 
@@ -151,11 +160,80 @@ def run_bare(args: argparse.Namespace, batches: list[Any], accumulate: int) -> d
     return _segment(clock, args, accumulate)
 
 
-def _segment(clock: _Clock, args: argparse.Namespace, accumulate: int) -> dict[str, Any]:
-    lo = args.warm - 1
-    (w1, c1), (w0, c0) = clock.marks[-1], clock.marks[lo]
-    (iw1, ic1), (iw0, ic0) = clock.inside[-1], clock.inside[lo]
-    microbatches = (len(clock.marks) - 1 - lo) * accumulate
+def run_interleaved(args: argparse.Namespace, batches: list[Any], accumulate: int) -> list[dict[str, Any]]:
+    """One Trainer fit whose blocks of ``--block-windows`` windows alternate with bare blocks on the SAME
+    runtime: at the end of each Trainer block a callback drains the pipeline and feeds the same batches to
+    the runtime's own ``feed`` in a plain loop, then drains again and lets the Trainer go on.
+
+    Separate runs (`run_trainer` against `run_bare`) compare different stage objects, built at different
+    times, on a machine whose speed drifts between segments and depends on what ran before (the allocator's
+    state, caches): in one process their CPU per micro-batch *inside the runtime* differed by up to 20% with
+    the roles swapping between rounds. Here both variants run the same layers, optimizer states and
+    runtime objects, seconds apart, so what differs is what the Trainer runs around ``feed``: the Lightning
+    layer, and any slowdown it causes inside the runtime. Each block is timed from its first window end (the
+    drain before it costs both the same warm-up) to its last; returns one {"trainer", "bare"} pair per block,
+    the first pair (setup) dropped."""
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from lit_efficient import PACIStrategy
+
+    windows = args.block_windows
+    block = windows * accumulate
+    pairs: list[dict[str, Any]] = []
+
+    class Interleave(L.Callback):
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            self.runtime = trainer.strategy.runtime
+            self.feed, self.drain = self.runtime.feed, self.runtime.drain  # the bare loop's calls
+            self.clock = _Clock(accumulate)
+            self.runtime.feed = lambda *a, **k: self.clock.timed(self.feed)(*a, **k)
+            self.runtime.drain = lambda *a, **k: self.clock.timed(self.drain)(*a, **k)
+            self.blocks = 0
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            if (batch_idx + 1) % accumulate:
+                return
+            self.clock.mark()
+            if len(self.clock.marks) < windows:
+                return
+            timed = _segment(self.clock, args, accumulate, lo=0)
+            self.drain()
+            own = batches[batch_idx + 1 - block : batch_idx + 1]
+            clock = _Clock(accumulate)
+            start = (1 + self.blocks) * 10 * len(batches)  # indices no Trainer batch has, window-aligned
+            for i, micro in enumerate(own):
+                self.feed(micro, start + i)
+                if (i + 1) % accumulate == 0:
+                    clock.mark()
+            self.drain()
+            if self.blocks:  # the first Trainer block holds the fit's set-up
+                pairs.append({"trainer": timed, "bare": _segment(clock, args, accumulate, lo=0)})
+            self.blocks += 1
+            self.clock = _Clock(accumulate)
+
+    steps = len(batches) // accumulate
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=steps, accumulate_grad_batches=accumulate,
+        strategy=PACIStrategy(pipeline_stages=args.stages, schedule=args.schedule), callbacks=[Interleave()],
+        logger=L.pytorch.loggers.CSVLogger(str(RESULTS / "lightning_overhead_logs")), enable_checkpointing=False,
+        limit_val_batches=0, num_sanity_val_steps=0,
+    )  # fmt: skip
+    # The bare blocks step the optimizers too: a schedule twice as long keeps the learning rate in its range.
+    trainer.fit(build_model(args, 2 * steps), train_dataloaders=DataLoader(batches, batch_size=None))
+    return pairs
+
+
+def _segment(
+    clock: _Clock, args: argparse.Namespace, accumulate: int, lo: int | None = None, hi: int = -1
+) -> dict[str, Any]:
+    """Throughput and CPU between window-end marks ``lo`` and ``hi`` (default: after the warm windows, to
+    the last)."""
+    lo = args.warm - 1 if lo is None else lo
+    hi = hi % len(clock.marks)
+    (w1, c1), (w0, c0) = clock.marks[hi], clock.marks[lo]
+    (iw1, ic1), (iw0, ic0) = clock.inside[hi], clock.inside[lo]
+    microbatches = (hi - lo) * accumulate
     ms = 1e3 / microbatches
     timed_inside = iw1 > iw0  # the Trainer's runtime calls are clocked; the bare loop is all runtime
     return {
@@ -170,14 +248,16 @@ def _segment(clock: _Clock, args: argparse.Namespace, accumulate: int) -> dict[s
 
 
 def _top(profiler: cProfile.Profile, count: int = 25) -> list[str]:
-    """The Lightning-side functions by cumulative time, the runtime's own calls excluded."""
+    """The Python functions the Trainer path runs besides the pipeline, by their own (self) time: the model,
+    the runtime, torch and C built-ins (the micro-batch's compute, the same in the bare loop) left out, so
+    what remains is Lightning's loop, hooks, logging and progress bar, and the strategy's glue."""
     out = io.StringIO()
     stats = pstats.Stats(profiler, stream=out)
     rows = []
-    for (path, line, name), (_, calls, _, cumulative, _) in stats.stats.items():  # type: ignore[attr-defined]
-        if "lit_efficient/pipeline" in path or "torch/" in path:
+    for (path, line, name), (_, calls, own, _, _) in stats.stats.items():  # type: ignore[attr-defined]
+        if path == "~" or any(part in path for part in ("lit_efficient/pipeline", "lit_efficient/models", "torch/")):
             continue
-        rows.append((cumulative, calls, f"{path.split('site-packages/')[-1]}:{line}:{name}"))
+        rows.append((own, calls, f"{path.split('site-packages/')[-1]}:{line}:{name}"))
     return [f"{c * 1e3:8.1f} ms {n:6d} calls  {where}" for c, n, where in sorted(rows, reverse=True)[:count]]
 
 
@@ -185,7 +265,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="smoke run: 1 round, N in {2, 4}")
     p.add_argument("--accumulate", type=int, nargs="+", default=[2, 4, 8], help="values of N")
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument(
+        "--method", default="interleaved", choices=["interleaved", "separate"],
+        help="interleaved: Trainer and bare blocks alternate on the same runtime inside one fit (one pair per "
+        "round); separate: a Trainer fit and a bare pipeline of their own per round, order alternating",
+    )  # fmt: skip
+    p.add_argument("--rounds", type=int, default=5, help="pairs (interleaved) or rounds (separate) per N")
+    p.add_argument("--block-windows", type=int, default=4, help="interleaved: windows per block (the first warms)")
     p.add_argument("--stages", type=int, default=4)
     p.add_argument("--schedule", default="paci", choices=["paci", "1f1b_flush"])
     p.add_argument("--timed-microbatches", type=int, default=32)
@@ -214,14 +300,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     start, before = time.perf_counter(), machine()
     rows, raw = [], []
     for n in args.accumulate:
-        count = (args.warm + max(2, args.timed_microbatches // n)) * n
-        batches = build_batches(args, count)
         segments: dict[str, list[dict[str, Any]]] = {"trainer": [], "bare": []}
-        for r in range(args.rounds):
-            order = ("trainer", "bare") if r % 2 == 0 else ("bare", "trainer")
-            for variant in order:
-                run = run_trainer if variant == "trainer" else run_bare
-                segments[variant].append(run(args, batches, n))
+        if args.method == "interleaved":
+            batches = build_batches(args, (args.rounds + 1) * args.block_windows * n)
+            for pair in run_interleaved(args, batches, n):
+                for variant in segments:
+                    segments[variant].append(pair[variant])
+        else:
+            batches = build_batches(args, (args.warm + max(2, args.timed_microbatches // n)) * n)
+            for r in range(args.rounds):
+                order = ("trainer", "bare") if r % 2 == 0 else ("bare", "trainer")
+                for variant in order:
+                    run = run_trainer if variant == "trainer" else run_bare
+                    segments[variant].append(run(args, batches, n))
         pairs = list(zip(segments["trainer"], segments["bare"], strict=True))
         ratios = [t["tokens_per_s"] / b["tokens_per_s"] for t, b in pairs]
         profile = run_trainer(args, batches, n, profile=True)["profile"]
