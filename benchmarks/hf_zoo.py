@@ -377,12 +377,12 @@ def main(argv: list[str] | None = None) -> None:
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(1)
     types = args.types or list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
-    kept = json.loads(Path(args.json).read_text())["rows"] if args.update else []
-    rows = [r for r in kept if r["model_type"] not in types]
+    # With --update, a type's old row stays until its new one replaces it: a stopped run loses no row.
+    rows = json.loads(Path(args.json).read_text())["rows"] if args.update else []
     for model_type in types:
         with contextlib.redirect_stdout(io.StringIO()):
             row = classify(model_type, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
-        rows.append(row)
+        rows = [r for r in rows if r["model_type"] != model_type] + [row]
         print(
             f"{model_type:28s} {row['status']:18s} {row['max_diff']} {row['seconds']}s {row['reason'][:150]}",
             file=sys.stderr,
