@@ -39,6 +39,7 @@ import argparse
 import cProfile
 import io
 import logging
+import os
 import pstats
 import statistics
 import time
@@ -214,7 +215,7 @@ def run_interleaved(args: argparse.Namespace, batches: list[Any], accumulate: in
 
     steps = len(batches) // accumulate
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, max_steps=steps, accumulate_grad_batches=accumulate,
+        accelerator="cpu", devices=args.devices, max_steps=steps, accumulate_grad_batches=accumulate,
         strategy=PACIStrategy(pipeline_stages=args.stages, schedule=args.schedule), callbacks=[Interleave()],
         logger=L.pytorch.loggers.CSVLogger(str(RESULTS / "lightning_overhead_logs")), enable_checkpointing=False,
         limit_val_batches=0, num_sanity_val_steps=0,
@@ -273,6 +274,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=5, help="pairs (interleaved) or rounds (separate) per N")
     p.add_argument("--block-windows", type=int, default=4, help="interleaved: windows per block (the first warms)")
     p.add_argument("--stages", type=int, default=4)
+    p.add_argument(
+        "--devices", type=int, default=1,
+        help="1: every stage in one process; S (= --stages): one process per stage, Lightning launching them "
+        "(interleaved only: every rank runs its bare block at the same batch; rank 0, the last stage, reports)",
+    )  # fmt: skip
     p.add_argument("--schedule", default="paci", choices=["paci", "1f1b_flush"])
     p.add_argument("--timed-microbatches", type=int, default=32)
     p.add_argument("--warm", type=int, default=3, help="windows before timing starts")
@@ -285,6 +291,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="lightning_overhead.json")
     args = p.parse_args(argv)
+    if args.devices not in (1, args.stages) or (args.devices > 1 and args.method != "interleaved"):
+        p.error(f"--devices {args.devices}: use 1, or --stages ({args.stages}) with --method interleaved")
     if args.quick:
         args.rounds, args.accumulate, args.timed_microbatches = 1, [2, 4], 8
         if args.out == "lightning_overhead.json":
@@ -315,7 +323,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     segments[variant].append(run(args, batches, n))
         pairs = list(zip(segments["trainer"], segments["bare"], strict=True))
         ratios = [t["tokens_per_s"] / b["tokens_per_s"] for t, b in pairs]
-        profile = run_trainer(args, batches, n, profile=True)["profile"]
+        # The profile's Trainer runs in one process: on processes, the layer's functions are the same.
+        profile = run_trainer(args, batches, n, profile=True)["profile"] if args.devices == 1 else []
         # CPU time per micro-batch, bare over Trainer: the throughput ratio if the machine were quiet
         # (one thread does all the work here, so CPU time is the work, not the waiting).
         cpu_ratios = [b["cpu_ms_per_microbatch"] / t["cpu_ms_per_microbatch"] for t, b in pairs]
@@ -333,6 +342,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         })  # fmt: skip
         raw.append(segments)
         row = rows[-1]
+        if os.environ.get("LOCAL_RANK", "0") != "0":
+            continue  # a rank Lightning launched: rank 0 reports
         print(
             f"N={n}: Trainer/bare wall {row['ratio_median']:.3f} (rounds {', '.join(f'{x:.3f}' for x in ratios)}), "
             f"CPU {row['cpu_ratio_median']:.3f} (rounds {', '.join(f'{x:.3f}' for x in cpu_ratios)}); "
@@ -342,6 +353,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
         print("\n".join(profile[:12]), flush=True)
     payload = envelope("lightning_overhead", args.quick, before, vars(args), start, rows=rows, raw=raw)
+    if os.environ.get("LOCAL_RANK", "0") != "0":  # a rank Lightning launched: its pairs are not rank 0's
+        return payload
     path = write_json(args.out, payload)
     print(f"wrote {path} in {payload['wall_seconds']:.0f} s; load {before['loadavg']} -> {payload['loadavg_end']}")
     return payload
