@@ -209,7 +209,7 @@ ROWS: list[Row] = [
     Row("gradient-norm clipping under 1f1b_flush", trainer=dict(gradient_clip_val=0.1), processes=True,
         tolerance=1e-7,
         note="the global norm: the stages' squared norms summed (an all-reduce on processes, vs one device to "
-        "1e-7; among the stages in one process); refused in one process with a weight tied across stages"),
+        "1e-7; among the stages in one process, a weight tied across stages too: tests/test_clipping.py)"),
     Row("gradient-norm clipping under paci",
         how=DOCUMENTED + "each stage clips its own norm, said once at setup", trainer=dict(gradient_clip_val=0.1),
         schedule="paci", exact=False, check=_clips_per_stage, note="issue 22 item 6; flush clips the global norm"),

@@ -96,8 +96,15 @@ class LocalPipeline:
         return self.runtimes[-1].last_loss
 
     def drain(self, step_partial_window: bool = False) -> None:
-        """Finish every micro-batch in flight on every stage (see `PipelineRuntime.drain`)."""
-        self._call_every_stage(lambda rt: rt.drain(step_partial_window))
+        """Finish every micro-batch in flight on every stage (see `PipelineRuntime.drain`).
+
+        The last stage gets the call first. A partial window's step is the only one the last stage does not
+        reach first by itself (its backwards ran at the feeds; stage 0's last one can run once it is called),
+        and under flush with a tied weight and norm clipping stage 0 must not be inside its step first: it
+        would wait there for the last stage's tied gradient, which then could not complete its own step
+        without stage 0's squared norm (`LocalStageSum`). The order changes no number.
+        """
+        self._call_every_stage(lambda rt: rt.drain(step_partial_window), last_first=True)
 
     def run_others_until(self, done: Callable[[], bool], what: str) -> None:
         """Called from inside a stage's action that needs ``what`` from another stage: give every stage that
@@ -166,8 +173,9 @@ class LocalPipeline:
 
     # -- internals ------------------------------------------------------------------------------------
 
-    def _call_every_stage(self, call: Callable[[PipelineRuntime], None]) -> None:
-        self._calls = dict.fromkeys(range(len(self.runtimes)), call)
+    def _call_every_stage(self, call: Callable[[PipelineRuntime], None], last_first: bool = False) -> None:
+        order = range(len(self.runtimes))
+        self._calls = dict.fromkeys(reversed(order) if last_first else order, call)  # given in this order
         self._settle()
 
     @contextmanager
@@ -183,8 +191,8 @@ class LocalPipeline:
         ``done()``); a round in which none runs while something is still awaited is a deadlock."""
         while done is None or not done():
             free = [rt for rt in self.runtimes if all(rt is not a for a in self._acting)]
-            called = [rt for rt in free if rt.stage.stage in self._calls]
-            for rt in called:  # stage order, as processes would each get it
+            called = [self.runtimes[s] for s in self._calls if self.runtimes[s] in free]
+            for rt in called:  # in the order of `_calls` (stage order, or the last stage first)
                 call = self._calls.pop(rt.stage.stage, None)
                 if call is not None:  # a stage waiting inside its call may have given it already
                     with self._turn(rt):
@@ -216,8 +224,11 @@ class LocalStageSum:
 
     Each stage's k-th `all_reduce` joins the k-th round; a stage whose round is not complete calls `wait`
     (`LocalPipeline.run_others_until`, set by the driver), so the other stages take their turns until they
-    have contributed. Every stage gets the same sum, added in the order of ``ranks`` (the stages in the
-    order of their ranks on processes: with two stages the sum equals gloo's bit for bit; with more it may
+    have contributed. A stage may `post` its contribution before it has to wait for anything else (the last
+    stage's squared norm, before it waits for stage 0's tied gradient: stage 0's step, run while the last
+    stage waits, needs that norm); its next `all_reduce` then only waits and reads.
+    Every stage gets the same sum, added in the order of ``ranks`` (the stages in the order of their ranks on
+    processes: with two stages the sum equals gloo's bit for bit; with more it may
     differ from it in the last bit, as gloo's own order is its algorithm's).
 
     Args:
@@ -229,14 +240,29 @@ class LocalStageSum:
         self._rounds: dict[int, dict[int, Tensor]] = {}  # round -> the stages' contributions so far
         self._calls = dict.fromkeys(self.ranks, 0)  # stage -> rounds it has joined
         self._read: dict[int, int] = {}  # round -> stages that have read its sum
+        self._posted: dict[int, int] = {}  # stage -> the round it has posted to and not yet read
         self.wait: Callable[[Callable[[], bool], str], None] | None = None
 
-    def all_reduce(self, stage: int, t: Tensor) -> None:
-        """Sum ``t`` in place with the other stages' tensors of the same round (waiting for them if needed)."""
+    def post(self, stage: int, t: Tensor) -> None:
+        """Contribute ``t`` to ``stage``'s next round without waiting; its next `all_reduce` reads the sum."""
+        if stage in self._posted:
+            raise RuntimeError(f"stage {stage} posted to round {self._posted[stage]} twice without reading it")
         k = self._calls[stage]
         self._calls[stage] += 1
-        contributions = self._rounds.setdefault(k, {})
-        contributions[stage] = t.detach().clone()
+        self._rounds.setdefault(k, {})[stage] = t.detach().clone()
+        self._posted[stage] = k
+
+    def has_posted(self, stage: int) -> bool:
+        """Whether ``stage`` has posted to a round it has not read yet (its next `all_reduce` only reads)."""
+        return stage in self._posted
+
+    def all_reduce(self, stage: int, t: Tensor) -> None:
+        """Sum ``t`` in place with the other stages' tensors of the same round (waiting for them if needed); after
+        a `post`, the posted tensor is this stage's contribution and ``t`` only receives the sum."""
+        if stage not in self._posted:
+            self.post(stage, t)
+        k = self._posted.pop(stage)
+        contributions = self._rounds[k]
         if len(contributions) < len(self.ranks):
             if self.wait is None:
                 raise RuntimeError("a stage sum waits for other stages and nothing runs them (LocalStageSum.wait)")

@@ -25,11 +25,12 @@ done S times in one, through the process path's own pieces:
 
 - gradient-norm clipping under ``1f1b_flush`` clips the global norm as on processes: each stage's step
   sums the stages' squared norms through `pipeline.local.LocalStageSum` (the collective's stand-in), the
-  other stages taking their turns while one waits inside its step, as for a tied weight.
+  other stages taking their turns while one waits inside its step, as for a tied weight. With a weight
+  tied between the first and the last stage, the last stage posts its squared norm before it waits for
+  the tied gradient (`LocalStepHooks._post_norm_before_tied_exchange`), and a drain calls the last stage
+  first, so it is the one to enter a step first: stage 0 then completes its step inside that wait.
 
-Not supported in one process: LocalSGD/DiLoCo (one replica), and flush's norm clipping together with a
-weight tied between the first and the last stage (each of the two stages would wait inside its step for
-the other: the tied gradient, the norm).
+Not supported in one process: LocalSGD/DiLoCo (one replica).
 """
 
 from __future__ import annotations
@@ -140,17 +141,6 @@ class InProcessPipeline:
             # the stages themselves (the others take their turns while one waits inside its step).
             topo = Topology(num_stages)
             exact_norm = clips_norm and s.schedule == "1f1b_flush" and num_stages > 1
-            if exact_norm and ties:
-                # The last stage's step waits for the first stage's tied gradient, and the first stage's
-                # step then waits for the last stage's squared norm: two stages waiting inside their
-                # steps for each other, which one process taking turns cannot untangle (S processes can).
-                raise ValueError(
-                    "gradient_clip_algorithm='norm' under schedule='1f1b_flush' with a weight tied between the "
-                    "first and the last stage cannot run in one process: each of the two stages' steps waits for "
-                    "the other's (the tied gradient, the global norm). Use devices="
-                    f"{num_stages} (one process per stage), gradient_clip_algorithm='value', or schedule='paci' "
-                    "(each stage clips its own norm)."
-                )
             s._local_stage_sum = LocalStageSum([topo.stage_of(r) for r in range(num_stages)]) if exact_norm else None
             s._was_automatic = module.automatic_optimization
             module.automatic_optimization = False
@@ -184,6 +174,8 @@ class InProcessPipeline:
                 end = self.tie_link.end(stage_index == 0)
                 delay = tie_delay(num_stages, accumulate)
                 self.tied[stage_index] = tie_stage(stage, s._split, s.schedule, delay, end)
+                if s._local_stage_sum is not None and stage.is_last:
+                    s._post_norm_before_tied_exchange(stage)  # else its step and stage 0's wait for each other
             stages.append(stage)
         if fitting:
             self.optimizers, self.scheduler_configs = optimizers, configs

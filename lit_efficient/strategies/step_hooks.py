@@ -125,10 +125,11 @@ class LocalStepHooks:
                         torch.nn.utils.clip_grad_norm_([p], value)
                 params = [p for p in params if not is_tied(p)]
             grads = [p.grad for p in params if p.grad is not None]
-            squared = torch.zeros(1, device=self.root_device, dtype=torch.float32)
-            for p in params:
-                if p.grad is not None and counted_in_global_norm(p):
-                    squared += p.grad.detach().float().pow(2).sum()
+            if local_sum is not None and local_sum.has_posted(stage_index):
+                # Posted before its tied exchange (`_post_norm_before_tied_exchange`): the sum is read into it.
+                squared = torch.zeros(1, device=self.root_device, dtype=torch.float32)
+            else:
+                squared = _squared_norm(params, self.root_device)
             if replicas is not None:
                 all_reduce_flat([squared], replicas)
             if exact:
@@ -140,6 +141,26 @@ class LocalStepHooks:
                 g.mul_(scale.to(g.dtype))
 
         return clip_norm
+
+    def _post_norm_before_tied_exchange(self, stage: PipelineStage) -> None:
+        """In one process under flush with norm clipping, on the last stage of a tied weight: put its squared norm
+        into the stages' sum (`LocalStageSum.post`) before it waits for stage 0's tied gradient.
+
+        While the last stage waits there, stage 0 runs its own step, whose clipping needs every stage's squared
+        norm; the last stage could only give its own after the wait, so both would wait for each other. Posting
+        it first is exact: the last stage's copy of a tied weight is not counted in the norm (stage 0's copy
+        counts the combined gradient once, `counted_in_global_norm`), so the exchange changes nothing the last
+        stage's part sums. On processes the order stays exchange, then norm (two blocking collectives must come
+        in one order on every rank); the numbers are the same.
+        """
+        local_sum, exchange = self._local_stage_sum, stage.exchange_tied
+        assert local_sum is not None and exchange is not None and stage.is_last
+
+        def post_then_exchange() -> None:
+            local_sum.post(stage.stage, _squared_norm(list(stage.parameters()), self.root_device))
+            exchange()
+
+        stage.exchange_tied = post_then_exchange
 
     def _replace_sigterm_barrier(self, trainer: Trainer) -> None:
         """Make Lightning's per-batch SIGTERM broadcast asynchronous, lagged, and once per window.
@@ -175,6 +196,15 @@ class LocalStepHooks:
                     raise SIGTERMException()
 
         loop._broadcast_sigterm_tensor = broadcast_sigterm
+
+
+def _squared_norm(params: list[torch.nn.Parameter], device: torch.device) -> Tensor:
+    """The squared norm ``params`` add to a pipeline-wide gradient norm (a tied weight's second copy not counted)."""
+    squared = torch.zeros(1, device=device, dtype=torch.float32)
+    for p in params:
+        if p.grad is not None and counted_in_global_norm(p):
+            squared += p.grad.detach().float().pow(2).sum()
+    return squared
 
 
 class _SchedulerGroup:
