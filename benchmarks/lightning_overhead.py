@@ -100,7 +100,11 @@ class _Clock:
         self.inside.append(self._inside)
 
 
-def run_trainer(args: argparse.Namespace, batches: list[Any], accumulate: int, profile: bool = False) -> dict[str, Any]:
+def run_trainer(
+    args: argparse.Namespace, batches: list[Any], accumulate: int, profile: bool = False, one_device: bool = False
+) -> dict[str, Any]:
+    """A Trainer fit timed between window ends; ``one_device``: plain Lightning, no pipeline (the profile's
+    reference: what Lightning's loop costs per batch without PACIStrategy)."""
     import lightning as L
     from torch.utils.data import DataLoader
 
@@ -111,8 +115,9 @@ def run_trainer(args: argparse.Namespace, batches: list[Any], accumulate: int, p
 
     class Clocked(L.Callback):
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-            runtime = trainer.strategy.runtime
-            runtime.feed, runtime.drain = clock.timed(runtime.feed), clock.timed(runtime.drain)
+            if not one_device:
+                runtime = trainer.strategy.runtime
+                runtime.feed, runtime.drain = clock.timed(runtime.feed), clock.timed(runtime.drain)
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             if (batch_idx + 1) % accumulate == 0:
@@ -121,16 +126,20 @@ def run_trainer(args: argparse.Namespace, batches: list[Any], accumulate: int, p
                     profiler.enable()
 
     steps = len(batches) // accumulate
+    pipelined = {} if one_device else dict(strategy=PACIStrategy(pipeline_stages=args.stages, schedule=args.schedule))
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, max_steps=steps, accumulate_grad_batches=accumulate,
-        strategy=PACIStrategy(pipeline_stages=args.stages, schedule=args.schedule), callbacks=[Clocked()],
+        accelerator="cpu", devices=1, max_steps=steps, accumulate_grad_batches=accumulate, callbacks=[Clocked()],
+        **pipelined,
         logger=L.pytorch.loggers.CSVLogger(str(RESULTS / "lightning_overhead_logs")), enable_checkpointing=False,
         limit_val_batches=0, num_sanity_val_steps=0,
     )  # fmt: skip
     trainer.fit(build_model(args, steps), train_dataloaders=DataLoader(batches, batch_size=None))
     if profiler is not None:
         profiler.disable()
-    return _segment(clock, args, accumulate) | ({"profile": _top(profiler)} if profiler is not None else {})
+    if profiler is None:
+        return _segment(clock, args, accumulate)
+    timed = (len(clock.marks) - args.warm) * accumulate
+    return _segment(clock, args, accumulate) | {"profile": _top(profiler), "owners": _owners(profiler, timed)}
 
 
 def run_bare(args: argparse.Namespace, batches: list[Any], accumulate: int) -> dict[str, Any]:
@@ -262,6 +271,27 @@ def _top(profiler: cProfile.Profile, count: int = 25) -> list[str]:
     return [f"{c * 1e3:8.1f} ms {n:6d} calls  {where}" for c, n, where in sorted(rows, reverse=True)[:count]]
 
 
+# Who runs a function, by its file: the Lightning loop around a batch (and the libraries it calls), the
+# strategy's own glue, or the micro-batch's compute (model, pipeline runtime, torch, C built-ins).
+OWNERS = {
+    "lightning": ("lightning/", "lightning_utilities/", "rich/", "tqdm/", "torchmetrics/"),
+    "strategy": ("lit_efficient/strategies", "lit_efficient/callbacks", "lit_efficient/progress"),
+    "compute": ("lit_efficient/pipeline", "lit_efficient/models", "torch/", "~"),
+}
+
+
+def _owners(profiler: cProfile.Profile, microbatches: int) -> dict[str, float]:
+    """Self time per micro-batch (ms) by `OWNERS`; "python" is the standard library, whoever called it
+    (inspect, contextlib, copy: mostly Lightning's hook plumbing). Inflated by the profiler: compare the
+    pipeline's row with one device's, not with the clocks."""
+    stats = pstats.Stats(profiler)
+    owners = dict.fromkeys([*OWNERS, "python"], 0.0)
+    for (path, _, _), (_, _, own, _, _) in stats.stats.items():  # type: ignore[attr-defined]
+        owner = next((o for o, parts in OWNERS.items() if any(part in path for part in parts)), "python")
+        owners[owner] += own * 1e3 / microbatches
+    return owners
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="smoke run: 1 round, N in {2, 4}")
@@ -324,7 +354,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         pairs = list(zip(segments["trainer"], segments["bare"], strict=True))
         ratios = [t["tokens_per_s"] / b["tokens_per_s"] for t, b in pairs]
         # The profile's Trainer runs in one process: on processes, the layer's functions are the same.
-        profile = run_trainer(args, batches, n, profile=True)["profile"] if args.devices == 1 else []
+        profiled = run_trainer(args, batches, n, profile=True) if args.devices == 1 else {"profile": [], "owners": {}}
+        profile = profiled["profile"]
+        # The same under plain one-device Lightning: the floor any Lightning user pays per batch.
+        floor = run_trainer(args, batches, n, profile=True, one_device=True)["owners"] if args.devices == 1 else {}
         # CPU time per micro-batch, bare over Trainer: the throughput ratio if the machine were quiet
         # (one thread does all the work here, so CPU time is the work, not the waiting).
         cpu_ratios = [b["cpu_ms_per_microbatch"] / t["cpu_ms_per_microbatch"] for t, b in pairs]
@@ -338,7 +371,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "trainer_ms": med("ms_per_microbatch"), "bare_ms": med("ms_per_microbatch", "bare"),
             "trainer_cpu_ms": med("cpu_ms_per_microbatch"), "bare_cpu_ms": med("cpu_ms_per_microbatch", "bare"),
             "outside_ms": med("outside_ms_per_microbatch"), "outside_cpu_ms": med("outside_cpu_ms_per_microbatch"),
-            "profile": profile,
+            "profile": profile, "self_ms_per_microbatch": {"pipeline": profiled["owners"], "one_device": floor},
         })  # fmt: skip
         raw.append(segments)
         row = rows[-1]
@@ -351,6 +384,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"Lightning layer {row['outside_cpu_ms']:.2f} (wall {row['outside_ms']:.2f})",
             flush=True,
         )
+        if floor:
+            owned = ", ".join(f"{o} {profiled['owners'][o]:.2f} / {floor[o]:.2f}" for o in floor)
+            print(f"  self ms per micro-batch under cProfile, pipeline / one device: {owned}", flush=True)
         print("\n".join(profile[:12]), flush=True)
     payload = envelope("lightning_overhead", args.quick, before, vars(args), start, rows=rows, raw=raw)
     if os.environ.get("LOCAL_RANK", "0") != "0":  # a rank Lightning launched: its pairs are not rank 0's
