@@ -10,6 +10,8 @@ reproduce is refused with the reason.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -126,6 +128,55 @@ def test_what_the_chain_cannot_reproduce_is_refused_with_the_reason():
     config = transformers.AutoConfig.for_model("t5", d_model=16, d_ff=32, num_layers=1, num_heads=2, vocab_size=64)
     with pytest.raises(ValueError, match="not a decoder-only"):
         HFCausalLM(transformers.T5ForConditionalGeneration(config))
+
+
+# Configs whose Hugging Face loss adds a term to the cross-entropy (refused: the value, the fix), and the same
+# families with the term's weight at 0 (accepted). Two MoE families with the usual coefficient name, JetMoE with
+# its own, DBRX's in a sub-config, Bamba's z-loss on the logits.
+ADDED_LOSS = {
+    "mixtral": (dict(output_router_logits=True), "output_router_logits=True, router_aux_loss_coef=0.001"),
+    "qwen2_moe": (dict(output_router_logits=True, router_aux_loss_coef=0.5), "router_aux_loss_coef=0.5"),
+    "jetmoe": (dict(output_router_logits=True), "output_router_logits=True, aux_loss_coef=0.01"),
+    "dbrx": (dict(output_router_logits=True), "output_router_logits=True, ffn_config.moe_loss_weight=0.01"),
+    "bamba": (dict(z_loss_coefficient=0.1), "z_loss_coefficient=0.1"),
+}
+NO_ADDED_LOSS = {
+    "mixtral": dict(output_router_logits=True, router_aux_loss_coef=0.0),
+    "jetmoe": dict(output_router_logits=True, aux_loss_coef=0.0),
+    "bamba": {},
+}
+
+
+def _hf_loss_and_ours(model: nn.Module) -> tuple[float, float]:
+    """Hugging Face's own training loss and HFCausalLM's (the cross-entropy of the logits) on one batch."""
+    ids = batches(1)[0][0]
+    model.train()
+    with torch.no_grad():
+        out = model(input_ids=ids, labels=ids, use_cache=False)
+        # Any HFCausalLM's pipeline_loss: it reads the logits and the batch only.
+        ours, _ = HFCausalLM(build("llama")).pipeline_loss(out.logits, {"input_ids": ids})
+    return out.loss.item(), ours.item()
+
+
+@pytest.mark.parametrize("model_type", list(ADDED_LOSS))
+def test_a_loss_term_hf_adds_to_the_cross_entropy_is_refused_naming_the_value_and_the_fix(model_type):
+    overrides, values = ADDED_LOSS[model_type]
+    model = build(model_type, **overrides)
+    if model_type == "dbrx":  # a sub-config's value: tiny_config's overrides reach the top level only
+        assert model.config.ffn_config.moe_loss_weight == 0.01
+    hf, ours = _hf_loss_and_ours(model)
+    assert abs(hf - ours) > 1e-4 * abs(ours)  # the term is there: training HFCausalLM's loss would differ
+    fix = "z_loss_coefficient=0" if model_type == "bamba" else "output_router_logits=False"
+    with pytest.raises(ValueError, match=rf"{re.escape(values)}.*adds it on no path.*{fix}"):
+        HFCausalLM(model)
+
+
+@pytest.mark.parametrize("model_type", list(NO_ADDED_LOSS))
+def test_the_same_families_without_the_term_are_accepted_and_hfs_loss_is_ours(model_type):
+    model = build(model_type, **NO_ADDED_LOSS[model_type])
+    hf, ours = _hf_loss_and_ours(model)
+    assert hf == pytest.approx(ours, rel=1e-6)
+    HFCausalLM(model)
 
 
 # Flush in one process against one device: tied and untied heads, the structures above and the logit scales;

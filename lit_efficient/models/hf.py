@@ -86,6 +86,57 @@ def load_hf_model(model: Any, vocab_size: int | None = None, attn_implementation
     )
 
 
+def check_loss_is_cross_entropy(model: nn.Module) -> None:
+    """Refuse, naming the config values and the fix, a model whose Hugging Face loss adds a term to the
+    cross-entropy of the logits, which is all `HFCausalLM` trains (on one device and pipelined alike).
+
+    Read from the config and its sub-configs by the names transformers 5.24 uses, not from a list of models:
+    a mixture-of-experts router's auxiliary (load-balancing) loss is added when ``output_router_logits`` is
+    on and its weight is nonzero (``router_aux_loss_coef``: Mixtral, Qwen2-MoE, OLMoE, Jamba, GraniteMoE, ...,
+    a composite's in its ``text_config``; JetMoE's ``aux_loss_coef``; DBRX's ``ffn_config.moe_loss_weight``),
+    a z-loss on the logits whenever its weight is nonzero (Bamba's ``z_loss_coefficient``). A model whose
+    forward ignores the flag (Llama-4) is refused too: turning the flag off costs it nothing."""
+    weights: dict[str, float] = {}
+    router = False
+
+    def walk(values: Mapping[str, Any], prefix: str) -> None:
+        nonlocal router
+        for key, value in ((str(k), v) for k, v in values.items()):  # id2label's keys are ints
+            if isinstance(value, Mapping):
+                walk(value, f"{prefix}{key}.")
+            elif key == "output_router_logits":
+                router = router or bool(value)
+            elif (
+                "loss" in key
+                and ("coef" in key or "weight" in key)
+                and isinstance(value, (int, float))
+                and not isinstance(value, bool)
+                and value != 0
+            ):
+                weights[f"{prefix}{key}"] = value
+
+    walk(model.config.to_dict(), "")
+    z_loss = {k: v for k, v in weights.items() if "z_loss" in k}
+    aux = {k: v for k, v in weights.items() if k not in z_loss} if router else {}
+    arch = type(model).__name__
+    if aux:
+        found = ", ".join(f"{k}={v}" for k, v in {"output_router_logits": True, **aux}.items())
+        raise ValueError(
+            f"HFCausalLM({arch}): its config has {found}, so Hugging Face's own loss adds the router's auxiliary "
+            "(load-balancing) loss to the cross-entropy. HFCausalLM adds it on no path (one device, DDP or "
+            "pipelined: its loss is the cross-entropy of the logits), so it would train a different objective. "
+            "Build the model with output_router_logits=False (the config's default) to train the cross-entropy "
+            "alone, or train it with its auxiliary loss elsewhere."
+        )
+    if z_loss:
+        found = ", ".join(f"{k}={v}" for k, v in z_loss.items())
+        raise ValueError(
+            f"HFCausalLM({arch}): its config has {found}, so Hugging Face's own loss adds a z-loss on the logits to "
+            "the cross-entropy. HFCausalLM adds it on no path, so it would train a different objective. Build the "
+            f"model with {' and '.join(f'{k}=0' for k in z_loss)} (the config's default), or train it elsewhere."
+        )
+
+
 # ----------------------------------------------------------------------------- structure
 
 
@@ -549,6 +600,7 @@ class HFCausalLM(LightningModule):
         self.save_hyperparameters(ignore=["model"])
         # A plain value, so a checkpoint rebuilds the architecture (its weights come from the state dict).
         self.hparams["model"] = model if isinstance(model, (Mapping, str)) else self._config_dict()
+        check_loss_is_cross_entropy(self.model)  # before the structure: it is the user's setting to change
         find_structure(self.model)  # fail at construction for an architecture it cannot split
         config = self.model.config
         if vocab_size is not None and config.vocab_size < vocab_size:
