@@ -29,7 +29,9 @@ Lightning layer (loop, hooks, logging, progress bar, batch fetch), per micro-bat
 lists the Python functions that time is spent in (self time, the pipeline's compute left out) from a
 cProfile of one more Trainer run.
 
-    python -m benchmarks.lightning_overhead                 # ~2 minutes on 2 cores
+    python -m benchmarks.lightning_overhead                 # S=4 in one process, ~2 minutes on 2 cores
+    python -m benchmarks.lightning_overhead --devices 2 --stages 2 --layers 4 --dim 192 --block 128
+                                                            # S=2 processes, trainer_vs_torch_pipelining's GPT
     python -m benchmarks.lightning_overhead --quick         # smoke run
 """
 
