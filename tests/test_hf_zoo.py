@@ -130,6 +130,15 @@ def test_what_the_chain_cannot_reproduce_is_refused_with_the_reason():
         HFCausalLM(transformers.T5ForConditionalGeneration(config))
 
 
+def test_lists_of_num_hidden_layers_inside_one_layer_are_named_not_taken_for_the_stack():
+    """LongCat-Flash's num_hidden_layers counts two attention sublayers per decoder layer: the only lists of that
+    length are one layer's parts (the message named weights outside a stack found inside layer 0)."""
+    with pytest.raises(ValueError, match=r"only nn\.ModuleLists of config\.num_hidden_layers=2 modules \(model\.model"
+                       r"\.layers\.0\.self_attn, .*inside an element of another nn\.ModuleList \(model\.model\.layers"
+                       r"\.0, one of the 1 modules"):  # fmt: skip
+        HFCausalLM(build("longcat_flash"))
+
+
 # Configs whose Hugging Face loss adds a term to the cross-entropy (refused: the value, the fix), and the same
 # families with the term's weight at 0 (accepted). Two MoE families with the usual coefficient name, JetMoE with
 # its own, DBRX's in a sub-config, Bamba's z-loss on the logits.

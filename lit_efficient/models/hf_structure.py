@@ -84,6 +84,19 @@ def find_structure(model: nn.Module) -> Structure:
         raise ValueError(
             f"{want}: looked for an nn.ModuleList of config.num_hidden_layers={n_layers} decoder layers and found none."
         )
+    elements = {name: _element_of_a_list(model, name) for name, _ in lists}
+    if all(elements.values()):
+        # LongCat-Flash: num_hidden_layers counts the two attention sublayers of each decoder layer, so the only
+        # lists of that length are a layer's parts; taking one would split one layer's forward, not the stack.
+        outer, _, index = next(iter(elements.values())).rpartition(".")  # type: ignore[union-attr]
+        raise ValueError(
+            f"{want}: the only nn.ModuleLists of config.num_hidden_layers={n_layers} modules "
+            f"({', '.join(f'model.{name}' for name in elements)}) sit inside an element of another nn.ModuleList "
+            f"(model.{outer}.{index}, one of the {len(model.get_submodule(outer))} modules of model.{outer}): they "
+            f"are parts of one layer, not the decoder layers, and a split between them would cut that layer's "
+            f"forward in two. config.num_hidden_layers does not count model.{outer}'s layers here, so HFCausalLM "
+            "cannot tell which list holds the decoder layers."
+        )
     layers_path, _ = max(lists, key=lambda nm: sum(p.numel() for p in nm[1].parameters()))
     path, _, layers = layers_path.rpartition(".")
     if not path:
@@ -118,6 +131,17 @@ def find_structure(model: nn.Module) -> Structure:
         )
     embed = [c for c in children if c not in finals or c in before]
     return Structure(base, parent, base_name, path, embed, layers, finals, head, output_type, layer_returns)
+
+
+def _element_of_a_list(model: nn.Module, name: str) -> str | None:
+    """The element of another ``nn.ModuleList`` that module ``name`` sits inside (``layers.0`` for
+    ``layers.0.self_attn``), or None."""
+    parts = name.split(".")
+    for i in range(1, len(parts) - 1):
+        holder = ".".join(parts[:i])
+        if parts[i].isdigit() and isinstance(model.get_submodule(holder), nn.ModuleList):
+            return f"{holder}.{parts[i]}"
+    return None
 
 
 def _call_order(model: nn.Module, base: nn.Module, layers: str) -> tuple[list[str], type, int | None]:
