@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lit_efficient.pipeline.comm import PipelineCommError, PointToPoint
+from lit_efficient.pipeline.comm import PipelineCommError, PointToPoint, all_reduce_in_rank_order, sum_in_order
+from lit_efficient.pipeline.local import LocalStageSum
 from lit_efficient.pipeline.wire import WireFormat
 from tests.multiproc import spawn, values
 
@@ -116,3 +117,39 @@ def test_a_message_for_another_micro_batch_is_a_clear_error():
     message = spawn(_mismatch, 2, timeout=60)[1]["ok"]
     assert "expected activations of micro-batch 6" in message
     assert "received micro-batch 7" in message
+
+
+def _stage_sums(rank: int, world_size: int, cases: list[list[float]]) -> list[float]:
+    sums = []
+    for parts in cases:
+        t = torch.tensor([parts[rank]])
+        all_reduce_in_rank_order(t)
+        sums.append(t.item())
+    return sums
+
+
+def _local_stage_sums(parts: list[float]) -> list[float]:
+    local = LocalStageSum(list(range(len(parts))))
+    for s, p in enumerate(parts):
+        local.post(s, torch.tensor([p]))
+    sums = []
+    for s in range(len(parts)):
+        t = torch.zeros(1)
+        local.all_reduce(s, t)
+        sums.append(t.item())
+    return sums
+
+
+@pytest.mark.parametrize("stages", [3, 4])
+def test_stage_sum_on_processes_equals_one_process_bit_for_bit(stages):
+    """Flush's norm clipping sums the stages' squared norms: `all_reduce_in_rank_order` on processes,
+    `LocalStageSum` in one process. With one number 1 (on each stage in turn) and the others 2**-24 the
+    sum's last bit depends on the order (1 + 2**-24 rounds back to 1, 2**-24 + 2**-24 does not); gloo's
+    all-reduce, which the processes used before, gave 1 + 2**-23 where one process gives 1 for some of
+    these placements (a different clipping scale in one process than on processes)."""
+    cases = [[1.0 if s == big else 2.0**-24 for s in range(stages)] for big in range(stages)]
+    orders = {sum_in_order([torch.tensor([p]) for p in parts]).item() for parts in cases}
+    assert len(orders) > 1  # the order matters for these numbers
+    here = [_local_stage_sums(parts) for parts in cases]
+    on_processes = values(spawn(_stage_sums, stages, cases, timeout=120))  # per rank, per case
+    assert [list(case) for case in zip(*on_processes, strict=True)] == here

@@ -53,6 +53,33 @@ def all_reduce_flat(tensors: Sequence[Tensor], group: dist.ProcessGroup | None =
     return _flat_in_place(tensors, all_reduce)
 
 
+def sum_in_order(parts: Sequence[Tensor]) -> Tensor:
+    """``parts[0] + parts[1] + ...``, added left to right: the one order both transports sum a pipeline's stages in."""
+    total = parts[0].clone()
+    for part in parts[1:]:
+        total += part
+    return total
+
+
+def all_reduce_in_rank_order(t: Tensor, group: dist.ProcessGroup | None = None) -> None:
+    """Sum ``t`` in place across ``group``, adding the ranks' tensors in rank order (`sum_in_order`).
+
+    An all-reduce adds in its algorithm's order, which one process cannot reproduce (gloo's ring, measured
+    at 3 and 4 ranks, does not start at rank 0), so a pipeline in one process (`LocalStageSum`) would differ
+    from S processes in the last bit of the sum. Gathering every rank's ``t`` and adding them here gives the
+    same bits on every rank, for any group size and backend, as in one process. It costs an all-gather of
+    group-size copies of ``t``: meant for a few numbers (a squared norm), not gradients.
+    """
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    work = dist.all_gather(parts, t.contiguous(), group=group, async_op=True)
+    assert work is not None
+    # Recorded as the collective it stands for: the order check treats every all_reduce as one collective.
+    _trace_issue(work, "all_reduce", None, group, t, device=True, role="stages", what="stage sum in rank order")
+    _trace_wait(work)
+    work.wait()
+    t.copy_(sum_in_order(parts))
+
+
 def broadcast_flat(tensors: Sequence[Tensor], group: dist.ProcessGroup | None = None) -> int:
     """Overwrite ``tensors`` in place with the values of ``group``'s first rank, returning the bytes
     handed to the collective. One broadcast per dtype, packed like `all_reduce_flat`."""

@@ -31,7 +31,7 @@ from typing import Any
 
 from torch import Tensor
 
-from lit_efficient.pipeline.comm import LocalExchange, Payload
+from lit_efficient.pipeline.comm import LocalExchange, Payload, sum_in_order
 from lit_efficient.pipeline.runtime import InputFn, PipelineRuntime
 from lit_efficient.pipeline.schedules import ScheduleName
 from lit_efficient.pipeline.stage import PipelineStage
@@ -228,8 +228,7 @@ class LocalStageSum:
     stage's squared norm, before it waits for stage 0's tied gradient: stage 0's step, run while the last
     stage waits, needs that norm); its next `all_reduce` then only waits and reads.
     Every stage gets the same sum, added in the order of ``ranks`` (the stages in the order of their ranks on
-    processes: with two stages the sum equals gloo's bit for bit; with more it may
-    differ from it in the last bit, as gloo's own order is its algorithm's).
+    processes) by `sum_in_order`, as `all_reduce_in_rank_order` adds them on processes: the same bits at any S.
 
     Args:
         ranks: The stages in rank order (``[Topology.stage_of(r) for r in range(S)]``).
@@ -267,10 +266,7 @@ class LocalStageSum:
             if self.wait is None:
                 raise RuntimeError("a stage sum waits for other stages and nothing runs them (LocalStageSum.wait)")
             self.wait(lambda: len(contributions) == len(self.ranks), f"the stage-sum of round {k}")
-        total = contributions[self.ranks[0]].clone()
-        for s in self.ranks[1:]:
-            total += contributions[s]
-        t.copy_(total)
+        t.copy_(sum_in_order([contributions[s] for s in self.ranks]))
         self._read[k] = self._read.get(k, 0) + 1
         if self._read[k] == len(self.ranks):  # every stage has its sum: the round is done
             del self._rounds[k], self._read[k]

@@ -20,7 +20,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor
 
 from lit_efficient.averaging import ReplicaAverager
-from lit_efficient.pipeline.comm import all_reduce_flat
+from lit_efficient.pipeline.comm import all_reduce_flat, all_reduce_in_rank_order
 from lit_efficient.pipeline.stage import PipelineStage
 from lit_efficient.pipeline.staleness import StalenessCorrection, make_correction
 from lit_efficient.strategies.sharded_optimizer import ShardedOptimizer
@@ -97,10 +97,12 @@ class LocalStepHooks:
         local_sum = self._local_stage_sum  # in one process under flush (in_process.py); None on processes
 
         def sum_over_stages(squared: Tensor) -> None:
+            # Both add the stages' squared norms in rank order (`sum_in_order`): one process and S processes
+            # clip with the same bits at any S (an all-reduce's order is its algorithm's).
             if local_sum is not None:
                 local_sum.all_reduce(stage_index, squared)
             else:
-                all_reduce_flat([squared], group)
+                all_reduce_in_rank_order(squared, group)
 
         # shard_optimizer_state: each replica's gradients are its chunk and zeros, so the replicas' sum of
         # squares is the stage's (one more all-reduce of one number; sharding refuses tied weights).
