@@ -12,7 +12,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from lit_efficient import PACIStrategy, consolidate_checkpoint
+from lit_efficient import GradientAccumulation, PACIStrategy, consolidate_checkpoint
 from lit_efficient.data import TextDataModule
 from lit_efficient.models import GPT
 from tests.multiproc import SpawnedDDP
@@ -87,6 +87,35 @@ def test_flush_in_trainer_equals_single_device():
     _trainer(strategy, 2, steps).fit(piped, datamodule=_data())
     assert _max_diff(single, start) > 1e-3, "training must move the weights for the comparison to mean anything"
     assert _max_diff(piped, single) <= 1e-5
+
+
+@pytest.mark.usefixtures("one_thread")  # tests/conftest.py: one device and one process at the same thread count
+def test_default_schedule_leaves_one_device_batches_and_steps():
+    """GPT's default schedule (max_steps=None) reads trainer.estimated_stepping_batches in configure_optimizers,
+    which loads the training loader inside the strategy's setup. The pipeline must still read the user's loader,
+    as one device does: it read a DistributedSampler's order when the loader was loaded before the strategy
+    turned Lightning's sampler off (1.5e-2 apart here; 5.8e-5 at GPT's default learning rate). Epochs end in a
+    partial window; both estimate 2 x ceil(3 / 2) = 4 steps and take them, so the schedules are alike."""
+    estimates = []
+
+    class Estimate(Callback):
+        def on_train_start(self, trainer, pl_module):
+            estimates.append(trainer.estimated_stepping_batches)
+
+    def fit(strategy) -> tuple[GPT, int]:
+        model = _model(max_steps=None)
+        trainer = _trainer(
+            strategy, 1, -1, max_epochs=2, limit_train_batches=3, accumulate_grad_batches=2,
+            callbacks=[GradientAccumulation(steps=2), Estimate()],
+        )  # fmt: skip
+        trainer.fit(model, datamodule=_data())
+        return model, trainer.global_step
+
+    single, single_steps = fit("auto")
+    piped, piped_steps = fit(PACIStrategy(pipeline_stages=2, schedule="1f1b_flush"))
+    assert estimates == [4, 4] and single_steps == piped_steps == 4
+    assert _max_diff(single, _model()) > 1e-3  # the run moved the weights
+    assert _max_diff(piped, single) == 0.0
 
 
 def test_pipeline_times_data_parallel_equals_ddp():

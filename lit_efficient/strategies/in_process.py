@@ -190,7 +190,7 @@ class InProcessPipeline:
         for link in (self.tie_link, s._local_stage_sum):
             if link is not None:
                 link.wait = self.pipeline.run_others_until  # a stage waiting inside its step lets the others run
-        s._join_lightning(trainer, fitting, num_replicas=1)
+        s._join_lightning(trainer, fitting)
 
     def teardown(self) -> None:
         """The module as the user gave it: tied weights one parameter again (the first stage's copy, which equals

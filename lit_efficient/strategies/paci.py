@@ -437,6 +437,9 @@ class PACIStrategy(PipelineCheckpointing, PipelineEvaluation, LocalStepHooks, DD
     @override
     def setup(self, trainer: Trainer) -> None:
         assert self.accelerator is not None and self.topology is not None
+        # First: whatever loads the training loader during setup (configure_optimizers reading
+        # trainer.estimated_stepping_batches, as GPT's default schedule does) builds it with this setting.
+        _keep_users_sampler(trainer, self.topology.num_replicas)
         if self._in_process is not None:
             self._in_process.setup(trainer)
             self._prepare_runtimes(trainer)
@@ -498,11 +501,11 @@ class PACIStrategy(PipelineCheckpointing, PipelineEvaluation, LocalStepHooks, DD
         )  # fmt: skip
         self._prepare_runtimes(trainer)
         _point_metrics_at(module, self._dp_groups[self.pipeline_stages - 1])
-        self._join_lightning(trainer, fitting, self.topology.num_replicas)
+        self._join_lightning(trainer, fitting)
 
-    def _join_lightning(self, trainer: Trainer, fitting: bool, num_replicas: int) -> None:
+    def _join_lightning(self, trainer: Trainer, fitting: bool) -> None:
         """The Lightning side of setup, the same on S processes and in one (`InProcessPipeline.setup`): the
-        drains before the hooks of docs/DESIGN.md section 7, the loader, the progress bar."""
+        drains before the hooks of docs/DESIGN.md section 7, the progress bar, the metrics' sync."""
         module = self.lightning_module
         assert module is not None
         if fitting:
@@ -512,11 +515,6 @@ class PACIStrategy(PipelineCheckpointing, PipelineEvaluation, LocalStepHooks, DD
             # state after the step. Manual optimization is this strategy's inside, and after the step (of
             # a drained pipeline) is exactly what a user's automatic-optimization checkpoint holds too.
             warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
-        if num_replicas == 1:
-            # One replica: every stage reads the user's own loader, so the pipeline sees exactly the
-            # batches one device would. Lightning would wrap it in a shuffling DistributedSampler
-            # of one replica (a different order) because the world has several processes.
-            trainer._accelerator_connector.use_distributed_sampler = False
         swap_stock_progress_bar(trainer)
         if not any(isinstance(cb, _SyncCallbackMetrics) for cb in trainer.callbacks):
             trainer.callbacks.insert(0, _SyncCallbackMetrics())
@@ -857,6 +855,16 @@ def _parameter_counts(module: LightningModule, layers: list) -> list[int]:
     if any(isinstance(layer, LayerOnOtherStage) for layer in layers):
         return [sum(p.numel() for p in getattr(layer, "structure", layer).parameters()) for layer in layers]
     return layer_parameter_counts(module, layers)
+
+
+def _keep_users_sampler(trainer: Trainer, num_replicas: int) -> None:
+    """With one replica every stage reads the user's own loader, so the pipeline sees exactly the batches one
+    device would: Lightning would wrap it in a shuffling DistributedSampler of one replica (another order),
+    as the strategy is a parallel one. Set before anything in setup loads the loader: once loaded, Lightning
+    keeps it for the run (before this was set first, GPT's default schedule, which reads
+    ``estimated_stepping_batches`` in ``configure_optimizers``, got the pipeline other batches than one device)."""
+    if num_replicas == 1:
+        trainer._accelerator_connector.use_distributed_sampler = False
 
 
 def _normalize_mode(trainer: Trainer) -> Literal["mean", "tokens"]:
