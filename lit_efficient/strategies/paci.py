@@ -101,7 +101,8 @@ class PACIStrategy(PipelineCheckpointing, PipelineEvaluation, LocalStepHooks, DD
 
     Args:
         pipeline_stages: Number of stages S each pipeline is split into; must divide the world size. With
-            one device in all, the S stages run in this process, bit-identical to S processes.
+            one device in all, the S stages run in this process, bit-identical to S processes (at the same
+            intra-op thread count).
         schedule: ``"paci"``: asynchronous, bubble-free 1F1B in which each stage steps after its own
             N-th backward (weight-version drift at most ceil((S-1-s)/N); the stale forwards cost more at
             high learning rates, so warm up at least as long as for flush); ``"1f1b_flush"``: the
