@@ -79,7 +79,7 @@ def _tiny(cls: type, overrides: dict[str, Any]) -> Any:
             # Its own class (Fuyu's text_config is whatever AutoConfig made), with its type's OVERRIDES.
             values[name] = _tiny(type(sub), OVERRIDES.get(getattr(sub, "model_type", ""), {}))
     values.update(overrides)
-    for _ in range(len(values)):
+    for _ in range(len(values) + 1):  # one try with every value, then one per value dropped (none: MPT's attention)
         try:
             return cls(**values)
         except (AttributeError, NotImplementedError) as err:

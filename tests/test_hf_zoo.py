@@ -191,9 +191,10 @@ def test_the_same_families_without_the_term_are_accepted_and_hfs_loss_is_ours(mo
 # Flush in one process against one device: tied and untied heads, the structures above and the logit scales;
 # rwkv: blocks returning (hidden, state, attentions) tuples the base unpacks, and weights rescaled in place when
 # the model switches between eval and training; bamba (a Mamba-2 and an attention layer), dbrx (sub-configs) and
-# kimi_linear (a linear-attention and an attention layer): per-type sizes of the zoo; mllama: a composite config.
+# kimi_linear (a linear-attention and an attention layer): per-type sizes of the zoo; mllama: a composite config;
+# mpt: a sub-config (its attention's) with no tiny size to set, which tiny_config once refused.
 IN_PROCESS = ["opt", "olmo", "nanochat", "openai-gpt", "gemma2", "cohere", "granite", "llama4_text", "qwen3_moe"]
-IN_PROCESS += ["rwkv", "bamba", "dbrx", "kimi_linear", "mllama"]
+IN_PROCESS += ["rwkv", "bamba", "dbrx", "kimi_linear", "mllama", "mpt"]
 
 
 @pytest.mark.parametrize("model_type", IN_PROCESS)
