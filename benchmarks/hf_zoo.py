@@ -14,7 +14,7 @@ Config class (`tiny_config`: 2 layers, width 32, vocabulary 256, every dropout 0
    ``Trainer(devices=1, strategy=PACIStrategy(pipeline_stages=2, schedule="1f1b_flush"))`` and under plain
    one-device Lightning; the table gives the largest weight difference after training ("works" at <= 1e-5).
 
-    python -m benchmarks.hf_zoo                     # the whole list: ~10 minutes on 2 shared cores
+    python -m benchmarks.hf_zoo                     # the whole list: ~3.5 minutes on 2 shared cores
     python -m benchmarks.hf_zoo --types llama opt   # some of them
     python -m benchmarks.hf_zoo --markdown benchmarks/results/hf_zoo.md --json benchmarks/results/hf_zoo.json
 """
