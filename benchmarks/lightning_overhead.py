@@ -12,8 +12,9 @@ model's compute is serialized and every millisecond of host overhead shows):
   runtime (a ``DataLoader(batches, batch_size=None)``: no collation, so data loading is equal);
 - ``bare``: the same runtime's ``feed`` called from a plain Python loop.
 
-``--method interleaved`` (the default): ONE Trainer fit in which blocks of ``--block-windows`` windows
-driven by the Trainer alternate with bare blocks on the very same `LocalPipeline` (same stage objects,
+``--method interleaved`` (the default): ONE Trainer fit in which blocks driven by the Trainer (one warm-up
+window, then windows holding ``--block-microbatches`` timed micro-batches) alternate with bare blocks of
+the same size on the very same `LocalPipeline` (the same runtime on each rank on processes: same stage objects,
 layers, optimizer states), seconds apart: a callback drains the pipeline at the end of each Trainer block,
 feeds the same batches to the runtime's own ``feed`` in a loop, drains again and lets the Trainer go on.
 Each block is timed from its first window end (both pay the same warm-up after a drain) to its last; one
@@ -172,8 +173,14 @@ def run_bare(args: argparse.Namespace, batches: list[Any], accumulate: int) -> d
     return _segment(clock, args, accumulate)
 
 
+def block_windows(args: argparse.Namespace, accumulate: int) -> int:
+    """Windows per interleaved block: one to warm up after the drain, then enough for ``--block-microbatches``
+    (at least 3 windows, so a block's time spans several steps)."""
+    return 1 + max(3, -(-args.block_microbatches // accumulate))
+
+
 def run_interleaved(args: argparse.Namespace, batches: list[Any], accumulate: int) -> list[dict[str, Any]]:
-    """One Trainer fit whose blocks of ``--block-windows`` windows alternate with bare blocks on the SAME
+    """One Trainer fit whose blocks of `block_windows` windows alternate with bare blocks on the SAME
     runtime: at the end of each Trainer block a callback drains the pipeline and feeds the same batches to
     the runtime's own ``feed`` in a plain loop, then drains again and lets the Trainer go on.
 
@@ -190,7 +197,7 @@ def run_interleaved(args: argparse.Namespace, batches: list[Any], accumulate: in
 
     from lit_efficient import PACIStrategy
 
-    windows = args.block_windows
+    windows = block_windows(args, accumulate)
     block = windows * accumulate
     pairs: list[dict[str, Any]] = []
 
@@ -304,7 +311,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "round); separate: a Trainer fit and a bare pipeline of their own per round, order alternating",
     )  # fmt: skip
     p.add_argument("--rounds", type=int, default=5, help="pairs (interleaved) or rounds (separate) per N")
-    p.add_argument("--block-windows", type=int, default=4, help="interleaved: windows per block (the first warms)")
+    p.add_argument(
+        "--block-microbatches", type=int, default=24,
+        help="interleaved: micro-batches timed per block (whole windows, at least 3), after one warm-up window",
+    )  # fmt: skip
     p.add_argument("--stages", type=int, default=4)
     p.add_argument(
         "--devices", type=int, default=1,
@@ -326,7 +336,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.devices not in (1, args.stages) or (args.devices > 1 and args.method != "interleaved"):
         p.error(f"--devices {args.devices}: use 1, or --stages ({args.stages}) with --method interleaved")
     if args.quick:
-        args.rounds, args.accumulate, args.timed_microbatches = 1, [2, 4], 8
+        args.rounds, args.accumulate, args.timed_microbatches, args.block_microbatches = 1, [2, 4], 8, 8
         if args.out == "lightning_overhead.json":
             args.out = "lightning_overhead_quick.json"
     return args
@@ -342,7 +352,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for n in args.accumulate:
         segments: dict[str, list[dict[str, Any]]] = {"trainer": [], "bare": []}
         if args.method == "interleaved":
-            batches = build_batches(args, (args.rounds + 1) * args.block_windows * n)
+            batches = build_batches(args, (args.rounds + 1) * block_windows(args, n) * n)
             for pair in run_interleaved(args, batches, n):
                 for variant in segments:
                     segments[variant].append(pair[variant])
