@@ -10,8 +10,6 @@ reproduce is refused with the reason.
 
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
 from torch import nn
@@ -139,15 +137,20 @@ def test_lists_of_num_hidden_layers_inside_one_layer_are_named_not_taken_for_the
         HFCausalLM(build("longcat_flash"))
 
 
-# Configs whose Hugging Face loss adds a term to the cross-entropy (refused: the value, the fix), and the same
-# families with the term's weight at 0 (accepted). Two MoE families with the usual coefficient name, JetMoE with
-# its own, DBRX's in a sub-config, Bamba's z-loss on the logits.
-ADDED_LOSS = {
-    "mixtral": (dict(output_router_logits=True), "output_router_logits=True, router_aux_loss_coef=0.001"),
-    "qwen2_moe": (dict(output_router_logits=True, router_aux_loss_coef=0.5), "router_aux_loss_coef=0.5"),
-    "jetmoe": (dict(output_router_logits=True), "output_router_logits=True, aux_loss_coef=0.01"),
-    "dbrx": (dict(output_router_logits=True), "output_router_logits=True, ffn_config.moe_loss_weight=0.01"),
-    "bamba": (dict(z_loss_coefficient=0.1), "z_loss_coefficient=0.1"),
+# Configs whose Hugging Face loss adds a term to the cross-entropy HFCausalLM does not train (refused: the value or
+# the reason, the fix), when (at construction or at the dry run), and the same families with the term's weight at 0
+# (accepted). JetMoE: two routers per layer; DBRX: a router output that is not what its loss reads; Llama-4: a
+# forward that ignores the flag; Bamba: a z-loss on the logits.
+REFUSED_LOSS = {
+    "jetmoe": (dict(output_router_logits=True), "construction", r"2 JetMoeTopKGating router modules, not one"),
+    "dbrx": (dict(output_router_logits=True), "dry run", r"router loss is not the one HFCausalLM carries"),
+    "llama4_text": (dict(output_router_logits=True, router_aux_loss_coef=0.02), "dry run", "returns no aux_loss"),
+    "qwen2_moe": (
+        dict(output_router_logits=True, router_aux_loss_coef=0.02, z_loss_coefficient=0.1),
+        "construction",
+        r"z_loss_coefficient=0\.1.*adds it on no path.*z_loss_coefficient=0",
+    ),
+    "bamba": (dict(z_loss_coefficient=0.1), "construction", r"z_loss_coefficient=0\.1.*adds it on no path"),
 }
 NO_ADDED_LOSS = {
     "mixtral": dict(output_router_logits=True, router_aux_loss_coef=0.0),
@@ -167,17 +170,19 @@ def _hf_loss_and_ours(model: nn.Module) -> tuple[float, float]:
     return out.loss.item(), ours.item()
 
 
-@pytest.mark.parametrize("model_type", list(ADDED_LOSS))
-def test_a_loss_term_hf_adds_to_the_cross_entropy_is_refused_naming_the_value_and_the_fix(model_type):
-    overrides, values = ADDED_LOSS[model_type]
+@pytest.mark.parametrize("model_type", list(REFUSED_LOSS))
+def test_a_loss_term_hfcausallm_cannot_train_exactly_is_refused_naming_the_reason(model_type):
+    overrides, when, reason = REFUSED_LOSS[model_type]
     model = build(model_type, **overrides)
-    if model_type == "dbrx":  # a sub-config's value: tiny_config's overrides reach the top level only
-        assert model.config.ffn_config.moe_loss_weight == 0.01
     hf, ours = _hf_loss_and_ours(model)
-    assert abs(hf - ours) > 1e-4 * abs(ours)  # the term is there: training HFCausalLM's loss would differ
-    fix = "z_loss_coefficient=0" if model_type == "bamba" else "output_router_logits=False"
-    with pytest.raises(ValueError, match=rf"{re.escape(values)}.*adds it on no path.*{fix}"):
-        HFCausalLM(model)
+    if model_type != "llama4_text":  # Llama-4's forward ignores the flag: no term, and nothing to train
+        assert abs(hf - ours) > 1e-4 * abs(ours)  # the term is there: training the cross-entropy alone would differ
+    if when == "construction":
+        with pytest.raises(ValueError, match=reason):
+            HFCausalLM(model)
+    else:
+        with pytest.raises(ValueError, match=rf"{reason}.*output_router_logits=False"):
+            HFCausalLM(model).pipeline_layers()
 
 
 @pytest.mark.parametrize("model_type", list(NO_ADDED_LOSS))
@@ -186,6 +191,88 @@ def test_the_same_families_without_the_term_are_accepted_and_hfs_loss_is_ours(mo
     hf, ours = _hf_loss_and_ours(model)
     assert hf == pytest.approx(ours, rel=1e-6)
     HFCausalLM(model)
+
+
+# The router's auxiliary (load-balancing) loss, trained: two Mixtral-style families at a coefficient far from its
+# default, so a coefficient read from the wrong place or a term dropped on one path shows.
+AUX = dict(output_router_logits=True, router_aux_loss_coef=0.02)
+AUX_FAMILIES = ["mixtral", "qwen2_moe"]
+
+
+def _padded_batches(n: int) -> list[dict[str, torch.Tensor]]:
+    """`batches` as dicts with a right-padded row: the auxiliary loss excludes padding, so the mask must reach it."""
+    out = []
+    for i, (ids, _) in enumerate(batches(n)):
+        mask = torch.ones_like(ids)
+        mask[1, ids.size(1) - 1 - i % 3 :] = 0
+        out.append({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
+    return out
+
+
+@pytest.mark.parametrize("model_type", AUX_FAMILIES)
+def test_the_router_aux_loss_is_hfs_on_one_device_and_through_the_chain(model_type):
+    model = build(model_type, **AUX)
+    module = HFCausalLM(model)
+    batch = _padded_batches(1)[0]
+    model.train()
+    out = model(**batch, use_cache=False)
+    assert out.aux_loss * 0.02 > 1e-3  # the term weighs: a loss without it fails the comparisons below
+    one_device, items = module.pipeline_loss(module(module.pipeline_input(batch)), batch)
+    chained, _ = module.pipeline_loss(run_layers(module.pipeline_layers(), module.pipeline_input(batch)), batch)
+    assert abs(one_device.item() - out.loss.item()) <= 1e-6 and abs(chained.item() - out.loss.item()) <= 1e-6
+    assert items == (batch["labels"][:, 1:] != -100).sum()
+    module.eval()
+    model.eval()
+    with torch.no_grad():  # Hugging Face adds the term in evaluation too, and so does validation_step
+        want = model(**batch, use_cache=False).loss
+        assert abs(module.validation_step(batch, 0).item() - want.item()) <= 1e-6
+
+
+def _fit_moe_on_every_rank(rank: int, world: int, types: list[str]) -> dict[str, dict[str, torch.Tensor]] | None:
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    out = {}
+    for model_type in types:
+        strategy = PACIStrategy(pipeline_stages=2, schedule="1f1b_flush")
+        out[model_type] = fit(sgd_module(build(model_type, **AUX)), strategy, world, _padded_batches(6))
+    return out if rank == 0 else None
+
+
+def _one_device(model_type: str, **overrides) -> dict[str, torch.Tensor]:
+    return fit(sgd_module(build(model_type, **{**AUX, **overrides})), "auto", 1, _padded_batches(6))
+
+
+@pytest.mark.parametrize("model_type", AUX_FAMILIES)
+def test_flush_with_the_router_aux_loss_in_one_process_equals_one_device(model_type):
+    single = _one_device(model_type)  # 6 micro-batches, 2 a step: 3 steps
+    assert max_diff(single, _one_device(model_type, router_aux_loss_coef=0.0)) > 1e-4  # the term trains the model
+    strategy = PACIStrategy(pipeline_stages=2, schedule="1f1b_flush")
+    piped = fit(sgd_module(build(model_type, **AUX)), strategy, 1, _padded_batches(6))
+    assert max_diff(piped, single) <= 1e-6
+
+
+@pytest.mark.multiproc
+def test_flush_with_the_router_aux_loss_on_two_processes_equals_one_device():
+    piped = values(spawn(_fit_moe_on_every_rank, 2, AUX_FAMILIES, timeout=240, torchrun_env=True))[0]
+    for model_type in AUX_FAMILIES:
+        assert max_diff(piped[model_type], _one_device(model_type)) <= 1e-6, model_type
+
+
+def test_the_router_aux_loss_with_token_normalization_is_refused():
+    import lightning as L
+
+    from lit_efficient.callbacks import GradientAccumulation
+
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[GradientAccumulation(2, normalize="tokens")],
+    )  # fmt: skip
+    data = torch.utils.data.DataLoader(_padded_batches(2), batch_size=None)
+    with pytest.raises(ValueError, match=r"router coefficient 0\.02.*normalize='tokens'.*normalize='mean'"):
+        trainer.fit(sgd_module(build("mixtral", **AUX)), train_dataloaders=data)
 
 
 # Flush in one process against one device: tied and untied heads, the structures above and the logit scales;

@@ -13,7 +13,9 @@ unsplit. They travel with the hidden states (as tensors, never requiring grad, s
 sent back for them), and each decoder-layer adapter replays its layer's call with them. The last stage runs
 the modules called after the layers, then the causal LM's own forward with the decoder stack replaced by a
 stub returning those hidden states: the LM head and whatever the model does to its logits (soft-capping,
-logit scales) are the model's code, not a copy. Which arguments are tensors and which ones are shared by
+logit scales) are the model's code, not a copy. With a mixture-of-experts router's auxiliary loss on (`RouterAux`), each
+decoder layer's router logits travel too, and the head's run of the causal LM's forward computes the
+model's own ``aux_loss`` from them. Which arguments are tensors and which ones are shared by
 several layers is learned once, from a dry run on a tiny padded batch, which also checks that the chain of
 parts reproduces the model's logits at its weights and at enlarged ones (so the check does not pass or fail
 with the weights' scale), and refuses, naming what failed, an architecture it cannot reproduce instead of
@@ -89,16 +91,17 @@ def load_hf_model(model: Any, vocab_size: int | None = None, attn_implementation
     )
 
 
-def check_loss_is_cross_entropy(model: nn.Module) -> None:
-    """Refuse, naming the config values and the fix, a model whose Hugging Face loss adds a term to the
-    cross-entropy of the logits, which is all `HFCausalLM` trains (on one device and pipelined alike).
+def router_aux_loss_coef(model: nn.Module) -> float | None:
+    """The weight Hugging Face's own loss gives the router's auxiliary (load-balancing) loss, None when it adds
+    none; a ValueError, naming the config values and the fix, for a term `HFCausalLM` does not train.
 
     Read from the config and its sub-configs by the names transformers 5.24 uses, not from a list of models:
-    a mixture-of-experts router's auxiliary (load-balancing) loss is added when ``output_router_logits`` is
-    on and its weight is nonzero (``router_aux_loss_coef``: Mixtral, Qwen2-MoE, OLMoE, Jamba, GraniteMoE, ...,
-    a composite's in its ``text_config``; JetMoE's ``aux_loss_coef``; DBRX's ``ffn_config.moe_loss_weight``),
-    a z-loss on the logits whenever its weight is nonzero (Bamba's ``z_loss_coefficient``). A model whose
-    forward ignores the flag (Llama-4) is refused too: turning the flag off costs it nothing."""
+    a mixture-of-experts router's auxiliary loss is added when ``output_router_logits`` is on and its weight is
+    nonzero (``router_aux_loss_coef``: Mixtral, Qwen2-MoE, OLMoE, Jamba, GraniteMoE, ..., a composite's in its
+    ``text_config``; JetMoE's ``aux_loss_coef``; DBRX's ``ffn_config.moe_loss_weight``). That term is trained
+    (the model's own ``aux_loss`` times this weight, on every path; the dry run checks that this is the model's
+    ``outputs.loss``). A z-loss on the logits whenever its weight is nonzero (Bamba's ``z_loss_coefficient``)
+    is refused, and so are two different auxiliary weights (which one the forward applies is unknown)."""
     weights: dict[str, float] = {}
     router = False
 
@@ -122,15 +125,6 @@ def check_loss_is_cross_entropy(model: nn.Module) -> None:
     z_loss = {k: v for k, v in weights.items() if "z_loss" in k}
     aux = {k: v for k, v in weights.items() if k not in z_loss} if router else {}
     arch = type(model).__name__
-    if aux:
-        found = ", ".join(f"{k}={v}" for k, v in {"output_router_logits": True, **aux}.items())
-        raise ValueError(
-            f"HFCausalLM({arch}): its config has {found}, so Hugging Face's own loss adds the router's auxiliary "
-            "(load-balancing) loss to the cross-entropy. HFCausalLM adds it on no path (one device, DDP or "
-            "pipelined: its loss is the cross-entropy of the logits), so it would train a different objective. "
-            "Build the model with output_router_logits=False (the config's default) to train the cross-entropy "
-            "alone, or train it with its auxiliary loss elsewhere."
-        )
     if z_loss:
         found = ", ".join(f"{k}={v}" for k, v in z_loss.items())
         raise ValueError(
@@ -138,55 +132,132 @@ def check_loss_is_cross_entropy(model: nn.Module) -> None:
             "the cross-entropy. HFCausalLM adds it on no path, so it would train a different objective. Build the "
             f"model with {' and '.join(f'{k}=0' for k in z_loss)} (the config's default), or train it elsewhere."
         )
+    if len(set(aux.values())) > 1:
+        found = ", ".join(f"{k}={v}" for k, v in {"output_router_logits": True, **aux}.items())
+        raise ValueError(
+            f"HFCausalLM({arch}): its config has {found}: two different weights for the router's auxiliary loss, and "
+            "HFCausalLM cannot tell which one its forward applies, so it would train a different objective. Keep one "
+            "nonzero, or build the model with output_router_logits=False to train the cross-entropy alone."
+        )
+    return float(next(iter(aux.values()))) if aux else None
+
+
+def router_recorder(model: nn.Module, s: Structure) -> tuple[type | str, int]:
+    """The router module's class (or class-name suffix) in each decoder layer and the index of its logits in
+    the router's output, from the model's own ``_can_record_outputs["router_logits"]`` (how transformers itself
+    collects them), or a ValueError."""
+    recorder = None
+    for owner in (s.base, model):
+        recorder = (getattr(owner, "_can_record_outputs", None) or {}).get("router_logits", recorder)
+    if isinstance(recorder, type):
+        return recorder, 0
+    if recorder is not None and getattr(recorder, "layer_name", None) is None:
+        return recorder.class_name or recorder.target_class, recorder.index
+    raise ValueError(
+        f"HFCausalLM({type(model).__name__}): output_router_logits is on, but the model declares no router module "
+        "(its _can_record_outputs has no plain 'router_logits' entry), so HFCausalLM cannot carry the router's "
+        "logits across stages for the auxiliary loss. Build the model with output_router_logits=False to train "
+        "the cross-entropy alone."
+    )
 
 
 # ----------------------------------------------------------------------------- pipeline layers
 
 
-class HFEmbedding(nn.Module):
-    """Pipeline layer 0: ``(input_ids[, attention_mask])`` -> ``(hidden, *side inputs)``, by the base forward."""
+@dataclasses.dataclass(frozen=True)
+class RouterAux:
+    """How the adapters carry a mixture-of-experts router's logits to the head when the loss includes the router's
+    auxiliary loss: ``router`` is the router module's class (or class-name suffix), ``index`` its logits' place in
+    the router's output. The payload then ends with two more entries: the 2D attention mask (the loss excludes
+    padding; None without one) and every earlier layer's router logits stacked, ``(layers so far, *logits)``,
+    None before the first layer."""
 
-    def __init__(self, s: Structure, template: Template) -> None:
+    router: type | str
+    index: int
+
+    def find(self, layer: nn.Module, i: int) -> nn.Module:
+        """Decoder layer ``i``'s one router module."""
+        found = [
+            m
+            for m in layer.modules()
+            if (type(m).__name__.endswith(self.router) if isinstance(self.router, str) else isinstance(m, self.router))
+        ]
+        if len(found) != 1:
+            name = self.router if isinstance(self.router, str) else self.router.__name__
+            raise ValueError(
+                f"HFCausalLM: decoder layer {i} holds {len(found)} {name} router modules, not one, so it cannot say "
+                "which logits the auxiliary loss takes. Build the model with output_router_logits=False."
+            )
+        return found[0]
+
+
+class HFEmbedding(nn.Module):
+    """Pipeline layer 0: ``(input_ids[, attention_mask])`` -> ``(hidden, *side inputs)``, by the base forward
+    (then ``attention_mask, None`` for the router logits to come, under `RouterAux`)."""
+
+    def __init__(self, s: Structure, template: Template, aux: RouterAux | None = None) -> None:
         super().__init__()
         for name in s.embed:
             self.add_module(name, s.base._modules[name])
-        self.__dict__.update(structure_=s, template=template)
+        self.__dict__.update(structure_=s, template=template, aux=aux)
 
     @override
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> tuple[Tensor | None, ...]:
         calls = record_calls(self.structure_, input_ids, attention_mask)
-        return (calls[0][0][0], *self.template.side_inputs(calls))
+        out = (calls[0][0][0], *self.template.side_inputs(calls))
+        return out if self.aux is None else (*out, attention_mask, None)
 
 
 class HFDecoderLayer(nn.Module):
-    """Pipeline layer 1 + i: decoder layer i on ``(hidden, *side)``; the side inputs pass through unchanged."""
+    """Pipeline layer 1 + i: decoder layer i on ``(hidden, *side)``; the side inputs pass through unchanged (under
+    `RouterAux`, the last one, the stacked router logits, gains this layer's)."""
 
-    def __init__(self, index: int, layer: nn.Module, template: Template) -> None:
+    def __init__(self, index: int, layer: nn.Module, template: Template, aux: RouterAux | None = None) -> None:
         super().__init__()
         self.index = index
         self.layer = layer
-        self.__dict__["template"] = template
+        self.__dict__.update(template=template, aux=aux, router=None if aux is None else aux.find(layer, index))
 
     @override
     def forward(self, hidden: Tensor, *side: Tensor | None) -> tuple[Tensor | None, ...]:
-        return (self.template.call(self.index, self.layer, hidden, side), *side)
+        if self.aux is None:
+            return (self.template.call(self.index, self.layer, hidden, side), *side)
+        # A hook for this call only: the adapters are rebuilt on every pipeline_layers() and must leave nothing on
+        # the model's modules. Under recompute the layer runs again and the hook records the same logits again.
+        seen: list[Tensor] = []
+        index = self.aux.index
+        handle = self.router.register_forward_hook(lambda _m, _a, out: seen.append(out[index]))
+        try:
+            out = self.template.call(self.index, self.layer, hidden, side[:-2])
+        finally:
+            handle.remove()
+        if len(seen) != 1:
+            raise ValueError(f"HFCausalLM: decoder layer {self.index} called its router {len(seen)} times, not once")
+        # One growing tensor rather than one entry per layer: the boundary's arity stays fixed, and it requires
+        # grad, so the runtime sends its gradient back like the hidden states'. Its copies cost O(layers^2) router
+        # logits, a few KB per token at most.
+        logits = seen[0].unsqueeze(0)
+        stacked = logits if side[-1] is None else torch.cat([side[-1], logits])
+        return (out, *side[:-1], stacked)
 
 
 class _Stub(nn.Module):
     """Stands in for the decoder stack during the head stage's run of the causal LM's forward: returns the
-    hidden states the stage received, as the stack's own output type, whatever it is called with."""
+    hidden states the stage received (and the router logits, under `RouterAux`), as the stack's own output type,
+    whatever it is called with."""
 
-    def __init__(self, hidden: Tensor, output_type: type, like: nn.Module) -> None:
+    def __init__(self, hidden: Tensor, output_type: type, like: nn.Module, router_logits: tuple | None = None) -> None:
         super().__init__()
         # Plain attributes the causal LM's forward may read from its decoder stack (Falcon-H1's multipliers).
         for key, value in vars(like).items():
             if not key.startswith("_") and key != "training" and isinstance(value, (str, int, float, bool)):
                 self.__dict__[key] = value
-        self.__dict__.update(hidden=hidden, output_type=output_type)
+        self.__dict__.update(hidden=hidden, output_type=output_type, router_logits=router_logits)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if dataclasses.is_dataclass(self.output_type):
-            return self.output_type(last_hidden_state=self.hidden)
+            extra = {} if self.router_logits is None else {"router_logits": self.router_logits}
+            return self.output_type(last_hidden_state=self.hidden, **extra)
         return (self.hidden,)
 
 
@@ -195,9 +266,10 @@ class HFHead(nn.Module):
     its last layer (the final norm, a projection; none for some models), then the causal LM's own forward with the
     decoder stack replaced by a stub returning those hidden states. So the LM head and whatever the model does to
     its logits (Gemma-2's soft-capping, Cohere's and Granite's logit scales, ...) are the model's own code, not a
-    copy of it here."""
+    copy of it here. Under `RouterAux` it returns ``(logits, aux_loss)``: the stub also returns the router logits
+    that travelled here, and the causal LM's forward computes its auxiliary loss from them with its own code."""
 
-    def __init__(self, s: Structure, model: nn.Module) -> None:
+    def __init__(self, s: Structure, model: nn.Module, aux: RouterAux | None = None) -> None:
         super().__init__()
         # Children, not a ModuleList: every part of an adapter is a module registered in the model (split.py).
         finals = [s.base._modules[n] for n in s.finals]
@@ -205,15 +277,21 @@ class HFHead(nn.Module):
             self.add_module(f"final_{name}", module)
         for name in s.head:
             self.add_module(name, model._modules[name])
-        self.__dict__.update(structure_=s, causal_lm=model, finals=finals)
+        self.__dict__.update(structure_=s, causal_lm=model, finals=finals, aux=aux)
 
     @override
-    def forward(self, hidden: Tensor, *side: Tensor | None) -> Tensor:
+    def forward(self, hidden: Tensor, *side: Tensor | None) -> Tensor | tuple[Tensor, Tensor]:
         for module in self.finals:
             hidden = module(hidden)
         s = self.structure_
-        with swapped(s.parent, s.base_name, _Stub(hidden, s.output_type, s.base)):
-            return self.causal_lm(use_cache=False).logits
+        if self.aux is None:
+            with swapped(s.parent, s.base_name, _Stub(hidden, s.output_type, s.base)):
+                return self.causal_lm(use_cache=False).logits
+        mask, stacked = side[-2], side[-1]
+        assert stacked is not None
+        with swapped(s.parent, s.base_name, _Stub(hidden, s.output_type, s.base, tuple(stacked.unbind(0)))):
+            out = self.causal_lm(attention_mask=mask, use_cache=False, output_router_logits=True)
+        return out.logits, out.aux_loss
 
 
 # ----------------------------------------------------------------------------- the module
@@ -227,8 +305,11 @@ class HFCausalLM(LightningModule):
     ``attention_mask`` and optional ``labels`` (HF's convention: labels are the inputs, shifted inside
     the loss, -100 ignored; without labels, the inputs with padding ignored). The loss is the mean
     over the counted tokens, with their number, so ``GradientAccumulation(normalize="tokens")`` is
-    exact with padding. Tied input/output embeddings (GPT-2, Llama 3.2, Qwen2.5, ...) are supported
-    across stages (see `lit_efficient.pipeline.tied`).
+    exact with padding. A config with ``output_router_logits=True`` and a nonzero router auxiliary
+    loss coefficient trains ``cross-entropy + coef * aux_loss``, the model's own ``outputs.loss``, on
+    every path (``normalize="tokens"`` is then refused: the term is not a sum over tokens). Tied
+    input/output embeddings (GPT-2, Llama 3.2, Qwen2.5, ...) are supported across stages (see
+    `lit_efficient.pipeline.tied`).
 
     Args:
         model: A ``transformers`` ``PreTrainedModel`` (e.g. ``LlamaForCausalLM(config)``), a config dict
@@ -274,8 +355,13 @@ class HFCausalLM(LightningModule):
         self.save_hyperparameters(ignore=["model"])
         # A plain value, so a checkpoint rebuilds the architecture (its weights come from the state dict).
         self.hparams["model"] = model if isinstance(model, (Mapping, str)) else self._config_dict()
-        check_loss_is_cross_entropy(self.model)  # before the structure: it is the user's setting to change
-        find_structure(self.model)  # fail at construction for an architecture it cannot split
+        # Before the structure: a refused loss term is the user's setting to change.
+        coef = router_aux_loss_coef(self.model)
+        s = find_structure(self.model)  # fail at construction for an architecture it cannot split
+        self.__dict__["_aux_coef"] = coef
+        self.__dict__["_aux"] = None if coef is None else RouterAux(*router_recorder(self.model, s))
+        for i, layer in enumerate(s.base._modules[s.layers] if self._aux else ()):  # type: ignore[arg-type]
+            self._aux.find(layer, i)  # one router per layer, refused now rather than at the first fit
         config = self.model.config
         if vocab_size is not None and config.vocab_size < vocab_size:
             raise ValueError(
@@ -314,11 +400,16 @@ class HFCausalLM(LightningModule):
             return (batch["input_ids"],) if mask is None else (batch["input_ids"], mask)
         return (batch[0],)
 
-    def pipeline_loss(self, output: Tensor, batch: Any) -> tuple[Tensor, Tensor]:
-        """Mean next-token cross-entropy over the counted tokens (fp32 softmax), and their number."""
-        logits = output.float()
+    def pipeline_loss(self, output: Tensor | tuple[Tensor, Tensor], batch: Any) -> tuple[Tensor, Tensor]:
+        """Mean next-token cross-entropy over the counted tokens (fp32 softmax), and their number. With a router
+        auxiliary loss (``output`` is ``(logits, aux_loss)``), ``cross-entropy + coef * aux_loss``: what the
+        model's own ``outputs.loss`` is, in training and evaluation alike."""
+        logits = (output[0] if isinstance(output, tuple) else output).float()
         targets = self._targets(batch)
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=HF_IGNORE_INDEX)
+        if isinstance(output, tuple):
+            assert self._aux_coef is not None
+            loss = loss + self._aux_coef * output[1].to(loss.device)  # Hugging Face's order of operations
         return loss, (targets != HF_IGNORE_INDEX).sum()
 
     @staticmethod
@@ -350,32 +441,68 @@ class HFCausalLM(LightningModule):
                 template = Template.learn(record_calls(s, ids, mask))
                 chain = self._chain(s, template)
                 want = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-                check_logits(model, s, run_chain(model, s, chain, ids, mask), want, "at its weights")
+                got = run_chain(model, s, chain, ids, mask)
+                check_logits(model, s, got[0] if self._aux else got, want, "at its weights")
+                if self._aux:
+                    self._check_aux_loss(got[1], ids, mask)
                 with enlarged(model, s):
                     want = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
                     got = run_chain(model, s, chain, ids, mask)
-                    check_logits(model, s, got, want, "with enlarged final-module and LM-head weights")
+                    check_logits(
+                        model, s, got[0] if self._aux else got, want, "with enlarged final-module and LM-head weights"
+                    )
         finally:
             model.train(was_training)
         return template
 
+    def _check_aux_loss(self, chained: Tensor, ids: Tensor, mask: Tensor) -> None:
+        """Refuse, naming what differs, unless the chain's auxiliary loss is the model's and the model's own
+        ``outputs.loss`` is ``pipeline_loss``'s ``cross-entropy + coef * aux_loss`` (the weight read from the
+        config is the one its forward applies, and it adds the term in evaluation too)."""
+        model, arch = self.model, type(self.model).__name__
+        out = model(input_ids=ids, attention_mask=mask, labels=ids, use_cache=False, output_router_logits=True)
+        if not isinstance(out.aux_loss, Tensor):
+            raise ValueError(
+                f"HFCausalLM({arch}): its config has output_router_logits=True and an auxiliary loss weight, but its "
+                "forward returns no aux_loss, so there is no auxiliary loss to train. Build the model with "
+                "output_router_logits=False."
+            )
+        # labels=ids: Hugging Face's loss counts the padded positions too, unlike a batch without labels here.
+        batch = {"input_ids": ids, "attention_mask": mask, "labels": ids}
+        ours, _ = self.pipeline_loss((out.logits, out.aux_loss), batch)
+        if not torch.allclose(chained, out.aux_loss, rtol=1e-5, atol=1e-7) or not torch.allclose(
+            ours, out.loss, rtol=1e-5, atol=1e-7
+        ):
+            raise ValueError(
+                f"HFCausalLM({arch}): on the dry run's batch the pipelined auxiliary loss is {chained.item():.8g} and "
+                f"the cross-entropy + {self._aux_coef} * auxiliary loss is {ours.item():.8g}, but the model gives "
+                f"{out.aux_loss.item():.8g} and a loss of {out.loss.item():.8g}: its router loss is not the one "
+                "HFCausalLM carries across stages and weighs by the config's coefficient. Build the model with "
+                "output_router_logits=False to train the cross-entropy alone."
+            )
+
     def _chain(self, s: Structure, template: Template) -> list[nn.Module]:
         layers = s.base._modules[s.layers]
+        aux = self._aux
         return [
-            HFEmbedding(s, template),
-            *(HFDecoderLayer(i, layer, template) for i, layer in enumerate(layers)),  # type: ignore[arg-type]
-            HFHead(s, self.model),
+            HFEmbedding(s, template, aux),
+            *(HFDecoderLayer(i, layer, template, aux) for i, layer in enumerate(layers)),  # type: ignore[arg-type]
+            HFHead(s, self.model, aux),
         ]
 
     # ----------------------------------------------------------------- Lightning steps
 
     @override
-    def forward(self, inputs: Tensor | Sequence[Tensor]) -> Tensor:
-        """Logits ``(B, T, V)`` for ``pipeline_input(batch)`` (or a bare ``input_ids`` tensor)."""
+    def forward(self, inputs: Tensor | Sequence[Tensor]) -> Tensor | tuple[Tensor, Tensor]:
+        """Logits ``(B, T, V)`` for ``pipeline_input(batch)`` (or a bare ``input_ids`` tensor); with a router
+        auxiliary loss, ``(logits, aux_loss)`` from the model's own forward, as the pipeline's head returns."""
         ids, mask = (
             (inputs, None) if isinstance(inputs, Tensor) else (inputs[0], inputs[1] if len(inputs) > 1 else None)
         )
-        return self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        if self._aux is None:
+            return self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        out = self.model(input_ids=ids, attention_mask=mask, use_cache=False, output_router_logits=True)
+        return out.logits, out.aux_loss
 
     @override
     def setup(self, stage: str) -> None:
@@ -385,6 +512,17 @@ class HFCausalLM(LightningModule):
             raise ValueError(
                 f"The data have vocab_size={data_vocab} but the model has vocab_size={self.model.config.vocab_size}; "
                 "build the model with a vocabulary at least that large."
+            )
+        tokens = [c for c in getattr(self._trainer, "callbacks", []) if getattr(c, "normalize", None) == "tokens"]
+        if self._aux_coef is not None and tokens:
+            # A micro-batch's loss is weighed by its token count there; the auxiliary term is a function of the whole
+            # micro-batch's routing (a product of means), not a sum over tokens, so no weighing gives HF's loss.
+            raise ValueError(
+                f"HFCausalLM({type(self.model).__name__}) trains the router's auxiliary loss "
+                f"(router coefficient {self._aux_coef}), which is not a per-token sum: "
+                f"{type(tokens[0]).__name__}(normalize='tokens') would weigh it by each micro-batch's token count, "
+                "an objective Hugging Face's loss is not. Use normalize='mean' (each micro-batch's loss weighs 1, as "
+                "Lightning's accumulate_grad_batches), or output_router_logits=False."
             )
 
     @override
