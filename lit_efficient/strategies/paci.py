@@ -26,7 +26,6 @@ import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment, TorchCheckpointIO
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import _destroy_dist_connection
-from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
@@ -282,6 +281,7 @@ class PACIStrategy(PipelineCheckpointing, PipelineEvaluation, LocalStepHooks, DD
         self._header_group: dist.ProcessGroup | None = None
         self._p2p_groups: LinkGroups | None = None
         self._signal_group: dist.ProcessGroup | None = None
+        self._launch_streams: tuple[Any, Any, Any] | None = None
         self._sigterm_pending: deque[tuple[dist.Work, Tensor]] = deque()
         # In one process under 1F1B-flush with norm clipping: the stages' stand-in for the all-reduce of their
         # squared norms (set by InProcessPipeline.setup, read by the clippers of step_hooks.py).
@@ -404,14 +404,16 @@ class PACIStrategy(PipelineCheckpointing, PipelineEvaluation, LocalStepHooks, DD
             )  # fmt: skip
             if backend == "nccl":  # as Lightning's own setup does, which now returns early
                 atexit.register(_destroy_dist_connection)
+        launch_streams = _random_streams()  # before Lightning's re-seed (reset_seed) replaces them
         super().setup_distributed()
+        self._launch_streams = launch_streams
 
     @override
     def setup_environment(self) -> None:
         if self.in_process:
-            # No peer, so no process group: Lightning's collectives see a world of one. Re-seed as every
-            # rank of a process pipeline does (Lightning's setup_distributed), so the streams agree.
-            reset_seed()
+            # No peer, so no process group: Lightning's collectives see a world of one. No re-seed: the
+            # process keeps the random streams one device has here, as every rank of a process pipeline
+            # is given them (_keep_launch_random_streams), so the streams agree.
             Strategy.setup_environment(self)
             self.topology = Topology(self.pipeline_stages)
             self._in_process = InProcessPipeline(self)
@@ -431,6 +433,8 @@ class PACIStrategy(PipelineCheckpointing, PipelineEvaluation, LocalStepHooks, DD
         for replica in range(self.topology.num_replicas):
             self._pipeline_groups[replica] = dist.new_group(self.topology.pipeline_ranks(replica))
         self._signal_group = dist.new_group(backend="gloo")
+        if self.topology.num_replicas == 1 and self._launch_streams is not None:
+            _keep_launch_random_streams(self._launch_streams, self._signal_group)
         _warn_single_replica(self.local_sgd_steps, self.topology)
 
     # -- setup / teardown -------------------------------------------------------------------------
@@ -856,6 +860,33 @@ def _parameter_counts(module: LightningModule, layers: list) -> list[int]:
     if any(isinstance(layer, LayerOnOtherStage) for layer in layers):
         return [sum(p.numel() for p in getattr(layer, "structure", layer).parameters()) for layer in layers]
     return layer_parameter_counts(module, layers)
+
+
+def _random_streams() -> tuple[Any, Any, Any]:
+    import random
+
+    import numpy as np
+
+    return torch.get_rng_state(), np.random.get_state(), random.getstate()
+
+
+def _keep_launch_random_streams(streams: tuple[Any, Any, Any], group: dist.ProcessGroup) -> None:
+    """With one replica the user's own loader is kept (_keep_users_sampler), and its sampler may draw from
+    the global streams (``DataLoader(shuffle=True)`` without a generator seeds its permutation from torch's
+    stream when an epoch starts). Every stage must then draw what one device draws: global rank 0's streams
+    as they were before Lightning's re-seed at setup (which replaced the state the model's construction had
+    advanced, so the pipeline read another order than one device; and without ``seed_everything`` each rank
+    kept its own, so the stages of one pipeline read different batches). A collective of every rank."""
+    import random
+
+    import numpy as np
+
+    box = [streams]
+    dist.broadcast_object_list(box, src=0, group=group)
+    cpu, numpy_state, python_state = box[0]
+    torch.set_rng_state(cpu)
+    np.random.set_state(numpy_state)
+    random.setstate(python_state)
 
 
 def _keep_users_sampler(trainer: Trainer, num_replicas: int) -> None:
