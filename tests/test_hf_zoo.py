@@ -128,6 +128,17 @@ def test_what_the_chain_cannot_reproduce_is_refused_with_the_reason():
         HFCausalLM(transformers.T5ForConditionalGeneration(config))
 
 
+def test_key_value_states_shared_across_layers_are_refused_naming_them():
+    # Gemma 4 with a layer reusing an earlier layer's keys and values through the dict the stack hands every layer:
+    # that state is not in the hidden states, so no stage boundary can carry it.
+    types = ["sliding_attention", "full_attention", "full_attention"]
+    model = build("gemma4_text", num_hidden_layers=3, layer_types=types, num_kv_shared_layers=1)
+    assert model.config.kv_sharing_modes == ["store", "store", "reuse"]
+    with pytest.raises(ValueError, match=r"layer 2 looked up .full_attention. in its argument shared_kv_states"):
+        HFCausalLM(model).pipeline_layers()
+    HFCausalLM(build("gemma4_text", num_hidden_layers=3, layer_types=types)).pipeline_layers()  # none reused: taken
+
+
 def test_lists_of_num_hidden_layers_inside_one_layer_are_named_not_taken_for_the_stack():
     """LongCat-Flash's num_hidden_layers counts two attention sublayers per decoder layer: the only lists of that
     length are one layer's parts (the message named weights outside a stack found inside layer 0)."""
@@ -279,14 +290,29 @@ def test_the_router_aux_loss_with_token_normalization_is_refused():
 # rwkv: blocks returning (hidden, state, attentions) tuples the base unpacks, and weights rescaled in place when
 # the model switches between eval and training; bamba (a Mamba-2 and an attention layer), dbrx (sub-configs) and
 # kimi_linear (a linear-attention and an attention layer): per-type sizes of the zoo; mllama: a composite config;
-# mpt: a sub-config (its attention's) with no tiny size to set, which tiny_config once refused.
+# mpt: a sub-config (its attention's) with no tiny size to set, which tiny_config once refused;
+# gemma4_unified_text: a causal LM reading the inputs' length after the stack, and a dict every layer fills (its
+# shared_kv_states); deepseek_v4: a dict of rotary (cos, sin) tuples per layer type as a layer's argument.
 IN_PROCESS = ["opt", "olmo", "nanochat", "openai-gpt", "gemma2", "cohere", "granite", "llama4_text", "qwen3_moe"]
-IN_PROCESS += ["rwkv", "bamba", "dbrx", "kimi_linear", "mllama", "mpt"]
+IN_PROCESS += ["rwkv", "bamba", "dbrx", "kimi_linear", "mllama", "mpt", "gemma4_unified_text", "deepseek_v4"]
 
 
 @pytest.mark.parametrize("model_type", IN_PROCESS)
 def test_flush_in_one_process_equals_one_device(model_type):
     assert flush_in_one_process(model_type) <= 1e-5
+
+
+def test_gemma4_flush_in_one_process_equals_one_device_in_float64():
+    # Gemma 4 as gemma4_unified_text above, but its float32 run differs by 3.5e-5 in the tied embedding (which moves
+    # by 1.6 here): its gradient sums the head's, the hidden states' and the per-layer inputs' in another order when
+    # split. In float64 that reassociation is 2e-16, so an actual difference in what is trained would show.
+    data = batches()
+    start = build("gemma4_text").double().state_dict()
+    single = fit(sgd_module(build("gemma4_text").double()), "auto", 1, data)
+    strategy = PACIStrategy(pipeline_stages=2, schedule="1f1b_flush")
+    piped = fit(sgd_module(build("gemma4_text").double()), strategy, 1, data)
+    assert max_diff(single, {f"model.{k}": v for k, v in start.items()}) > 1e-2  # it trained
+    assert max_diff(piped, single) <= 1e-12
 
 
 def test_the_zoos_skip_rules_are_read_from_the_class_not_a_list_of_names():

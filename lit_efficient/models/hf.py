@@ -30,6 +30,7 @@ The adapters are not registered in this module's tree (they hold the model's own
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -182,20 +183,25 @@ class HFHead(nn.Module):
             self.add_module(f"final_{name}", module)
         for name in s.head:
             self.add_module(name, model._modules[name])
-        self.__dict__.update(structure_=s, causal_lm=model, finals=finals, aux=aux)
+        takes_embeds = "inputs_embeds" in inspect.signature(model.forward).parameters
+        self.__dict__.update(structure_=s, causal_lm=model, finals=finals, aux=aux, takes_embeds=takes_embeds)
 
     @override
     def forward(self, hidden: Tensor, *side: Tensor | None) -> Tensor | tuple[Tensor, Tensor]:
         for module in self.finals:
             hidden = module(hidden)
         s = self.structure_
+        # The stub ignores its inputs, but the causal LM's forward may read the batch's shape from them after the
+        # stack (Gemma 4 slices the hidden states to logits_to_keep unless their length is the inputs'): it gets the
+        # hidden states as its inputs_embeds, which have that shape, where it takes them.
+        inputs = {"inputs_embeds": hidden} if self.takes_embeds else {}
         if self.aux is None:
             with swapped(s.parent, s.base_name, _Stub(hidden, s.output_type, s.base)):
-                return self.causal_lm(use_cache=False).logits
+                return self.causal_lm(use_cache=False, **inputs).logits
         mask, stacked = side[-2], side[-1]
         assert stacked is not None
         with swapped(s.parent, s.base_name, _Stub(hidden, s.output_type, s.base, tuple(stacked.unbind(0)))):
-            out = self.causal_lm(attention_mask=mask, use_cache=False, output_router_logits=True)
+            out = self.causal_lm(attention_mask=mask, use_cache=False, output_router_logits=True, **inputs)
         return out.logits, out.aux_loss
 
 

@@ -18,7 +18,8 @@ LightningModule, are `lit_efficient.models.hf`'s.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+import copy
+from collections.abc import Iterator, Mapping, MutableMapping, MutableSequence, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -240,9 +241,25 @@ def record_calls(s: Structure, input_ids: Tensor, attention_mask: Tensor | None)
     return log
 
 
-# A template entry: ("hidden",) the incoming hidden states, ("side", g) side input g, ("tuple", (g, ...)) a
-# tuple of side inputs, ("const", value) a value that is not a tensor (use_cache=False, cache=None, ...).
+# A template entry: ("hidden",) the incoming hidden states, ("side", g) side input g, ("seq", tuple or list,
+# (entry, ...)) and ("map", ((key, entry), ...)) a tuple, list or dict holding tensors at any depth (rotary cos/sin,
+# DeepSeek-V4's per-layer-type rotary tables, ZAYA's masks by attention kind), ("const", value) a value holding no
+# tensor (use_cache=False, cache=None, ...), ("fresh", empty) an empty container the base forward hands every layer
+# to fill (Gemma 4's shared_kv_states).
 _Entry = tuple
+
+
+def _holds_tensors(value: Any) -> bool:
+    if isinstance(value, Tensor):
+        return True
+    if isinstance(value, (tuple, list)):
+        return any(_holds_tensors(v) for v in value)
+    return isinstance(value, Mapping) and any(_holds_tensors(v) for v in value.values())
+
+
+def _is_empty_container(value: Any) -> bool:
+    # MutableMapping, not dict: Gemma 4's KVSharingDict is a UserDict (so FSDP's helpers leave it alone).
+    return isinstance(value, (MutableMapping, MutableSequence)) and not isinstance(value, Tensor) and len(value) == 0
 
 
 @dataclass
@@ -257,19 +274,33 @@ class Template:
     def learn(cls, calls: list[tuple[tuple, dict]]) -> Template:
         groups: dict[int, int] = {}  # id(tensor) -> side index: one slot per distinct tensor (a mask shared by layers)
 
-        def entry(value: Any) -> _Entry:
+        def entry(value: Any, where: str) -> _Entry:
             if isinstance(value, Tensor):
                 return ("side", groups.setdefault(id(value), len(groups)))
-            if isinstance(value, tuple) and value and all(isinstance(v, Tensor) for v in value):
-                return ("tuple", tuple(entry(v)[1] for v in value))
+            # Containers are taken apart into their tensors, which travel as side inputs like any other, and
+            # rebuilt for each layer: a shared tensor inside them still takes one slot.
+            if type(value) in (tuple, list) and _holds_tensors(value):
+                return ("seq", type(value), tuple(entry(v, where) for v in value))
+            if type(value) is dict and _holds_tensors(value):
+                return ("map", tuple((k, entry(v, where)) for k, v in value.items()))
+            if _holds_tensors(value):
+                raise ValueError(
+                    f"{where} is a {type(value).__name__} holding tensors, which HFCausalLM cannot take apart to send "
+                    "between stages"
+                )
+            if _is_empty_container(value):
+                # State the layers write for one another (Gemma 4 stores a layer's keys and values there for later
+                # layers to reuse). It cannot cross a stage boundary, so every layer call gets an empty one of its
+                # own, on any split alike: a layer that needs another's writes fails in the dry run (see `call`).
+                return ("fresh", value)
             return ("const", value)
 
         args, kwargs = [], []
         for i, (a, kw) in enumerate(calls):
             if not a or "hidden_states" in kw:
                 raise ValueError(f"decoder layer {i} was not called with the hidden states as its first argument")
-            args.append([("hidden",), *(entry(v) for v in a[1:])])
-            kwargs.append({k: entry(v) for k, v in kw.items()})
+            args.append([("hidden",), *(entry(v, f"decoder layer {i} argument {j + 1}") for j, v in enumerate(a[1:]))])
+            kwargs.append({k: entry(v, f"decoder layer {i} argument {k}") for k, v in kw.items()})
         return cls(args, kwargs, len(groups))
 
     def side_inputs(self, calls: list[tuple[tuple, dict]]) -> list[Tensor | None]:
@@ -285,11 +316,18 @@ class Template:
                 if seen[e[1]] and side[e[1]] is not value:
                     raise ValueError(f"{where}: a side input the dry run saw shared by several layers differs now")
                 side[e[1]], seen[e[1]] = value, True
-            elif kind == "tuple":
-                if not isinstance(value, tuple) or len(value) != len(e[1]):
-                    raise ValueError(f"{where}: expected a tuple of {len(e[1])} tensors")
-                for g, v in zip(e[1], value, strict=True):
-                    put(("side", g), v, where)
+            elif kind == "seq":
+                if type(value) is not e[1] or len(value) != len(e[2]):
+                    raise ValueError(f"{where}: expected a {e[1].__name__} of {len(e[2])} values")
+                for sub, v in zip(e[2], value, strict=True):
+                    put(sub, v, where)
+            elif kind == "map":
+                if type(value) is not dict or value.keys() != {k for k, _ in e[1]}:
+                    raise ValueError(f"{where}: expected a dict of {[k for k, _ in e[1]]}")
+                for k, sub in e[1]:
+                    put(sub, value[k], where)
+            elif kind == "fresh" and not (type(value) is type(e[1]) and _is_empty_container(value)):
+                raise ValueError(f"{where}: expected an empty {type(e[1]).__name__}, got {value!r}")
             elif kind == "const" and value is not e[1] and value != e[1]:
                 raise ValueError(f"{where}: {value!r} differs from the dry run's {e[1]!r}")
 
@@ -308,11 +346,26 @@ class Template:
                 return hidden
             if e[0] == "side":
                 return side[e[1]]
-            if e[0] == "tuple":
-                return tuple(side[g] for g in e[1])
+            if e[0] == "seq":
+                return e[1](value(sub) for sub in e[2])
+            if e[0] == "map":
+                return {k: value(sub) for k, sub in e[1]}
+            if e[0] == "fresh":
+                return copy.copy(e[1])  # empty, of the base forward's own type
             return e[1]
 
-        out = layer(*(value(e) for e in self.args[i]), **{k: value(e) for k, e in self.kwargs[i].items()})
+        fresh = [f"argument {j}" for j, e in enumerate(self.args[i]) if e[0] == "fresh"]
+        fresh += [f"argument {k}" for k, e in self.kwargs[i].items() if e[0] == "fresh"]
+        try:
+            out = layer(*(value(e) for e in self.args[i]), **{k: value(e) for k, e in self.kwargs[i].items()})
+        except (KeyError, IndexError) as err:
+            if not fresh:
+                raise
+            raise ValueError(
+                f"decoder layer {i} looked up {err} in its {', '.join(fresh)}, a container the decoder stack hands "
+                "every layer to fill: it reads what an earlier layer wrote there (key/value states shared across "
+                "layers), state that is not in the hidden states and cannot cross a stage boundary"
+            ) from err
         return out[0] if isinstance(out, (tuple, list)) else out  # openai-gpt's blocks return lists
 
 
