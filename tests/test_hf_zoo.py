@@ -139,6 +139,12 @@ def test_key_value_states_shared_across_layers_are_refused_naming_them():
     HFCausalLM(build("gemma4_text", num_hidden_layers=3, layer_types=types)).pipeline_layers()  # none reused: taken
 
 
+def test_weights_of_the_decoder_stack_itself_are_refused_naming_them():
+    # ZAYA scales and shifts the embeddings by parameters of its stack module, which holds every decoder layer too.
+    with pytest.raises(ValueError, match=r"model\.model holds weights of its own.*'input_hidden_states_scale'"):
+        HFCausalLM(build("zaya"))
+
+
 def test_lists_of_num_hidden_layers_inside_one_layer_are_named_not_taken_for_the_stack():
     """LongCat-Flash's num_hidden_layers counts two attention sublayers per decoder layer: the only lists of that
     length are one layer's parts (the message named weights outside a stack found inside layer 0)."""

@@ -112,6 +112,12 @@ def find_structure(model: nn.Module) -> Structure:
     stray = sorted({n.rpartition(".")[0] for n, p in model.named_parameters() if id(p) not in held})
     if stray:  # e.g. a vision tower beside the text decoder, or weights on the way down to it
         raise ValueError(f"{want}: {stray} hold weights outside the decoder stack model.{path} and the model's head.")
+    own = [n for n, _ in base.named_parameters(recurse=False)]
+    if own:  # ZAYA's input scale and bias: a stage holds whole modules, and this one holds every decoder layer too
+        raise ValueError(
+            f"{want}: model.{path} holds weights of its own, outside its child modules ({own}), which no single "
+            "pipeline stage can hold: a stage holds whole modules, and that module holds every decoder layer."
+        )
     order, output_type, layer_returns = _call_order(model, base, layers)
     children = [n for n, _ in base.named_children() if n != layers]
     first_layer, last_layer = order.index(f"{layers}.0"), order.index(f"{layers}.end")
