@@ -145,6 +145,13 @@ def test_weights_of_the_decoder_stack_itself_are_refused_naming_them():
         HFCausalLM(build("zaya"))
 
 
+def test_a_stacks_module_list_called_after_the_layers_is_refused_naming_it():
+    # Gemma-3n mixes its altup streams back into one by indexing a ModuleList inside its own forward, whose hook
+    # never fires: the chain once ran only the final norm, on the stacked streams, and compared NaN logits.
+    with pytest.raises(ValueError, match=r"calls the modules of \['altup_unembed_projections'\].*after its decoder"):
+        HFCausalLM(build("gemma3n_text"))
+
+
 def test_lists_of_num_hidden_layers_inside_one_layer_are_named_not_taken_for_the_stack():
     """LongCat-Flash's num_hidden_layers counts two attention sublayers per decoder layer: the only lists of that
     length are one layer's parts (the message named weights outside a stack found inside layer 0)."""

@@ -136,8 +136,18 @@ def find_structure(model: nn.Module) -> Structure:
             f"{want}: model.{path}'s forward calls {shared} both before and after its decoder layers; they hold "
             "weights, so they belong to no single stage."
         )
+    indexed = [c for c in finals if _container(base._modules[c])]  # type: ignore[arg-type]
+    if indexed:
+        raise ValueError(
+            f"{want}: model.{path}'s forward calls the modules of {indexed} (an nn.ModuleList or ModuleDict) after its "
+            "decoder layers, with code of its own around them, which the last stage cannot replay by calling modules."
+        )
     embed = [c for c in children if c not in finals or c in before]
     return Structure(base, parent, base_name, path, embed, layers, finals, head, output_type, layer_returns)
+
+
+def _container(module: nn.Module) -> bool:
+    return isinstance(module, (nn.ModuleList, nn.ModuleDict))
 
 
 def _element_of_a_list(model: nn.Module, name: str) -> str | None:
@@ -158,9 +168,10 @@ def _call_order(model: nn.Module, base: nn.Module, layers: str) -> tuple[list[st
     returns: list[int | None] = []
     handles = []
     for name, child in base.named_children():
-        subs = list(child.named_children()) if name == layers else [("", child)]
+        # A container's own forward is never called: its elements are (Gemma-3n's altup projections), under its name.
+        subs = list(child.named_children()) if name == layers or _container(child) else [("", child)]
         for i, m in subs:
-            label = f"{name}.{i}" if i else name
+            label = f"{name}.{i}" if i and name == layers else name
             handles.append(m.register_forward_pre_hook(lambda *_, label=label: order.append(label)))
     last = base._modules[layers][-1]  # type: ignore[index]
     handles.append(last.register_forward_hook(lambda *_: order.append(f"{layers}.end")))
