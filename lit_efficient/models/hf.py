@@ -42,7 +42,13 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lit_efficient.models.gpt import adamw_with_warmup_cosine
-from lit_efficient.models.hf_router import RouterAux, router_aux_loss_coef, router_recorder
+from lit_efficient.models.hf_router import (
+    RouterAux,
+    reinstall_output_capture_hooks,
+    remove_output_capture_hooks,
+    router_aux_loss_coef,
+    router_recorder,
+)
 from lit_efficient.models.hf_structure import (
     Structure,
     Template,
@@ -290,6 +296,20 @@ class HFCausalLM(LightningModule):
             n for n, p in self.named_parameters(remove_duplicate=False) if id(p) in tables or p.ndim < 2
         )
         self.__dict__["_template"] = None
+
+    @override
+    def __getstate__(self) -> dict[str, Any]:
+        # A forward of a model whose config records outputs (output_router_logits=True) leaves transformers' capture
+        # hooks, closures, on its modules: the structure probe at construction, the dry run, or training on one device.
+        # They are taken off for pickling (spawn/forkserver ranks) and put back on the copy, whole, by __setstate__;
+        # this object's next forward installs its own again.
+        marked = remove_output_capture_hooks(self.model)
+        return {**super().__getstate__(), "_capture_hooks_marked": marked}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        marked = state.pop("_capture_hooks_marked", [])
+        super().__setstate__(state)
+        reinstall_output_capture_hooks(self.model, marked)
 
     def _config_dict(self) -> dict[str, Any]:
         return {"model_type": self.model.config.model_type, **self.model.config.to_diff_dict()}

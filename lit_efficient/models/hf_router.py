@@ -113,3 +113,47 @@ class RouterAux:
                 "which logits the auxiliary loss takes. Build the model with output_router_logits=False."
             )
         return found[0]
+
+
+def remove_output_capture_hooks(model: nn.Module) -> list[str]:
+    """Take off the forward hooks transformers installs on the modules the first time a forward is asked to record
+    outputs (``output_router_logits=True``), and the marks that say they are there; return the names of the marked
+    modules, for `reinstall_output_capture_hooks`.
+
+    They are closures, so a model that carries them cannot be pickled, and `HFCausalLM` runs such forwards before
+    any launch (its structure probe at construction): ``PACIStrategy(start_method="spawn" | "forkserver")`` then
+    failed to send the module to its ranks. Recognized by the hook's name in transformers' ``output_capturing``
+    module."""
+    marked = []
+    for name, module in model.named_modules():
+        for key, hook in list(module._forward_hooks.items()):
+            if getattr(hook, "__name__", "") == "output_capturing_hook":
+                del module._forward_hooks[key]
+                module._forward_hooks_with_kwargs.pop(key, None)
+                module._forward_hooks_always_called.pop(key, None)
+        if module.__dict__.pop("_output_capturing_hooks_installed", False):
+            marked.append(name)
+    return marked
+
+
+def reinstall_output_capture_hooks(model: nn.Module, marked: list[str]) -> None:
+    """After unpickling: register each Hugging Face model class's recordable outputs again, and install transformers'
+    capture hooks on the modules `remove_output_capture_hooks` named, while the model is whole.
+
+    transformers keeps which outputs a class can record in a registry filled by ``PreTrainedModel.__init__``, which
+    an unpickled copy in a fresh (spawned) process never runs: its forwards would then record nothing, and a
+    Mixtral's auxiliary loss would be the integer 0. Left to the next forward, the hooks would also be installed in
+    a pipeline rank after the split, on whichever modules its stage holds then."""
+    from transformers import PreTrainedModel
+
+    try:
+        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY, maybe_install_capturing_hooks
+    except ImportError:  # a transformers without recorded outputs: nothing to restore
+        return
+
+    modules = dict(model.named_modules())
+    for module in modules.values():
+        if isinstance(module, PreTrainedModel) and not _CAN_RECORD_REGISTRY.get(module):
+            _CAN_RECORD_REGISTRY[module] = module._can_record_outputs
+    for name in marked:
+        maybe_install_capturing_hooks(modules[name])
