@@ -132,6 +132,17 @@ def test_constructible_from_plain_values_and_saved_models(tmp_path):
         HFCausalLM({"hidden_size": 16})
 
 
+def test_fits_with_a_logger_beside_a_datamodule_without_the_data_sizes(tmp_path):
+    """The Python API's pair: HFCausalLM(model) and TextDataModule(block_size=...), with a logger (the default's
+    hparams merge). The model's unset vocab_size/block_size (None) clashed with the data's values ("block_size
+    present in both ... different values") before any batch ran."""
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, limit_val_batches=0, enable_progress_bar=False,
+                        enable_checkpointing=False, logger=L.pytorch.loggers.CSVLogger(str(tmp_path)))  # fmt: skip
+    trainer.fit(HFCausalLM(llama()), datamodule=TextDataModule(block_size=16, batch_size=2, max_bytes=20_000))
+    assert trainer.global_step == 1
+    assert HFCausalLM(llama(), block_size=16).hparams.block_size == 16  # given sizes are still saved
+
+
 def test_architecture_it_cannot_split_is_named():
     from transformers import T5Config, T5ForConditionalGeneration
 

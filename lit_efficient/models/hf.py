@@ -269,7 +269,10 @@ class HFCausalLM(LightningModule):
         if max_steps is not None and max_steps < 1:
             raise ValueError(f"HFCausalLM(max_steps={max_steps}) must be >= 1, or None to use the Trainer's estimate.")
         self.model = load_hf_model(model, vocab_size, attn_implementation)
-        self.save_hyperparameters(ignore=["model"])
+        # The data's sizes only when given (as TextDataModule saves its vocab_size): Lightning refuses a key that the
+        # model and the datamodule both log with different values, and None would clash with the data's.
+        unset = [name for name, value in (("vocab_size", vocab_size), ("block_size", block_size)) if value is None]
+        self.save_hyperparameters(ignore=["model", *unset])
         # A plain value, so a checkpoint rebuilds the architecture (its weights come from the state dict).
         self.hparams["model"] = model if isinstance(model, (Mapping, str)) else self._config_dict()
         # Before the structure: a refused loss term is the user's setting to change.
