@@ -26,6 +26,7 @@ import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment, TorchCheckpointIO
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import _destroy_dist_connection
+from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
@@ -281,7 +282,7 @@ class PACIStrategy(PipelineCheckpointing, PipelineEvaluation, LocalStepHooks, DD
         self._header_group: dist.ProcessGroup | None = None
         self._p2p_groups: LinkGroups | None = None
         self._signal_group: dist.ProcessGroup | None = None
-        self._launch_streams: tuple[Any, Any, Any] | None = None
+        self._launch_streams: dict[str, Any] | None = None
         self._sigterm_pending: deque[tuple[dist.Work, Tensor]] = deque()
         # In one process under 1F1B-flush with norm clipping: the stages' stand-in for the all-reduce of their
         # squared norms (set by InProcessPipeline.setup, read by the clippers of step_hooks.py).
@@ -404,7 +405,7 @@ class PACIStrategy(PipelineCheckpointing, PipelineEvaluation, LocalStepHooks, DD
             )  # fmt: skip
             if backend == "nccl":  # as Lightning's own setup does, which now returns early
                 atexit.register(_destroy_dist_connection)
-        launch_streams = _random_streams()  # before Lightning's re-seed (reset_seed) replaces them
+        launch_streams = _collect_rng_states(include_cuda=False)  # before Lightning's re-seed replaces them
         super().setup_distributed()
         self._launch_streams = launch_streams
 
@@ -862,31 +863,17 @@ def _parameter_counts(module: LightningModule, layers: list) -> list[int]:
     return layer_parameter_counts(module, layers)
 
 
-def _random_streams() -> tuple[Any, Any, Any]:
-    import random
-
-    import numpy as np
-
-    return torch.get_rng_state(), np.random.get_state(), random.getstate()
-
-
-def _keep_launch_random_streams(streams: tuple[Any, Any, Any], group: dist.ProcessGroup) -> None:
+def _keep_launch_random_streams(streams: dict[str, Any], group: dist.ProcessGroup) -> None:
     """With one replica the user's own loader is kept (_keep_users_sampler), and its sampler may draw from
     the global streams (``DataLoader(shuffle=True)`` without a generator seeds its permutation from torch's
     stream when an epoch starts). Every stage must then draw what one device draws: global rank 0's streams
     as they were before Lightning's re-seed at setup (which replaced the state the model's construction had
     advanced, so the pipeline read another order than one device; and without ``seed_everything`` each rank
-    kept its own, so the stages of one pipeline read different batches). A collective of every rank."""
-    import random
-
-    import numpy as np
-
+    kept its own, so the stages of one pipeline read different batches). A collective of every rank. The
+    host streams only (Lightning's own collect/set): a CUDA generator is per device and draws no sampler."""
     box = [streams]
     dist.broadcast_object_list(box, src=0, group=group)
-    cpu, numpy_state, python_state = box[0]
-    torch.set_rng_state(cpu)
-    np.random.set_state(numpy_state)
-    random.setstate(python_state)
+    _set_rng_states(box[0])
 
 
 def _keep_users_sampler(trainer: Trainer, num_replicas: int) -> None:
