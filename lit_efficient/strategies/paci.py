@@ -500,6 +500,7 @@ class PACIStrategy(PipelineCheckpointing, PipelineEvaluation, LocalStepHooks, DD
             comm = PointToPoint(
                 self.stage, self.topology.stage_of, self.root_device, self.p2p_timeout,
                 groups=self._p2p_groups, header_group=self._header_group, wire=self.wire_format,
+                send_window=self.pipeline_stages + 1,
             )  # fmt: skip
         self.runtime = PipelineRuntime(
             stage, self.schedule, max(1, trainer.accumulate_grad_batches), module.pipeline_input, comm, prev_rank,

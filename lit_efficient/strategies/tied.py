@@ -53,8 +53,10 @@ def install_tied_weights(
     replica = topology.replica_of(rank)
     peer_stage = last if s == 0 else 0
     peer = topology.rank_of(peer_stage, replica)
-    exchange = TiedExchange(s, peer, peer_stage, groups, timeout, stage.device)
-    return tie_stage(stage, split, schedule, tie_delay(topology.num_stages, accumulate), exchange)
+    delay = tie_delay(topology.num_stages, accumulate)
+    # The peer receives a tied gradient at most `delay` updates after it was sent (pipeline.tied).
+    exchange = TiedExchange(s, peer, peer_stage, groups, timeout, stage.device, send_window=delay + 2)
+    return tie_stage(stage, split, schedule, delay, exchange)
 
 
 def tie_stage(
