@@ -108,9 +108,13 @@ def alternate(args: argparse.Namespace) -> list[dict[str, Any]]:
             raise RuntimeError(f"the timed fits failed ({done.returncode}):\n{done.stderr[-4000:]}")
         # The last rank holds the last stage, which closes every window.
         lines = Path(f"{out}.{args.stages - 1}").read_text().splitlines()
-    records = [json.loads(line) for line in lines]
+    return pair_rounds([json.loads(line) for line in lines], base, cand)
+
+
+def pair_rounds(records: list[dict[str, Any]], base: str, cand: str) -> list[dict[str, Any]]:
+    """The worker's records (one per timed fit) as rounds: one fit of each package, and their ratios."""
     rounds = []
-    for segment in range(args.rounds):
+    for segment in sorted({r["segment"] for r in records}):
         pair = {r["package"]: r for r in records if r["segment"] == segment}
         b, c = pair[base], pair[cand]
         rounds.append({
@@ -155,8 +159,10 @@ def main() -> None:
     rounds = alternate(args)
     for r, row in enumerate(rounds):
         b, c = row["baseline"], row["candidate"]
-        print(f"round {r + 1}: median window {b['window'] * 1e3:.0f} -> {c['window'] * 1e3:.0f} ms "
-              f"(x{row['window_ratio']:.3f}), wall x{row['wall_ratio']:.3f}, cpu/micro-batch x{row['cpu_ratio']:.3f}")
+        print(
+            f"round {r + 1}: median window {b['window'] * 1e3:.0f} -> {c['window'] * 1e3:.0f} ms "
+            f"(x{row['window_ratio']:.3f}), wall x{row['wall_ratio']:.3f}, cpu/micro-batch x{row['cpu_ratio']:.3f}"
+        )
     result = {key: spread([row[key] for row in rounds]) for key in ("window_ratio", "wall_ratio", "cpu_ratio")}
     result["rounds"] = rounds
     config = {k: v for k, v in vars(args).items() if k not in ("out", "quick")}

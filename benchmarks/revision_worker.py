@@ -115,7 +115,7 @@ def timed_fit(package: Any, args: argparse.Namespace, world: int) -> dict[str, A
     return {
         "package": package.__name__, "wall": timed[-1][0] - timed[0][0],
         # The median window: a burst of another process's work stretches a few windows, not the median.
-        "window": statistics.median(b[0] - a[0] for a, b in zip(timed, timed[1:])),
+        "window": statistics.median(b[0] - a[0] for a, b in zip(timed, timed[1:], strict=False)),
         "cpu_per_microbatch": (timed[-1][1] - timed[0][1]) / micro,
         # Page faults and kernel time per micro-batch: memory the allocator returns and takes again shows here.
         "page_faults_per_microbatch": (timed[-1][2] - timed[0][2]) / micro,
