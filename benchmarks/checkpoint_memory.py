@@ -117,7 +117,7 @@ def main() -> None:
         if args.quick
         else dict(n_layer=4, n_head=8, n_embd=512, block=64, batch=2, accumulate=2)
     )
-    multiprocessing.set_forkserver_preload(["torch", "lightning.pytorch", "lit_efficient.strategies"])
+    multiprocessing.set_forkserver_preload(["torch", "lightning.pytorch", "lit_efficient.strategy"])
     before, start = machine(), time.perf_counter()
     rows = []
     for stages, fmt in itertools.product((2, 4), ("file", "sharded")):

@@ -1,6 +1,6 @@
 """torch.compile through the pipeline: tokens/s of inductor-compiled stages against eager, side by side.
 
-The demo GPT split into S=2 stages runs whole in this process (`lit_efficient.pipeline.local`: the same
+The demo GPT split into S=2 stages runs whole in this process (`lit_efficient.runtime.host`: the same
 stages, schedules and runtimes as on processes, so the compute per stage is what a stage process does),
 once with eager layers and once with ``PipelineStage.compile_layers(torch.compile)`` (inductor, torch's
 defaults; what ``PACIStrategy(compile_layers=True)`` does). Each variant first trains ``--warmup``
@@ -26,11 +26,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.harness import machine, write_json  # noqa: E402
-from lit_efficient.data.corpus import embedded_corpus  # noqa: E402
-from lit_efficient.pipeline.demo import batches, build_layers, lm_loss  # noqa: E402
-from lit_efficient.pipeline.local import local_pipeline  # noqa: E402
-from lit_efficient.pipeline.partition import partition_uniform, stage_bounds  # noqa: E402
-from lit_efficient.pipeline.stage import PipelineStage  # noqa: E402
+from lit_efficient.runtime.partition import partition_uniform, stage_bounds  # noqa: E402
+from lit_efficient.runtime.stage import PipelineStage  # noqa: E402
+from lit_efficient.tools.corpus import embedded_corpus  # noqa: E402
+from lit_efficient.tools.demo import batches, build_layers, lm_loss  # noqa: E402
+from lit_efficient.transport.local import local_pipeline  # noqa: E402
 
 
 def _pipeline(layers, args, compiled: bool):

@@ -44,8 +44,8 @@ from benchmarks.runtime_throughput import (
     spawn,
     summarize_all,
 )
-from lit_efficient.pipeline.comm import PointToPoint
-from lit_efficient.pipeline.topology import Topology
+from lit_efficient.runtime.topology import Topology
+from lit_efficient.transport.process import PointToPoint
 
 
 class _SleepFunction(torch.autograd.Function):

@@ -69,12 +69,12 @@ from lightning.pytorch.loggers import Logger  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from lit_efficient import ActivationCheckpointing, PACIStrategy, PipelineMonitor  # noqa: E402
-from lit_efficient.pipeline.actions import Action  # noqa: E402
-from lit_efficient.pipeline.clock import CudaClock, HostClock  # noqa: E402
-from lit_efficient.pipeline.local import local_pipeline  # noqa: E402
-from lit_efficient.pipeline.partition import partition_uniform, stage_bounds  # noqa: E402
-from lit_efficient.pipeline.stage import PipelineStage  # noqa: E402
-from lit_efficient.strategies.profile import profile_layers  # noqa: E402
+from lit_efficient.runtime.actions import Action  # noqa: E402
+from lit_efficient.runtime.clock import CudaClock, HostClock  # noqa: E402
+from lit_efficient.runtime.partition import partition_uniform, stage_bounds  # noqa: E402
+from lit_efficient.runtime.profile import profile_layers  # noqa: E402
+from lit_efficient.runtime.stage import PipelineStage  # noqa: E402
+from lit_efficient.transport.local import local_pipeline  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 STAGES, ACCUMULATE = 4, 4

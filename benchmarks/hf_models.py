@@ -65,13 +65,13 @@ def _old_as_leaf(t):
 def _p2p_worker(rank: int, world: int, config: dict[str, Any]) -> list[dict[str, Any]]:
     import lightning as L
 
-    import lit_efficient.pipeline.stage as stage_module
-    from lit_efficient.data.corpus import embedded_corpus
+    import lit_efficient.runtime.stage as stage_module
     from lit_efficient.models import HFCausalLM
-    from lit_efficient.pipeline.comm import PointToPoint
-    from lit_efficient.pipeline.demo import batches
-    from lit_efficient.pipeline.runtime import PipelineRuntime
-    from lit_efficient.pipeline.topology import Topology
+    from lit_efficient.runtime.interpreter import PipelineRuntime
+    from lit_efficient.runtime.topology import Topology
+    from lit_efficient.tools.corpus import embedded_corpus
+    from lit_efficient.tools.demo import batches
+    from lit_efficient.transport.process import PointToPoint
 
     new_as_leaf = stage_module._as_leaf
     topo = Topology.for_world(world, world)

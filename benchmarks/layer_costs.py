@@ -9,7 +9,7 @@ then `stage_backward_weight`). It also counts the bytes autograd saves for backw
 
 `predict` builds GPT layouts of 2, 4 and 8 ranks from those costs (two blocks per rank; embedding
 on the first model stage, head on the last; two-chunk schedules get one block per chunk, so the
-embedding and the head sit on rank 0 in a V) and runs every plan of `lit_efficient.pipeline.plans`
+embedding and the head sit on rank 0 in a V) and runs every plan of `lit_efficient.tools.schedule_plans`
 through the simulator for many windows: steady utilization, throughput against PACI, peak
 activation bytes per rank and activation transfers per micro-batch.
 """
@@ -26,8 +26,8 @@ from torch import Tensor, nn
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from benchmarks.runtime_throughput import SavedTensorMeter, _Held
-from lit_efficient.pipeline.plans import PLANS, build_plan
-from lit_efficient.pipeline.simulate import simulate_plan
+from lit_efficient.tools.schedule_plans import PLANS, build_plan
+from lit_efficient.tools.simulate import simulate_plan
 
 KINDS = ("embed", "block", "head")
 

@@ -14,7 +14,7 @@ model's compute is serialized and every millisecond of host overhead shows):
 
 ``--method interleaved`` (the default): ONE Trainer fit in which blocks driven by the Trainer (one warm-up
 window, then windows holding ``--block-microbatches`` timed micro-batches) alternate with bare blocks of
-the same size on the very same `LocalPipeline` (the same runtime on each rank on processes: same stage objects,
+the same size on the very same `StageHost` (the same runtime on each rank on processes: same stage objects,
 layers, optimizer states), seconds apart: a callback drains the pipeline at the end of each Trainer block,
 feeds the same batches to the runtime's own ``feed`` in a loop, drains again and lets the Trainer go on.
 Each block is timed from its first window end (both pay the same warm-up after a drain) to its last; one
@@ -146,10 +146,10 @@ def run_trainer(
 
 
 def run_bare(args: argparse.Namespace, batches: list[Any], accumulate: int) -> dict[str, Any]:
-    from lit_efficient.pipeline.local import local_pipeline
-    from lit_efficient.pipeline.partition import stage_bounds
-    from lit_efficient.pipeline.stage import PipelineStage
-    from lit_efficient.plan import _stand_in_trainer, optimizer_factory
+    from lit_efficient.cli.plan import _stand_in_trainer, optimizer_factory
+    from lit_efficient.runtime.partition import stage_bounds
+    from lit_efficient.runtime.stage import PipelineStage
+    from lit_efficient.transport.local import local_pipeline
 
     model = build_model(args, len(batches) // accumulate)
     with _stand_in_trainer(model, len(batches) // accumulate, accumulate):

@@ -59,7 +59,7 @@ class _Recorder(Callback):
 
     def setup(self, trainer, pl_module, stage) -> None:
         # The strategy's gradient hook looks all_reduce_flat up at call time: count what it sends.
-        import lit_efficient.strategies.paci as paci
+        import lit_efficient.strategy.paci as paci
 
         inner = paci.all_reduce_flat
 

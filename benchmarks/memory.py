@@ -33,10 +33,10 @@ import torch
 from benchmarks.harness import envelope, machine, write_json
 from benchmarks.runtime_throughput import SavedTensorMeter
 from benchmarks.trainer_vs_torch_pipelining import build_data, build_model, spawn_pair, stage_layers
-from lit_efficient.pipeline.comm import PointToPoint
-from lit_efficient.pipeline.runtime import PipelineRuntime
-from lit_efficient.pipeline.stage import PipelineStage
-from lit_efficient.pipeline.topology import Topology
+from lit_efficient.runtime.interpreter import PipelineRuntime
+from lit_efficient.runtime.stage import PipelineStage
+from lit_efficient.runtime.topology import Topology
+from lit_efficient.transport.process import PointToPoint
 
 CONFIGS = [("1f1b_flush", False), ("paci", False), ("1f1b_flush", True), ("paci", True)]
 

@@ -3,7 +3,7 @@
 Three parts (BENCHMARKS.md, "Memory plan"; README, "Will it fit? The memory plan"):
 
 - **agreement**: for GPT and Hugging Face Llama models on CPU, each stage's activation bytes and state
-  bytes (weights + gradients + optimizer state) in the plan (`lit_efficient.plan.plan`, fake tensors)
+  bytes (weights + gradients + optimizer state) in the plan (`lit_efficient.cli.plan.plan`, fake tensors)
   against a real run of the same pipeline (the bare runtime, all stages in this process,
   `local_pipeline`), for paci and 1f1b_flush, with and without ``recompute``, and with
   ActivationCheckpointing. What the real run measures (`StageMeter`): per stage, the peak over the run
@@ -36,12 +36,20 @@ from torch.utils._pytree import tree_flatten
 
 from benchmarks.harness import envelope, machine, write_json
 from lit_efficient.callbacks import activation_checkpointing as ac
-from lit_efficient.pipeline.local import local_pipeline
-from lit_efficient.pipeline.memory_plan import MemoryPlan, format_bytes, plan_memory
-from lit_efficient.pipeline.partition import stage_bounds
-from lit_efficient.pipeline.stage import PipelineStage
-from lit_efficient.plan import _stand_in_trainer, describe, load_config, measure, optimizer_factory, plan, plan_config
-from lit_efficient.strategies.paci import PACIStrategy
+from lit_efficient.cli.plan import (
+    _stand_in_trainer,
+    describe,
+    load_config,
+    measure,
+    optimizer_factory,
+    plan,
+    plan_config,
+)
+from lit_efficient.runtime.partition import stage_bounds
+from lit_efficient.runtime.stage import PipelineStage
+from lit_efficient.strategy.paci import PACIStrategy
+from lit_efficient.tools.memory_plan import MemoryPlan, format_bytes, plan_memory
+from lit_efficient.transport.local import local_pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA_8B = Path(__file__).resolve().parent / "memory_plan_llama3_8b.yaml"

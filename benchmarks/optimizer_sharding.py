@@ -11,7 +11,7 @@ records, at the end of training:
 - its stage's time in local optimizer steps (reduction, checks, clipping, the step, the all-gather), from
   the stage's own clock.
 
-Beside them: what the memory plan (`lit_efficient.plan.plan`) gives each stage's row, and what
+Beside them: what the memory plan (`lit_efficient.cli.plan.plan`) gives each stage's row, and what
 ``ZeroRedundancyOptimizer``'s whole-parameter partition would leave on its largest replica
 (`memory_plan.replica_shares` of the plan's per-parameter bytes).
 
@@ -43,15 +43,15 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
+from lit_efficient.replicas import sharded_optimizer
 
 from benchmarks.harness import envelope, machine, write_json
 from lit_efficient import PACIStrategy
+from lit_efficient.cli.plan import plan
 from lit_efficient.data import TextDataModule
 from lit_efficient.models import GPT
-from lit_efficient.pipeline.memory_plan import replica_shares
-from lit_efficient.plan import plan
-from lit_efficient.strategies import sharded_optimizer
-from lit_efficient.strategies.sharded_optimizer import optimizer_state_bytes
+from lit_efficient.replicas.sharded_optimizer import optimizer_state_bytes
+from lit_efficient.tools.memory_plan import replica_shares
 
 MIB = 2**20
 _COLLECTIVES = {
@@ -140,7 +140,7 @@ def main() -> None:
         if args.quick
         else dict(n_layer=4, n_head=8, n_embd=512, block=64, batch=2, accumulate=2, steps=4, replicas=[2, 4])
     )
-    multiprocessing.set_forkserver_preload(["torch", "lightning.pytorch", "lit_efficient.strategies"])
+    multiprocessing.set_forkserver_preload(["torch", "lightning.pytorch", "lit_efficient.strategy"])
     before, start = machine(), time.perf_counter()
     batch = (torch.zeros(config["batch"], config["block"], dtype=torch.long),) * 2
     rows = []
@@ -249,7 +249,7 @@ def _time_collectives(rank: int, world: int, numel: int, calls: int) -> dict[str
 
 def _zero_partition(config: dict[str, Any], replicas: int) -> list[int]:
     """Per stage: the largest replica's bytes under ZeroRedundancyOptimizer's whole-parameter partition."""
-    from lit_efficient.plan import measure
+    from lit_efficient.cli.plan import measure
 
     batch = (torch.zeros(config["batch"], config["block"], dtype=torch.long),) * 2
     measures, _ = measure(_model(config), batch, PACIStrategy(pipeline_stages=2), config["accumulate"], "32-true",

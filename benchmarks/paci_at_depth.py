@@ -14,7 +14,7 @@ What is measured, and how:
   against flush, measured drift per stage.
 - Time to accuracy at S=8 (simulated time from measured costs): every pipeline layer's forward and
   backward time on this CPU at the benchmark's size (median of repeats), summed per stage, fed to
-  `lit_efficient.pipeline.simulate` for the time per optimizer step of each schedule (steady state);
+  `lit_efficient.tools.simulate` for the time per optimizer step of each schedule (steady state);
   times the optimizer steps each run needs to reach three targets of flush's curve (its final loss and
   the 80% / 95% points of its descent), interpolated between evaluations. Ratio flush / PACI, next to
   the paper's 1.69x (N=8) and 1.41x (N=16). Simulated, not measured: one CPU cannot time 8 devices.
@@ -155,8 +155,8 @@ def layer_costs(config: dict[str, Any], repeats: int = 5) -> dict[str, list[floa
 
 def simulated_step_seconds(costs: dict[str, list[float]], stages: int, accumulate: int) -> dict[str, float]:
     """Steady-state seconds per optimizer step of each schedule, from per-layer costs (uniform split)."""
-    from lit_efficient.pipeline.partition import partition_uniform, stage_bounds
-    from lit_efficient.pipeline.simulate import simulate
+    from lit_efficient.runtime.partition import partition_uniform, stage_bounds
+    from lit_efficient.tools.simulate import simulate
 
     bounds = stage_bounds(partition_uniform(len(costs["forward"]), stages))
     fwd = [sum(costs["forward"][lo:hi]) for lo, hi in bounds]
@@ -408,7 +408,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def _prediction_cost(config: dict[str, Any]) -> dict[str, Any]:
     """Weight prediction's buffer: the largest stage's parameter bytes. (Its time cost is measured side by
     side in `in_process_cost`; the grid's runs are not interleaved, so their wall times would carry the load.)"""
-    from lit_efficient.pipeline.partition import partition_uniform, stage_bounds
+    from lit_efficient.runtime.partition import partition_uniform, stage_bounds
 
     model = _model(config, 1e-3, 100)
     layer_bytes = [sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in model.pipeline_layers()]

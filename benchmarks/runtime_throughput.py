@@ -21,7 +21,7 @@ What is measured, and how:
   thread's CPU time: wall time above CPU time is time the stage waited for a core.
 - Per stage, forward / backward / optimizer-step time per micro-batch (stage timers) and
   utilization (`runtime.stats()`, busy / elapsed over the timed windows). The simulator
-  (`lit_efficient.pipeline.simulate`) is fed those measured wall-clock costs (per-segment
+  (`lit_efficient.tools.simulate`) is fed those measured wall-clock costs (per-segment
   medians, the mean of the two schedules' medians) plus the one-way transfer latency of an
   activation, measured by a ping-pong through the same `PointToPoint` between idle processes,
   and predicts the same timed span for the same micro-batch count.
@@ -59,15 +59,15 @@ import torch.distributed as dist
 from torch import Tensor
 
 from benchmarks.harness import PLOTS, machine, pyplot, save_figure, write_json
-from lit_efficient.data.corpus import embedded_corpus
-from lit_efficient.pipeline.comm import PointToPoint
-from lit_efficient.pipeline.demo import batches, build_layers, lm_loss
-from lit_efficient.pipeline.partition import partition_uniform, stage_bounds
-from lit_efficient.pipeline.runtime import PipelineRuntime
-from lit_efficient.pipeline.schedules import ScheduleName
-from lit_efficient.pipeline.simulate import simulate
-from lit_efficient.pipeline.stage import PipelineStage
-from lit_efficient.pipeline.topology import Topology
+from lit_efficient.runtime.interpreter import PipelineRuntime
+from lit_efficient.runtime.partition import partition_uniform, stage_bounds
+from lit_efficient.runtime.schedules import ScheduleName
+from lit_efficient.runtime.stage import PipelineStage
+from lit_efficient.runtime.topology import Topology
+from lit_efficient.tools.corpus import embedded_corpus
+from lit_efficient.tools.demo import batches, build_layers, lm_loss
+from lit_efficient.tools.simulate import simulate
+from lit_efficient.transport.process import PointToPoint
 from tests.multiproc import spawn as run_ranks
 from tests.multiproc import values
 

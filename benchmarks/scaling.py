@@ -2,7 +2,7 @@
 
 What is computed, and how:
 
-- The simulator (`lit_efficient.pipeline.simulate`) runs the real schedule generators for S in
+- The simulator (`lit_efficient.tools.simulate`) runs the real schedule generators for S in
   {2, 4, 8, 16} and N in 1..32, forward 1, backward 2, free transfers, free optimizer step.
   Steady-state utilization is measured the way the benchmarks measure throughput: the extra
   makespan of ``extra`` windows after ``base`` windows (so PACI's one-time fill and drain cancel,
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness import PLOTS, RESULTS, machine, pyplot, save_figure, write_json
-from lit_efficient.pipeline.simulate import simulate
+from lit_efficient.tools.simulate import simulate
 
 COLORS = {2: "tab:blue", 4: "tab:orange", 8: "tab:green", 16: "tab:red"}
 

@@ -53,9 +53,9 @@ from torch import nn
 
 from benchmarks.harness import add_gpt_timing_args, envelope, machine, write_json
 from benchmarks.runtime_throughput import RankSetup, TimedStage, machine_cpu_seconds, run_segment, wait_for_quiet
-from lit_efficient.pipeline.comm import PointToPoint
-from lit_efficient.pipeline.partition import stage_bounds
-from lit_efficient.pipeline.topology import Topology
+from lit_efficient.runtime.partition import stage_bounds
+from lit_efficient.runtime.topology import Topology
+from lit_efficient.transport.process import PointToPoint
 from tests.multiproc import spawn as run_ranks
 from tests.multiproc import values
 
@@ -118,7 +118,7 @@ def module_optimizer(model: Any, params: list[nn.Parameter]) -> torch.optim.Opti
     """The GPT's own optimizer (``configure_optimizers``: AdamW, decayed and undecayed groups) over
     ``params``, as the strategy builds it for a stage: every variant steps the same optimizer as the
     Trainer (the LR schedule aside), so the comparison measures the pipeline, not the optimizer."""
-    from lit_efficient.plan import _stand_in_trainer, optimizer_factory
+    from lit_efficient.cli.plan import _stand_in_trainer, optimizer_factory
 
     with _stand_in_trainer(model, 1000, 1):
         make = optimizer_factory(model, foreach=False)

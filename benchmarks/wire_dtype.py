@@ -26,14 +26,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.harness import machine, write_json  # noqa: E402
-from lit_efficient.data.corpus import embedded_corpus  # noqa: E402
-from lit_efficient.pipeline.comm import LinkGroups, PointToPoint  # noqa: E402
-from lit_efficient.pipeline.demo import batches, build_layers, lm_loss  # noqa: E402
-from lit_efficient.pipeline.partition import partition_uniform, stage_bounds  # noqa: E402
-from lit_efficient.pipeline.runtime import PipelineRuntime  # noqa: E402
-from lit_efficient.pipeline.stage import PipelineStage  # noqa: E402
-from lit_efficient.pipeline.topology import Topology  # noqa: E402
-from lit_efficient.pipeline.wire import WireFormat  # noqa: E402
+from lit_efficient.runtime.interpreter import PipelineRuntime  # noqa: E402
+from lit_efficient.runtime.partition import partition_uniform, stage_bounds  # noqa: E402
+from lit_efficient.runtime.stage import PipelineStage  # noqa: E402
+from lit_efficient.runtime.topology import Topology  # noqa: E402
+from lit_efficient.tools.corpus import embedded_corpus  # noqa: E402
+from lit_efficient.tools.demo import batches, build_layers, lm_loss  # noqa: E402
+from lit_efficient.transport.process import LinkGroups, PointToPoint  # noqa: E402
+from lit_efficient.transport.wire import WireFormat  # noqa: E402
 from tests.multiproc import spawn, values  # noqa: E402
 
 WIRES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

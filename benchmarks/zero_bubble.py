@@ -62,9 +62,9 @@ from benchmarks.trainer_vs_torch_pipelining import (
     foreign_load,
     spawn_pair,
 )
-from lit_efficient.pipeline.comm import PointToPoint
-from lit_efficient.pipeline.partition import stage_bounds
-from lit_efficient.pipeline.topology import Topology
+from lit_efficient.runtime.partition import stage_bounds
+from lit_efficient.runtime.topology import Topology
+from lit_efficient.transport.process import PointToPoint
 
 S = 2
 QUIET_CORES = 0.5  # a segment is "quiet" when other processes used under this many cores during it

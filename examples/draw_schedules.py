@@ -3,7 +3,7 @@
     python examples/draw_schedules.py                      # writes docs/schedules.png
     python examples/draw_schedules.py --stages 8 --accumulate 8 --windows 2 --out sched.png
 
-Pure simulation (`lit_efficient.pipeline.simulate`): no processes, no training; about 2 s on CPU,
+Pure simulation (`lit_efficient.tools.simulate`): no processes, no training; about 2 s on CPU,
 mostly importing matplotlib. Each row is a stage; blue boxes are forwards, green backwards (twice as
 long, the usual cost ratio), red ticks the local optimizer steps; the number in a box is its micro-batch.
 Flush idles (S-1)/(N+S-1) of every window; PACI fills those slots with the next window's forwards.
@@ -19,7 +19,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only, never a window
 import matplotlib.pyplot as plt  # noqa: E402
 
-from lit_efficient.pipeline.simulate import SimulationResult, flush_utilization, simulate  # noqa: E402
+from lit_efficient.tools.simulate import SimulationResult, flush_utilization, simulate  # noqa: E402
 
 COLORS = {"F": "#4C72B0", "B": "#55A868", "STEP": "#C44E52"}
 

@@ -20,7 +20,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import WandbLogger
 
 from lit_efficient import ActivationCheckpointing, GradientAccumulation, PACIStrategy, PipelineMonitor
-from lit_efficient.cli import keep_wandb_local
+from lit_efficient.cli.app import keep_wandb_local
 from lit_efficient.data import TextDataModule
 from lit_efficient.models import GPT
 

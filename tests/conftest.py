@@ -10,7 +10,7 @@ propagation of Lightning's log records that tests read through ``caplog``.
 
 import multiprocessing
 
-multiprocessing.set_forkserver_preload(["torch", "lightning.pytorch", "lit_efficient.strategies", "lit_efficient.cli"])
+multiprocessing.set_forkserver_preload(["torch", "lightning.pytorch", "lit_efficient.strategy", "lit_efficient.cli.app"])
 
 
 import os  # noqa: E402

@@ -4,7 +4,7 @@ through every stage from the inputs its forwards received."""
 
 from __future__ import annotations
 
-from lit_efficient.pipeline.demo import lm_loss
+from lit_efficient.tools.demo import lm_loss
 
 
 def run(layers, x):

@@ -345,7 +345,7 @@ def _resume(run: _Run):
 
 
 def _cli(run: _Run):
-    from lit_efficient.cli import LitEfficientCLI
+    from lit_efficient.cli.app import LitEfficientCLI
 
     args = [
         "fit", "--model.init_args.n_layer=2", "--model.init_args.n_embd=32", "--model.init_args.n_head=2",

@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from lightning.pytorch.strategies import DDPStrategy
 
-from lit_efficient.strategies.config import _CheckedMultiProcessingLauncher
+from lit_efficient.strategy.config import _CheckedMultiProcessingLauncher
 
 # Ranks fork from one server process that preloaded torch and Lightning (tests/conftest.py) rather than
 # each importing them afresh. A forked rank does not see environment changes made after the server

@@ -14,10 +14,10 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lit_efficient.checkpoint import sharded_write as sharded
 from torch.distributed.checkpoint import FileSystemWriter
 
 from lit_efficient import PACIStrategy
-from lit_efficient.strategies import sharded
 from tests.test_strategy import _max_diff, _model, _ordered, _trainer
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.usefixtures("one_thread")]  # tests/conftest.py

@@ -1,4 +1,4 @@
-"""Tests for `lit_efficient.averaging`: the sync schedule and arguments in-process, the averaging
+"""Tests for `lit_efficient.replicas.averaging`: the sync schedule and arguments in-process, the averaging
 math on 2 gloo processes. Children only compute and save tensors; the parent asserts."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from lit_efficient.averaging import ReplicaAverager
+from lit_efficient.replicas.averaging import ReplicaAverager
 from tests.multiproc import START_METHOD
 
 WORLD = 2

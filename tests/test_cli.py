@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from lit_efficient import ActivationCheckpointing, GradientAccumulation, PACIStrategy, PipelineMonitor
-from lit_efficient.cli import LitEfficientCLI, free_path, keep_wandb_local
+from lit_efficient.cli.app import LitEfficientCLI, free_path, keep_wandb_local
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO / "configs" / "quickstart.yaml"

@@ -11,9 +11,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lit_efficient.pipeline.comm import PipelineCommError, PointToPoint, all_reduce_in_rank_order, sum_in_order
-from lit_efficient.pipeline.local import LocalStageSum
-from lit_efficient.pipeline.wire import WireFormat
+from lit_efficient.transport.collectives import all_reduce_in_rank_order, sum_in_order
+from lit_efficient.transport.failures import PipelineCommError
+from lit_efficient.transport.local import LocalStageSum
+from lit_efficient.transport.process import PointToPoint
+from lit_efficient.transport.wire import WireFormat
 from tests.multiproc import spawn, values
 
 pytestmark = pytest.mark.multiproc

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lit_efficient.cli import LitEfficientCLI
+from lit_efficient.cli.app import LitEfficientCLI
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 QUICKSTART = CONFIGS / "quickstart.yaml"

@@ -17,9 +17,10 @@ from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 
-from lit_efficient import PACIStrategy, averaging
-from lit_efficient.averaging import ReplicaAverager
+from lit_efficient import PACIStrategy
+from lit_efficient.replicas import averaging
 from lit_efficient.models import GPT
+from lit_efficient.replicas.averaging import ReplicaAverager
 from tests.devices import OnDevice, SameDeviceMode
 
 # -- LocalSGD / DiLoCo -------------------------------------------------------------------------------
@@ -97,7 +98,7 @@ def _pipeline_extras(stage, averager) -> dict:
 
 
 def _mid_window_stage_and_averager():
-    from lit_efficient.pipeline.stage import PipelineStage
+    from lit_efficient.runtime.stage import PipelineStage
 
     torch.manual_seed(0)
     layers = [nn.Linear(4, 4), nn.Linear(4, 2)]
@@ -120,7 +121,7 @@ def test_rank_share_holds_only_host_tensors():
     """The share goes through `gather_object` (pickled to rank 0): a device tensor in it would be
     reopened on rank 0 at the sender's device index. Weights, optimizer state and every extra (an
     unfinished window's gradients and counters, the DiLoCo anchor and momentum) are host copies."""
-    from lit_efficient.strategies.checkpoint import rank_share
+    from lit_efficient.checkpoint.merge import rank_share
 
     stage, averager, module = _mid_window_stage_and_averager()
     optimizer = stage.optimizer
@@ -141,7 +142,7 @@ def test_rank_share_holds_only_host_tensors():
 def test_pipeline_state_loads_back_onto_the_ranks_device():
     """A checkpoint is read on the CPU (`load_file`); each rank's accumulated gradients, window counters
     and DiLoCo state go back onto its own device (here the stand-in device, `meta`)."""
-    from lit_efficient.pipeline.stage import PipelineStage
+    from lit_efficient.runtime.stage import PipelineStage
 
     stage, averager, _ = _mid_window_stage_and_averager()
     saved_stage = {**stage.accumulation_state(), "grads": [p.grad.clone() for p in stage.parameters()]}
@@ -208,7 +209,7 @@ def test_profile_balance_in_one_process_fits_and_leaves_no_trace():
 
 
 def test_profile_layers_restores_buffers_random_streams_and_placement():
-    from lit_efficient.strategies.profile import profile_layers
+    from lit_efficient.runtime.profile import profile_layers
 
     class Net(nn.Module):
         def __init__(self) -> None:

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import lit_efficient.pipeline.clock as clock_module
-from lit_efficient.pipeline.clock import CudaClock, HostClock, Spans, clock_for
-from lit_efficient.pipeline.local import local_pipeline
-from lit_efficient.pipeline.stage import PipelineStage
+import lit_efficient.runtime.clock as clock_module
+from lit_efficient.runtime.clock import CudaClock, HostClock, Spans, clock_for
+from lit_efficient.runtime.stage import PipelineStage
+from lit_efficient.transport.local import local_pipeline
 from tests.test_in_process import _stage
 from tests.test_runtime_multiproc import _data
 
@@ -232,7 +232,7 @@ def test_one_host_read_per_optimizer_step_and_none_per_micro_batch(monkeypatch, 
     pipe.drain()
     steps = sum(rt.stage.stats.steps for rt in pipe.runtimes)
     assert steps == 2 * 3
-    assert reads == ["lit_efficient.pipeline.stage._check_finite"] * steps, reads
+    assert reads == ["lit_efficient.runtime.stage._check_finite"] * steps, reads
     assert after_window <= 2  # at most the two steps of window 0 so far: nothing per micro-batch
 
 
@@ -256,7 +256,7 @@ def test_monitor_in_one_process_logs_and_draws_every_stage(tmp_path):
 
     from lit_efficient import PACIStrategy, PipelineMonitor
     from lit_efficient.callbacks.pipeline_monitor import TIMELINE_JSON
-    from lit_efficient.pipeline.actions import Action
+    from lit_efficient.runtime.actions import Action
     from tests.test_pipeline_monitor import _tokens
 
     L.seed_everything(0)

@@ -23,7 +23,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks import gpu_smoke  # noqa: E402
-from lit_efficient.pipeline.clock import CudaClock, Spans  # noqa: E402
+from lit_efficient.runtime.clock import CudaClock, Spans  # noqa: E402
 
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

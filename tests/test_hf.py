@@ -18,8 +18,8 @@ from torch import nn
 from lit_efficient import GradientAccumulation, PACIStrategy
 from lit_efficient.data import TextDataModule
 from lit_efficient.models import GPT, HFCausalLM
-from lit_efficient.pipeline.stage import run_layers
-from lit_efficient.strategies.split import check_stage_parameters, layer_parameter_counts
+from lit_efficient.runtime.split import check_stage_parameters, layer_parameter_counts
+from lit_efficient.runtime.stage import run_layers
 from tests.multiproc import SpawnedDDP
 
 transformers = pytest.importorskip("transformers")

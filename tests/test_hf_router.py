@@ -16,7 +16,7 @@ import torch
 from lit_efficient import PACIStrategy
 from lit_efficient.callbacks import ActivationCheckpointing
 from lit_efficient.models import HFCausalLM
-from lit_efficient.pipeline.wire import WireFormat
+from lit_efficient.transport.wire import WireFormat
 from tests.multiproc import spawn, values
 
 pytest.importorskip("transformers")

@@ -16,7 +16,7 @@ from torch import nn
 
 from lit_efficient import PACIStrategy
 from lit_efficient.models import HFCausalLM
-from lit_efficient.pipeline.stage import run_layers
+from lit_efficient.runtime.stage import run_layers
 from tests.multiproc import spawn, values
 
 transformers = pytest.importorskip("transformers")

@@ -8,7 +8,7 @@ from lightning.pytorch.callbacks import LearningRateMonitor
 
 from lit_efficient import GradientAccumulation
 from lit_efficient.models import GPT
-from lit_efficient.strategies.hooks import training_step_logs, uncalled_hooks, warn_uncalled_hooks
+from lit_efficient.strategy.module_hooks import training_step_logs, uncalled_hooks, warn_uncalled_hooks
 
 
 class _GradNormLogger(L.Callback):

@@ -1,4 +1,4 @@
-"""A whole pipeline in one process (`LocalPipeline`, ``Trainer(devices=1)``) against S processes: bit-identical.
+"""A whole pipeline in one process (`StageHost`, ``Trainer(devices=1)``) against S processes: bit-identical.
 
 Max abs difference 0, not a tolerance: the stages run the same actions on the same inputs and only
 the transport differs. Every comparison runs with one intra-op thread on both sides (as the spawned
@@ -16,13 +16,14 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lit_efficient import GradientAccumulation, PACIStrategy
-from lit_efficient.pipeline.comm import LocalExchange, PointToPoint
-from lit_efficient.pipeline.demo import build_layers, lm_loss
-from lit_efficient.pipeline.local import LocalPipeline, PipelineDeadlockError, local_pipeline
-from lit_efficient.pipeline.partition import partition_uniform, stage_bounds
-from lit_efficient.pipeline.runtime import PipelineRuntime
-from lit_efficient.pipeline.stage import PipelineStage
-from lit_efficient.pipeline.topology import Topology
+from lit_efficient.runtime.host import PipelineDeadlockError, StageHost
+from lit_efficient.runtime.interpreter import PipelineRuntime
+from lit_efficient.runtime.partition import partition_uniform, stage_bounds
+from lit_efficient.runtime.stage import PipelineStage
+from lit_efficient.runtime.topology import Topology
+from lit_efficient.tools.demo import build_layers, lm_loss
+from lit_efficient.transport.local import LocalExchange, local_pipeline
+from lit_efficient.transport.process import PointToPoint
 from tests.multiproc import spawn, values
 from tests.test_runtime_multiproc import MODEL, _data, _optimizer
 from tests.test_strategy import ValHistory, _max_diff, _model, _ordered, _trainer
@@ -38,7 +39,7 @@ def _one_thread(monkeypatch):
     torch.set_num_threads(threads)
 
 
-# -- the runtime: LocalPipeline against processes -------------------------------------------------------
+# -- the runtime: StageHost against processes -------------------------------------------------------
 
 # (schedule, recompute, normalize): each configuration runs on the same spawned ranks, one after the other.
 CONFIGS = [("paci", False, "tokens"), ("1f1b_flush", True, "mean"), ("paci", True, "mean")]
@@ -129,7 +130,7 @@ def test_deadlock_names_the_waiting_stages():
     """A pipeline whose stages run different schedules cannot progress; the error says who waits for what."""
     stages = [_stage(2, s, False, "mean") for s in range(2)]
     topo, exchange = Topology(2), LocalExchange()
-    pipe = LocalPipeline([
+    pipe = StageHost([
         PipelineRuntime(stages[0], "paci", 1, lambda b: b[0], exchange.endpoint(1, 0, topo.stage_of), None, 0),
         PipelineRuntime(stages[1], "paci", 1, None, exchange.endpoint(0, 1, topo.stage_of), 5, None),  # rank 5: nobody
     ])  # fmt: skip

@@ -20,11 +20,12 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lit_efficient import PACIStrategy
 from lit_efficient.data import TextDataModule
 from lit_efficient.models import HFCausalLM
-from lit_efficient.pipeline.demo import lm_loss
-from lit_efficient.pipeline.local import PipelineDeadlockError, local_pipeline
-from lit_efficient.pipeline.partition import partition_uniform, stage_bounds
-from lit_efficient.pipeline.stage import PipelineStage
-from lit_efficient.pipeline.tied import LocalTiedLink, TiedWeight, finish_tied, tie_delay
+from lit_efficient.runtime.host import PipelineDeadlockError
+from lit_efficient.runtime.partition import partition_uniform, stage_bounds
+from lit_efficient.runtime.stage import PipelineStage
+from lit_efficient.runtime.tied import TiedWeight, finish_tied, tie_delay
+from lit_efficient.tools.demo import lm_loss
+from lit_efficient.transport.local import LocalTiedLink, local_pipeline
 from tests.test_in_process import _assert_same
 from tests.test_runtime_multiproc import _data as _batches
 from tests.test_tied import _emulate, _optimizer, _tied_layers, _unique

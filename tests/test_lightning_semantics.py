@@ -17,8 +17,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lit_efficient import PACIStrategy
 from lit_efficient.models import GPT
-from lit_efficient.pipeline.demo import build_layers, lm_loss
-from lit_efficient.pipeline.partition import partition_uniform, stage_bounds
+from lit_efficient.runtime.partition import partition_uniform, stage_bounds
+from lit_efficient.tools.demo import build_layers, lm_loss
 from tests.test_runtime_multiproc import MODEL, _data, _paci_emulation
 from tests.test_strategy import _data as _text_data
 from tests.test_strategy import _max_diff, _model

@@ -23,8 +23,8 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lit_efficient import PACIStrategy
 from lit_efficient.data import TextDataModule
 from lit_efficient.models import GPT
-from lit_efficient.pipeline.topology import Topology
-from lit_efficient.strategies.paci import _warn_single_replica
+from lit_efficient.runtime.topology import Topology
+from lit_efficient.strategy.paci import _warn_single_replica
 from tests.multiproc import SpawnedDDP
 
 BLOCK = 32

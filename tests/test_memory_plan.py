@@ -1,6 +1,6 @@
 """The memory plan: its pure parts from small fixtures, its bytes against real runs, and `lit-efficient plan`.
 
-The plan measures every stage on fake tensors (`lit_efficient.pipeline.fake_memory`); here each stage's
+The plan measures every stage on fake tensors (`lit_efficient.tools.fake_memory`); here each stage's
 activation bytes and state bytes (weights + gradients + optimizer state) are checked against a real run
 of the same pipeline on CPU (`benchmarks.memory_plan.measure_run`: every stage in this process, a meter
 of what each stage's in-flight micro-batches keep), for a GPT and a Hugging Face Llama, paci and
@@ -22,10 +22,10 @@ from torch import nn
 from benchmarks.memory_plan import compare, gpt, llama
 from lit_efficient import ActivationCheckpointing, PACIStrategy
 from lit_efficient.cli import main as cli_main
-from lit_efficient.pipeline.fake_memory import LiveBytes, fake_batch, fake_module, measure_stages
-from lit_efficient.pipeline.memory_plan import format_bytes, in_flight, parse_bytes, plan_memory, replica_shares
-from lit_efficient.plan import load_config, plan
-from lit_efficient.plan import main as plan_main
+from lit_efficient.cli.plan import load_config, plan
+from lit_efficient.cli.plan import main as plan_main
+from lit_efficient.tools.fake_memory import LiveBytes, fake_batch, fake_module, measure_stages
+from lit_efficient.tools.memory_plan import format_bytes, in_flight, parse_bytes, plan_memory, replica_shares
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO / "configs" / "quickstart.yaml"

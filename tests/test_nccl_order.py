@@ -1,4 +1,4 @@
-"""The pipeline's point-to-point order, replayed under NCCL's rule (lit_efficient.pipeline.p2p_trace).
+"""The pipeline's point-to-point order, replayed under NCCL's rule (lit_efficient.transport.p2p_trace).
 
 gloo finishes any order of issue, so CPU runs alone prove nothing about NCCL. These tests record the
 operations real multi-process runs issue (the bare runtime at S=2/4/8 and the Trainer at S=2/4, both
@@ -18,11 +18,16 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lit_efficient import GradientAccumulation, PACIStrategy
-from lit_efficient.data.corpus import embedded_corpus
 from lit_efficient.models import GPT
-from lit_efficient.pipeline.comm import LinkGroups, PointToPoint, TiedExchange, is_timeout
-from lit_efficient.pipeline.demo import batches, build_layers, lm_loss
-from lit_efficient.pipeline.p2p_trace import (
+from lit_efficient.runtime.interpreter import PipelineRuntime
+from lit_efficient.runtime.partition import partition_uniform, stage_bounds
+from lit_efficient.runtime.stage import PipelineStage
+from lit_efficient.runtime.tied import TiedWeight, finish_tied, tie_delay
+from lit_efficient.runtime.topology import Topology
+from lit_efficient.tools.corpus import embedded_corpus
+from lit_efficient.tools.demo import batches, build_layers, lm_loss
+from lit_efficient.transport.failures import is_timeout
+from lit_efficient.transport.p2p_trace import (
     TRACE_ENV,
     Op,
     P2PDeadlockError,
@@ -31,11 +36,7 @@ from lit_efficient.pipeline.p2p_trace import (
     load_traces,
     replay,
 )
-from lit_efficient.pipeline.partition import partition_uniform, stage_bounds
-from lit_efficient.pipeline.runtime import PipelineRuntime
-from lit_efficient.pipeline.stage import PipelineStage
-from lit_efficient.pipeline.tied import TiedWeight, finish_tied, tie_delay
-from lit_efficient.pipeline.topology import Topology
+from lit_efficient.transport.process import LinkGroups, PointToPoint, TiedExchange
 from tests.multiproc import spawn, values
 
 # -- the replay on hand-written programs ------------------------------------------------------------------
@@ -265,7 +266,7 @@ def test_trainer_order_cannot_deadlock_on_nccl(tmp_path, monkeypatch, stages, sc
 
 
 def test_the_replay_command_reports_a_recorded_run(tmp_path, capsys):
-    from lit_efficient.pipeline.p2p_trace import main
+    from lit_efficient.transport.p2p_trace import main
 
     programs, ops = _programs({0: FIRST, 1: LAST})
     for rank, program in programs.items():

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lit_efficient.pipeline.partition import (
+from lit_efficient.runtime.partition import (
     check_sizes,
     partition_balanced,
     partition_profiled,
@@ -16,7 +16,7 @@ from lit_efficient.pipeline.partition import (
     predicted_utilization,
     stage_bounds,
 )
-from lit_efficient.pipeline.simulate import flush_utilization, simulate
+from lit_efficient.tools.simulate import flush_utilization, simulate
 
 
 def all_splits(num_layers, num_stages):

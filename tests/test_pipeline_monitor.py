@@ -27,8 +27,8 @@ from lit_efficient.callbacks.pipeline_monitor import (
     draw_gantt,
 )
 from lit_efficient.models import GPT
-from lit_efficient.pipeline.actions import Action
-from lit_efficient.pipeline.simulate import simulate
+from lit_efficient.runtime.actions import Action
+from lit_efficient.tools.simulate import simulate
 
 PIPELINE_KEYS = {
     "pipeline/utilization_stage0", "pipeline/utilization_stage1", "pipeline/bubble_fraction",

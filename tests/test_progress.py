@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 
-from lit_efficient.progress import StepAwareRichProgressBar, StepAwareTQDMProgressBar, swap_stock_progress_bar
+from lit_efficient.strategy.progress import StepAwareRichProgressBar, StepAwareTQDMProgressBar, swap_stock_progress_bar
 
 
 def _trainer(max_steps, global_step, accumulate, batches=1000, done=0, max_epochs=-1):

@@ -87,7 +87,7 @@ class _CrashWhileSaving(PACIStrategy):
 
     def save_checkpoint(self, checkpoint, filepath, storage_options=None):
         if self.global_rank == 0 and "step=6" in str(filepath):
-            import lit_efficient.strategies.checkpoint as io
+            import lit_efficient.checkpoint.merge as io
 
             def half_then_die(obj, path):
                 Path(path).write_bytes(b"PK\x03\x04 half a zip")
@@ -275,7 +275,7 @@ class _Opaque:
 
 
 def test_shard_loading_obeys_weights_only(tmp_path):
-    from lit_efficient.strategies.checkpoint import load_file as load_shard
+    from lit_efficient.checkpoint.single_file import load_file as load_shard
 
     path = tmp_path / "stage0-replica0.pt"
     torch.save({"state_dict": {"w": torch.ones(2)}, "extra": _Opaque()}, path)

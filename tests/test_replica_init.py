@@ -33,7 +33,7 @@ def _fit(rank: int, world: int, tmp: str) -> dict:
 
     class StageWeights(L.Callback):
         def on_train_end(self, trainer, pl_module):  # drained here (docs/DESIGN.md section 7)
-            first, last = trainer.strategy._split.bounds
+            first, last = trainer.strategy._split.bounds_of(trainer.strategy.stage)
             mine = {id(p) for layer in list(pl_module.pipeline_layers())[first:last] for p in layer.parameters()}
             seen.update({k: p.detach().clone() for k, p in pl_module.named_parameters() if id(p) in mine})
 

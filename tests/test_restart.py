@@ -120,14 +120,14 @@ def test_run_restarted_after_a_sigkilled_rank_ends_at_the_deliberate_resume(tmp_
 
 
 def test_each_attempt_rendezvouses_under_its_own_keys_in_torchruns_store(monkeypatch):
-    """What the restart rests on (lit_efficient.runs.attempt_store): under torchrun's shared store, a group's
+    """What the restart rests on (lit_efficient.strategy.runs.attempt_store): under torchrun's shared store, a group's
     keys are written under the attempt's prefix, so attempt 1 never reads what attempt 0 left; elsewhere
     (SLURM, a plain launch, spawned ranks) nothing changes."""
     from datetime import timedelta
 
     import torch.distributed as dist
 
-    from lit_efficient.runs import attempt_store
+    from lit_efficient.strategy.runs import attempt_store
 
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
     assert attempt_store(timedelta(seconds=5)) is None

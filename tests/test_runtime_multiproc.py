@@ -9,13 +9,13 @@ import math
 import pytest
 import torch
 
-from lit_efficient.data.corpus import embedded_corpus
-from lit_efficient.pipeline.comm import PointToPoint
-from lit_efficient.pipeline.demo import batches, build_layers, lm_loss
-from lit_efficient.pipeline.partition import partition_uniform, stage_bounds
-from lit_efficient.pipeline.runtime import PipelineRuntime
-from lit_efficient.pipeline.stage import PipelineStage
-from lit_efficient.pipeline.topology import Topology
+from lit_efficient.runtime.interpreter import PipelineRuntime
+from lit_efficient.runtime.partition import partition_uniform, stage_bounds
+from lit_efficient.runtime.stage import PipelineStage
+from lit_efficient.runtime.topology import Topology
+from lit_efficient.tools.corpus import embedded_corpus
+from lit_efficient.tools.demo import batches, build_layers, lm_loss
+from lit_efficient.transport.process import PointToPoint
 from tests.emulation import backward_from_inputs, run
 from tests.multiproc import spawn, values
 

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lit_efficient.pipeline.actions import Action, format_actions, parse_actions
-from lit_efficient.pipeline.schedules import SCHEDULES, stage_actions
+from lit_efficient.runtime.actions import Action, format_actions, parse_actions
+from lit_efficient.runtime.schedules import SCHEDULES, stage_actions
 
 
 def stream(schedule, stage, num_stages, accumulate, start=0, stop=None, step_at_stop=False, limit=None):

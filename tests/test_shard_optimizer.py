@@ -22,10 +22,10 @@ import torch
 import torch.distributed as dist
 
 from lit_efficient import GradientAccumulation, PACIStrategy
-from lit_efficient.pipeline.topology import Topology
-from lit_efficient.plan import plan
-from lit_efficient.strategies.config import _sharding_applies
-from lit_efficient.strategies.sharded_optimizer import ShardedOptimizer, check_elementwise, optimizer_state_bytes
+from lit_efficient.cli.plan import plan
+from lit_efficient.replicas.sharded_optimizer import ShardedOptimizer, check_elementwise, optimizer_state_bytes
+from lit_efficient.runtime.topology import Topology
+from lit_efficient.strategy.config import _sharding_applies
 from tests.multiproc import spawn, values
 from tests.test_save_after_fit import _one_file
 from tests.test_strategy import _max_diff, _model, _ordered, _trainer

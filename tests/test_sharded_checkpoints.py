@@ -22,9 +22,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
 from lit_efficient import GradientAccumulation, PACIStrategy, consolidate_checkpoint
+from lit_efficient.checkpoint import sharded_read, sharded_write
+from lit_efficient.checkpoint.merge import assemble, rank_share
+from lit_efficient.checkpoint.single_file import load_file
 from lit_efficient.models import GPT
-from lit_efficient.strategies import sharded, sharded_read
-from lit_efficient.strategies.checkpoint import assemble, load_file, rank_share
 from tests.multiproc import SpawnedDDP
 from tests.test_save_after_fit import SaveBothFormatsAt, _assert_equal
 from tests.test_strategy import _max_diff, _model, _ordered, _trainer
@@ -198,7 +199,7 @@ def test_a_rank_reads_only_its_stage(saved):
 def test_a_crash_while_saving_keeps_the_previous_checkpoint_for_ckpt_path_last(tmp_path, monkeypatch):
     """The second save dies after DCP wrote its data: last.ckpt is still step 1's, whole, and ckpt_path="last"
     resumes it, not the partial folder beside it."""
-    real_save = sharded.dcp.save
+    real_save = sharded_write.dcp.save
     calls = []
 
     def dying_save(*args, **kwargs):
@@ -207,13 +208,13 @@ def test_a_crash_while_saving_keeps_the_previous_checkpoint_for_ckpt_path_last(t
         if len(calls) == 2:
             raise OSError("disk gone")
 
-    monkeypatch.setattr(sharded.dcp, "save", dying_save)
+    monkeypatch.setattr(sharded_write.dcp, "save", dying_save)
     ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_last=True, save_top_k=0)
     with pytest.raises(OSError, match="disk gone"):
         _trainer(_sharded(), 1, 3, callbacks=[ckpt], enable_checkpointing=True).fit(_model(), datamodule=_ordered())
-    monkeypatch.setattr(sharded.dcp, "save", real_save)
+    monkeypatch.setattr(sharded_write.dcp, "save", real_save)
     last = tmp_path / "last.ckpt"
-    assert sharded.is_sharded(last) and (tmp_path / "last.ckpt.partial").is_dir()
+    assert sharded_write.is_sharded(last) and (tmp_path / "last.ckpt.partial").is_dir()
     assert torch.load(last / "meta.pt", weights_only=True)["global_step"] == 1
 
     class StartsAt(L.Callback):
@@ -239,7 +240,7 @@ def test_publish_replaces_a_file_or_a_folder(tmp_path):
         new = tmp_path / "new"
         new.mkdir()
         (new / "meta.pt").write_bytes(b"new")
-        sharded.publish(new, target)
+        sharded_write.publish(new, target)
         assert (target / "meta.pt").read_bytes() == b"new" and not new.exists()
         assert not target.with_name("last.ckpt.old").exists()
         shutil.rmtree(target)
@@ -283,7 +284,7 @@ class _Named:
 
 def test_the_folder_gives_back_the_single_files_dict(tmp_path):
     base, shares, layout = _two_stage_shares()
-    sharded.save(tmp_path / "c.ckpt", shares, base, layout, distributed=False)
+    sharded_write.save(tmp_path / "c.ckpt", shares, base, layout, distributed=False)
     want = assemble(base, shares, layout)
     every_name = [n for s in shares for g in s["groups"] for n in g]
     keys = list(want["state_dict"])

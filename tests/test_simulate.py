@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from lit_efficient.pipeline.actions import Action
-from lit_efficient.pipeline.simulate import (
+from lit_efficient.runtime.actions import Action
+from lit_efficient.tools.simulate import (
     DeadlockError,
     Slot,
     flush_utilization,

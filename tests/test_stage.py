@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from lit_efficient.data.corpus import embedded_corpus
-from lit_efficient.pipeline.demo import batches, build_layers, lm_loss
-from lit_efficient.pipeline.runtime import PipelineRuntime
-from lit_efficient.pipeline.stage import PipelineStage, _preserve_versions
+from lit_efficient.runtime.interpreter import PipelineRuntime
+from lit_efficient.runtime.stage import PipelineStage, _preserve_versions
+from lit_efficient.tools.corpus import embedded_corpus
+from lit_efficient.tools.demo import batches, build_layers, lm_loss
 
 
 def test_stock_torch_refuses_backward_after_in_place_step_and_version_restore_allows_it():

@@ -1,6 +1,6 @@
 """PACI's staleness corrections against one-process emulations of their documented rules (staleness.py).
 
-The runtime side is a `LocalPipeline` (bit-identical to processes: test_in_process.py), so no process is
+The runtime side is a `StageHost` (bit-identical to processes: test_in_process.py), so no process is
 spawned. The emulations are written from the rules, not from the implementation: PACI as in
 test_runtime_multiproc's `_paci_emulation` (forward of micro-batch j on stage s on the weights after
 `_forward_version` steps, backward recomputed on the current ones), with the correction's change.
@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from lit_efficient import PACIStrategy
-from lit_efficient.pipeline.demo import build_layers, lm_loss
-from lit_efficient.pipeline.local import local_pipeline
-from lit_efficient.pipeline.partition import partition_uniform, stage_bounds
-from lit_efficient.pipeline.stage import PipelineStage
-from lit_efficient.pipeline.staleness import LRScale, delay_bound, make_correction
+from lit_efficient.runtime.partition import partition_uniform, stage_bounds
+from lit_efficient.runtime.stage import PipelineStage
+from lit_efficient.runtime.staleness import LRScale, delay_bound, make_correction
+from lit_efficient.tools.demo import build_layers, lm_loss
+from lit_efficient.transport.local import local_pipeline
 from tests.emulation import backward_from_inputs, run
 from tests.test_runtime_multiproc import MODEL, _data, _forward_version, _optimizer
 

@@ -22,9 +22,9 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
 from lit_efficient import PACIStrategy
-from lit_efficient.cli import LitEfficientCLI
-from lit_efficient.pipeline.schedules import SCHEDULES
-from lit_efficient.strategies.config import PASSED_TO_LIGHTNING, options_of, wrapper_options
+from lit_efficient.cli.app import LitEfficientCLI
+from lit_efficient.runtime.schedules import SCHEDULES
+from lit_efficient.strategy.config import PASSED_TO_LIGHTNING, options_of, wrapper_options
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO / "configs" / "quickstart.yaml"
@@ -76,7 +76,7 @@ def test_ddp_wrapper_options_say_what_paci_does_instead(name):
     message = _refusal(**{name: None})
     assert f"{name}=None: configures Lightning's DistributedDataParallel wrapper, never built here;" in message
     assert "reduces gradients per stage instead" in message and "data-parallel replica group" in message
-    assert "lit_efficient/strategies/step_hooks.py" in message  # where the reduction lives
+    assert "lit_efficient/strategy/step_hooks.py" in message  # where the reduction lives
     _assert_lists_what_is_accepted(message)
 
 
@@ -226,7 +226,7 @@ def test_the_cli_refuses_a_ddp_option_from_a_yaml_file_saying_what_paci_does_ins
     overlay.write_text("trainer:\n  strategy:\n    init_args:\n      find_unused_parameters: true\n")
     err = cli_refusal(f"--config={overlay}")
     assert "  - find_unused_parameters: configures Lightning's DistributedDataParallel wrapper" in err
-    assert "reduces gradients per stage instead" in err and "lit_efficient/strategies/step_hooks.py" in err
+    assert "reduces gradients per stage instead" in err and "lit_efficient/strategy/step_hooks.py" in err
 
 
 def test_the_cli_refuses_init_args_on_a_registered_name(cli_refusal):

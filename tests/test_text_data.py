@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lit_efficient.data import TextDataModule
-from lit_efficient.data.corpus import concat_files, embedded_corpus, stdlib_files
+from lit_efficient.tools.corpus import concat_files, embedded_corpus, stdlib_files
 
 
 def test_embedded_corpus_is_real_deterministic_text():

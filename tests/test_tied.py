@@ -1,4 +1,4 @@
-"""The tied-weight rule (lit_efficient.pipeline.tied) on real processes against a one-process emulation of
+"""The tied-weight rule (lit_efficient.runtime.tied) on real processes against a one-process emulation of
 its documented semantics, and the sharing patterns a split accepts or refuses."""
 
 from __future__ import annotations
@@ -9,14 +9,14 @@ import pytest
 import torch
 from torch import nn
 
-from lit_efficient.pipeline.comm import LinkGroups, PointToPoint, TiedExchange
-from lit_efficient.pipeline.demo import build_layers, lm_loss
-from lit_efficient.pipeline.partition import partition_uniform, stage_bounds
-from lit_efficient.pipeline.runtime import PipelineRuntime
-from lit_efficient.pipeline.stage import PipelineStage
-from lit_efficient.pipeline.tied import TiedWeight, finish_tied, tie_delay
-from lit_efficient.pipeline.topology import Topology
-from lit_efficient.strategies.split import check_sharing, split_module, unsplit
+from lit_efficient.runtime.interpreter import PipelineRuntime
+from lit_efficient.runtime.partition import partition_uniform, stage_bounds
+from lit_efficient.runtime.split import check_sharing, split_module, unsplit
+from lit_efficient.runtime.stage import PipelineStage
+from lit_efficient.runtime.tied import TiedWeight, finish_tied, tie_delay
+from lit_efficient.runtime.topology import Topology
+from lit_efficient.tools.demo import build_layers, lm_loss
+from lit_efficient.transport.process import LinkGroups, PointToPoint, TiedExchange
 from tests.emulation import backward_from_inputs, run
 from tests.multiproc import spawn, values
 from tests.test_runtime_multiproc import MODEL, _data, _forward_version
@@ -161,7 +161,7 @@ def test_split_keeps_a_real_copy_on_each_side_and_unsplit_ties_again():
     model = _Model((0, 3))
     layers = list(model.layers)
     ties = check_sharing(model, layers, [2, 2])
-    split = split_module(model, layers, [2, 2], 1, ties)  # this rank: stage 1, holding layers 2 and 3
+    split = split_module(model, layers, [2, 2], [1], ties)  # this rank: stage 1, holding layers 2 and 3
     assert type(model.layers[0]).__name__ == "LayerOnOtherStage"
     assert model.layers[3].weight.device.type == "cpu"  # the tied copy stayed real (Module.to would not)
     fresh = _Model(None)
@@ -171,7 +171,7 @@ def test_split_keeps_a_real_copy_on_each_side_and_unsplit_ties_again():
 
 
 def test_header_carries_which_tensors_need_a_gradient():
-    from lit_efficient.pipeline.wire import decode_header, decode_requires_grad, encode_header
+    from lit_efficient.transport.wire import decode_header, decode_requires_grad, encode_header
 
     hidden = torch.zeros(2, 3, requires_grad=True)
     fields = encode_header(5, (hidden, torch.ones(3), None, torch.arange(4)))

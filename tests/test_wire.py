@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lit_efficient.pipeline.wire import WireFormat, specs_of
+from lit_efficient.transport.wire import WireFormat, specs_of
 
 
 def _message() -> tuple[torch.Tensor | None, ...]:

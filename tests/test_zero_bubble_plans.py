@@ -13,8 +13,8 @@ from types import SimpleNamespace
 import pytest
 import torch.distributed.pipelining.schedules as torch_schedules
 
-from lit_efficient.pipeline.plans import PLANS, Plan, Task, build_plan, check_plan
-from lit_efficient.pipeline.simulate import DeadlockError, simulate_plan
+from lit_efficient.tools.schedule_plans import PLANS, Plan, Task, build_plan, check_plan
+from lit_efficient.tools.simulate import DeadlockError, simulate_plan
 
 RANKS = [2, 4, 8]
 

@@ -39,8 +39,8 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lit_efficient.pipeline.stage import Normalize, item_count
-from lit_efficient.strategies.paci import PACIStrategy
+from lit_efficient.runtime.stage import Normalize, item_count
+from lit_efficient.strategy.paci import PACIStrategy
 
 _NORMALIZE = get_args(Normalize)
 

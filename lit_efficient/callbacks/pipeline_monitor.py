@@ -8,7 +8,7 @@ optimizer step per stage). It measures nothing itself inside the pipeline: the n
 action) and the runtime's action timeline; the monitor resets the runtime's stats at the start of
 training and after every logged interval, so each logged value covers one interval.
 
-Every time is taken on the device's clock (`lit_efficient.pipeline.clock`): host time on CPU, CUDA
+Every time is taken on the device's clock (`lit_efficient.runtime.clock`): host time on CPU, CUDA
 events on a GPU, where host time around asynchronous kernels would measure their launch. The events
 are recorded per action without waiting and read only here, at the logging interval (one host sync
 per interval, beside the gather's), and once per fit for the timeline.
@@ -48,12 +48,12 @@ from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lit_efficient.pipeline.actions import Action
-from lit_efficient.pipeline.clock import Clock, Mark, Spans, clock_for
-from lit_efficient.pipeline.local import LocalPipeline
-from lit_efficient.pipeline.runtime import PipelineRuntime
-from lit_efficient.runs import run_dir
-from lit_efficient.strategies.paci import PACIStrategy, first_tensor
+from lit_efficient.runtime.actions import Action
+from lit_efficient.runtime.clock import Clock, Mark, Spans, clock_for
+from lit_efficient.runtime.host import StageHost
+from lit_efficient.runtime.interpreter import PipelineRuntime
+from lit_efficient.strategy.paci import PACIStrategy, first_tensor
+from lit_efficient.strategy.runs import run_dir
 
 # The timeline records a bounded window: _TIMELINE_STEPS optimizer steps from the first window end at
 # or after step _TIMELINE_START (a resumed fit: its first window end). Skipping the first window leaves
@@ -252,7 +252,7 @@ class PipelineMonitor(Callback):
         self._recording, self._timeline_done = False, True
         if runtime is not None:
             # On CUDA reading the timeline waits for its events: one host sync, once per fit.
-            if isinstance(runtime, LocalPipeline):  # every stage in this process
+            if isinstance(runtime, StageHost):  # every stage in this process
                 self._recorded = [(rt.stage.stage, list(rt.timeline or [])) for rt in runtime.runtimes]
             else:
                 self._recorded = [(None, list(runtime.timeline or []))]
@@ -373,20 +373,18 @@ def draw_gantt(events: Sequence[TimelineEvent], path: Path) -> None:
 # ------------------------------------------------------------------------ measurements of this rank
 
 
-def _runtime(trainer: Trainer) -> PipelineRuntime | LocalPipeline | None:
+def _runtime(trainer: Trainer) -> PipelineRuntime | StageHost | None:
     return trainer.strategy.runtime if isinstance(trainer.strategy, PACIStrategy) else None
 
 
-def _local_rows(
-    trainer: Trainer, runtime: PipelineRuntime | LocalPipeline | None, tokens: int, samples: int
-) -> list[Row]:
+def _local_rows(trainer: Trainer, runtime: PipelineRuntime | StageHost | None, tokens: int, samples: int) -> list[Row]:
     """This rank's rows: one, or one per stage when the whole pipeline runs in this process."""
     peak = _peak_bytes(trainer.strategy.root_device)
     if runtime is None:
         return [Row(0, trainer.global_rank, False, 0.0, 0.0, 0.0, 0.0, 0.0, tokens, samples, peak)]
     strategy = trainer.strategy
     assert isinstance(strategy, PACIStrategy)
-    runtimes = runtime.runtimes if isinstance(runtime, LocalPipeline) else [runtime]
+    runtimes = runtime.runtimes if isinstance(runtime, StageHost) else [runtime]
     rows = []
     for rt in runtimes:
         s = rt.stats()

@@ -20,7 +20,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
-from lit_efficient.data.corpus import TEXT_SUFFIXES, concat_files, embedded_corpus, folder_files
+from lit_efficient.tools.corpus import TEXT_SUFFIXES, concat_files, embedded_corpus, folder_files
 
 
 def read_text(source: Path, max_bytes: int | None) -> bytes:

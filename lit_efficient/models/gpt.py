@@ -204,7 +204,7 @@ class GPT(LightningModule):
         tie_weights: Share the LM head weight with the token embedding. The two then live in the
             first and the last pipeline layer; under `PACIStrategy` each of those stages holds a copy
             kept equal by the tied-weight rule (exact under 1F1B-flush, the embedding-side gradient
-            applied ceil(S/N) steps late under PACI; see `lit_efficient.pipeline.tied`).
+            applied ceil(S/N) steps late under PACI; see `lit_efficient.runtime.tied`).
         learning_rate: Peak AdamW learning rate, reached at the end of warmup.
         weight_decay: Decoupled weight decay of the matrix weights (see `configure_optimizers`).
         betas: AdamW (beta1, beta2).

@@ -226,7 +226,7 @@ class HFCausalLM(LightningModule):
     loss coefficient trains ``cross-entropy + coef * aux_loss``, the model's own ``outputs.loss``, on
     every path (``normalize="tokens"`` is then refused: the term is not a sum over tokens). Tied
     input/output embeddings (GPT-2, Llama 3.2, Qwen2.5, ...) are supported across stages (see
-    `lit_efficient.pipeline.tied`).
+    `lit_efficient.runtime.tied`).
 
     Args:
         model: A ``transformers`` ``PreTrainedModel`` (e.g. ``LlamaForCausalLM(config)``), a config dict

@@ -178,7 +178,7 @@ def _call_order(model: nn.Module, base: nn.Module, layers: str) -> tuple[list[st
     handles.append(
         last.register_forward_hook(lambda _m, _a, out: returns.append(len(out) if isinstance(out, tuple) else None))
     )
-    # On the meta device (a model planned, never materialized: lit_efficient.plan) the probe runs on fake
+    # On the meta device (a model planned, never materialized: lit_efficient.cli.plan) the probe runs on fake
     # tensors: transformers reads values (a padding mask's `.all()`) that meta tensors do not have, and takes
     # its tracing paths for fake ones. The order of the calls is the same.
     on_meta = next(model.parameters()).is_meta

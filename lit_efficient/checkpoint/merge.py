@@ -1,0 +1,225 @@
+"""Every stage's share of a checkpoint, merged into the dict one device would have saved.
+
+A stage's share (`rank_share`) is its part of Lightning's checkpoint dict under parameter names, plus the
+pipeline state of its rank. `assemble` merges the shares into what one device would have written, which the
+single file holds as it is (`single_file`) and the sharded folder holds spread over its ranks
+(`sharded_write`):
+
+- ``state_dict``: the whole unsplit model, under the module's own key names;
+- ``optimizer_states``: one optimizer in the unsplit index space, each parameter group the
+  concatenation, stage by stage, of that group's parameters on every stage (the order
+  ``configure_optimizers`` gives them on the whole module, since the stages hold consecutive layers);
+- ``lr_schedulers``, loops, callbacks, ``hyper_parameters``: Lightning's own, from rank 0 (the
+  pipeline is drained, so every stage's scheduler has taken the same steps);
+- ``pipeline``: what only a pipeline has, keyed by parameter name wherever it can be: the layout it
+  was written by, every group's parameter names, accumulated gradients of an unfinished window,
+  per-rank RNG, and the LocalSGD/DiLoCo state and the diverged replicas' weights.
+
+So ``Module.load_from_checkpoint(path)`` and ``ckpt_path=path`` under one device or DDP read it as
+theirs, and `PACIStrategy` resumes it with any number of stages or replicas: each stage takes its
+parameters, optimizer state and accumulated gradients by name (`restore`). What cannot carry over to
+another layout (per-rank RNG, the averager's per-stage state) is dropped with a warning.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import Any
+
+from torch import Tensor, nn
+
+FORMAT = 2  # `pipeline["format"]` of the single file (3: the sharded folder)
+
+
+def rank_share(
+    checkpoint: dict[str, Any],
+    module: nn.Module,
+    optimizer: Any,
+    extras: dict[str, Any],
+    keep_weights: bool,
+    tied_copies: Sequence[str] = (),
+) -> dict[str, Any]:
+    """What this rank contributes to the file: its stage's weights and optimizer under parameter names.
+
+    Args:
+        checkpoint: Lightning's checkpoint dict as this rank built it (its stage's keys only).
+        module: The split module (its parameters are this stage's).
+        optimizer: This stage's optimizer, or None.
+        extras: ``stage``, ``replica`` and the pipeline state of this rank (accumulation, RNG, averager), on
+            any device: the share holds host copies, and loading puts them back on the loading rank's device.
+        keep_weights: Send weights and optimizer state (replica 0 always; other replicas when they diverge).
+        tied_copies: Names of this stage's second copies of weights tied to the first stage (the LM head's
+            copy of the token table): one device's optimizer holds such a weight once, so the merged
+            optimizer leaves them out (``optimizer_by_name`` keeps them, for a pipeline to resume by name).
+    """
+    names = {id(p): n for n, p in module.named_parameters()}
+    # Host copies of everything: the share is pickled to rank 0 (`gather_object`), where a CUDA storage
+    # would be reopened on the sending rank's device index. Costs one device-to-host copy of what it holds.
+    share = dict(_cpu(extras), tied_copies=list(tied_copies))
+    if keep_weights:
+        share["state_dict"] = _cpu(checkpoint["state_dict"])
+        if optimizer is not None and checkpoint.get("optimizer_states"):  # none under save_weights_only
+            share["groups"] = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+            share["optimizer"] = _cpu(checkpoint["optimizer_states"][0])
+            share["lr_schedulers"] = _cpu(checkpoint.get("lr_schedulers", []))
+    return share
+
+
+def assemble(checkpoint: dict[str, Any], shares: list[dict[str, Any]], layout: dict[str, Any]) -> dict[str, Any]:
+    """Rank 0: Lightning's dict of rank 0 with the whole model and optimizer merged from every share."""
+    primary = sorted((s for s in shares if s["replica"] == 0), key=lambda s: s["stage"])
+    out = dict(checkpoint)
+    out["state_dict"] = {k: v for s in primary for k, v in s["state_dict"].items()}
+    pipeline: dict[str, Any] = {"format": FORMAT, "layout": layout, "ranks": {}, "replicas": {}}
+    if all("optimizer" in s for s in primary):
+        merged, names, slots = _merge_optimizers(primary)
+        out["optimizer_states"] = [merged]
+        out["lr_schedulers"] = _merge_schedulers(primary, slots, len(names))
+        pipeline["param_names"] = names
+        pipeline["optimizer_by_name"] = {n: st for s in primary for n, st in _by_name(s, slots).items()}
+    for s in shares:
+        key = f"stage{s['stage']}-replica{s['replica']}"
+        pipeline["ranks"][key] = {k: s[k] for k in ("accumulation", "rng", "averager") if k in s}
+        if s["replica"] > 0 and "state_dict" in s:
+            pipeline["replicas"][key] = {"state_dict": s["state_dict"], "optimizer_by_name": _by_name(s, slots)}
+    out["pipeline"] = pipeline
+    return out
+
+
+def group_key(group: dict[str, Any]) -> str:
+    """What makes parameter groups of different stages one group of the unsplit optimizer: equal
+    hyper-parameters besides the learning rate (which a per-stage scheduler or correction may set)."""
+    return repr(sorted((k, v) for k, v in group.items() if k not in ("params", "lr", "initial_lr")))
+
+
+def merge_group_names(
+    stages: Sequence[tuple[int, list[tuple[str, list[str]]], list[str], list[str]]],
+) -> tuple[list[list[str]], dict[str, str]]:
+    """The unsplit optimizer's parameter names per group from every stage's ``(stage, [(group key, names)],
+    first copies, second copies)``: groups matched by key in order of first appearance, stage by stage (as
+    `_merge_optimizers` merges them), and ``{second copy: first copy}`` of the tied weights by name."""
+    merged: dict[str, list[str]] = {}
+    for _, stage_groups, _, _ in sorted(stages, key=lambda x: x[0]):
+        for key, group_names in stage_groups:
+            merged.setdefault(key, []).extend(group_names)
+    firsts = [n for _, _, f, _ in stages for n in f]
+    seconds = [n for _, _, _, c in stages for n in c]
+    return list(merged.values()), dict(zip(seconds, firsts, strict=True))
+
+
+def _merge_optimizers(primary: list[dict[str, Any]]) -> tuple[dict[str, Any], list[list[str]], dict]:
+    """One optimizer state in the unsplit index space. A stage may lack a group (no biases on an
+    embedding stage), so groups are matched by `group_key`, in order of first appearance, stage by stage.
+    Returns the state, the names per merged group and ``slots[(stage, local group)] = merged group``."""
+    keys: list[str] = []
+    slots: dict[tuple[int, int], int] = {}
+    for s in primary:
+        for g, group in enumerate(s["optimizer"]["param_groups"]):
+            key = group_key(group)
+            if key not in keys:
+                keys.append(key)
+            slots[(s["stage"], g)] = keys.index(key)
+    groups: list[dict[str, Any]] = [{} for _ in keys]
+    names: list[list[str]] = [[] for _ in keys]
+    members: list[list[tuple[int, Any]]] = [[] for _ in keys]  # (share, local index) per merged group
+    for i, s in enumerate(primary):
+        for g, group in enumerate(s["optimizer"]["param_groups"]):
+            m = slots[(s["stage"], g)]
+            groups[m] = groups[m] or {k: v for k, v in group.items() if k != "params"}
+            skip = set(s.get("tied_copies", ()))
+            kept = [(n, local) for n, local in zip(s["groups"][g], group["params"], strict=True) if n not in skip]
+            names[m] += [name for name, _ in kept]
+            members[m] += [(i, local) for _, local in kept]
+    state, index = {}, 0
+    for m, group in enumerate(groups):
+        group["params"] = []
+        for i, local in members[m]:
+            if local in primary[i]["optimizer"]["state"]:
+                state[index] = primary[i]["optimizer"]["state"][local]
+            group["params"].append(index)
+            index += 1
+    return {"state": state, "param_groups": groups}, names, slots
+
+
+def _merge_schedulers(primary: list[dict[str, Any]], slots: dict, num_groups: int) -> list[dict[str, Any]]:
+    """Each scheduler's state with its per-group lists (``base_lrs``, ``_last_lr``) over the merged groups."""
+    merged = []
+    for c, first in enumerate(primary[0].get("lr_schedulers", [])):
+        state = dict(first)
+        for key, value in first.items():
+            if not isinstance(value, list) or len(value) != len(primary[0]["groups"]):
+                continue
+            out: list[Any] = [None] * num_groups
+            for s in primary:
+                for g, v in enumerate(s["lr_schedulers"][c][key]):
+                    out[slots[(s["stage"], g)]] = v
+            state[key] = out
+        merged.append(state)
+    return merged
+
+
+def regroup_schedulers(states: list[dict[str, Any]], group_map: list[int], num_groups: int) -> list[dict[str, Any]]:
+    """Scheduler states over the checkpoint's groups -> over this stage's (``group_map[local] = saved``)."""
+    out = []
+    for state in states:
+        state = dict(state)
+        for key, value in state.items():
+            if isinstance(value, list) and len(value) == num_groups:
+                state[key] = [value[g] for g in group_map]
+        out.append(state)
+    return out
+
+
+def _by_name(share: dict[str, Any], slots: dict) -> dict[str, Any]:
+    """``{name: (merged group, group hyper-parameters, optimizer state)}`` of one share."""
+    if "optimizer" not in share:
+        return {}
+    local = share["optimizer"]
+    out = {}
+    for g, (group, names) in enumerate(zip(local["param_groups"], share["groups"], strict=True)):
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        for local_index, name in zip(group["params"], names, strict=True):
+            out[name] = (slots.get((share["stage"], g), g), hyper, local["state"].get(local_index, {}))
+    return out
+
+
+def _cpu(obj: Any) -> Any:
+    """``obj`` with every tensor in its dicts, lists and tuples detached and on the host."""
+    if isinstance(obj, Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cpu(v) for v in obj)
+    return obj
+
+
+def to_automatic_loops(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """Copy the optimizer-step count of the manual loop (the pipeline runs the module under manual
+    optimization) into the automatic loop's, where one device and DDP read ``global_step`` from."""
+    loop = checkpoint.get("loops", {}).get("fit_loop", {})
+    manual = loop.get(_MANUAL)
+    automatic = loop.get(_AUTOMATIC)
+    if manual is not None and automatic is not None:
+        steps = copy.deepcopy(manual)
+        automatic["optimizer"]["step"] = steps
+        zero = automatic["optimizer"]["zero_grad"]
+        for scope in ("total", "current"):
+            zero[scope].update(
+                ready=steps[scope]["ready"], started=steps[scope]["ready"], completed=steps[scope]["completed"]
+            )
+    return checkpoint
+
+
+def from_automatic_loops(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """The other way, for a checkpoint written under automatic optimization (one device, DDP)."""
+    loop = checkpoint.get("loops", {}).get("fit_loop", {})
+    manual, automatic = loop.get(_MANUAL), loop.get(_AUTOMATIC)
+    if manual is not None and automatic is not None and manual["total"]["completed"] == 0:
+        loop[_MANUAL] = copy.deepcopy(automatic["optimizer"]["step"])
+    return checkpoint
+
+
+_MANUAL = "epoch_loop.manual_optimization.optim_step_progress"
+_AUTOMATIC = "epoch_loop.automatic_optimization.optim_progress"

@@ -1,0 +1,262 @@
+"""The sharded checkpoint format: a folder in which every rank writes its own share, in parallel.
+
+`PACIStrategy(checkpoint_format="sharded")` writes a ``torch.distributed.checkpoint`` (DCP) folder laid
+out as Lightning's FSDP strategy lays out its sharded checkpoints, so Lightning's own tool consolidates
+it (``python -m lightning.pytorch.utilities.consolidate_checkpoint PATH`` writes ``PATH.consolidated``,
+the file one device's ``Module.load_from_checkpoint`` and ``Trainer(ckpt_path=...)`` read)::
+
+    PATH/                  the name ModelCheckpoint gives (``step=3.ckpt``), a folder
+      __0_0.distcp ...     each rank's tensors, written by that rank
+      .metadata            DCP's index: every key, its shape and dtype, the file that holds it
+      meta.pt              Lightning's dict without weights and optimizer (loops, callbacks, schedulers,
+                           hyper-parameters), written by global rank 0
+
+The keys are the unsplit model's, as one device would name them:
+
+- ``model``: the module's ``state_dict``, each stage's keys from its rank (replica 0);
+- ``optimizer_0``: one device's optimizer keyed by parameter name (as FSDP's is): ``state`` by name, each
+  stage's from its rank, and ``param_groups`` the unsplit groups whose ``params`` are names in one
+  device's order (a tied weight once, under its first name). ``Optimizer.load_state_dict`` matches
+  groups by position, so the consolidated file resumes on one device as it is;
+- ``pipeline``: the format, the layout, the names per group, each name's group and hyper-parameters
+  (``hyper``), the optimizer state of tied weights' second copies (``tied_state``), and per rank
+  (``ranks.stage{s}-replica{r}``) the accumulated gradients of an unfinished window by name, the
+  stage's version and random streams, the LocalSGD/DiLoCo state; a diverged replica's weights and
+  optimizer state under ``replicas``.
+
+Reading is `sharded_read.py`'s: a rank reads only what its stage needs and gets the dict a single file
+would give it, so both formats resume through the strategy's one loading path, on any layout. Writing
+(this module) is atomic: into ``PATH.partial``, renamed into place once
+every rank's share and meta.pt are complete, so ``ckpt_path="last"`` never picks a partial folder.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+
+from lit_efficient.checkpoint.merge import assemble, to_automatic_loops
+
+FORMAT = 3  # `pipeline["format"]` of a sharded checkpoint (2: the single file, 1: an earlier directory)
+META = "meta.pt"  # lightning.fabric.utilities.load._METADATA_FILENAME: the name Lightning's tools look for
+INDEX = ".metadata"  # DCP's index file
+
+
+def is_sharded(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a folder in this format (or any DCP folder Lightning wrote)."""
+    path = Path(path)
+    return path.is_dir() and (path / INDEX).is_file()
+
+
+def partial_path(path: Path) -> Path:
+    """Where a checkpoint is written before it is published: not a name `ckpt_path="last"` matches."""
+    return path.with_name(path.name + ".partial")
+
+
+# -- writing ------------------------------------------------------------------------------------------
+
+
+def rank_tree(share: dict[str, Any]) -> dict[str, Any]:
+    """What one share (`checkpoint.rank_share`) writes into the folder: its tensors under the unsplit names."""
+    key = f"stage{share['stage']}-replica{share['replica']}"
+    record = {k: share[k] for k in ("accumulation", "rng", "averager") if k in share}
+    pipeline: dict[str, Any] = {"ranks": {key: record}}
+    tree: dict[str, Any] = {"pipeline": pipeline}
+    by_name = _state_by_name(share)
+    if "state_dict" not in share:
+        return tree
+    if share["replica"] > 0:  # a diverged replica (LocalSGD): its own weights, beside replica 0's
+        pipeline["replicas"] = {key: {"state_dict": share["state_dict"], "optimizer": by_name}}
+        return tree
+    tree["model"] = share["state_dict"]
+    copies = set(share.get("tied_copies", ()))
+    tree["optimizer_0"] = {"state": {n: s for n, s in by_name.items() if n not in copies}}
+    tied = {n: s for n, s in by_name.items() if n in copies}
+    if tied:
+        pipeline["tied_state"] = tied
+    return tree
+
+
+def skeleton(share: dict[str, Any]) -> dict[str, Any]:
+    """The share without its tensors: what global rank 0 needs of every rank to write the global entries
+    (groups, hyper-parameters, schedulers). Small: it is gathered."""
+    out = {k: share[k] for k in ("stage", "replica", "tied_copies", "groups", "lr_schedulers") if k in share}
+    if "state_dict" in share:
+        out["state_dict"] = {}
+    if "optimizer" in share:
+        out["optimizer"] = {"state": {}, "param_groups": share["optimizer"]["param_groups"]}
+    return out
+
+
+def global_part(base: dict[str, Any], skeletons: list[dict[str, Any]], layout: dict[str, Any]) -> tuple[dict, dict]:
+    """Global rank 0's entries: (the tree's global keys, meta.pt). ``base`` is Lightning's dict of rank 0."""
+    meta = {k: v for k, v in base.items() if k not in ("state_dict", "optimizer_states")}
+    merged = assemble(meta, skeletons, layout)  # the single file's merging, over the skeletons
+    pipeline: dict[str, Any] = {"format": FORMAT, "layout": layout}
+    tree: dict[str, Any] = {"pipeline": pipeline}
+    if "optimizer_states" in merged:
+        names = merged["pipeline"]["param_names"]
+        groups = merged["optimizer_states"][0]["param_groups"]
+        tree["optimizer_0"] = {"param_groups": [dict(g, params=names[m]) for m, g in enumerate(groups)]}
+        pipeline["param_names"] = names
+        # One entry (a list is one DCP item), not thousands: (name, merged group, hyper-parameters).
+        pipeline["hyper"] = [(n, g, h) for n, (g, h, _) in merged["pipeline"]["optimizer_by_name"].items()]
+        meta["lr_schedulers"] = merged["lr_schedulers"]
+    else:
+        meta.pop("lr_schedulers", None)
+    return tree, to_automatic_loops(meta)
+
+
+def save(
+    path: str | os.PathLike,
+    shares: list[dict[str, Any]],
+    base: dict[str, Any],
+    layout: dict[str, Any],
+    group: Any = None,
+    distributed: bool = True,
+) -> None:
+    """Write this process's shares into the folder ``path``; collective over ``group`` when ``distributed``.
+
+    Args:
+        path: The checkpoint's path (a folder; a file or folder already there is replaced once this one is
+            complete).
+        shares: This process's shares (one per stage it holds: one on a rank, all of them in one process).
+        base: Lightning's checkpoint dict as global rank 0 built it (read on global rank 0 only).
+        layout: The pipeline layout (`PipelineCheckpointing.layout`).
+        group: The process group DCP plans over (gloo: small objects, no device copies); None: the default.
+        distributed: False in one process (no process group): this process writes everything.
+    """
+    prepared = prepare(Path(path), shares, base, layout, group, distributed)
+    with quiet_dcp():
+        dcp.save(
+            prepared.tree, storage_writer=FileSystemWriter(prepared.tmp), process_group=group, no_dist=not distributed
+        )
+    prepared.finish()  # dcp.save returns once every rank's data and the index are written
+    if distributed:
+        dist.barrier(group=group)  # nobody reads or removes it before it is complete
+
+
+@dataclass
+class Prepared:
+    """A save between its collective preparation and its write: what this process writes where, and what
+    the coordinator (global rank 0) adds once every rank's data is written (`finish`)."""
+
+    path: Path
+    tmp: Path
+    tree: dict[str, Any]
+    meta: dict[str, Any]
+    coordinator: bool
+
+    def finish(self) -> None:
+        """On the coordinator: meta.pt, then the folder renamed into place. Elsewhere nothing."""
+        if self.coordinator:
+            torch.save(self.meta, self.tmp / META)
+            publish(self.tmp, self.path)
+
+
+def prepare(
+    path: Path,
+    shares: list[dict[str, Any]],
+    base: dict[str, Any],
+    layout: dict[str, Any],
+    group: Any,
+    distributed: bool,
+) -> Prepared:
+    """The collective part before the write (arguments as `save`'s): a clean ``PATH.partial``, the skeletons
+    gathered on global rank 0 and the global entries merged into its tree."""
+    tmp = partial_path(path)
+    coordinator = not distributed or dist.get_rank() == 0
+    if coordinator:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a save that crashed
+    if distributed:
+        dist.barrier(group=group)
+    tree: dict[str, Any] = {}
+    for share in shares:
+        _merge(tree, rank_tree(share))
+    skeletons: list[Any] | None = [skeleton(s) for s in shares]
+    if distributed:
+        gathered: list[Any] | None = [None] * dist.get_world_size(group) if coordinator else None
+        dist.gather_object(skeletons, gathered, dst=0, group=group)
+        skeletons = [s for part in gathered for s in part] if gathered is not None else None
+    meta: dict[str, Any] = {}
+    if coordinator:
+        assert skeletons is not None
+        global_tree, meta = global_part(base, skeletons, layout)
+        _merge(tree, global_tree)
+    return Prepared(path, tmp, tree, meta, coordinator)
+
+
+def save_weights(path: str | os.PathLike, checkpoint: dict[str, Any]) -> None:
+    """One process writes a weights-only folder: ``model`` and meta.pt (no optimizer, no pipeline section)."""
+    path = Path(path)
+    tmp = partial_path(path)
+    shutil.rmtree(tmp, ignore_errors=True)
+    meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states", "lr_schedulers")}
+    with quiet_dcp():
+        dcp.save({"model": checkpoint["state_dict"]}, storage_writer=FileSystemWriter(tmp), no_dist=True)
+    torch.save(meta, tmp / META)
+    publish(tmp, path)
+
+
+def publish(tmp: Path, path: Path) -> None:
+    """Move the complete ``tmp`` to ``path``, replacing what is there (a file or a folder).
+
+    A folder cannot be renamed over a non-empty one, so the old checkpoint moves aside first. A crash
+    between the two renames leaves both whole, under ``PATH.old`` and ``PATH.partial``."""
+    old = None
+    if path.is_symlink() or path.exists():
+        old = path.with_name(path.name + ".old")
+        _remove(old)
+        os.replace(path, old)
+    os.replace(tmp, path)
+    if old is not None:
+        _remove(old)
+
+
+@contextmanager
+def quiet_dcp() -> Iterator[None]:
+    """DCP's warnings that do not apply: one process saving alone is meant (devices=1), and the folder is a
+    fresh one, so nothing is overwritten."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process.*")
+        warnings.filterwarnings("ignore", message=".*overwrit.*")
+        yield
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _state_by_name(share: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The share's optimizer state (local indices) by parameter name; parameters without state left out."""
+    if "optimizer" not in share:
+        return {}
+    local = share["optimizer"]
+    out = {}
+    for group, names in zip(local["param_groups"], share["groups"], strict=True):
+        for index, name in zip(group["params"], names, strict=True):
+            if local["state"].get(index):
+                out[name] = local["state"][index]
+    return out
+
+
+def _merge(into: dict[str, Any], other: dict[str, Any]) -> None:
+    for key, value in other.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        else:
+            into[key] = value

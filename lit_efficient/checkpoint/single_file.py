@@ -1,0 +1,148 @@
+"""The single-file format: one ordinary Lightning ``.ckpt``, the dict one device would have saved (`merge`),
+gathered on global rank 0 one rank at a time and written atomically; loaded memory-mapped.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def write_atomically(checkpoint: dict[str, Any], path: str | os.PathLike) -> None:
+    """Write the file under a temporary name and rename it into place: complete or absent."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".partial")
+    torch.save(checkpoint, tmp)
+    os.replace(tmp, path)
+
+
+def load_file(path: str | os.PathLike, weights_only: bool | None = None) -> dict[str, Any]:
+    """Load one checkpoint file on the CPU, memory-mapped: a tensor's bytes are read from the file when it
+    is used, so a rank that takes its stage's share of a whole-model file materializes that share only
+    (the pages stay the page cache's, copied privately where written). ``weights_only`` True or False, as
+    the caller asked (``trainer.fit(..., weights_only=...)``), is obeyed as is. None (the default):
+    ``weights_only=True`` (no arbitrary code on unpickling) when the content allows; a checkpoint holding
+    other Python objects (custom hyper-parameter types, say) falls back to a full load, with a warning:
+    only load such checkpoints from sources you trust."""
+    if weights_only is not None:
+        return _load(path, weights_only)
+    try:
+        return _load(path, True)
+    except pickle.UnpicklingError as err:
+        warnings.warn(
+            f"{path} holds objects weights_only=True refuses ({str(err).splitlines()[0][:200]}); loading it fully. "
+            "Only load checkpoints you trust.",
+            stacklevel=2,
+        )
+        return _load(path, False)
+
+
+def _load(path: str | os.PathLike, weights_only: bool) -> dict[str, Any]:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=weights_only, mmap=True)
+    except RuntimeError as err:  # a file in torch's legacy (non-zip) serialization cannot be mapped
+        if "mmap" not in str(err):
+            raise
+        return torch.load(path, map_location="cpu", weights_only=weights_only)
+
+
+def gather_to_rank_zero(obj: Any, world_size: int, group: dist.ProcessGroup | None) -> list[Any] | None:
+    """Every rank's ``obj`` on global rank 0, in rank order (None elsewhere): the single file's gather.
+
+    Streamed: rank 0 takes the ranks one at a time, each first sending its object's structure with every
+    tensor replaced by its shape and dtype (`_Slot`, pickled: a few KiB), then the tensors' bytes one by one,
+    received straight into tensors allocated for them. So rank 0 holds the received tensors once, which is
+    the file less its own share, and a sending rank holds nothing more than its share (its host tensors are
+    sent from where they lie). ``gather_object`` instead pickled every share on its rank (2x the share) and
+    had rank 0 receive every pickle at once and unpickle them beside it: 3.3x the whole file at S=2
+    (BENCHMARKS.md, "Checkpoints: host memory"). Collective over ``group`` (gloo); rank 0 gets host tensors,
+    a device tensor is copied to the host as it is sent.
+    """
+    rank = dist.get_rank()
+    if rank != 0:
+        structure, tensors = _take_tensors(obj)
+        dist.send_object_list([structure], dst=0, group=group)
+        for tensor in tensors:
+            if tensor.numel():
+                dist.send(_as_bytes(tensor.cpu().contiguous()), dst=0, group=group)  # a device tensor: one at a time
+        return None
+    gathered = [obj]
+    for src in range(1, world_size):
+        box: list[Any] = [None]
+        dist.recv_object_list(box, src=src, group=group)
+        gathered.append(_fill(box[0], src, group))
+    return gathered
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """Where a tensor was in a share sent to rank 0: its position in the send order, shape and dtype."""
+
+    index: int
+    shape: tuple[int, ...]
+    dtype: Any
+
+
+def _take_tensors(obj: Any) -> tuple[Any, list[Any]]:
+    """``obj`` with each strided tensor replaced by a `_Slot`, and the tensors. Tensors that are the same memory
+    (a tied weight's two state-dict entries: two tensor objects, one storage) get one slot, so rank 0 gets one
+    tensor for them, as unpickling would have given it."""
+    tensors: list[Any] = []
+    seen: dict[tuple, _Slot] = {}
+
+    def take(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.layout == torch.strided:
+            key = (x.untyped_storage().data_ptr(), x.storage_offset(), tuple(x.shape), x.stride(), x.dtype, x.device)
+            if key not in seen:
+                seen[key] = _Slot(len(tensors), tuple(x.shape), x.dtype)
+                tensors.append(x.detach())
+            return seen[key]
+        return _map(x, take)
+
+    return take(obj), tensors
+
+
+def _fill(structure: Any, src: int, group: dist.ProcessGroup | None) -> Any:
+    """The structure `_take_tensors` made on rank ``src``, its tensors received one at a time, in slot order."""
+    received: dict[int, torch.Tensor] = {}
+
+    def put(x: Any) -> Any:
+        if isinstance(x, _Slot):
+            if x.index not in received:  # slots arrive in send order: a walk in the same order as `take`'s
+                tensor = torch.empty(x.shape, dtype=x.dtype)
+                if tensor.numel():
+                    dist.recv(_as_bytes(tensor), src=src, group=group)
+                received[x.index] = tensor
+            return received[x.index]
+        return _map(x, put)
+
+    return put(structure)
+
+
+def _map(x: Any, fn: Any) -> Any:
+    """``x`` with ``fn`` applied to each value of a dict, list or tuple (their types kept), else ``x`` itself:
+    what is left (a named tuple, another container) travels pickled, tensors included."""
+    if isinstance(x, dict):
+        items = {k: fn(v) for k, v in x.items()}
+        if type(x) is dict:
+            return items
+        try:
+            return type(x)(items)  # OrderedDict (a state_dict), Lightning's AttributeDict
+        except TypeError:
+            return items
+    if type(x) in (list, tuple):
+        return type(x)(fn(v) for v in x)
+    return x
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's memory as a flat uint8 tensor (a view: no copy), for any dtype."""
+    return tensor.reshape(-1).view(torch.uint8)

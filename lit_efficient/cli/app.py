@@ -1,0 +1,207 @@
+"""The ``lit-efficient`` command line: LightningCLI over `GPT` and `TextDataModule`, with W&B kept local.
+
+This file owns the CLI's wiring and nothing else: which classes it exposes (any LightningModule taking
+``vocab_size`` and ``block_size``, such as `GPT` or `HFCausalLM`, and any `TextDataModule` subclass; GPT
+and TextDataModule by default), the links that keep the data and the
+model consistent (``data.block_size`` and ``data.vocab_size`` feed the model's), the default
+logger (W&B, offline, under ``runs/``; one run id for every attempt of a torchrun or SLURM job, so a
+restart continues its chart and finds its checkpoints), where W&B may write, and where the resolved run
+config is saved. Every option's help text comes from the docstrings of the classes it configures.
+
+    lit-efficient fit --config configs/quickstart.yaml
+    lit-efficient fit --config configs/quickstart.yaml --config configs/flush.yaml   # overlays compose
+    lit-efficient fit --model GPT --model.n_layer 2 --trainer.max_steps 50
+    lit-efficient fit --config configs/quickstart.yaml --print_config                # resolved config
+    python -m lit_efficient.cli fit ...                                             # the same, e.g. under srun
+    lit-efficient plan --config configs/gpt2_medium_8stage_paci.yaml --device-memory 80GiB  # memory per stage
+
+Multi-process strategies re-run this command once per rank (``PACIStrategy(start_method="popen")``,
+torchrun, SLURM): every rank parses the same arguments and builds the same model from the same seed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI, SaveConfigCallback
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from typing_extensions import override
+
+import lit_efficient  # noqa: F401 - registers the strategy names "paci" and "1f1b_flush"
+from lit_efficient import PACIStrategy
+from lit_efficient.data import TextDataModule
+from lit_efficient.models import GPT, HFCausalLM  # noqa: F401 - HFCausalLM: known to --model by name
+from lit_efficient.strategy.config import explain_refused, options_of, refusal_footer
+from lit_efficient.strategy.runs import restartable_job_id, run_dir
+
+DEFAULT_SAVE_DIR = "runs"
+WANDB_PROJECT = "lit-efficient"
+# W&B's own directories besides the run directory (`dir=save_dir`), relative to `<save_dir>/wandb`.
+# Without them wandb writes debug logs and caches into the user's home even for an offline run.
+_WANDB_DIRS = {"WANDB_CACHE_DIR": ".cache", "WANDB_DATA_DIR": ".data"}
+_WANDB_OFFLINE_DIRS = {"WANDB_CONFIG_DIR": ".config"}  # online runs keep reading the user's settings
+
+
+class RunConfigCallback(SaveConfigCallback):
+    """Saves the resolved run config next to the run's checkpoints and logs it to the run's logger.
+
+    The file goes to ``<save_dir>/<name>/<version>/config.yaml`` (the directory Lightning gives the
+    run's ``checkpoints/``; ``<default_root_dir>`` without a logger). Unless ``overwrite=True`` it
+    never overwrites anything: when that name is taken (a resumed run, or a run started from that very
+    file) it writes ``config-1.yaml``, ``config-2.yaml``, ... instead. The logger receives the same
+    config as a nested ``config`` hyperparameter, so a W&B run carries everything needed to repeat it.
+    """
+
+    def __init__(self, parser: LightningArgumentParser, config: Any, **kwargs: Any) -> None:
+        kwargs["save_to_log_dir"] = False  # Lightning's copy goes to trainer.log_dir, shared by all W&B runs
+        super().__init__(parser, config, **kwargs)
+        self.path: Path | None = None
+
+    @override
+    def save_config(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        text = dump_all(self.parser, self.config)
+        path = run_dir(trainer) / self.config_filename
+        self.path = path if self.overwrite else free_path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(text)
+        rank_zero_info(f"lit-efficient: run config saved to {self.path}")
+        if trainer.logger is not None:
+            trainer.logger.log_hyperparams({"config": yaml.safe_load(text)})
+
+
+def dump_all(parser: LightningArgumentParser, config: Any) -> str:
+    """YAML of `config` with None values kept: a None may differ from the default (``max_bytes: null``)."""
+    try:
+        return parser.dump(config, skip_unset=False)
+    except TypeError:  # jsonargparse < 4.49 spells it skip_none
+        return parser.dump(config, skip_none=False)
+
+
+def free_path(path: Path) -> Path:
+    """`path` if nothing is there, else the first of ``<stem>-1<suffix>``, ``<stem>-2<suffix>``, ... that is free."""
+    candidate, n = path, 0
+    while candidate.exists():
+        n += 1
+        candidate = path.with_name(f"{path.stem}-{n}{path.suffix}")
+    return candidate
+
+
+def keep_wandb_local(save_dir: str | os.PathLike, offline: bool) -> dict[str, str]:
+    """Point W&B's cache/data (and, offline, config) directories under ``<save_dir>/wandb``.
+
+    Variables the user already set are left alone. Returns the variables it set. Child processes
+    (spawned or re-launched ranks) inherit them.
+    """
+    base = Path(save_dir).expanduser().resolve() / "wandb"
+    wanted = dict(_WANDB_DIRS, **(_WANDB_OFFLINE_DIRS if offline else {}))
+    chosen = {var: str(base / sub) for var, sub in wanted.items() if not os.environ.get(var)}
+    os.environ.update(chosen)
+    return chosen
+
+
+class StrategyOptionParser(LightningArgumentParser):
+    """LightningCLI's parser, whose refusal of an unknown PACIStrategy option also says what the strategy would.
+
+    jsonargparse already refuses a ``trainer.strategy.init_args`` key that PACIStrategy's signature lacks
+    ("Option 'x' is not accepted") before anything is built; this adds the closest option, or for a
+    DistributedDataParallel option what PACIStrategy does instead: the `PACIStrategy(**kwargs)` message.
+    """
+
+    @override
+    def error(self, message: str, ex: Exception | None = None) -> Any:
+        return super().error(explain_strategy_options(message), ex)
+
+
+def explain_strategy_options(message: str) -> str:
+    """``message`` with, for each PACIStrategy option it says was not accepted, why and what is accepted."""
+    names = re.findall(r"class_path '[\w.]*PACIStrategy':\s*Option '(\w+)' is not accepted", message)
+    if not names:
+        return message
+    options = options_of(PACIStrategy.__init__)
+    lines = "".join(f"\n  - {explain_refused(name, options, show_value=False)}" for name in names)
+    return f"{message}\nPACIStrategy does not accept:{lines}\n{refusal_footer(names, options)}"
+
+
+class LitEfficientCLI(LightningCLI):
+    """LightningCLI with `GPT` and `TextDataModule` as defaults and the data feeding the model's sizes.
+
+    Args:
+        args: Command-line arguments (None reads ``sys.argv``), a list, or a dict/Namespace.
+        run: Run the subcommand (True) or only parse and instantiate (False; tests, notebooks).
+        **kwargs: Passed to LightningCLI (e.g. ``trainer_defaults``, ``save_config_kwargs``).
+    """
+
+    def __init__(self, args: ArgsType = None, run: bool = True, **kwargs: Any) -> None:
+        kwargs.setdefault("save_config_callback", RunConfigCallback)
+        kwargs.setdefault("parser_class", StrategyOptionParser)
+        kwargs.setdefault("save_config_kwargs", {"config_filename": "config.yaml", "overwrite": False})
+        kwargs.setdefault("parser_kwargs", {
+            "description": "Pipeline-parallel training for PyTorch Lightning. The memory plan of a config, before "
+            "any GPU: lit-efficient plan --config ... (lit-efficient plan --help)."
+        })  # fmt: skip
+        super().__init__(
+            LightningModule,  # GPT by default (below), HFCausalLM or any module with vocab_size/block_size
+            TextDataModule,
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            # GPT.configure_optimizers owns AdamW and its warmup + cosine schedule; set them on the model.
+            auto_configure_optimizers=False,
+            args=args,
+            run=run,
+            **kwargs,
+        )
+
+    @override
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.set_defaults(
+            {
+                "model": {"class_path": "lit_efficient.models.GPT"},
+                "data": {"class_path": "lit_efficient.data.TextDataModule"},
+                "trainer.logger": {
+                    "class_path": "lightning.pytorch.loggers.WandbLogger",
+                    "init_args": {"project": WANDB_PROJECT, "save_dir": DEFAULT_SAVE_DIR, "offline": True},
+                },
+            }
+        )
+        # One source of truth: the data decide the context length and the vocabulary, the model follows.
+        parser.link_arguments("data.init_args.block_size", "model.init_args.block_size")
+        # vocab_size is known only once the data exist (a .bin without vocab_size is scanned for it).
+        parser.link_arguments("data.vocab_size", "model.init_args.vocab_size", apply_on="instantiate")
+
+    @override
+    def before_instantiate_classes(self) -> None:
+        # Before the logger exists: wandb reads these variables when it starts, in this process and in
+        # every rank launched from it (popen re-runs this command, spawn inherits the environment).
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        loggers = config.trainer.logger if isinstance(config.trainer.logger, list) else [config.trainer.logger]
+        for logger in loggers:
+            if str(getattr(logger, "class_path", "")).endswith("WandbLogger"):
+                init = logger.init_args
+                offline = bool(init.get("offline")) or "offline" in (init.get("mode"), os.environ.get("WANDB_MODE"))
+                keep_wandb_local(init.get("save_dir") or init.get("dir") or ".", offline)
+                job = restartable_job_id()
+                if job is not None and not (init.get("id") or init.get("version")):
+                    # One W&B run, and one checkpoint folder (<save_dir>/<project>/<run id>/checkpoints), for
+                    # every attempt of a job: a restarted attempt continues the chart and finds its
+                    # ckpt_path="last", where a fresh id per launch would start the run over.
+                    init["id"] = job
+                    if init.get("resume") is None:
+                        init["resume"] = "allow"
+
+    def after_fit(self) -> None:
+        """Say where the run's checkpoint is, and how to resume from it, or that none was saved."""
+        callbacks = self.trainer.checkpoint_callbacks
+        saved = [p for cb in callbacks for p in (cb.best_model_path, cb.last_model_path) if p]  # type: ignore[attr-defined]
+        if saved:
+            rank_zero_info(f"lit-efficient: checkpoint {saved[0]} (resume: --ckpt_path {saved[0]})")
+            return
+        why = "no ModelCheckpoint callback" if not callbacks else "its ModelCheckpoint never triggered"
+        rank_zero_warn(
+            f"lit-efficient: the run ended without saving a checkpoint ({why}). Add a ModelCheckpoint (the "
+            "quickstart config has one), with every_n_train_steps or a validation for it to act on."
+        )

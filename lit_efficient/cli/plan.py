@@ -1,0 +1,412 @@
+"""``lit-efficient plan``: the memory plan of a training config, before any GPU is rented.
+
+This file owns the front end of the memory plan (docs/DESIGN.md section 8): reading the same LightningCLI
+YAML that ``fit`` takes, building what it names without allocating memory (the model on the meta device,
+then fake tensors), choosing the split the strategy would choose, and printing the plan
+(`lit_efficient.tools.memory_plan`) as a table or JSON.
+
+    lit-efficient plan --config configs/gpt2_medium_8stage_paci.yaml --device-memory 80GiB
+    lit-efficient plan --config configs/quickstart.yaml --config configs/checkpointing.yaml --json
+    lit-efficient plan --config ... --trainer.strategy.init_args.recompute=true       # any fit override
+    lit-efficient plan --config ... --replicas 8 --shard-optimizer-state               # 8 x 8 GPUs, ZeRO-1
+
+From Python, `plan` takes a module, one micro-batch (real, meta or fake tensors) and a `PACIStrategy`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+import warnings
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from lit_efficient.callbacks import activation_checkpointing as ac
+from lit_efficient.runtime.partition import partition_profiled
+from lit_efficient.runtime.topology import Topology
+from lit_efficient.strategy.config import _check_sharding, _sharding_applies
+from lit_efficient.strategy.paci import PACIStrategy
+from lit_efficient.tools.fake_memory import (
+    MakeOptimizer,
+    SavedBytes,
+    answering_value_queries,
+    fake_batch,
+    fake_module,
+    measure_stages,
+)
+from lit_efficient.tools.memory_plan import MemoryPlan, StageMeasure, parse_bytes, plan_memory
+
+_GPU = ("gpu", "cuda")
+
+
+def plan(
+    module: nn.Module,
+    batch: Any,
+    strategy: PACIStrategy,
+    accumulate: int = 1,
+    precision: str = "32-true",
+    activation_checkpointing: ac.ActivationCheckpointing | None = None,
+    replicas: int = 1,
+    shard_optimizer_state: bool | None = None,
+    device_memory: int | str | None = None,
+    accelerator: str = "gpu",
+    max_steps: int = 1000,
+) -> MemoryPlan:
+    """The memory plan of training ``module`` under ``strategy``; nothing is allocated and ``module`` is left
+    as it was (build a large one on the meta device: ``with torch.device("meta"): module = ...``).
+
+    Args:
+        module: A LightningModule implementing the pipeline protocol, with its ``configure_optimizers``.
+        batch: One micro-batch as the data loader yields it (its shapes and dtypes are what matter).
+        strategy: The `PACIStrategy` whose stages, schedule, balance and recompute are planned.
+        accumulate: Micro-batches per optimizer step N.
+        precision: ``"32-true"`` or ``"bf16-mixed"`` (fp32 weights, bf16 autocast).
+        activation_checkpointing: The callback as configured, or None.
+        replicas: Data-parallel replicas of each stage (world size / pipeline stages).
+        shard_optimizer_state: Optimizer state split by element over the replicas (ZeRO-1; None: the strategy's
+            ``shard_optimizer_state``). Refused where ``PACIStrategy`` refuses it (``local_sgd_steps``,
+            weight prediction).
+        device_memory: Bytes (or ``"80GiB"``) of one device, for the verdict.
+        accelerator: ``"gpu"`` plans the optimizer step as torch runs it on CUDA (foreach kernels, whose
+            temporaries span the whole stage); ``"cpu"`` as on CPU. The kernels measured are the host's.
+        max_steps: What ``trainer.estimated_stepping_batches`` answers while ``configure_optimizers`` runs.
+    """
+    if activation_checkpointing is not None and strategy.recompute:
+        raise ValueError(
+            "ActivationCheckpointing cannot be combined with PACIStrategy(recompute=True) (fit refuses it too): "
+            "keep one of them"
+        )
+    if shard_optimizer_state is None:
+        shard_optimizer_state = strategy.shard_optimizer_state
+    _check_sharding(shard_optimizer_state, strategy.local_sgd_steps, strategy.staleness_correction)  # as fit would
+    measures, context = measure(
+        module, batch, strategy, accumulate, precision, activation_checkpointing, device_memory, accelerator, max_steps
+    )
+    if shard_optimizer_state:  # what fit says of this layout: tied weights refused, one replica splits nothing
+        topology = Topology.for_world(len(measures) * replicas, len(measures))
+        shard_optimizer_state = _sharding_applies(topology, in_process=False, tied=any(m.tied for m in measures))
+    return plan_memory(
+        measures, strategy.schedule, accumulate, recompute=strategy.recompute, replicas=replicas,
+        shard_optimizer_state=shard_optimizer_state, staleness_correction=strategy.staleness_correction,
+        local_sgd_steps=strategy.local_sgd_steps, outer_optimizer=strategy.outer_optimizer,
+        device_memory=None if device_memory is None else parse_bytes(device_memory), context=context,
+    )  # fmt: skip
+
+
+def measure(
+    module: nn.Module,
+    batch: Any,
+    strategy: PACIStrategy,
+    accumulate: int = 1,
+    precision: str = "32-true",
+    activation_checkpointing: ac.ActivationCheckpointing | None = None,
+    device_memory: int | str | None = None,
+    accelerator: str = "gpu",
+    max_steps: int = 1000,
+) -> tuple[list[StageMeasure], dict[str, Any]]:
+    """What `plan` measures, stage by stage, and what was planned (the plan's ``context``): everything that
+    does not depend on the schedule, ``recompute``, the replicas or sharding, so one measurement serves every
+    plan of a layout (`lit_efficient.tools.memory_plan.plan_memory`). Arguments as `plan`'s."""
+    if precision not in ("32-true", "32", "bf16-mixed"):
+        raise ValueError(f"precision={precision!r}: PACIStrategy trains in '32-true' or 'bf16-mixed'")
+    forward_context = MixedPrecision("bf16-mixed", "cpu").forward_context if precision == "bf16-mixed" else nullcontext
+    wrapped = activation_checkpointing.wrap(module) if activation_checkpointing is not None else []
+    try:
+        with fake_module(module) as mode, _transformers_take_real_paths():
+            with answering_value_queries():  # HFCausalLM's split check compares logits
+                layers = list(module.pipeline_layers())
+            fake = fake_batch(batch, mode)
+            sizes = _stage_sizes(strategy, module, layers, fake, forward_context, device_memory)
+            with _stand_in_trainer(module, max_steps, accumulate):
+                make_optimizer = optimizer_factory(module, foreach=accelerator in _GPU)
+            measures = measure_stages(
+                layers, sizes, fake, module.pipeline_input, module.pipeline_loss, forward_context, make_optimizer,
+                saved_scope=_selective_cache if activation_checkpointing is not None else None,
+            )  # fmt: skip
+    finally:
+        if activation_checkpointing is not None:
+            activation_checkpointing.unwrap()
+    context = {
+        "model": type(module).__name__, "parameters": sum(m.parameters for m in measures),
+        "micro_batch": [list(t.shape) for t in _tensors(batch)], "precision": precision,
+        "pipeline_stages": strategy.pipeline_stages, "balance": strategy.balance, "sizes": list(sizes),
+        "accelerator": accelerator,
+        "activation_checkpointing": None if activation_checkpointing is None else {
+            "mode": activation_checkpointing.mode, "modules": len(wrapped)},
+    }  # fmt: skip
+    return measures, context
+
+
+def optimizer_factory(module: Any, foreach: bool) -> MakeOptimizer:
+    """The module's own optimizer (``configure_optimizers``) restricted to one stage's parameters: its class,
+    groups and hyper-parameters, each group keeping the stage's members (what the strategy builds on a split
+    module). ``foreach``: run the step with torch's foreach kernels, as it does by default on CUDA."""
+    template = _optimizer_of(module.configure_optimizers())
+
+    def make(params: list[nn.Parameter]) -> torch.optim.Optimizer | None:
+        if template is None:
+            return None
+        mine = {id(p) for p in params}
+        groups = []
+        for group in template.param_groups:
+            members = [p for p in group["params"] if id(p) in mine]
+            if members:
+                settings = {k: v for k, v in group.items() if k != "params"}
+                if foreach and settings.get("foreach") is None and not settings.get("fused"):
+                    settings["foreach"] = True
+                groups.append({**settings, "params": members})
+        return type(template)(groups) if groups else None
+
+    return make
+
+
+def plan_config(argv: Sequence[str], **overrides: Any) -> MemoryPlan:
+    """The plan of the config ``fit`` would run with these arguments (``--config ...`` and any overrides).
+
+    Args:
+        argv: LightningCLI arguments, without the subcommand.
+        **overrides: `plan` arguments that win over the config's (``replicas``, ``shard_optimizer_state``,
+            ``device_memory``).
+    """
+    arguments = load_config(argv)
+    arguments.update({k: v for k, v in overrides.items() if v is not None})
+    return plan(**arguments)
+
+
+def load_config(argv: Sequence[str]) -> dict[str, Any]:
+    """`plan`'s arguments for the config ``fit`` would run with ``argv``: the model built on the meta device
+    (nothing allocated), a meta micro-batch of the data's shape, the strategy, N, the precision, the
+    ActivationCheckpointing callback, the replicas (world size / S) and the accelerator."""
+    from lit_efficient.cli.app import LitEfficientCLI  # the CLI imports this module for its subcommand
+
+    class _Resolve(LitEfficientCLI):
+        def before_instantiate_classes(self) -> None:
+            pass
+
+        def instantiate_classes(self) -> None:
+            pass
+
+    with warnings.catch_warnings():  # LightningCLI warns when sys.argv holds more: it holds `plan`'s own flags
+        warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
+        config = _Resolve(args=list(argv), run=False).config
+    trainer = config.trainer
+    strategy = _strategy(trainer.strategy)
+    data = _init_args(config.data)
+    batch_size, block_size = int(data.get("batch_size", 16)), int(data.get("block_size", 256))
+    vocab = data.get("vocab_size") or _text_vocab(data)
+    callbacks = [c for c in (trainer.callbacks or []) if not isinstance(c, str)]
+    accumulate = _accumulate(trainer, callbacks)
+    checkpointing = next((_build(c) for c in callbacks if _class_name(c) == "ActivationCheckpointing"), None)
+    model_cls = _import(config.model.class_path)
+    init = {**_init_args(config.model), "vocab_size": vocab, "block_size": block_size}
+    with torch.device("meta"):  # the weights are never materialized: an 8B model costs nothing here
+        module = model_cls(**init)
+    # What a TextDataModule batch is: (inputs, next tokens), int64 (B, T). Meta tensors: no memory.
+    batch = tuple(torch.zeros(batch_size, block_size, dtype=torch.long, device="meta") for _ in range(2))
+    return {
+        "module": module, "batch": batch, "strategy": strategy, "accumulate": accumulate,
+        "precision": str(trainer.precision or "32-true"), "activation_checkpointing": checkpointing,
+        "replicas": max(1, _world(trainer) // strategy.pipeline_stages),
+        "accelerator": str(trainer.accelerator or "cpu"),
+        "max_steps": trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else 1000,
+    }  # fmt: skip
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``lit-efficient plan``: print the plan (a table, or JSON with ``--json``); 0 unless it failed to plan."""
+    parser = argparse.ArgumentParser(
+        prog="lit-efficient plan",
+        description="Per-stage memory of a training config (weights, gradients, optimizer state, activations in "
+        "flight, peak) and whether it fits a device; measured on fake tensors, nothing is allocated. Every "
+        "other argument (--config, --trainer.*, --model.*, --data.*) is read as `lit-efficient fit` reads it.",
+    )
+    parser.add_argument("--device-memory", help="memory of one device, e.g. 80GiB, 80GB (10^9 bytes), 24GiB")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON (for scripts)")
+    parser.add_argument("--replicas", type=int, help="data-parallel replicas per stage (default: world size / S)")
+    parser.add_argument(
+        "--shard-optimizer-state", action=argparse.BooleanOptionalAction, default=None,
+        help="optimizer state split over each stage's replicas (ZeRO-1); default: the strategy's setting",
+    )  # fmt: skip
+    own, rest = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    result = plan_config(
+        rest, device_memory=own.device_memory, shard_optimizer_state=own.shard_optimizer_state, replicas=own.replicas
+    )
+    if own.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        print(describe(result))
+    return 0
+
+
+def describe(result: MemoryPlan) -> str:
+    """The plan as a user reads it: what was planned, the table, the verdict."""
+    c = result.context
+    ac_text = "" if not c.get("activation_checkpointing") else (
+        f", ActivationCheckpointing({c['activation_checkpointing']['mode']}) on "
+        f"{c['activation_checkpointing']['modules']} modules")  # fmt: skip
+    head = (
+        f"{c.get('model')} ({c.get('parameters', 0) / 1e6:,.1f}M parameters), micro-batch {c.get('micro_batch')}, "
+        f"{c.get('precision')}; {result.schedule}, S={len(result.stages)} as {c.get('sizes')} "
+        f"(balance={c.get('balance')!r}), N={result.accumulate}, recompute={result.recompute}, "
+        f"R={result.replicas} replicas{', optimizer state sharded' if result.shard_optimizer_state else ''}{ac_text}"
+    )
+    note = (
+        "Bytes per rank of each stage. activations: what the micro-batches in flight keep; transient: the larger "
+        "of one micro-batch's forward/backward temporaries and the local step's. Not counted: the CUDA context, "
+        "NCCL buffers, kernel workspaces and allocator fragmentation."
+    )
+    return f"{head}\n\n{result.table()}\n\n{note}"
+
+
+# -- internals -------------------------------------------------------------------------------------
+
+
+def _stage_sizes(
+    strategy: PACIStrategy, module: Any, layers: list, batch: Any, forward_context: Any, device_memory: Any
+) -> list[int]:
+    """The split ``strategy`` would choose. ``balance="profile"`` times layers on the GPU at launch; here each
+    layer's forward FLOPs stand in for its time, with the same memory terms and budget (partition.py)."""
+    if strategy.balance != "profile":
+        return strategy._stage_sizes(module, layers, None)  # the strategy's own choice, from parameter counts
+    flops, acts, params = [], [], []
+    x = tuple(_as_tuple(module.pipeline_input(batch)))
+    with torch.no_grad():
+        for layer in layers:
+            with FlopCounterMode(display=False) as counter, forward_context():
+                out = _as_tuple(layer(*x))
+            flops.append(float(counter.get_total_flops()))
+            acts.append(sum(t.numel() * t.element_size() for t in _tensors(out)))
+            params.append(4 * sum(p.numel() * p.element_size() for p in layer.parameters()))
+            x = out
+    budget = None if device_memory is None else parse_bytes(device_memory)
+    return partition_profiled(flops, acts, params, strategy.pipeline_stages, memory_budget=budget)
+
+
+@contextmanager
+def _stand_in_trainer(module: Any, max_steps: int, accumulate: int) -> Iterator[None]:
+    """``configure_optimizers`` may read the trainer (``estimated_stepping_batches`` for a schedule's length);
+    while it runs here a stand-in answers. Only the optimizer it returns is used."""
+    had = getattr(module, "_trainer", None)
+    stand_in = SimpleNamespace(estimated_stepping_batches=max_steps, max_steps=max_steps, max_epochs=None,
+                               accumulate_grad_batches=accumulate, num_devices=1, world_size=1)  # fmt: skip
+    module._trainer = stand_in
+    try:
+        yield
+    finally:
+        module._trainer = had
+
+
+@contextmanager
+def _transformers_take_real_paths() -> Iterator[None]:
+    """transformers treats a fake tensor as a traced one (``is_tracing``) and then takes the paths it takes under
+    ``torch.export``: a materialized causal mask where on real tensors SDPA runs with ``is_causal`` and no mask.
+    While planning it is told the tensors are real, so the bytes are those of training."""
+    utils = sys.modules.get("transformers.utils.import_utils")
+    original = getattr(utils, "is_fake_tensor", None)
+    if original is None:
+        yield
+        return
+    utils.is_fake_tensor = lambda x: False
+    try:
+        yield
+    finally:
+        utils.is_fake_tensor = original
+
+
+@contextmanager
+def _selective_cache(saved: SavedBytes) -> Iterator[None]:
+    # Selective checkpointing keeps matmul outputs outside autograd's hooks and reports them to the active
+    # SavedActivationMeter (activation_checkpointing.py); the plan's counter stands in for it.
+    token = ac._ACTIVE_METER.set(saved)  # type: ignore[arg-type]
+    try:
+        yield
+    finally:
+        ac._ACTIVE_METER.reset(token)
+
+
+def _optimizer_of(config: Any) -> torch.optim.Optimizer | None:
+    """The (first) optimizer of what ``configure_optimizers`` may return (Lightning's accepted forms)."""
+    if isinstance(config, torch.optim.Optimizer) or config is None:
+        return config
+    if isinstance(config, dict):
+        return _optimizer_of(config.get("optimizer"))
+    if isinstance(config, (list, tuple)) and config:
+        return _optimizer_of(config[0])
+    raise TypeError(f"configure_optimizers returned {type(config).__name__}; the plan needs an optimizer")
+
+
+def _strategy(value: Any) -> PACIStrategy:
+    if isinstance(value, str):
+        if value in ("paci", "1f1b_flush"):
+            return PACIStrategy(schedule=value)
+        raise ValueError(f"trainer.strategy={value!r}: the plan covers PACIStrategy (strategy 'paci' or '1f1b_flush')")
+    if _class_name(value) != "PACIStrategy":
+        raise ValueError(f"trainer.strategy is {value.class_path}: the plan covers lit_efficient.PACIStrategy")
+    return _build(value)
+
+
+def _accumulate(trainer: Any, callbacks: list) -> int:
+    for c in callbacks:
+        if _class_name(c) == "GradientAccumulation" and _init_args(c).get("steps"):
+            return int(_init_args(c)["steps"])
+    return int(trainer.accumulate_grad_batches or 1)
+
+
+def _world(trainer: Any) -> int:
+    devices = trainer.devices
+    count = len(devices) if isinstance(devices, (list, tuple)) else devices if isinstance(devices, int) else 1
+    return max(1, count) * max(1, int(trainer.num_nodes or 1))
+
+
+def _text_vocab(data: dict) -> int:
+    path = data.get("path")
+    if path is not None and str(path).endswith(".bin"):
+        raise ValueError(
+            f"data.init_args.path={path!r} is a token file and data.init_args.vocab_size is not set: the plan does "
+            "not read the data; set vocab_size (e.g. 50304 for GPT-2 tokens)"
+        )
+    return 256  # byte-level text
+
+
+def _build(namespace: Any) -> Any:
+    return _import(namespace.class_path)(**_init_args(namespace))
+
+
+def _import(class_path: str) -> Any:
+    module, _, name = class_path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def _init_args(namespace: Any) -> dict[str, Any]:
+    init = getattr(namespace, "init_args", None)
+    if init is None:
+        return {}
+    return dict(init.as_dict() if hasattr(init, "as_dict") else init)
+
+
+def _class_name(namespace: Any) -> str:
+    return str(getattr(namespace, "class_path", "")).rpartition(".")[2]
+
+
+def _as_tuple(x: Any) -> tuple:
+    return x if isinstance(x, tuple) else (x,)
+
+
+def _tensors(values: Any) -> list[torch.Tensor]:
+    if isinstance(values, torch.Tensor):
+        return [values]
+    if isinstance(values, dict):
+        values = list(values.values())
+    return [t for t in values if isinstance(t, torch.Tensor)] if isinstance(values, (list, tuple)) else []
+
+
+__all__ = ["describe", "load_config", "main", "measure", "optimizer_factory", "plan", "plan_config"]

@@ -1,0 +1,171 @@
+"""A weight tied between the first and the last pipeline stage (input embedding and LM head).
+
+Each of the two stages holds its own copy of the parameter and steps it with its own optimizer.
+Both copies start equal; the rule below gives both the same gradient at every update, so with the
+same optimizer settings they stay equal at every weight version (both copies after update k hold
+the same tensor). The two stages talk through `comm.TiedExchange`; this file owns the rule only.
+
+- ``1f1b_flush`` (exact, Megatron's embedding group): at update k both stages sum their gradients
+  ``G_k = g_first_k + g_last_k`` (one all-reduce in a two-rank group) and step with it: exactly the
+  unsplit model's gradient. Flush's last stage reaches its step first and waits there for stage 0,
+  which it would wait for at its next forward anyway: no added idle time.
+- ``paci`` (asynchronous, delayed embedding-side gradient): at update k both stages apply
+  ``G_k = g_last_k + g_first_{k-d}`` with ``d = ceil(S / N)`` (no first-stage term for k < d). The
+  last stage sends ``g_last_k`` to stage 0 at its update k, which always precedes stage 0's update k;
+  stage 0 sends ``g_first_k`` to the last stage, which applies it at its update k + d. ``d`` is the
+  smallest delay for which that message has always been sent when the last stage needs it (stage 0
+  starts micro-batch ``(k+1)N - 1`` only after finishing window ``k - d``), so neither stage ever
+  waits on the other: PACI stays bubble-free. Staleness bound: the embedding-side term of update k
+  is ``d`` updates late and was itself computed with weights up to ``ceil((S-1)/N)`` versions old
+  (stage 0's drift bound), so at most ``ceil(S/N) + ceil((S-1)/N)`` versions (2 once N >= S); the
+  LM-head-side term has no staleness (drift 0 on the last stage). Cost: stage 0 keeps the last
+  ``d`` gradients of the parameter (d x its size) and the ``d`` gradients still in flight at the end
+  of training are never applied; after resuming from a checkpoint both stages restart the delay
+  line (its first d updates use the LM-head term only).
+
+Gradients are exchanged after normalization (divided by the window's weight), so token-weighted
+accumulation combines them exactly. Only updates that are applied count: a window skipped for a
+non-finite loss is skipped on both stages alike, so the two update counts stay equal.
+
+When the whole pipeline runs in one process, `LocalTiedLink` stands in for the transport: the same
+rule, the same messages, in mailboxes. Under ``paci`` every message is there when it is needed (the
+order argument above holds for any order of the stages' turns). Under ``1f1b_flush`` the last stage
+reaches its all-reduce first, while stage 0 still has the window's backwards to run; no stage of one
+process can block, so the waiting stage lets the others take their turns until the peer's gradient
+is there (`LocalTiedLink.wait`, which `StageHost` provides), as its rank would wait in the
+collective. The sum of two tensors does not depend on the order of its operands, so both copies get
+bit for bit what the two-rank all-reduce gives them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable
+from typing import Protocol
+
+from torch import Tensor, nn
+
+from lit_efficient.runtime.schedules import ScheduleName
+from lit_efficient.runtime.split import Split
+from lit_efficient.runtime.stage import PipelineStage
+
+TIED_ATTR = "_lit_efficient_tied"  # set on a tied copy: a pipeline-wide gradient norm counts it once
+
+
+class Exchange(Protocol):
+    """What the rule needs from the transport (`comm.TiedExchange`, or an in-process stand-in)."""
+
+    def all_reduce(self, t: Tensor) -> None: ...
+    def send(self, t: Tensor) -> None: ...
+    def recv(self, like: Tensor) -> Tensor: ...
+    def flush(self) -> None: ...
+
+
+def tie_delay(num_stages: int, accumulate: int) -> int:
+    """Updates by which PACI applies the first stage's gradient of a tied weight late: ceil(S / N)."""
+    return math.ceil(num_stages / accumulate)
+
+
+class TiedWeight:
+    """One stage's copy of a tied parameter and the rule that keeps it equal to the other copy.
+
+    Install it as `PipelineStage.exchange_tied`: it is called after the stage's gradients are
+    normalized and before its optimizer update.
+
+    Args:
+        param: This stage's copy.
+        is_first: Whether this is the first stage (the embedding's side) or the last (the LM head's).
+        schedule: ``"1f1b_flush"`` (exact sum) or ``"paci"`` (delayed first-stage gradient).
+        delay: PACI's delay d in updates (`tie_delay`); ignored under flush.
+        exchange: The transport to the other copy's stage.
+    """
+
+    def __init__(
+        self, param: nn.Parameter, is_first: bool, schedule: ScheduleName, delay: int, exchange: Exchange
+    ) -> None:
+        if delay < 1:
+            raise ValueError(f"delay={delay} must be >= 1 (ceil(S / N))")
+        self.param = param
+        self.is_first = is_first
+        self.schedule = schedule
+        self.delay = delay
+        self.exchange = exchange
+        self.updates = 0
+        self._own: deque[Tensor] = deque()  # first stage, paci: its gradients not yet applied
+
+    def __call__(self) -> None:
+        p = self.param
+        if p.grad is None:
+            p.grad = p.detach().new_zeros(p.shape)  # unused in this window: its contribution is zero
+        g = p.grad
+        k, self.updates = self.updates, self.updates + 1
+        if self.schedule == "1f1b_flush":
+            self.exchange.all_reduce(g)
+        elif self.is_first:
+            own = g.detach().clone()
+            g.copy_(self.exchange.recv(g))  # the last stage's update-k gradient, sent at its update k
+            if len(self._own) == self.delay:
+                g.add_(self._own.popleft())
+            self._own.append(own)
+            self.exchange.send(own)  # applied by the last stage at its update k + delay
+        else:
+            self.exchange.send(g.detach().clone())
+            if k >= self.delay:
+                g.add_(self.exchange.recv(g))
+
+
+def finish_tied(tied: list[TiedWeight]) -> None:
+    """End of training: absorb the first stage's gradients still in flight (never applied), in the order they
+    were sent, so no transfer outlives the run."""
+    if not tied:
+        return
+    rounds = min(tied[0].delay, tied[0].updates)
+    for _ in range(rounds):
+        for t in tied:
+            if t.schedule == "paci" and not t.is_first:
+                t.exchange.recv(t.param)
+    for t in tied:
+        t.exchange.flush()
+        t._own.clear()
+
+
+def tie_stage(
+    stage: PipelineStage, split: Split, schedule: ScheduleName, delay: int, exchange: Exchange
+) -> list[TiedWeight]:
+    """Install the rule on ``stage`` (the first or the last) for every tie of ``split``: its copy of each tied
+    weight, found at the copy's place in the module, exchanged over ``exchange``."""
+    tied = []
+    for tie in split.ties:
+        part, name = tie.first if stage.is_first else tie.last
+        _, parent, attr = split.slots[part]
+        param = parent._modules[attr].get_parameter(name)  # type: ignore[union-attr]
+        setattr(param, TIED_ATTR, stage.is_first)  # True on the copy counted in a pipeline-wide norm
+        tied.append(TiedWeight(param, stage.is_first, schedule, delay, exchange))
+    stage.exchange_tied = _all(tied)
+    return tied
+
+
+def untag(tied: list[TiedWeight]) -> None:
+    """Take the tied-weight mark off ``tied``'s copies (a module kept whole in one process, after training)."""
+    for t in tied:
+        t.param.__dict__.pop(TIED_ATTR, None)
+
+
+def _all(tied: list[TiedWeight]) -> Callable[[], None]:
+    def exchange() -> None:
+        for t in tied:
+            t()
+
+    return exchange
+
+
+def counted_in_global_norm(param: nn.Parameter) -> bool:
+    """Whether a pipeline-wide gradient norm counts ``param``: a tied weight's second copy holds the same
+    gradient as the first, so the exact (flush) norm counts it once."""
+    return getattr(param, TIED_ATTR, True)
+
+
+def is_tied(param: nn.Parameter) -> bool:
+    """Whether ``param`` is one copy of a weight tied across stages."""
+    return hasattr(param, TIED_ATTR)

@@ -1,0 +1,359 @@
+"""PACIStrategy's checkpoints: one save path and one load path, whatever the hosting and the format.
+
+Every hosted stage contributes a share (`checkpoint.merge.rank_share`): its part of Lightning's checkpoint dict
+under parameter names, and its rank's pipeline state (`pipeline_state`: accumulation, random streams,
+averager). A share is built from Lightning's dict and a `StageRecord`, what the share needs of its stage, read
+while the stage lives or kept at the end of training (`final_state`: ``fit`` then takes the stages apart, and
+``trainer.save_checkpoint`` after it still writes what a `ModelCheckpoint` at the last step would have). The
+shares go to one file on global rank 0 (`checkpoint.single_file`) or into a sharded folder, each process
+writing its own (`checkpoint.sharded_write`, in the background with ``async_checkpoint``).
+
+Loading reads the dict one device would have saved (the file as it is; from a folder, this process's part:
+`checkpoint.sharded_read`) and gives every hosted stage its weights, optimizer state, schedulers, accumulated
+gradients and rank state by parameter name (`checkpoint.restore`), so either layout resumes from the other's.
+The functions take the strategy (`lit_efficient.strategy.paci.PACIStrategy`) whose hooks call them.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor, nn
+
+from lit_efficient.checkpoint import sharded_read, sharded_write
+from lit_efficient.checkpoint.async_write import AsyncCheckpointer
+from lit_efficient.checkpoint.merge import (
+    assemble,
+    from_automatic_loops,
+    group_key,
+    merge_group_names,
+    rank_share,
+    regroup_schedulers,
+    to_automatic_loops,
+)
+from lit_efficient.checkpoint.restore import local_accumulation, local_optimizer_state, local_state_dict
+from lit_efficient.checkpoint.single_file import gather_to_rank_zero, load_file, write_atomically
+from lit_efficient.replicas.sharded_optimizer import ShardedOptimizer
+from lit_efficient.strategy.hosting import HostedStage
+
+
+@dataclass(frozen=True)
+class StageRecord:
+    """What a share needs of its stage besides Lightning's dict.
+
+    Attributes:
+        stage: The stage.
+        replica: Its replica.
+        keys: The stage's ``state_dict`` keys.
+        group_names: Its optimizer's parameter names, per group, in the optimizer's order.
+        extras: `pipeline_state` of the stage.
+        tied_copies: Names of its second copies of weights tied to the first stage.
+    """
+
+    stage: int
+    replica: int
+    keys: list[str]
+    group_names: list[list[str]]
+    extras: dict[str, Any]
+    tied_copies: list[str]
+
+
+@dataclass(frozen=True)
+class FinalState:
+    """The records of this process's stages at the end of training, and the layout they were trained in."""
+
+    records: list[StageRecord]
+    layout: dict[str, Any]
+
+
+def rank_key(stage: int, replica: int) -> str:
+    """The key of a stage's rank in a checkpoint's ``pipeline["ranks"]``."""
+    return f"stage{stage}-replica{replica}"
+
+
+# -- saving -----------------------------------------------------------------------------------------
+
+
+def pipeline_state(strategy: Any, hosted: HostedStage) -> dict[str, Any]:
+    """What ``hosted``'s rank adds to a checkpoint besides weights and optimizer (`checkpoint.merge` merges it)."""
+    module = strategy.lightning_module
+    names = {id(p): n for n, p in module.named_parameters()}
+    accumulation = hosted.stage.accumulation_state()
+    if "grads" in accumulation:  # by name, so another layout can take its share
+        accumulation["grads"] = {
+            names[id(p)]: g
+            for p, g in zip(hosted.stage.parameters(), accumulation["grads"], strict=True)
+            if g is not None
+        }
+    state: dict[str, Any] = {
+        "stage": hosted.index,
+        "replica": strategy.replica,
+        "accumulation": accumulation,
+        "rng": {"cpu": torch.get_rng_state()},
+    }
+    if strategy.root_device.type == "cuda":
+        state["rng"]["cuda"] = torch.cuda.get_rng_state(strategy.root_device)
+    if hosted.averager is not None:
+        state["averager"] = hosted.averager.state_dict()
+    return state
+
+
+def live_records(strategy: Any) -> list[StageRecord]:
+    """This process's stages as they are now, each read in its own view of the module (`PACIStrategy.stage_view`)."""
+    module = strategy.lightning_module
+    records = []
+    for hosted in strategy.hosted:
+        with strategy.stage_view(hosted.index):
+            names = {id(p): n for n, p in module.named_parameters()}
+            optimizer = hosted.optimizer
+            groups = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups] if optimizer else []
+            records.append(StageRecord(
+                hosted.index, strategy.replica, list(module.state_dict().keys()), groups,
+                pipeline_state(strategy, hosted), hosted.tied_copy_names(names)[1],
+            ))  # fmt: skip
+    return records
+
+
+def final_state(strategy: Any) -> FinalState:
+    """At the end of training, before ``fit`` takes the stages apart: what a save after ``fit`` needs."""
+    for hosted in strategy.hosted:  # a sharded optimizer gathers its state while its replica group exists
+        if isinstance(hosted.optimizer, ShardedOptimizer):
+            hosted.optimizer.keep_consolidated()
+    return FinalState(live_records(strategy), strategy.layout())
+
+
+def save(strategy: Any, checkpoint: dict[str, Any], filepath: Any) -> None:
+    """``PACIStrategy.save_checkpoint``: every hosted stage's share into one file on global rank 0 or into a
+    sharded folder (in the background with ``async_checkpoint``), during fit and after it. Collective on
+    processes: every rank calls it."""
+    path = Path(filepath)
+    if strategy.topology is None:  # never set up here: the parent of spawned ranks, after fit
+        return _save_weights(strategy, checkpoint, path)
+    live = strategy.runtime is not None
+    final = strategy.final_state
+    if not live and final is None:
+        raise RuntimeError(
+            "PACIStrategy cannot save a checkpoint here: its stages are gone and training did not end normally "
+            "(a failed fit keeps no final state). Save during fit with ModelCheckpoint, and resume from that."
+        )
+    records = live_records(strategy) if live else final.records
+    layout = strategy.layout() if live else final.layout
+    diverged = strategy.local_sgd_steps is not None and strategy.topology.num_replicas > 1
+    views = [
+        _view(strategy, checkpoint, r, h, h is strategy.hosted[-1])
+        for r, h in zip(records, strategy.hosted, strict=True)
+    ]
+    shares = [
+        _share(view, r, h.optimizer, r.replica == 0 or diverged)
+        for view, r, h in zip(views, records, strategy.hosted, strict=True)
+    ]
+    distributed = not strategy.in_process
+    group = strategy.cpu_group if distributed else None
+    base = views[-1]  # Lightning's dict as global rank 0 (the last stage) built it
+    saver = strategy.async_checkpointer
+    if live and strategy.async_checkpoint and strategy.checkpoint_format == "sharded":
+        if saver is None:
+            saver = strategy.async_checkpointer = AsyncCheckpointer(distributed, strategy._timeout)
+        return saver.save(path, shares, base, layout, sync_group=group)
+    if saver is not None:
+        saver.wait()  # a synchronous save after an asynchronous one: in order
+    if strategy.checkpoint_format == "sharded":
+        return sharded_write.save(path, shares, base, layout, group=group, distributed=distributed)
+    gathered = gather_to_rank_zero(shares, strategy.world_size, group) if distributed else [shares]
+    if gathered is not None:  # global rank 0: every process's shares, one rank at a time
+        write_atomically(to_automatic_loops(assemble(base, [s for part in gathered for s in part], layout)), path)
+    if distributed:
+        dist.barrier(group=group)  # nobody reads or removes it before it is complete
+
+
+def _view(strategy: Any, checkpoint: dict[str, Any], record: StageRecord, hosted: HostedStage, lightnings: bool):
+    """Lightning's dict as ``record``'s rank would have built it: its keys, its optimizer, its schedulers. Lightning's
+    own entries are those of the stage whose optimizer it holds (``lightnings``: the last hosted), hooks' changes
+    (``on_save_checkpoint``) included; another hosted stage's are read from its optimizer and schedulers."""
+    state = checkpoint["state_dict"]
+    view = dict(checkpoint, state_dict={k: state[k] for k in record.keys if k in state})
+    if "optimizer_states" in checkpoint and not lightnings:  # none under save_weights_only
+        view["optimizer_states"] = [strategy.optimizer_state(hosted.optimizer)]
+        view["lr_schedulers"] = [c.scheduler.state_dict() for c in hosted.scheduler_configs]
+    return view
+
+
+def _share(view: dict[str, Any], record: StageRecord, optimizer: Any, keep_weights: bool) -> dict[str, Any]:
+    names = _RecordedNames(record.group_names, optimizer)
+    return rank_share(view, names, optimizer, record.extras, keep_weights, tied_copies=record.tied_copies)  # type: ignore[arg-type]
+
+
+class _RecordedNames:
+    """The optimizer's parameters under the record's names, where `rank_share` asks a module for them:
+    after ``fit`` the module may hold other parameter objects (rank 0's is whole again, a tied weight one)."""
+
+    def __init__(self, group_names: list[list[str]], optimizer: Any) -> None:
+        params = [p for g in optimizer.param_groups for p in g["params"]] if optimizer is not None else []
+        self.pairs = list(zip([n for names in group_names for n in names], params, strict=True))
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        return iter(self.pairs)
+
+
+def _save_weights(strategy: Any, checkpoint: dict[str, Any], path: Path) -> None:
+    rank_zero_warn(
+        "trainer.save_checkpoint after a fit whose ranks were spawned (start_method="
+        f"{strategy._start_method!r}): they ended with fit, and this process holds only the trained weights "
+        "Lightning's launcher brought back (as under DDP). The checkpoint has those weights and no optimizer or "
+        "pipeline state: it loads with load_from_checkpoint, but does not resume training. For a checkpoint that "
+        "resumes, save during fit (ModelCheckpoint) or launch with start_method='popen' (or torchrun), where "
+        "every rank keeps its stage after fit."
+    )
+    weights = {k: v for k, v in checkpoint.items() if k not in ("optimizer_states", "lr_schedulers")}
+    if strategy.checkpoint_format == "sharded":
+        sharded_write.save_weights(path, weights)
+    else:
+        write_atomically(weights, path)
+
+
+def remove(strategy: Any, filepath: Any) -> None:
+    """``PACIStrategy.remove_checkpoint``: global rank 0 removes a file or a sharded folder."""
+    if strategy.is_global_zero:
+        shutil.rmtree(filepath, ignore_errors=True) if Path(filepath).is_dir() else Path(filepath).unlink(True)
+
+
+# -- loading ----------------------------------------------------------------------------------------
+
+
+def load(strategy: Any, checkpoint_path: Any, weights_only: bool | None) -> dict[str, Any]:
+    """``PACIStrategy.load_checkpoint``: the dict one device would have saved (from a sharded folder, only what this
+    process's stages need), with the step count where the pipeline's loop keeps it."""
+    path = Path(checkpoint_path)
+    if sharded_write.is_sharded(path):  # this process's part only
+        module = strategy.lightning_module
+        state = module.state_dict()
+        names = [n for n, _ in module.named_parameters(remove_duplicate=False)]
+        own = [rank_key(s, strategy.replica) for s in strategy.hosted_stages]
+        found = sharded_read.read(
+            path, state.keys(), names, own, strategy.layout(), targets=state, weights_only=weights_only
+        )
+        return from_automatic_loops(found)
+    # Before Lightning restores the loops from it: a one-device file counts steps in the automatic loop.
+    return from_automatic_loops(sharded_read.from_consolidated(load_file(path, weights_only)))
+
+
+def load_weights(strategy: Any, checkpoint: dict[str, Any], strict: bool) -> None:
+    """``PACIStrategy.load_model_state_dict``: every hosted stage's weights by name (a diverged replica's own)."""
+    module = strategy.lightning_module
+    module.load_state_dict(
+        local_state_dict(checkpoint, module, rank_key(strategy.stage, strategy.replica)), strict=strict
+    )
+
+
+def load_stage_states(strategy: Any, checkpoint: dict[str, Any]) -> None:
+    """``PACIStrategy.load_optimizer_state_dict``: every hosted stage takes its optimizer state, schedulers,
+    accumulated gradients and rank state by parameter name, as its own rank would. The last hosted stage's
+    schedulers are left in ``checkpoint`` for Lightning, which restores them right after (they are the ones
+    it holds)."""
+    module = strategy.lightning_module
+    names = {id(p): n for n, p in module.named_parameters()}
+    pipeline = checkpoint.get("pipeline", {})
+    same_layout = pipeline.get("layout") == strategy.layout()
+    dropped = (
+        []
+        if same_layout
+        else [k for k in ("rng", "averager") if any(k in r for r in pipeline.get("ranks", {}).values())]
+    )
+    if dropped:
+        rank_zero_warn(
+            f"resuming a checkpoint of layout {pipeline.get('layout')} on {strategy.layout()}: weights, optimizer, "
+            f"schedulers, loops and accumulated gradients carry over by parameter name; the per-rank "
+            f"{' and '.join(dropped)} state does not (dropout masks and LocalSGD/DiLoCo state start afresh)."
+        )
+    # A checkpoint without the names (one device's, DDP's) is read by the concatenation rule over every stage's
+    # groups: computed here, outside any stage's view, on every rank alike (a collective on processes).
+    needs_names = strategy.hosted[-1].optimizer is not None and not pipeline.get("optimizer_by_name")
+    group_names = _group_names(strategy) if needs_names else None
+
+    def names_by_group() -> Any:
+        assert group_names is not None, "a checkpoint with optimizer_by_name needs no group names"
+        return group_names
+
+    saved_schedulers = checkpoint.get("lr_schedulers", [])
+    given: set[int] = set()  # the checkpoint's tensors an earlier stage's optimizer holds now
+    for hosted in strategy.hosted:
+        key = rank_key(hosted.index, strategy.replica)
+        with strategy.stage_view(hosted.index):
+            if hosted.optimizer is not None:
+                state, group_map = local_optimizer_state(checkpoint, module, hosted.optimizer, key, names_by_group)
+                hosted.optimizer.load_state_dict(_own_copy(state, given))
+                saved_groups = len(checkpoint["optimizer_states"][0]["param_groups"])
+                schedulers = regroup_schedulers(saved_schedulers, group_map, saved_groups)
+                if hosted is strategy.hosted[-1]:
+                    checkpoint["lr_schedulers"] = schedulers  # Lightning restores them next, as on rank 0
+                else:  # zip, not strict: what Lightning's restore does with its own
+                    for config, saved in zip(hosted.scheduler_configs, schedulers, strict=False):
+                        config.scheduler.load_state_dict(saved)
+        accumulation = local_accumulation(checkpoint, [names[id(p)] for p in hosted.stage.parameters()])
+        mine = pipeline.get("ranks", {}).get(key, {}) if same_layout else {}
+        _load_rank_state(strategy, hosted, mine, accumulation)
+
+
+def _load_rank_state(strategy: Any, hosted: HostedStage, state: dict[str, Any], accumulation: dict | None) -> None:
+    # The stage's own step count and random stream come from its own record (same layout only):
+    # local_accumulation carries only an unfinished window, by name.
+    own = {k: v for k, v in state.get("accumulation", {}).items() if k in ("version", "rng")}
+    if accumulation or own:
+        hosted.stage.load_accumulation_state({**own, **(accumulation or {})})
+    if hosted.averager is not None and "averager" in state:
+        hosted.averager.load_state_dict(state["averager"])
+    if "rng" in state:
+        torch.set_rng_state(state["rng"]["cpu"])
+        if "cuda" in state["rng"] and strategy.root_device.type == "cuda":
+            torch.cuda.set_rng_state(state["rng"]["cuda"], strategy.root_device)
+
+
+def _group_names(strategy: Any) -> tuple[list[list[str]], dict[str, str]]:
+    """The unsplit optimizer's parameter names per group, for a checkpoint that carries no names (one device,
+    DDP): every stage's groups matched by hyper-parameters (`group_key`), in order of first appearance, stage by
+    stage, as `checkpoint.merge` merges them, without tied weights' second copies (one device holds a tied weight
+    once); and ``{second copy: first copy}`` by name. Collective over this replica's pipeline on processes."""
+    module = strategy.lightning_module
+    parts = []
+    for hosted in strategy.hosted:
+        with strategy.stage_view(hosted.index):
+            names = {id(p): n for n, p in module.named_parameters()}
+            first, second = hosted.tied_copy_names(names)
+            groups = [
+                (group_key(g), [names[id(p)] for p in g["params"] if names[id(p)] not in second])
+                for g in hosted.optimizer.param_groups
+            ]
+            parts.append((hosted.index, groups, first, second))
+    if not strategy.in_process:
+        group = strategy._pipeline_groups[strategy.replica]
+        gathered: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, parts, group=group)
+        parts = [p for part in gathered for p in part]
+    return merge_group_names(parts)
+
+
+def _own_copy(state: dict[str, Any], given: set[int]) -> dict[str, Any]:
+    """``state`` with a copy of every tensor another stage's optimizer was given already, and those tensors noted.
+
+    ``Optimizer.load_state_dict`` keeps the checkpoint's tensors when they already have the parameter's dtype and
+    device. A one-device checkpoint holds a tied weight's state once, and both stages' copies take it (the last
+    stage's by the first's name): on S processes each rank has its own; in one process the two optimizers would
+    update one pair of moment buffers, twice per step.
+    """
+    out = {}
+    for index, entry in state["state"].items():
+        mine = {}
+        for key, value in entry.items():
+            if isinstance(value, Tensor):
+                value = value.clone() if id(value) in given else value
+                given.add(id(value))
+            mine[key] = value
+        out[index] = mine
+    return dict(state, state=out)

@@ -1,0 +1,272 @@
+"""PACIStrategy's configuration checks: arguments, the module, and the layout before any process starts."""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import math
+import os
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from lightning.fabric.strategies.launchers.multiprocessing import _disable_module_memory_sharing
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.accelerators import CPUAccelerator
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.launchers.multiprocessing import _GlobalStateSnapshot
+from lightning.pytorch.utilities import rank_zero_warn
+from torch.nn.parallel import DistributedDataParallel
+
+from lit_efficient.protocol import PIPELINE_METHODS, missing_pipeline_methods
+from lit_efficient.runtime.schedules import SCHEDULES
+from lit_efficient.runtime.topology import Topology
+
+_PRECISIONS = ("32-true", "bf16-mixed")
+
+
+class _ChecksFirst:
+    """A launcher that runs ``PACIStrategy._check_before_launch`` in the one process that starts the
+    others: a configuration error is then one message, not one traceback per rank once they run.
+    Classes, not a wrapped method: the spawn launcher pickles the strategy and its launcher."""
+
+    def launch(self, function: Any, *args: Any, trainer: Trainer | None = None, **kwargs: Any) -> Any:
+        if trainer is not None and hasattr(trainer.strategy, "_check_before_launch"):
+            trainer.strategy._check_before_launch(trainer)
+        return super().launch(function, *args, trainer=trainer, **kwargs)  # type: ignore[misc]
+
+
+class _CheckedScriptLauncher(_ChecksFirst, _SubprocessScriptLauncher):
+    """`_SubprocessScriptLauncher` (``start_method="popen"``, torchrun, SLURM) with the check."""
+
+
+class _CheckedMultiProcessingLauncher(_ChecksFirst, _MultiProcessingLauncher):
+    """`_MultiProcessingLauncher` (``start_method="spawn"``/``"fork"``/``"forkserver"``) with the check.
+
+    ``"forkserver"`` is made to start ranks like ``"spawn"`` does. Lightning treats it like ``"fork"``,
+    but a forkserver's children are forked from a server started once per Python process, so they
+    carry the server's environment (a stale ``MASTER_PORT`` and ``PL_GLOBAL_SEED`` from the first
+    fit), its global torch state, and, on CPU, share the module's parameter memory with each other
+    (pickled through shared memory, never forked). Each rank here gets the launching process's
+    environment and global state and its own copy of the module, as under ``"spawn"``; what the
+    server preloads (``multiprocessing.set_forkserver_preload``) is then imported once, not per rank.
+    """
+
+    def launch(self, function: Any, *args: Any, trainer: Trainer | None = None, **kwargs: Any) -> Any:
+        if self._start_method == "forkserver":
+            # Lightning sets MASTER_PORT just before starting the ranks; set it first so it is captured.
+            os.environ["MASTER_PORT"] = str(self._strategy.cluster_environment.main_port)
+            self._launch_environ = dict(os.environ)
+            self._launch_state = _GlobalStateSnapshot.capture()
+        return super().launch(function, *args, trainer=trainer, **kwargs)
+
+    def _wrapping_function(self, process_idx: int, trainer: Any, function: Any, args: Any, kwargs: Any, *rest: Any):
+        if self._start_method == "forkserver":
+            os.environ.clear()
+            os.environ.update(self._launch_environ)
+            self._launch_state.restore()
+            if "OMP_NUM_THREADS" in os.environ:  # a fresh interpreter would honour it; the server's torch did not
+                torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+            if isinstance(self._strategy.accelerator, CPUAccelerator):
+                args, kwargs = _disable_module_memory_sharing((args, kwargs))
+        return super()._wrapping_function(process_idx, trainer, function, args, kwargs, *rest)
+
+
+# DDPStrategy's own parameters that do something under PACIStrategy, explicit in its signature: Lightning's
+# accelerator connector reads the first four off the strategy, `setup_distributed` (init_process_group)
+# the next two, and the launcher start_method. The rest of DDPStrategy's are refused below.
+PASSED_TO_LIGHTNING = (
+    "accelerator", "parallel_devices", "cluster_environment", "precision_plugin", "process_group_backend", "timeout",
+    "start_method",
+)  # fmt: skip
+# What Lightning's DDPStrategy keeps for the DistributedDataParallel wrapper it builds in `setup` (and
+# its comm hooks); PACIStrategy's `setup` builds no wrapper. The wrapper's own options are read off
+# DistributedDataParallel's signature, so a torch release's new ones are refused with the same message.
+_DDP_STRATEGY_WRAPPER_OPTIONS = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
+_NO_BUCKETS = "none needed: a stage's gradients go in one flat all-reduce per dtype, no buckets or autograd hooks"
+_LOCAL_SGD = "local_sgd_steps=H (post-local SGD's start_localSGD_iter: local_sgd_warmup_steps)"
+_WRAPPER_EQUIVALENTS = {
+    "find_unused_parameters": "none needed: a stage gives parameters that got no gradient zeros before reducing",
+    "broadcast_buffers": "none per forward; with local_sgd_steps, average_buffers=True averages float buffers",
+    "forward_sync_buffers": "none per forward; with local_sgd_steps, average_buffers=True averages float buffers",
+    "init_sync": "none, no start-up broadcast: replicas start alike when every rank builds the same model (seeded)",
+    "mixed_precision": "Trainer(precision='bf16-mixed')",
+    "process_group": "none: each stage's replica group follows from pipeline_stages and the world size",
+    "device_mesh": "none: each stage's replica group follows from pipeline_stages and the world size",
+    "bucket_cap_mb": _NO_BUCKETS,
+    "bucket_cap_mb_list": _NO_BUCKETS,
+    "gradient_as_bucket_view": _NO_BUCKETS,
+    "batched_grad_copy": _NO_BUCKETS,
+    "static_graph": _NO_BUCKETS,
+    "model_averaging_period": _LOCAL_SGD,
+    "ddp_comm_state": f"PostLocalSGDState: {_LOCAL_SGD}",
+    "ddp_comm_hook": f"post_localSGD_hook: {_LOCAL_SGD}; none for compression hooks (fp16, bf16, PowerSGD)",
+}
+_NOT_USED = {
+    "checkpoint_io": (
+        "PACIStrategy writes and reads its checkpoints itself (one file from global rank 0, "
+        "lit_efficient/checkpoint/merge.py) and never calls a CheckpointIO"
+    ),
+}
+
+
+def wrapper_options() -> tuple[str, ...]:
+    """The options of the DistributedDataParallel wrapper Lightning's DDPStrategy would build, and its hooks'."""
+    ddp = [n for n in inspect.signature(DistributedDataParallel.__init__).parameters if n not in ("self", "module")]
+    return (*ddp, *_DDP_STRATEGY_WRAPPER_OPTIONS)
+
+
+def explain_refused(name: str, options: Iterable[str], value: Any = None, show_value: bool = True) -> str:
+    """One line saying why keyword ``name`` of PACIStrategy does nothing: a wrapper option, or the closest option."""
+    given = f"{name}={value!r}" if show_value else name
+    if name in wrapper_options():
+        equivalent = _WRAPPER_EQUIVALENTS.get(name, "none")
+        wrapper = "configures Lightning's DistributedDataParallel wrapper, never built here; equivalent:"
+        return f"{given}: {wrapper} {equivalent}"
+    if name in _NOT_USED:
+        return f"{given}: {_NOT_USED[name]}"
+    close = difflib.get_close_matches(name, list(options), n=1)
+    return f"{given}: not an option of PACIStrategy" + (f"; did you mean {close[0]}?" if close else "")
+
+
+def refusal_footer(names: Iterable[str], options: Iterable[str]) -> str:
+    """What a refusal adds after its lines: where gradients are reduced (for wrapper options) and what is accepted."""
+    names, options = list(names), list(options)
+    text = ""
+    if any(n in wrapper_options() for n in names):
+        text += (
+            "PACIStrategy reduces gradients per stage instead: each stage all-reduces its gradients over its "
+            "data-parallel replica group once per optimizer step, after its N-th backward (one flat all-reduce per "
+            "dtype; PipelineStage.step calls the reduction LocalStepHooks._install_step_hooks installs, "
+            "lit_efficient/strategy/step_hooks.py), or with local_sgd_steps averages weights every H steps "
+            "(lit_efficient/replicas/averaging.py).\n"
+        )
+    own = [n for n in options if n not in PASSED_TO_LIGHTNING]
+    return text + (
+        f"PACIStrategy's options: {', '.join(own)}; passed through to Lightning's DDPStrategy: "
+        f"{', '.join(PASSED_TO_LIGHTNING)}. Nothing else is accepted."
+    )
+
+
+def options_of(init: Callable[..., Any]) -> list[str]:
+    """The keyword options of ``init`` (PACIStrategy's ``__init__``): its named parameters but ``self``."""
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [n for n, p in inspect.signature(init).parameters.items() if p.kind in named and n != "self"]
+
+
+def _refuse_unknown(given: Mapping[str, Any], init: Callable[..., Any]) -> None:
+    """Refuse, in a ValueError, every keyword ``init``'s ``**kwargs`` caught: PACIStrategy would ignore it."""
+    if not given:
+        return
+    options = options_of(init)
+    lines = "".join(f"\n  - {explain_refused(name, options, value)}" for name, value in given.items())
+    raise ValueError(f"PACIStrategy does not accept:{lines}\n{refusal_footer(given, options)}")
+
+
+def _check_arguments(
+    stages: int,
+    schedule: str,
+    balance: Any,
+    timeout: float,
+    on_nonfinite: str,
+    local_sgd_steps: int | None,
+    warmup: int,
+    outer: str,
+    outer_lr: float,
+    outer_momentum: float,
+) -> None:
+    if not isinstance(stages, int) or stages < 1:
+        raise ValueError(f"pipeline_stages={stages!r} must be an integer >= 1")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r} is not one of {', '.join(SCHEDULES)}")
+    if isinstance(balance, list):
+        if len(balance) != stages or any(not isinstance(n, int) or n < 1 for n in balance):
+            raise ValueError(f"balance={balance} must list {stages} positive layer counts, one per stage")
+    elif balance not in ("parameters", "uniform", "profile"):
+        raise ValueError(f"balance={balance!r} must be 'parameters', 'uniform', 'profile' or a list of layer counts")
+    if not timeout > 0 or math.isinf(timeout):
+        raise ValueError(f"p2p_timeout={timeout} must be a positive number of seconds")
+    if on_nonfinite not in ("raise", "skip"):
+        raise ValueError(f"on_nonfinite={on_nonfinite!r} must be 'raise' or 'skip'")
+    if local_sgd_steps is not None and (not isinstance(local_sgd_steps, int) or local_sgd_steps < 1):
+        raise ValueError(f"local_sgd_steps={local_sgd_steps!r} must be None (sync every step) or an integer >= 1")
+    if not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"local_sgd_warmup_steps={warmup!r} must be an integer >= 0")
+    if outer not in ("average", "nesterov"):
+        raise ValueError(f"outer_optimizer={outer!r} must be 'average' or 'nesterov'")
+    if outer == "average" and (outer_lr != 0.7 or outer_momentum != 0.9):
+        raise ValueError(
+            f"outer_lr={outer_lr} / outer_momentum={outer_momentum} only apply to DiLoCo: "
+            "set outer_optimizer='nesterov', or leave them at their defaults"
+        )
+    if not outer_lr > 0:
+        raise ValueError(f"outer_lr={outer_lr} must be > 0")
+    if not 0 <= outer_momentum < 1:
+        raise ValueError(f"outer_momentum={outer_momentum} must be in [0, 1)")
+
+
+def _check_sharding(shard: bool, local_sgd_steps: int | None, correction: str | None) -> None:
+    """Refuse what ``shard_optimizer_state=True`` cannot serve, before any process starts."""
+    if not isinstance(shard, bool):
+        raise ValueError(f"shard_optimizer_state={shard!r} must be True or False")
+    if not shard:
+        return
+    if local_sgd_steps is not None:
+        raise ValueError(
+            f"shard_optimizer_state=True with local_sgd_steps={local_sgd_steps}: under LocalSGD/DiLoCo each replica "
+            "steps its own weights between averages and needs its own whole optimizer state, so there is nothing to "
+            "split. Drop one of the two (sharding keeps DDP semantics: gradients reduced every step)."
+        )
+    if correction == "weight_prediction":
+        raise ValueError(
+            "shard_optimizer_state=True with staleness_correction='weight_prediction': the prediction extrapolates "
+            "every weight of a stage by its AdamW moments before each stale forward, and a replica holds the moments "
+            "of 1/R of them. Use staleness_correction='lr_scale' or None with sharding, or shard_optimizer_state=False."
+        )
+
+
+def _sharding_applies(topology: Topology, in_process: bool, tied: bool) -> bool:
+    """Whether ``shard_optimizer_state=True`` splits anything in this layout (it warns where not), refusing tied
+    weights: their copies' gradients are combined across stages (`lit_efficient.runtime.tied`) after the
+    replicas' reduction, which sharding would leave as chunks laid out differently on each stage."""
+    if tied:
+        raise ValueError(
+            "shard_optimizer_state=True does not support tied weights yet (this model shares a parameter between "
+            "the first and the last stage): untie them, or train with shard_optimizer_state=False."
+        )
+    if in_process or topology.num_replicas == 1:
+        where = "in one process" if in_process else f"with world size {topology.world_size}"
+        rank_zero_warn(
+            f"PACIStrategy(shard_optimizer_state=True) has no effect {where}: each stage has one data-parallel "
+            "replica, which holds its whole optimizer state anyway. Use a world size of pipeline_stages x R with "
+            "R > 1 replicas for it to split the state R ways."
+        )
+        return False
+    return True
+
+
+def _warn_single_replica(local_sgd_steps: int | None, topology: Topology) -> None:
+    if local_sgd_steps is not None and topology.num_replicas == 1:
+        rank_zero_warn(
+            f"PACIStrategy(local_sgd_steps={local_sgd_steps}) has no effect: world size {topology.world_size} = "
+            f"pipeline_stages {topology.num_stages} x 1 data-parallel replica, so there is nothing to average. "
+            "Use more devices (a multiple of pipeline_stages) or drop local_sgd_steps."
+        )
+
+
+def _check_module(module: LightningModule, precision: Precision) -> None:
+    missing = missing_pipeline_methods(module)
+    if missing:
+        raise TypeError(
+            f"{type(module).__name__} cannot be pipelined: it lacks {', '.join(missing)}. PACIStrategy needs the "
+            f"pipeline protocol ({', '.join(m + '()' for m in PIPELINE_METHODS)}); see lit_efficient.PipelineModule."
+        )
+    if not module.automatic_optimization:
+        raise ValueError(
+            f"{type(module).__name__} uses manual optimization; PACIStrategy schedules forwards, backwards and "
+            "steps itself. Use automatic optimization (the default) with configure_optimizers."
+        )
+    name = getattr(precision, "precision", None)
+    if name not in _PRECISIONS or (name == "bf16-mixed" and not isinstance(precision, MixedPrecision)):
+        raise ValueError(f"precision={name!r} is not supported by PACIStrategy: use one of {', '.join(_PRECISIONS)}")

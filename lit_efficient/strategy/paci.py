@@ -1,0 +1,1111 @@
+"""PACIStrategy: the Lightning lifecycle around the pipeline runtime.
+
+Lightning keeps driving the loop: it loads data, calls ``training_step`` once per dataloader batch
+(one micro-batch), counts optimizer steps, validates, checkpoints and logs. This strategy turns
+each of those calls into the pipeline's: a training batch is fed to this rank's stage, stages step
+their own optimizers when their schedule says so, evaluation streams batches forward through the
+stages, and every point that needs a consistent model (validation, checkpoints, the end of an
+epoch or of training) drains the pipeline first.
+
+The module runs under manual optimization while the strategy owns it, because the stages, not
+Lightning, decide when to zero, accumulate and step; the window count Lightning sees
+(``trainer.global_step``) is advanced once per N micro-batches on every rank alike, so all ranks
+stop, validate and save at the same batch.
+"""
+
+from __future__ import annotations
+
+import atexit
+import warnings
+from collections import deque
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import ClusterEnvironment, TorchCheckpointIO
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import _destroy_dist_connection
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.profilers import PassThroughProfiler
+from lightning.pytorch.strategies import DDPStrategy, Strategy
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+from lightning.pytorch.utilities import rank_zero_info
+from torch import Tensor
+from typing_extensions import override
+
+from lit_efficient.checkpoint.async_write import AsyncCheckpointer
+from lit_efficient.replicas.averaging import ReplicaAverager
+from lit_efficient.replicas.sharded_optimizer import ShardedOptimizer
+from lit_efficient.runtime.host import StageHost
+from lit_efficient.runtime.interpreter import PipelineRuntime
+from lit_efficient.runtime.partition import check_sizes, partition_balanced, partition_uniform, predicted_utilization
+from lit_efficient.runtime.profile import first_batch, profile_layers
+from lit_efficient.runtime.schedules import SCHEDULES, ScheduleName
+from lit_efficient.runtime.split import (
+    LayerOnOtherStage,
+    Split,
+    check_sharing,
+    check_stage_parameters,
+    layer_parameter_counts,
+    only_stage,
+    separate_tied_copies,
+    split_module,
+    tie_again,
+)
+from lit_efficient.runtime.stage import PipelineStage
+from lit_efficient.runtime.staleness import CORRECTIONS, CorrectionName, StalenessCorrection, make_correction
+from lit_efficient.runtime.tied import finish_tied, tie_delay, tie_stage, untag
+from lit_efficient.runtime.topology import Topology
+from lit_efficient.strategy import checkpointing, evaluation
+from lit_efficient.strategy.checkpointing import FinalState
+from lit_efficient.strategy.config import (
+    _check_arguments,
+    _check_module,
+    _check_sharding,
+    _CheckedMultiProcessingLauncher,
+    _CheckedScriptLauncher,
+    _refuse_unknown,
+    _sharding_applies,
+    _warn_single_replica,
+)
+from lit_efficient.strategy.hosting import HostedStage, gather_model_on_rank_zero
+from lit_efficient.strategy.module_hooks import drain_before, undo_drain_before, warn_uncalled_hooks
+from lit_efficient.strategy.progress import swap_stock_progress_bar
+from lit_efficient.strategy.runs import attempt_store
+from lit_efficient.strategy.step_hooks import (
+    Averaging,
+    clips_global_norm,
+    install_step_hooks,
+    post_norm_before_tied_exchange,
+    replace_sigterm_barrier,
+    step_schedulers,
+)
+from lit_efficient.strategy.step_logging import log_once_per_optimizer_step
+from lit_efficient.transport.collectives import broadcast_flat
+from lit_efficient.transport.failures import report_failure
+from lit_efficient.transport.local import LocalLinks
+from lit_efficient.transport.process import LinkGroups, ProcessLinks, tie_groups
+from lit_efficient.transport.wire import WireFormat
+
+Balance = Literal["parameters", "uniform", "profile"]
+_WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class PACIStrategy(DDPStrategy):
+    """Pipeline-parallel training: split the model into stages over processes and run PACI or 1F1B-flush.
+
+    ``world_size = pipeline_stages x data-parallel replicas``; with one device (``devices=1``) the whole
+    pipeline runs in this process instead, bit-identical to ``pipeline_stages`` processes: a process hosts
+    k stages (k = 1 on processes, k = S on one device) through the same setup, hooks and checkpoints, over
+    process links or in-process links (`lit_efficient.runtime.host`). Each replica's stages sit on
+    contiguous ranks, its last stage on the lowest one, so global rank 0 holds the loss, logs and
+    shows the progress bar. A dataloader batch is one micro-batch; N micro-batches (from
+    ``GradientAccumulation(steps=N)`` or ``Trainer(accumulate_grad_batches=N)``) make one optimizer
+    step, and ``trainer.global_step`` counts those steps.
+
+    Args:
+        pipeline_stages: Number of stages S each pipeline is split into; must divide the world size. With
+            one device in all, the S stages run in this process, bit-identical to S processes (at the same
+            intra-op thread count).
+        schedule: ``"paci"``: asynchronous, bubble-free 1F1B in which each stage steps after its own
+            N-th backward (weight-version drift at most ceil((S-1-s)/N); the stale forwards cost more at
+            high learning rates, so warm up at least as long as for flush); ``"1f1b_flush"``: the
+            synchronous baseline, exactly large-batch SGD, idle (S-1)/(N+S-1) of the time.
+        recompute: Keep only each micro-batch's stage input and RNG state and recompute the forward
+            at backward (less activation memory, about one extra forward); default keeps the graph.
+        balance: How layers are split: ``"parameters"`` balances parameter counts, ``"uniform"``
+            balances layer counts, ``"profile"`` times every layer on the device with a real
+            micro-batch and minimizes the slowest stage; or an explicit list of layers per stage.
+        p2p_timeout: Seconds a stage waits for a neighbour before failing with an error naming it (also the
+            watchdog timeout of the NCCL groups that carry the stages' tensors).
+        wire_dtype: The dtype float32 tensors (activations, gradients) cross a stage boundary in:
+            ``"float32"`` (exact) or ``"bfloat16"``: half the bytes between stages, each boundary tensor
+            rounded to bf16 and cast back on arrival (what it costs: BENCHMARKS.md, "bf16 on the wire").
+            Other dtypes travel as they are; tensors under 64 KiB share one transfer either way.
+        on_nonfinite: A NaN/Inf loss or gradient: ``"raise"`` an error naming the stage, optimizer step and
+            micro-batch, or ``"skip"`` that window's update on every stage and replica alike.
+        checkpoint_format: ``"file"``: one ordinary Lightning ``.ckpt`` that loads anywhere
+            (``Module.load_from_checkpoint``, any strategy's ``ckpt_path``); global rank 0 gathers every stage's
+            share and writes it, so it holds the whole model and optimizer state in host memory while saving.
+            ``"sharded"``: a folder laid out as Lightning's FSDP sharded checkpoints (``torch.distributed.checkpoint``),
+            every rank writing and reading only its own share, in parallel; ``python -m
+            lightning.pytorch.utilities.consolidate_checkpoint PATH`` makes the one file of it. Switch to
+            ``"sharded"`` when the model and optimizer state (about 16 bytes per parameter with AdamW) approach
+            rank 0's host memory or saving stalls training for long. Both resume on any layout, both are atomic.
+        async_checkpoint: With ``checkpoint_format="sharded"``: each rank copies its share into host memory and
+            a background thread writes it while training continues; the folder is renamed into place once every
+            rank's write is complete (``ckpt_path="last"`` finds the previous checkpoint until then). The next
+            save and the end of fit wait for it. What a save still stalls: the drain and the copy; what it
+            costs: one more copy of the rank's share in host memory while it is written.
+        local_sgd_steps: None: replicas all-reduce gradients every step (DDP semantics). H: replicas
+            train independently and average parameters every H optimizer steps (LocalSGD/DiLoCo).
+        local_sgd_warmup_steps: Synchronous (average every step) optimizer steps before LocalSGD starts.
+        outer_optimizer: ``"average"``: plain parameter averaging; ``"nesterov"``: DiLoCo's outer
+            SGD with Nesterov momentum on the averaged pseudo-gradient.
+        outer_lr: DiLoCo outer learning rate (needs ``outer_optimizer="nesterov"``).
+        outer_momentum: DiLoCo outer Nesterov momentum (needs ``outer_optimizer="nesterov"``).
+        average_buffers: Also average floating-point buffers (e.g. BatchNorm statistics) at each sync.
+        shard_optimizer_state: ZeRO-1: split each stage's optimizer state by element over the stage's R
+            data-parallel replicas, so each holds 1/R of it (AdamW: 8 bytes per weight become 8/R). Gradients are
+            reduce-scattered instead of all-reduced and the updated weights all-gathered: the same bytes on the
+            wire. Checkpoints hold the whole state by parameter name as without it (consolidated on replica 0
+            while saving), so they resume on any layout, sharded or not. Needs an element-wise optimizer
+            (SGD, Adam, AdamW, ...); refused with ``local_sgd_steps`` (each replica steps on its own) and
+            ``staleness_correction="weight_prediction"`` (it reads every weight's moments), and with tied
+            weights; with one replica (and in one process) nothing is split. See
+            `lit_efficient.replicas.sharded_optimizer`.
+        staleness_correction: PACI only, default off: ``"lr_scale"`` scales each stale stage's learning rate
+            by ``(1 + d_s) ** -(1 - min(1, k / staleness_anneal_steps))`` with d_s = ceil((S-1-s)/N) and k its
+            step (PipeMare); ``"weight_prediction"`` runs each stale forward on weights extrapolated by the
+            optimizer's pending update (the window's gradient so far folded into AdamW's moments) times its
+            delay, the backward on the real ones (one weight-sized buffer per stage). Measured (BENCHMARKS.md
+            "PACI at depth"): weight prediction brings S=4 and S=8 within 1% of flush at lr 5e-4 and 1e-3,
+            not at 2e-3 with a short warmup; lr_scale helps at S=2. See `lit_efficient.runtime.staleness`.
+        staleness_anneal_steps: Optimizer steps over which ``"lr_scale"`` returns to the plain learning rate.
+        compile_layers: ``torch.compile`` each stage's layers: True with torch's defaults, or a dict of
+            ``torch.compile``'s keyword arguments (``{"backend": "inductor", "mode": "max-autotune"}``, ...).
+            ``trainer.fit(torch.compile(model))`` does the same with that call's options (the pipeline runs
+            the layers, not the module's forward, so the module's own steps then run eager around them).
+            Measured in BENCHMARKS.md, "torch.compile".
+        start_method: How processes are launched: ``"popen"`` re-runs the script per rank (also under
+            torchrun/SLURM), ``"spawn"`` starts them from this process (notebooks, tests),
+            ``"forkserver"`` forks them from a server that imports what
+            ``multiprocessing.set_forkserver_preload`` names once (fast repeated fits; each rank still
+            gets this process's environment and its own copy of the module, as under ``"spawn"``).
+        accelerator: Passed to Lightning: the accelerator, usually set through ``Trainer(accelerator=...)``.
+        parallel_devices: Passed to Lightning: this node's devices, one per rank, usually set through
+            ``Trainer(devices=...)``.
+        cluster_environment: Passed to Lightning: how ranks find each other (torchrun, SLURM, ...); detected
+            when None.
+        precision_plugin: Passed to Lightning: the precision plugin, usually set through ``Trainer(precision=...)``
+            (``"32-true"`` or ``"bf16-mixed"``).
+        process_group_backend: Passed to Lightning: the default process group's backend (``"nccl"``, ``"gloo"``,
+            ...); None picks the device's default. Ignored with one device, where there is no process group.
+        timeout: Passed to Lightning: the default process group's timeout (collectives, start-up); a stage
+            waiting for its neighbour is bounded by ``p2p_timeout`` instead.
+        **kwargs: Refused with a ValueError naming the closest option: anything else, Lightning's
+            ``DistributedDataParallel`` options (``find_unused_parameters``, ...; the wrapper is never built,
+            each stage reduces its gradients over its replica group itself) and ``checkpoint_io`` (unused).
+    """
+
+    strategy_name = "paci"
+
+    def __init__(
+        self,
+        pipeline_stages: int = 2,
+        schedule: ScheduleName = "paci",
+        recompute: bool = False,
+        balance: Balance | list[int] = "parameters",
+        p2p_timeout: float = 600.0,
+        wire_dtype: Literal["float32", "bfloat16"] = "float32",
+        on_nonfinite: Literal["raise", "skip"] = "raise",
+        checkpoint_format: Literal["file", "sharded"] = "file",
+        async_checkpoint: bool = False,
+        local_sgd_steps: int | None = None,
+        local_sgd_warmup_steps: int = 0,
+        outer_optimizer: Literal["average", "nesterov"] = "average",
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        average_buffers: bool = True,
+        shard_optimizer_state: bool = False,
+        staleness_correction: CorrectionName | None = None,
+        staleness_anneal_steps: int = 100,
+        compile_layers: bool | dict[str, Any] = False,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        **kwargs: Any,
+    ) -> None:
+        # First, before any value check: a misspelt or ignored keyword must not pass for an option in force.
+        _refuse_unknown(kwargs, PACIStrategy.__init__)
+        _check_arguments(
+            pipeline_stages, schedule, balance, p2p_timeout, on_nonfinite, local_sgd_steps, local_sgd_warmup_steps,
+            outer_optimizer, outer_lr, outer_momentum,
+        )  # fmt: skip
+        _check_sharding(shard_optimizer_state, local_sgd_steps, staleness_correction)
+        if staleness_correction is not None and staleness_correction not in CORRECTIONS:
+            raise ValueError(
+                f"staleness_correction={staleness_correction!r} is not one of {', '.join(CORRECTIONS)} (or None: off)"
+            )
+        if not isinstance(compile_layers, (bool, dict)):
+            raise ValueError(
+                f"compile_layers={compile_layers!r} must be True, False or a dict of torch.compile's keyword "
+                "arguments, e.g. {'backend': 'inductor', 'mode': 'max-autotune'}"
+            )
+        if wire_dtype not in _WIRE_DTYPES:
+            raise ValueError(f"wire_dtype={wire_dtype!r} must be one of {', '.join(map(repr, _WIRE_DTYPES))}")
+        if not isinstance(staleness_anneal_steps, int) or staleness_anneal_steps < 1:
+            raise ValueError(f"staleness_anneal_steps={staleness_anneal_steps!r} must be an integer >= 1")
+        if checkpoint_format not in ("file", "sharded"):
+            raise ValueError(
+                f"checkpoint_format={checkpoint_format!r} must be 'file' (one Lightning .ckpt) or 'sharded' (a folder "
+                "every rank writes its own share into)"
+            )
+        if async_checkpoint and checkpoint_format != "sharded":
+            raise ValueError(
+                f"async_checkpoint=True writes sharded checkpoints in the background; checkpoint_format="
+                f"{checkpoint_format!r} is one file that global rank 0 writes. Pass checkpoint_format='sharded'."
+            )
+        super().__init__(
+            accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
+            precision_plugin=precision_plugin, process_group_backend=process_group_backend, timeout=timeout,
+            start_method=start_method,
+        )  # fmt: skip
+        self.staleness_correction = staleness_correction
+        self.staleness_anneal_steps = staleness_anneal_steps
+        self.pipeline_stages = pipeline_stages
+        self.schedule: ScheduleName = schedule
+        self.recompute = recompute
+        self.balance = balance
+        self.p2p_timeout = p2p_timeout
+        self.wire_dtype = wire_dtype
+        self.compile_layers = compile_layers
+        self._compiled_steps: dict[str, Any] = {}  # a torch.compile-d module's steps, set aside while it trains
+        self.on_nonfinite = on_nonfinite
+        self.checkpoint_format = checkpoint_format
+        self.async_checkpoint = async_checkpoint
+        self.local_sgd_steps = local_sgd_steps
+        self.local_sgd_warmup_steps = local_sgd_warmup_steps
+        self.outer_optimizer = outer_optimizer
+        self.outer_lr = outer_lr
+        self.outer_momentum = outer_momentum
+        self.average_buffers = average_buffers
+        self.shard_optimizer_state = shard_optimizer_state
+        self.topology: Topology | None = None
+        # The stages this process hosts (one on a rank, every stage with devices=1) and their driver.
+        self.hosted: list[HostedStage] = []
+        self.runtime: StageHost | None = None
+        self.averager: ReplicaAverager | None = None  # the last hosted stage's LocalSGD/DiLoCo averager
+        self.async_checkpointer: AsyncCheckpointer | None = None  # the save in flight (checkpoint.async_write)
+        self.final_state: FinalState | None = None  # the hosted stages at the end of training (checkpointing.py)
+        self._split: Split | None = None
+        self._dp_groups: dict[int, dist.ProcessGroup] = {}
+        self._pipeline_groups: dict[int, dist.ProcessGroup] = {}
+        self._header_group: dist.ProcessGroup | None = None
+        self._p2p_groups: LinkGroups | None = None
+        self._signal_group: dist.ProcessGroup | None = None
+        self._tie_groups: dict[int, LinkGroups] = {}
+        self._launch_streams: dict[str, Any] | None = None
+        self._sigterm_pending: deque[tuple[dist.Work, Tensor]] = deque()
+        self._was_automatic = True
+        self._eval_index = 0
+        self._failed = False
+
+    @property
+    def wire_format(self) -> WireFormat:
+        """How tensors cross stage boundaries (`lit_efficient.transport.wire`), on processes and in one."""
+        return WireFormat(_WIRE_DTYPES[self.wire_dtype])
+
+    @property
+    def in_process(self) -> bool:
+        """Whether all stages run in this process: one device in all and ``pipeline_stages`` > 1."""
+        return self.pipeline_stages > 1 and self.num_nodes * self.num_processes == 1
+
+    # -- process layout ---------------------------------------------------------------------------
+
+    @property
+    def hosted_stages(self) -> list[int]:
+        """The stages this process hosts: every stage in one process, this rank's on processes."""
+        assert self.topology is not None, "the strategy is not set up yet"
+        if self.in_process:
+            return list(range(self.pipeline_stages))
+        return [self.topology.stage_of(self.global_rank)]
+
+    @property
+    def stage(self) -> int:
+        """This process's (last hosted) pipeline stage: its rank's on processes, the last in one process (which
+        holds the loss, as global rank 0 does on processes)."""
+        return self.hosted_stages[-1]
+
+    @property
+    def replica(self) -> int:
+        """This rank's data-parallel replica."""
+        assert self.topology is not None, "the strategy is not set up yet"
+        return self.topology.replica_of(self.global_rank)
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.stage == self.pipeline_stages - 1
+
+    @property
+    def cpu_group(self) -> dist.ProcessGroup | None:
+        """The gloo group object collectives use without device copies (None on gloo: the default group)."""
+        return self._header_group
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Every stage of a replica reads the same micro-batch stream; replicas read different ones.
+        world = self.pipeline_stages if self.in_process else self.num_nodes * self.num_processes
+        topo = Topology.for_world(world, self.pipeline_stages)
+        return {"num_replicas": topo.num_replicas, "rank": topo.replica_of(self.global_rank)}
+
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if self.in_process:
+            self._launcher = None  # one process does it all: nothing to launch, whatever start_method says
+            return
+        # The same launcher, checking the configuration first (`_ChecksFirst`).
+        if isinstance(self._launcher, _SubprocessScriptLauncher):
+            self._launcher = _CheckedScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        elif isinstance(self._launcher, _MultiProcessingLauncher):
+            self._launcher = _CheckedMultiProcessingLauncher(self, start_method=self._start_method)
+
+    def _check_before_launch(self, trainer: Trainer) -> None:
+        """Refuse a layout or accumulation setting that cannot work, before any process starts."""
+        world = self.num_nodes * self.num_processes
+        if self._checkpoint_io is not None and type(self._checkpoint_io) is not TorchCheckpointIO:
+            raise ValueError(
+                f"Trainer(plugins=[{type(self._checkpoint_io).__name__}(...)]) would be ignored: PACIStrategy writes "
+                "and reads its checkpoints itself (each stage's share, gathered into one file or written as a "
+                "sharded folder) and never calls a CheckpointIO. Remove the plugin; for saves that do not stall "
+                "training use PACIStrategy(checkpoint_format='sharded', async_checkpoint=True)."
+            )
+        if isinstance(self._launcher, _MultiProcessingLauncher) and trainer.lightning_module._compiler_ctx is not None:
+            raise ValueError(
+                f"trainer.fit(torch.compile(model)) cannot start ranks with PACIStrategy(start_method="
+                f"{self._start_method!r}): they get a pickled copy of the module, and a compiled module's forward "
+                "does not pickle. Pass the module uncompiled with PACIStrategy(compile_layers={...}) holding the "
+                "same torch.compile options (each stage compiles its own layers), or launch with "
+                "start_method='popen' / torchrun / SLURM, where every rank runs your script and compiles itself."
+            )
+        if world > 1 and world % self.pipeline_stages:
+            raise ValueError(
+                f"PACIStrategy(pipeline_stages={self.pipeline_stages}) does not divide the world size {world} "
+                f"(devices={self.num_processes} x num_nodes={self.num_nodes}): world size = pipeline_stages x "
+                "data-parallel replicas. Use a number of devices that is a multiple of pipeline_stages, or "
+                "pipeline_stages that divides it."
+            )
+        accumulate = trainer.accumulate_grad_batches
+        if not isinstance(accumulate, int) or accumulate < 1:
+            raise ValueError(
+                f"Trainer(accumulate_grad_batches={accumulate!r}): micro-batches per optimizer step must be an "
+                "integer >= 1. Set it to N, or leave it at 1 and use GradientAccumulation(steps=N)."
+            )
+        for callback in trainer.callbacks:
+            if isinstance(callback, GradientAccumulationScheduler):  # its own error blames manual optimization
+                raise ValueError(
+                    f"Lightning's GradientAccumulationScheduler(scheduling={callback.scheduling}) does not work under "
+                    "PACIStrategy, which runs the module under manual optimization (the stages step themselves). "
+                    f"Use lit_efficient.GradientAccumulation(steps={callback.scheduling}): the same {{epoch: N}} "
+                    "schedule, which the pipeline reads."
+                )
+            check = getattr(callback, "check_accumulation_source", None)
+            if callable(check):
+                check(trainer)
+
+    @override
+    def setup_distributed(self) -> None:
+        # Under torchrun the default group rendezvouses in the elastic agent's store, which a restart
+        # hands over with the previous attempt's keys in it: form it under this attempt's own prefix
+        # (runs.attempt_store), every later group inherits the prefix. Lightning's own setup then finds
+        # the group formed and does the rest (seeds, ranks).
+        store = attempt_store(self._timeout)
+        if store is not None and not dist.is_initialized():
+            assert self.cluster_environment is not None
+            backend = self._get_process_group_backend()
+            dist.init_process_group(
+                backend, store=store, rank=self.cluster_environment.global_rank(),
+                world_size=self.cluster_environment.world_size(), timeout=self._timeout,
+                device_id=self.root_device if self.root_device.type != "cpu" else None,
+            )  # fmt: skip
+            if backend == "nccl":  # as Lightning's own setup does, which now returns early
+                atexit.register(_destroy_dist_connection)
+        launch_streams = _collect_rng_states(include_cuda=False)  # before Lightning's re-seed replaces them
+        super().setup_distributed()
+        self._launch_streams = launch_streams
+
+    @override
+    @override
+    def setup_environment(self) -> None:
+        if self.in_process:
+            # No peer, so no process group: Lightning's collectives see a world of one. No re-seed: the
+            # process keeps the random streams one device has here, as every rank of a process pipeline
+            # is given them (_keep_launch_random_streams), so the streams agree.
+            Strategy.setup_environment(self)
+            self.topology = Topology(self.pipeline_stages)
+            return
+        super().setup_environment()
+        self.topology = Topology.for_world(self.world_size, self.pipeline_stages)
+        backend = dist.get_backend()
+        # Every rank creates every group, in the same order: new_group is collective.
+        # Stage-to-stage transfers get groups of their own, one per direction: on NCCL both directions of
+        # a link on one communicator deadlock (transport.process.LinkGroups). And a receive posted ahead that
+        # an exception leaves unmatched dies with its group in teardown instead of lingering on the
+        # default group, where it would swallow a message of a later fit in this process.
+        self._p2p_groups = LinkGroups.create(timeout=timedelta(seconds=self.p2p_timeout))
+        self._header_group = None if backend == "gloo" else dist.new_group(backend="gloo")
+        for stage in range(self.pipeline_stages):
+            self._dp_groups[stage] = dist.new_group(self.topology.replica_ranks(stage))
+        for replica in range(self.topology.num_replicas):
+            self._pipeline_groups[replica] = dist.new_group(self.topology.pipeline_ranks(replica))
+        self._signal_group = dist.new_group(backend="gloo")
+        if self.topology.num_replicas == 1 and self._launch_streams is not None:
+            _keep_launch_random_streams(self._launch_streams, self._signal_group)
+        _warn_single_replica(self.local_sgd_steps, self.topology)
+
+    # -- setup / teardown: one path for k = 1 (processes) and k = S (one process) --------------------
+
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        assert self.accelerator is not None and self.topology is not None
+        # First: whatever loads the training loader during setup (configure_optimizers reading
+        # trainer.estimated_stepping_batches, as GPT's default schedule does) builds it with this setting.
+        _keep_users_sampler(trainer, self.topology.num_replicas)
+        if self.in_process:
+            self._check_before_launch(trainer)  # nothing is launched in one process, so the check runs now
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        assert module is not None
+        _check_module(module, self.precision_plugin)
+        layers = list(module.pipeline_layers())
+        sizes = self._stage_sizes(module, layers, trainer)
+        ties = check_sharing(module, layers, sizes)  # a tied embedding: see lit_efficient.runtime.tied
+        hosted = self.hosted_stages
+        # One process keeps the module whole (hosting every stage moves nothing); a rank keeps its stage's layers.
+        self._split = split_module(module, layers, sizes, hosted, ties)
+        self.model = self.precision_plugin.convert_module(module)
+        self.model_to_device()
+        if self.topology.num_replicas > 1:
+            # Every replica of a stage starts from its first replica's weights, as DDP broadcasts at wrap:
+            # under torchrun or SLURM each process builds its own model, and processes not seeded alike
+            # would otherwise train R different models on averaged gradients, silently.
+            first, last = self._split.bounds_of(self.stage)
+            own = [t for layer in layers[first:last] for t in (*layer.parameters(), *layer.buffers())]
+            broadcast_flat(list({id(t): t for t in own}.values()), self._dp_groups[self.stage])
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            self._was_automatic = module.automatic_optimization
+            module.automatic_optimization = False  # the stages zero, accumulate and step themselves
+            if ties and {0, self.pipeline_stages - 1} <= set(hosted):
+                # Before the optimizers are built: the last stage's optimizer holds its own copy, as on its rank.
+                separate_tied_copies(self._split)
+        links = self._links(bool(ties) and fitting)
+        stages = [self._build_stage(s, layers, trainer, fitting, links) for s in hosted]
+        if fitting and not self.in_process:
+            self._sigterm_pending = replace_sigterm_barrier(trainer, self.pipeline_stages, self._signal_group)
+        accumulate = max(1, trainer.accumulate_grad_batches)
+        runtimes = []
+        for part in stages:
+            stage = part.stage
+            prev_rank, next_rank = self.topology.neighbours(links.rank_of(stage.stage))
+            input_fn = module.pipeline_input if stage.is_first else None
+            runtime = PipelineRuntime(stage, self.schedule, accumulate, input_fn, links.p2p(stage.stage), prev_rank,
+                                      next_rank)  # fmt: skip
+            runtimes.append(runtime)
+        self.runtime = StageHost(runtimes)
+        links.attach(self.runtime)
+        self.hosted = [HostedStage(runtime, *part.lightning) for runtime, part in zip(runtimes, stages, strict=True)]
+        if fitting:
+            # Lightning and every callback see what global rank 0 shows them: its stage's optimizer and schedulers
+            # (in one process the last stage's), so LearningRateMonitor's keys are the same in both hostings.
+            last = self.hosted[-1]
+            self.optimizers, self.lr_scheduler_configs = [last.optimizer], last.scheduler_configs
+            self.averager = last.averager
+        self.setup_precision_plugin()
+        self._prepare_runtimes(trainer)
+        if self._dp_groups:
+            _point_metrics_at(module, self._dp_groups[self.pipeline_stages - 1])
+        self._join_lightning(trainer, fitting)
+
+    def _links(self, tied: bool) -> ProcessLinks | LocalLinks:
+        """The transport choice, the one thing the two hostings differ in besides k: process links on processes,
+        in-process links in one."""
+        if self.in_process:
+            return LocalLinks(self.pipeline_stages, self.wire_format)
+        assert self.topology is not None
+        if tied and not self._tie_groups:
+            self._tie_groups = tie_groups(self.topology, self.p2p_timeout)  # collective: every rank has the ties
+        return ProcessLinks(
+            self.topology, self.global_rank, self.root_device, self.p2p_timeout, self.wire_format, self._p2p_groups,
+            self._header_group, self._pipeline_groups.get(self.replica), self._tie_groups,
+        )  # fmt: skip
+
+    def _build_stage(
+        self, index: int, layers: list, trainer: Trainer, fitting: bool, links: ProcessLinks | LocalLinks
+    ) -> _BuiltStage:
+        """Stage ``index`` of the hosted ones: its optimizer and schedulers (built by ``configure_optimizers`` while
+        only its layers are present, as on its own rank), its `PipelineStage`, and while fitting its step hooks,
+        staleness correction and tied-weight rule."""
+        module = self.lightning_module
+        assert module is not None and self._split is not None
+        optimizer, configs, step_wise, epoch_wise = None, [], None, []
+        if fitting:
+            with self.stage_view(index):
+                self._setup_stage_optimizer(trainer, index)
+            optimizer, configs = self.optimizers[0], list(self.lr_scheduler_configs)
+            step_wise, epoch_wise = step_schedulers(configs)
+        first, last = self._split.bounds_of(index)
+        stage = PipelineStage(
+            layers[first:last], index, self.pipeline_stages, optimizer,
+            loss_fn=module.pipeline_loss, scheduler=step_wise, recompute=self.recompute,
+            normalize=_normalize_mode(trainer), forward_context=self.precision_plugin.forward_context,
+            device=self.root_device, on_nonfinite=self.on_nonfinite, first_layer=first,
+        )  # fmt: skip
+        averager, tied = None, []
+        if fitting:
+            exact_norm = clips_global_norm(trainer, self.schedule, self.pipeline_stages)
+            averaging = None
+            if self.local_sgd_steps is not None:
+                averaging = Averaging(
+                    self.local_sgd_steps, self.local_sgd_warmup_steps, self.outer_optimizer, self.outer_lr,
+                    self.outer_momentum, self.average_buffers,
+                )  # fmt: skip
+            averager = install_step_hooks(
+                stage, trainer, self._dp_groups.get(index), self.topology.num_replicas, averaging,  # type: ignore[union-attr]
+                links.stage_sum, exact_norm, warn_per_stage_clipping=index == self.hosted_stages[0],
+            )  # fmt: skip
+            stage.correction = self.correction_for(index, trainer)
+            if self._split.ties and index in (0, self.pipeline_stages - 1):
+                delay = tie_delay(self.pipeline_stages, max(1, trainer.accumulate_grad_batches))
+                tied = tie_stage(stage, self._split, self.schedule, delay, links.tied(index, delay))
+                if exact_norm and links.stage_sum.can_post and stage.is_last:
+                    post_norm_before_tied_exchange(stage, links.stage_sum)  # else its step and stage 0's wait
+        return _BuiltStage(stage, (optimizer, configs, epoch_wise, tied, averager))
+
+    def correction_for(self, stage: int, trainer: Trainer) -> StalenessCorrection | None:
+        """The staleness correction of ``stage`` (None: off, or nothing to correct there)."""
+        accumulate = max(1, trainer.accumulate_grad_batches)
+        return make_correction(
+            self.staleness_correction, self.schedule, stage, self.pipeline_stages, accumulate,
+            self.staleness_anneal_steps,
+        )  # fmt: skip
+
+    def _join_lightning(self, trainer: Trainer, fitting: bool) -> None:
+        """The Lightning side of setup: the drains before the hooks of docs/DESIGN.md section 7, the progress bar,
+        the metrics' sync."""
+        module = self.lightning_module
+        assert module is not None
+        if fitting:
+            drain_before(module, "on_validation_model_zero_grad", self.drain)
+            warn_uncalled_hooks(module, trainer.callbacks)
+            # Lightning warns that under manual optimization ModelCheckpoint(every_n_train_steps) saves the
+            # state after the step. Manual optimization is this strategy's inside, and after the step (of
+            # a drained pipeline) is exactly what a user's automatic-optimization checkpoint holds too.
+            warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
+        swap_stock_progress_bar(trainer)
+        if not any(isinstance(cb, _SyncCallbackMetrics) for cb in trainer.callbacks):
+            trainer.callbacks.insert(0, _SyncCallbackMetrics())
+
+    def _setup_stage_optimizer(self, trainer: Trainer, index: int) -> None:
+        """Lightning's `setup_optimizers` while only stage ``index``'s layers are present, refusing anything but one
+        optimizer with the way to write it."""
+        one = (
+            "PACIStrategy steps one optimizer per stage, built by configure_optimizers while only that stage's "
+            "layers are present. Put all parameters into one optimizer; param groups are fine (one group per "
+            "module, each with its own lr and weight decay)."
+        )
+        try:
+            self.setup_optimizers(trainer)
+        except ValueError as err:
+            if "empty parameter list" not in str(err):
+                raise
+            raise ValueError(
+                f"configure_optimizers built an optimizer over modules that are all on other stages ({err}). {one}"
+            ) from err
+        if len(self.optimizers) != 1:
+            raise ValueError(f"configure_optimizers returned {len(self.optimizers)} optimizers. {one}")
+        assert self.topology is not None and self._split is not None
+        if self.shard_optimizer_state and _sharding_applies(self.topology, self.in_process, bool(self._split.ties)):
+            # The stage's optimizer state split over its replicas (sharded_optimizer.py); Lightning's schedulers keep
+            # the user's optimizer, whose parameter groups the sharded one reads at every step.
+            ranks = self.topology.replica_ranks(index)
+            self.optimizers = [ShardedOptimizer(self.optimizers[0], self._dp_groups[index], ranks)]
+
+    def _prepare_runtimes(self, trainer: Trainer) -> None:
+        """What every hosted stage's runtime takes from Lightning: a configured profiler (`Trainer(profiler=
+        "simple")`, ...) gets a row per forward, backward, optimizer step and receive of each stage; compiled
+        layers (`compile_layers`, or `fit(torch.compile(model))`)."""
+        assert self.runtime is not None
+        if not isinstance(trainer.profiler, PassThroughProfiler):  # none configured: the default spans cost nothing
+            for runtime in self.runtime.runtimes:
+                runtime.profile = trainer.profiler.profile
+        compile_fn = self._compile_fn()
+        if compile_fn is not None:
+            for runtime in self.runtime.runtimes:
+                runtime.stage.compile_layers(compile_fn)
+
+    def _compile_fn(self) -> Any:
+        """How to compile a layer, or None. A module passed as ``torch.compile(model)`` had its forward and steps
+        replaced by compiled ones (Lightning's `from_compiled`); the stages call its layers instead, so those get
+        that compile call's options, and its steps run eager until teardown (a compiled validation_step would
+        recompile at every batch around the pipeline's answer to ``self(...)``, see evaluation.py)."""
+        module = self.lightning_module
+        ctx = getattr(module, "_compiler_ctx", None)
+        if ctx is not None:
+            for name in ("forward", "training_step", "validation_step", "test_step", "predict_step"):
+                self._compiled_steps.setdefault(name, module.__dict__.get(name))
+                setattr(module, name, ctx[f"original_{name}"])
+            return ctx["dynamo_ctx"]
+        if self.compile_layers is False:
+            return None
+        options = self.compile_layers if isinstance(self.compile_layers, dict) else {}
+        return lambda layer: torch.compile(layer, **options)
+
+    def _restore_compiled_steps(self, module: LightningModule) -> None:
+        for name, compiled in self._compiled_steps.items():
+            if compiled is not None:
+                setattr(module, name, compiled)
+        self._compiled_steps = {}
+
+    @override
+    def teardown(self) -> None:
+        module = self.lightning_module
+        trainer = module._trainer if module is not None else None
+        healthy = not self._failed and trainer is not None and trainer.state.status == TrainerStatus.RUNNING
+        if module is not None:
+            self._restore_compiled_steps(module)  # the module leaves fit compiled, as it came
+            undo_drain_before(module, "on_validation_model_zero_grad")
+        split = self._split
+        if module is not None and split is not None:
+            if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+                _carry_step_count_to_automatic(trainer)
+                module.automatic_optimization = self._was_automatic
+            if split.whole:
+                tie_again(split)  # tied weights one parameter again, also after a failure: nothing moved out
+                untag([t for h in self.hosted for t in h.tied])
+            elif healthy:
+                # The whole model on global rank 0 (CPU), so the user's object is complete after fit.
+                gather_model_on_rank_zero(split, self.replica, self.world_size, self.cpu_group)
+            self._split = None if split.whole or healthy else split
+        # What Lightning's teardown does with its optimizer (the last hosted stage's), for the other hosted
+        # stages': on an accelerator their state would otherwise stay in its memory after fit.
+        _optimizers_to_device([h.optimizer for h in self.hosted[:-1] if h.optimizer is not None], torch.device("cpu"))
+        self.runtime = None
+        self._destroy_groups()
+        super().teardown()
+        if healthy and isinstance(self.launcher, _MultiProcessingLauncher) and dist.is_initialized():
+            # A spawned (or forked) rank lives for this one run and ends right after it: release the
+            # default group too while the interpreter is whole. Left to finalization, its gloo threads
+            # can abort the process ("terminate called without an active exception", pytorch#179291).
+            # Only on success: after a failure a peer may be gone, and the process exits anyway.
+            dist.destroy_process_group()
+
+    def _destroy_groups(self) -> None:
+        """Release the subgroups this strategy made, now, rather than at interpreter exit: a gloo group
+        whose worker threads are still alive when Python finalizes aborts the process ("terminate called
+        without an active exception", seen at the exit of spawned ranks). Local: no collective."""
+        if not dist.is_initialized():
+            return
+        groups = [*self._dp_groups.values(), *self._pipeline_groups.values()]
+        groups += [self._signal_group, self._header_group]
+        for group in groups:
+            if group is not None:
+                dist.destroy_process_group(group)
+        for links in [self._p2p_groups, *self._tie_groups.values()]:
+            if links is not None:
+                links.destroy()
+        self._dp_groups, self._pipeline_groups, self._tie_groups = {}, {}, {}
+        self._signal_group = self._header_group = self._p2p_groups = None
+
+    def stage_view(self, index: int) -> Any:
+        """A context in which the module holds only hosted stage ``index``'s layers, as that stage's own rank holds
+        them: its ``state_dict`` keys, its parameters. On a rank hosting that stage alone, nothing changes."""
+        assert self._split is not None
+        return only_stage(self._split, index)
+
+    def _stage_sizes(self, module: LightningModule, layers: list, trainer: Trainer) -> list[int]:
+        counts = _parameter_counts(module, layers)
+        if self.pipeline_stages > len(layers):
+            raise ValueError(
+                f"pipeline_stages={self.pipeline_stages} exceeds the {len(layers)} layers of pipeline_layers(): "
+                f"use at most {len(layers)} stages, or split the model into more layers"
+            )
+        if isinstance(self.balance, list):
+            sizes = check_sizes(self.balance, len(layers), self.pipeline_stages)
+        elif self.balance == "uniform":
+            sizes = partition_uniform(len(layers), self.pipeline_stages)
+        elif self.balance == "parameters":
+            sizes = partition_balanced([max(c, 1) for c in counts], self.pipeline_stages)
+        else:
+            sizes = self._profiled_sizes(module, layers, trainer)
+        check_stage_parameters(counts, sizes)
+        rank_zero_info(f"PACIStrategy: {len(layers)} layers over {self.pipeline_stages} stages as {sizes}")
+        return sizes
+
+    def _profiled_sizes(self, module: LightningModule, layers: list, trainer: Trainer) -> list[int]:
+        sizes_box: list[Any] = [None]
+        if self.global_rank == 0:
+            if any(isinstance(layer, LayerOnOtherStage) for layer in layers):
+                raise ValueError("balance='profile' needs every layer's weights on rank 0; this module was split")
+            batch = _first_training_batch(trainer)
+            result = profile_layers(module, layers, batch, self.root_device, self.precision_plugin.forward_context)
+            sizes_box[0] = result.partition(self.pipeline_stages, trainer.accumulate_grad_batches)
+            times = result.stage_times(sizes_box[0])
+            rank_zero_info(
+                f"PACIStrategy(balance='profile'): stage times {[f'{t * 1e3:.1f} ms' for t in times]}, predicted "
+                f"utilization {predicted_utilization(times, trainer.accumulate_grad_batches, self.schedule):.1%}"
+            )
+        if not self.in_process:  # one process (devices=1) has no group and no peer to tell
+            dist.broadcast_object_list(sizes_box, src=0, group=self.cpu_group)
+        return list(sizes_box[0])
+
+    # -- training ---------------------------------------------------------------------------------
+
+    @override
+    def training_step(self, batch: Any, batch_idx: int, *args: Any) -> Any:
+        assert self.runtime is not None
+        module, trainer = self.lightning_module, self.lightning_module.trainer
+        loop = trainer.fit_loop.epoch_loop
+        log_once_per_optimizer_step(trainer)  # rows as one device writes them under accumulation
+        self._update_accumulation(trainer, batch_idx)
+        loss = self.runtime.feed(batch, batch_idx)
+        epoch_end = loop._num_ready_batches_reached()
+        if epoch_end:
+            self.runtime.drain(step_partial_window=True)
+            for config in (c for h in self.hosted for c in h.epoch_schedulers):  # each rank steps its stage's
+                if (trainer.current_epoch + 1) % config.frequency == 0:
+                    config.scheduler.step()
+        window_end = not loop._should_accumulate()
+        if window_end:
+            # A window of N micro-batches has been fed on every rank: count Lightning's optimizer
+            # step (global_step) here; the stages step their optimizers on their own schedule.
+            self._lightning_optimizers[0].step()
+            self._log_averaging()
+        if loss is None:
+            return None
+        if window_end:
+            # What one device logs for the step: its last micro-batch's loss. As a host copy: the one host
+            # sync per optimizer step on the last stage, which sets the pipeline's pace. Lightning converts
+            # progress-bar values with .item() after every batch, a stale one too, so a device tensor
+            # here would cost a sync per micro-batch.
+            value = loss.detach().cpu()
+            module.log("train_loss", value, prog_bar=True, on_step=True, on_epoch=False, batch_size=_batch_size(batch))
+        return {"loss": loss}
+
+    def _log_averaging(self) -> None:
+        """Log LocalSGD/DiLoCo's numbers from global rank 0, where the logger lives, once per window.
+
+        Both describe rank 0's stage (the last stage; its replicas' dp group), measured by the averager
+        at sync time, so logging them costs no collective and no host sync:
+
+        - ``localsgd/divergence``: relative L2 distance ``||w_local - w_mean|| / ||w_mean||`` of this
+          replica's stage parameters to the replicas' mean, just before the latest sync (held between
+          syncs; logged from the first sync on).
+        - ``localsgd/bytes_per_step``: payload bytes this rank's stage handed to averaging collectives
+          (the sync all-reduces; the one-time broadcast at construction excluded) divided by the
+          stage's optimizer steps so far: about ``sync_bytes / H``.
+        """
+        averager = self.averager
+        if averager is None or self.global_rank != 0:
+            return
+        log = dict(on_step=True, on_epoch=False, rank_zero_only=True)
+        self.lightning_module.log("localsgd/bytes_per_step", averager.bytes_per_step, **log)
+        if averager.last_divergence is not None:
+            self.lightning_module.log("localsgd/divergence", averager.last_divergence, **log)
+
+    def _update_accumulation(self, trainer: Trainer, batch_idx: int) -> None:
+        assert self.runtime is not None
+        accumulate = max(1, trainer.accumulate_grad_batches)
+        if accumulate != self.runtime.accumulate:
+            if not self.runtime.drained or batch_idx % self.runtime.accumulate:
+                raise RuntimeError(
+                    f"accumulate_grad_batches changed to {accumulate} in the middle of a window; change it only at "
+                    "epoch starts (GradientAccumulation(steps={epoch: N}) does)"
+                )
+            self.runtime.accumulate = accumulate
+        if batch_idx == 0 and self.runtime.drained:
+            self.runtime.start_epoch()
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        # Stages step their own optimizers inside the runtime; Lightning's call only counts the step.
+        return None
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        raise RuntimeError("PACIStrategy runs backwards inside the pipeline; manual_backward is not supported")
+
+    @override
+    @override
+    def on_train_start(self) -> None:
+        self.final_state = None  # what a save after the previous fit used is not this fit's
+        super().on_train_start()
+
+    @override
+    def on_train_end(self) -> None:
+        if self.runtime is not None:
+            self.runtime.drain()
+            # Before fit takes the stages apart: for trainer.save_checkpoint after fit.
+            self.final_state = checkpointing.final_state(self)
+        finish_tied([t for h in self.hosted for t in h.tied])
+        # Every rank started the same broadcasts; wait for the last ones so no asynchronous work is
+        # left in flight when the process group is torn down (a pending gloo work at exit aborts).
+        while self._sigterm_pending:
+            work, _ = self._sigterm_pending.popleft()
+            work.wait()
+        if self.async_checkpointer is not None:  # last: it raises what a background save raised
+            checkpointer, self.async_checkpointer = self.async_checkpointer, None
+            checkpointer.close()  # every background save written and published before fit returns
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        self._failed = True
+        if self.topology is not None:
+            report_failure(
+                f"stage {self.stage} (rank {self.global_rank}) raised {type(exception).__name__}: {exception}"
+            )
+        super().on_exception(exception)
+
+    # -- evaluation (evaluation.py) ----------------------------------------------------------------
+
+    def drain(self) -> None:
+        """Finish every micro-batch in flight on this process's stages (call it on every rank alike).
+
+        Afterwards the model is consistent: every stage has taken exactly the optimizer steps of the
+        windows completed so far (``trainer.global_step`` at a window end), and an incomplete window's
+        gradients stay accumulated for the next batches. Between batches, under ``schedule="paci"``,
+        stage s has otherwise taken ``ceil((S-1-s)/N)`` steps fewer than the last stage. The strategy
+        drains by itself before validation (and its zero-grad hook), checkpoints, an epoch's end and
+        the end of training; a callback that needs a consistent model at another point calls this.
+        It costs the pipeline's warm-up once more (S-1 slots) at the next batch.
+        """
+        if self.runtime is not None:
+            self.runtime.drain()
+
+    def _start_evaluation(self) -> None:
+        self.drain()
+        self._eval_index = 0
+
+    @override
+    def on_validation_start(self) -> None:
+        self._start_evaluation()
+
+    @override
+    def on_test_start(self) -> None:
+        self._start_evaluation()
+
+    @override
+    def on_predict_start(self) -> None:
+        self._start_evaluation()
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            return self._evaluation_step("validation_step", *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            return self._evaluation_step("test_step", *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.predict_step_context():
+            return self._evaluation_step("predict_step", *args, **kwargs)
+
+    def _evaluation_step(self, hook: str, batch: Any, *args: Any, **kwargs: Any) -> Any:
+        assert self.runtime is not None
+        outputs = self.runtime.evaluate(batch, self._eval_index)
+        self._eval_index += 1
+        if outputs is None:
+            return None
+        module = self.lightning_module
+        with evaluation.forward_answers(module, outputs[0] if len(outputs) == 1 else outputs, hook):
+            return getattr(module, hook)(batch, *args, **kwargs)
+
+    # -- checkpoints (checkpointing.py): one save path, one load path, for every hosting -----------
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # the module must be split before its stages' weights are loaded
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self.runtime is not None:
+            self.runtime.drain()  # a checkpoint holds a consistent model: nothing in flight
+        return super().lightning_module_state_dict()
+
+    def layout(self) -> dict[str, Any]:
+        """The pipeline layout a checkpoint records: what per-rank state (RNG, averaging) depends on."""
+        assert self._split is not None and self.topology is not None
+        return {
+            "num_stages": self.pipeline_stages,
+            "num_replicas": self.topology.num_replicas,
+            "sizes": self._split.sizes,
+            "schedule": self.schedule,
+        }
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        checkpointing.save(self, checkpoint, filepath)  # collective on processes
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        return checkpointing.load(self, checkpoint_path, weights_only)
+
+    @override
+    def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
+        checkpointing.load_weights(self, checkpoint, strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        checkpointing.load_stage_states(self, checkpoint)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        checkpointing.remove(self, filepath)
+
+    # -- collectives ------------------------------------------------------------------------------
+
+    @override
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        # Metrics logged with sync_dist=True come from the last stage of each replica only: reduce
+        # them across that stage's replicas, not the world (other stages never log them).
+        if group is None and self.topology is not None and self._dp_groups:
+            group = self._dp_groups[self.stage]
+        return super().reduce(tensor, group=group, reduce_op=reduce_op)
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        if not dist.is_initialized():
+            return decision  # in one process: nobody to agree with
+        flag = torch.tensor(int(decision), device=self.root_device)
+        dist.all_reduce(flag, op=dist.ReduceOp.SUM)
+        return bool(flag == self.world_size) if all else bool(flag > 0)
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        for name in SCHEDULES:
+            if name not in strategy_registry:
+                strategy_registry.register(
+                    name, cls, description=f"Pipeline-parallel training with the {name} schedule", schedule=name
+                )
+
+
+class _SyncCallbackMetrics(Callback):
+    """The strategy's own callback, first among the trainer's callbacks.
+
+    Copies rank 0's callback metrics (it holds the last stage) to every rank before checkpoint and
+    early-stopping callbacks read them, so all ranks take the same decisions; and drains the pipeline
+    before any other callback's ``on_validation_start``, ``on_train_epoch_end`` and ``on_train_end``:
+    Lightning calls the callbacks' hooks (and the module's) before the strategy's, and a validation in
+    the middle of a window or a run stopped by ``max_steps`` mid-epoch would otherwise show them stage 0
+    still a step behind (docs/DESIGN.md section 7).
+    """
+
+    def _sync(self, trainer: Trainer) -> None:
+        if trainer.world_size == 1:
+            return
+        metrics = [{k: v.detach().cpu() if isinstance(v, Tensor) else v for k, v in trainer.callback_metrics.items()}]
+        metrics = trainer.strategy.broadcast(metrics, src=0)
+        if trainer.global_rank != 0:
+            trainer.callback_metrics.update(metrics[0])
+
+    @override
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        trainer.strategy.drain()  # type: ignore[attr-defined]
+
+    @override
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._sync(trainer)
+
+    @override
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        trainer.strategy.drain()  # type: ignore[attr-defined]
+        self._sync(trainer)
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        trainer.strategy.drain()  # type: ignore[attr-defined]
+
+
+def _carry_step_count_to_automatic(trainer: Trainer) -> None:
+    """Lightning reads ``global_step`` from the automatic-optimization counter once the module is back
+    in automatic mode; copy the count the pipeline advanced so it stays right after ``fit``."""
+    loop = trainer.fit_loop.epoch_loop
+    steps = loop.manual_optimization.optim_step_progress.total
+    auto = loop.automatic_optimization.optim_progress.optimizer.step.total
+    auto.ready, auto.completed = steps.ready, steps.completed
+
+
+def _parameter_counts(module: LightningModule, layers: list) -> list[int]:
+    if any(isinstance(layer, LayerOnOtherStage) for layer in layers):
+        return [sum(p.numel() for p in getattr(layer, "structure", layer).parameters()) for layer in layers]
+    return layer_parameter_counts(module, layers)
+
+
+def _keep_launch_random_streams(streams: dict[str, Any], group: dist.ProcessGroup) -> None:
+    """With one replica the user's own loader is kept (_keep_users_sampler), and its sampler may draw from
+    the global streams (``DataLoader(shuffle=True)`` without a generator seeds its permutation from torch's
+    stream when an epoch starts). Every stage must then draw what one device draws: global rank 0's streams
+    as they were before Lightning's re-seed at setup (which replaced the state the model's construction had
+    advanced, so the pipeline read another order than one device; and without ``seed_everything`` each rank
+    kept its own, so the stages of one pipeline read different batches). A collective of every rank. The
+    host streams only (Lightning's own collect/set): a CUDA generator is per device and draws no sampler."""
+    box = [streams]
+    dist.broadcast_object_list(box, src=0, group=group)
+    _set_rng_states(box[0])
+
+
+def _keep_users_sampler(trainer: Trainer, num_replicas: int) -> None:
+    """With one replica every stage reads the user's own loader, so the pipeline sees exactly the batches one
+    device would: Lightning would wrap it in a shuffling DistributedSampler of one replica (another order),
+    as the strategy is a parallel one. Set before anything in setup loads the loader: once loaded, Lightning
+    keeps it for the run (before this was set first, GPT's default schedule, which reads
+    ``estimated_stepping_batches`` in ``configure_optimizers``, got the pipeline other batches than one device)."""
+    if num_replicas == 1:
+        trainer._accelerator_connector.use_distributed_sampler = False
+
+
+def _normalize_mode(trainer: Trainer) -> Literal["mean", "tokens"]:
+    for callback in trainer.callbacks:
+        mode = getattr(callback, "normalize", None)
+        if mode in ("mean", "tokens") and hasattr(callback, "get_accumulate_grad_batches"):
+            return mode
+    return "mean"
+
+
+def _point_metrics_at(module: LightningModule, group: dist.ProcessGroup) -> None:
+    """torchmetrics sync over the last stage's replicas: the only ranks that update and compute them."""
+    try:
+        from torchmetrics import Metric
+    except ImportError:  # pragma: no cover - torchmetrics is a dependency
+        return
+    for m in module.modules():
+        if isinstance(m, Metric):
+            m.process_group = group
+
+
+def _first_training_batch(trainer: Trainer) -> Any:
+    # Without a trace in the loader's random streams: only rank 0 draws it (profile.first_batch).
+    return first_batch(trainer.fit_loop._data_source.dataloader())
+
+
+def first_tensor(batch: Any) -> Tensor | None:
+    """The batch's first tensor with a batch dimension (through nested tuples, lists and dicts), or None.
+    Its first dimension is the micro-batch size the strategy and `PipelineMonitor` count."""
+    first = batch
+    while isinstance(first, (list, tuple)) and first:
+        first = first[0]
+    if isinstance(first, dict) and first:
+        first = next(iter(first.values()))
+    return first if isinstance(first, Tensor) and first.dim() > 0 else None
+
+
+def _batch_size(batch: Any) -> int | None:
+    first = first_tensor(batch)
+    return None if first is None else int(first.shape[0])
+
+
+class _BuiltStage:
+    """A hosted stage before its runtime exists: the stage and what Lightning built for it (`HostedStage`'s
+    fields after the runtime, in order)."""
+
+    def __init__(self, stage: PipelineStage, lightning: tuple[Any, list, list, list, Any]) -> None:
+        self.stage = stage
+        self.lightning = lightning

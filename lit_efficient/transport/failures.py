@@ -1,0 +1,59 @@
+"""Failures of a pipeline's communication, named: the error type, and the first failure of a run published
+for every rank (so a peer that times out names the real culprit, not itself)."""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import torch.distributed as dist
+
+
+class PipelineCommError(RuntimeError):
+    """A peer stage failed, died or went silent; the message names it."""
+
+
+_ABORT_KEY = "lit_efficient/abort"
+
+
+# gloo says "Timed out waiting 5000ms for recv operation"; NCCL's watchdog "Watchdog caught collective
+# operation timeout: WorkNCCL(SeqNum=7, OpType=RECV, ..., Timeout(ms)=600000) ran for 600043 milliseconds
+# before timing out" (no "timed out" in it: reported as a dead peer before this matched both).
+_TIMEOUT_TEXT = re.compile(r"timed out|timing out|operation timeout", re.IGNORECASE)
+
+
+def is_timeout(err: BaseException) -> bool:
+    """Whether a communication error is a timeout (gloo's or NCCL's watchdog), not a lost peer."""
+    return bool(_TIMEOUT_TEXT.search(str(err)))
+
+
+_printed_failure = False
+
+
+def report_failure(message: str) -> None:
+    """Publish the first failure of the run in the rendezvous store, so peers can name the cause, and
+    print this process's first one to stderr at once: a launcher that sees a rank die may kill the others
+    (Lightning's does, within seconds) before their exception's traceback is printed.
+
+    Best effort: the store may be gone with the rank that hosted it.
+    """
+    global _printed_failure
+    if not _printed_failure:
+        _printed_failure = True
+        print(f"lit-efficient: pipeline failure: {message}", file=sys.stderr, flush=True)
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.compare_set(_ABORT_KEY, "", message)
+    except Exception:  # noqa: BLE001 - reporting must never hide the original error
+        pass
+
+
+def read_failure() -> str | None:
+    """The first failure published by any rank, if one was and the store is still reachable."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        if store.check([_ABORT_KEY]):
+            return store.get(_ABORT_KEY).decode() or None
+    except Exception:  # noqa: BLE001
+        return None
+    return None
