@@ -24,7 +24,7 @@ from lit_efficient import PACIStrategy
 from lit_efficient.data import TextDataModule
 from lit_efficient.models import GPT
 from lit_efficient.runtime.topology import Topology
-from lit_efficient.strategy.paci import _warn_single_replica
+from lit_efficient.strategy.config import _warn_single_replica
 from tests.multiproc import SpawnedDDP
 
 BLOCK = 32

@@ -13,7 +13,8 @@ from types import SimpleNamespace
 import pytest
 import torch.distributed.pipelining.schedules as torch_schedules
 
-from lit_efficient.tools.schedule_plans import PLANS, Plan, Task, build_plan, check_plan
+from lit_efficient.runtime.actions import Action
+from lit_efficient.tools.schedule_plans import PLANS, Plan, build_plan, check_plan
 from lit_efficient.tools.simulate import DeadlockError, simulate_plan
 
 RANKS = [2, 4, 8]
@@ -32,13 +33,13 @@ def period(name, p, m, virtual=2):
 
 
 def test_task_and_plan_strings_round_trip():
-    assert Task.parse("3I2") == Task(3, "I", 2)
-    assert str(Task(0, "STEP", 1)) == "0STEP1"
+    assert Action.parse("3I2") == Action(3, "I", 2)
+    assert str(Action(0, "STEP", 1)) == "0STEP1"
     plan = Plan.parse("0F0 3F0 3I0 3W0 0B0\n1F0 2F0 2B0 1B0", rank_of=[0, 1, 1, 0])
     assert str(plan) == "0F0 3F0 3I0 3W0 0B0\n1F0 2F0 2B0 1B0"
     assert (plan.num_ranks, plan.num_stages) == (2, 4)
     with pytest.raises(ValueError, match="'0X1'"):
-        Task.parse("0X1")
+        Action.parse("0X1")
 
 
 def test_split_backward_timeline_by_hand():

@@ -51,9 +51,9 @@ from typing_extensions import override
 from lit_efficient.runtime.actions import Action
 from lit_efficient.runtime.clock import Clock, Mark, Spans, clock_for
 from lit_efficient.runtime.host import StageHost
-from lit_efficient.runtime.interpreter import PipelineRuntime
-from lit_efficient.strategy.paci import PACIStrategy, first_tensor
+from lit_efficient.strategy.paci import PACIStrategy
 from lit_efficient.strategy.runs import run_dir
+from lit_efficient.strategy.trainer_glue import first_tensor
 
 # The timeline records a bounded window: _TIMELINE_STEPS optimizer steps from the first window end at
 # or after step _TIMELINE_START (a resumed fit: its first window end). Skipping the first window leaves
@@ -206,7 +206,7 @@ class PipelineMonitor(Callback):
 
     # -- metrics -----------------------------------------------------------------------------------
 
-    def _log(self, trainer: Trainer, runtime: PipelineRuntime | None) -> None:
+    def _log(self, trainer: Trainer, runtime: StageHost | None) -> None:
         # Host sync (CUDA), once per interval: reading the runtime's stats waits for the events recorded
         # since the last log. This rank's copy of the row to the device below would wait as well.
         rows = _local_rows(trainer, runtime, self._tokens, self._samples)
@@ -240,28 +240,25 @@ class PipelineMonitor(Callback):
 
     # -- timeline ----------------------------------------------------------------------------------
 
-    def _start_recording(self, runtime: PipelineRuntime | None, step: int) -> None:
+    def _start_recording(self, runtime: StageHost | None, step: int) -> None:
         # _TIMELINE_STEPS windows from here, also when a resumed fit starts past _TIMELINE_START.
         if runtime is not None:
             runtime.record_timeline(True)
             self._recording, self._stop_step = True, step + _TIMELINE_STEPS
 
-    def _stop_recording(self, runtime: PipelineRuntime | None) -> None:
+    def _stop_recording(self, runtime: StageHost | None) -> None:
         # Keep the window on this rank; gathering and drawing wait for the end of fit, so they neither
         # stall the pipeline nor land inside a measured interval.
         self._recording, self._timeline_done = False, True
         if runtime is not None:
             # On CUDA reading the timeline waits for its events: one host sync, once per fit.
-            if isinstance(runtime, StageHost):  # every stage in this process
-                self._recorded = [(rt.stage.stage, list(rt.timeline or [])) for rt in runtime.runtimes]
-            else:
-                self._recorded = [(None, list(runtime.timeline or []))]
+            self._recorded = [(rt.stage.stage, list(rt.timeline or [])) for rt in runtime.runtimes]
             runtime.record_timeline(False)
 
     def _write_timeline(self, trainer: Trainer, local: _Recorded) -> None:
         strategy = trainer.strategy
         assert isinstance(strategy, PACIStrategy)
-        mine = [(strategy.stage if stage is None else stage, recorded) for stage, recorded in local]
+        mine = list(local)
         # Ranks on different hosts have different perf_counter origins: each reports its clock right
         # after a barrier, and rank 0 shifts every rank's events onto its own clock (skew: the
         # barrier's exit spread, well under one action). Two collectives, once per fit.
@@ -373,20 +370,19 @@ def draw_gantt(events: Sequence[TimelineEvent], path: Path) -> None:
 # ------------------------------------------------------------------------ measurements of this rank
 
 
-def _runtime(trainer: Trainer) -> PipelineRuntime | StageHost | None:
+def _runtime(trainer: Trainer) -> StageHost | None:
     return trainer.strategy.runtime if isinstance(trainer.strategy, PACIStrategy) else None
 
 
-def _local_rows(trainer: Trainer, runtime: PipelineRuntime | StageHost | None, tokens: int, samples: int) -> list[Row]:
-    """This rank's rows: one, or one per stage when the whole pipeline runs in this process."""
+def _local_rows(trainer: Trainer, runtime: StageHost | None, tokens: int, samples: int) -> list[Row]:
+    """This process's rows: one per hosted stage (one on a rank, every stage in one process)."""
     peak = _peak_bytes(trainer.strategy.root_device)
     if runtime is None:
         return [Row(0, trainer.global_rank, False, 0.0, 0.0, 0.0, 0.0, 0.0, tokens, samples, peak)]
     strategy = trainer.strategy
     assert isinstance(strategy, PACIStrategy)
-    runtimes = runtime.runtimes if isinstance(runtime, StageHost) else [runtime]
     rows = []
-    for rt in runtimes:
+    for rt in runtime.runtimes:
         s = rt.stats()
         rows.append(Row(
             rt.stage.stage, strategy.replica, True, s["busy_seconds"], s["elapsed_seconds"], s["drift_max"],

@@ -1,6 +1,6 @@
 """Sharded checkpoints written in the background while training continues (``async_checkpoint=True``).
 
-A save still starts at the point Lightning saves (the pipeline drained, `sharded.prepare`'s small
+A save still starts at the point Lightning saves (the pipeline drained, `sharded_write.prepare`'s small
 collective: the skeletons to global rank 0), then ``torch.distributed.checkpoint.async_save`` copies the
 rank's share into host memory and returns; a thread writes the copy and runs DCP's closing collective, on
 a gloo group of its own (the training's collectives keep theirs). When it is done, global rank 0 writes
@@ -46,7 +46,7 @@ class AsyncCheckpointer:
     def save(
         self, path: Path, shares: list[dict[str, Any]], base: dict[str, Any], layout: dict[str, Any], sync_group: Any
     ) -> None:
-        """Start writing the shares into ``path`` (arguments as `sharded.save`'s; ``sync_group`` for the
+        """Start writing the shares into ``path`` (arguments as `sharded_write.save`'s; ``sync_group`` for the
         preparation's collective). Returns once the share is copied; collective like a synchronous save."""
         self.wait()
         if self.distributed and self.group is None:  # collective: every rank saves at the same point

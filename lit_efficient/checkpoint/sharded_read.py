@@ -1,10 +1,10 @@
-"""Reading a sharded checkpoint (`sharded.py`'s format): a process's part of the folder, as the single file's dict.
+"""Reading a sharded checkpoint (`sharded_write`'s format): a process's part of the folder, as the single file's dict.
 
 A rank reads only what its stage needs: its ``state_dict`` keys (straight into its parameters), its
 parameters' optimizer state and accumulated gradients by name, its own per-rank record (random streams,
 version, averager) when the layout is the same, and the small non-tensor entries all (the layout, the
 groups, every rank's window counter). `file_view` turns that into the dict `checkpoint.assemble` makes
-for a single file, so `PipelineCheckpointing` and `InProcessPipeline` load both formats alike, and a file
+for a single file, so the strategy's one load path (`strategy.checkpointing`) loads both formats alike, and a file
 Lightning's ``consolidate_checkpoint`` made of a folder too (`from_consolidated`).
 """
 
@@ -103,7 +103,7 @@ def read(
 
 def file_view(tree: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
     """The single file's dict (`checkpoint.assemble`'s layout) from a sharded checkpoint's tree, whole
-    (consolidated) or a rank's part, so `PipelineCheckpointing` and `InProcessPipeline` load both alike.
+    (consolidated) or a rank's part, so the strategy's one load path loads both alike.
 
     Args:
         tree: ``{"model", "optimizer_0", "pipeline"}`` as in the folder (or ``state_dict`` and

@@ -133,7 +133,7 @@ def save(
             complete).
         shares: This process's shares (one per stage it holds: one on a rank, all of them in one process).
         base: Lightning's checkpoint dict as global rank 0 built it (read on global rank 0 only).
-        layout: The pipeline layout (`PipelineCheckpointing.layout`).
+        layout: The pipeline layout (`PACIStrategy.layout`).
         group: The process group DCP plans over (gloo: small objects, no device copies); None: the default.
         distributed: False in one process (no process group): this process writes everything.
     """

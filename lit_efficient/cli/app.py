@@ -32,10 +32,9 @@ from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCL
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-import lit_efficient  # noqa: F401 - registers the strategy names "paci" and "1f1b_flush"
-from lit_efficient import PACIStrategy
 from lit_efficient.data import TextDataModule
 from lit_efficient.models import GPT, HFCausalLM  # noqa: F401 - HFCausalLM: known to --model by name
+from lit_efficient.strategy import PACIStrategy  # importing it registers the names "paci" and "1f1b_flush"
 from lit_efficient.strategy.config import explain_refused, options_of, refusal_footer
 from lit_efficient.strategy.runs import restartable_job_id, run_dir
 

@@ -374,8 +374,10 @@ class PipelineRuntime:
             self._prepost_gradients()
             if not stage.is_first:
                 self.comm.send(input_grads, self.prev_rank, j, "gradients")  # type: ignore[union-attr]
-        else:
+        elif action.kind == "STEP":
             stage.step(j)
+        else:  # I/W: the split backward of the schedules this package is compared with (tools.schedule_plans)
+            raise ValueError(f"the runtime runs F, B and STEP actions, not {action}")
         self._executed += 1
         self._last_executed = action
         self._tock()

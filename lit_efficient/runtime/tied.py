@@ -3,7 +3,8 @@
 Each of the two stages holds its own copy of the parameter and steps it with its own optimizer.
 Both copies start equal; the rule below gives both the same gradient at every update, so with the
 same optimizer settings they stay equal at every weight version (both copies after update k hold
-the same tensor). The two stages talk through `comm.TiedExchange`; this file owns the rule only.
+the same tensor). The two stages talk through `transport.process.TiedExchange` (or, in one process,
+`transport.local.LocalTiedLink`); this file owns the rule and its installation on a stage.
 
 - ``1f1b_flush`` (exact, Megatron's embedding group): at update k both stages sum their gradients
   ``G_k = g_first_k + g_last_k`` (one all-reduce in a two-rank group) and step with it: exactly the
@@ -54,7 +55,7 @@ TIED_ATTR = "_lit_efficient_tied"  # set on a tied copy: a pipeline-wide gradien
 
 
 class Exchange(Protocol):
-    """What the rule needs from the transport (`comm.TiedExchange`, or an in-process stand-in)."""
+    """What the rule needs from the transport (`transport.process.TiedExchange`, or `transport.local.LocalTiedEnd`)."""
 
     def all_reduce(self, t: Tensor) -> None: ...
     def send(self, t: Tensor) -> None: ...

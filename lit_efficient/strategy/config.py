@@ -10,9 +10,11 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
+from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.fabric.strategies.launchers.multiprocessing import _disable_module_memory_sharing
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import CPUAccelerator
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.launchers.multiprocessing import _GlobalStateSnapshot
@@ -21,9 +23,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lit_efficient.protocol import PIPELINE_METHODS, missing_pipeline_methods
 from lit_efficient.runtime.schedules import SCHEDULES
+from lit_efficient.runtime.staleness import CORRECTIONS
 from lit_efficient.runtime.topology import Topology
 
 _PRECISIONS = ("32-true", "bf16-mixed")
+WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # `PACIStrategy(wire_dtype=...)`
 
 
 class _ChecksFirst:
@@ -138,7 +142,7 @@ def refusal_footer(names: Iterable[str], options: Iterable[str]) -> str:
         text += (
             "PACIStrategy reduces gradients per stage instead: each stage all-reduces its gradients over its "
             "data-parallel replica group once per optimizer step, after its N-th backward (one flat all-reduce per "
-            "dtype; PipelineStage.step calls the reduction LocalStepHooks._install_step_hooks installs, "
+            "dtype; PipelineStage.step calls the reduction step_hooks.install_step_hooks installs, "
             "lit_efficient/strategy/step_hooks.py), or with local_sgd_steps averages weights every H steps "
             "(lit_efficient/replicas/averaging.py).\n"
         )
@@ -270,3 +274,86 @@ def _check_module(module: LightningModule, precision: Precision) -> None:
     name = getattr(precision, "precision", None)
     if name not in _PRECISIONS or (name == "bf16-mixed" and not isinstance(precision, MixedPrecision)):
         raise ValueError(f"precision={name!r} is not supported by PACIStrategy: use one of {', '.join(_PRECISIONS)}")
+
+
+def check_options(
+    pipeline_stages: int, schedule: str, balance: Any, p2p_timeout: float, on_nonfinite: str,
+    local_sgd_steps: int | None, local_sgd_warmup_steps: int, outer_optimizer: str, outer_lr: float,
+    outer_momentum: float, shard_optimizer_state: bool, staleness_correction: str | None,
+    staleness_anneal_steps: int, compile_layers: Any, wire_dtype: str, checkpoint_format: str,
+    async_checkpoint: bool,
+) -> None:  # fmt: skip
+    """`PACIStrategy`'s options, checked in its ``__init__``: a ValueError naming the value and the fix."""
+    _check_arguments(
+        pipeline_stages, schedule, balance, p2p_timeout, on_nonfinite, local_sgd_steps, local_sgd_warmup_steps,
+        outer_optimizer, outer_lr, outer_momentum,
+    )  # fmt: skip
+    _check_sharding(shard_optimizer_state, local_sgd_steps, staleness_correction)
+    if staleness_correction is not None and staleness_correction not in CORRECTIONS:
+        raise ValueError(
+            f"staleness_correction={staleness_correction!r} is not one of {', '.join(CORRECTIONS)} (or None: off)"
+        )
+    if not isinstance(compile_layers, (bool, dict)):
+        raise ValueError(
+            f"compile_layers={compile_layers!r} must be True, False or a dict of torch.compile's keyword "
+            "arguments, e.g. {'backend': 'inductor', 'mode': 'max-autotune'}"
+        )
+    if wire_dtype not in WIRE_DTYPES:
+        raise ValueError(f"wire_dtype={wire_dtype!r} must be one of {', '.join(map(repr, WIRE_DTYPES))}")
+    if not isinstance(staleness_anneal_steps, int) or staleness_anneal_steps < 1:
+        raise ValueError(f"staleness_anneal_steps={staleness_anneal_steps!r} must be an integer >= 1")
+    if checkpoint_format not in ("file", "sharded"):
+        raise ValueError(
+            f"checkpoint_format={checkpoint_format!r} must be 'file' (one Lightning .ckpt) or 'sharded' (a folder "
+            "every rank writes its own share into)"
+        )
+    if async_checkpoint and checkpoint_format != "sharded":
+        raise ValueError(
+            f"async_checkpoint=True writes sharded checkpoints in the background; checkpoint_format="
+            f"{checkpoint_format!r} is one file that global rank 0 writes. Pass checkpoint_format='sharded'."
+        )
+
+
+def check_before_launch(strategy: Any, trainer: Trainer) -> None:
+    """Refuse a layout or accumulation setting of ``strategy`` (a `PACIStrategy`) that cannot work, before any
+    process starts (the launchers above call it in the launching process; one process calls it in setup)."""
+    world = strategy.num_nodes * strategy.num_processes
+    if strategy._checkpoint_io is not None and type(strategy._checkpoint_io) is not TorchCheckpointIO:
+        raise ValueError(
+            f"Trainer(plugins=[{type(strategy._checkpoint_io).__name__}(...)]) would be ignored: PACIStrategy writes "
+            "and reads its checkpoints itself (each stage's share, gathered into one file or written as a "
+            "sharded folder) and never calls a CheckpointIO. Remove the plugin; for saves that do not stall "
+            "training use PACIStrategy(checkpoint_format='sharded', async_checkpoint=True)."
+        )
+    if isinstance(strategy._launcher, _MultiProcessingLauncher) and trainer.lightning_module._compiler_ctx is not None:
+        raise ValueError(
+            f"trainer.fit(torch.compile(model)) cannot start ranks with PACIStrategy(start_method="
+            f"{strategy._start_method!r}): they get a pickled copy of the module, and a compiled module's forward "
+            "does not pickle. Pass the module uncompiled with PACIStrategy(compile_layers={...}) holding the "
+            "same torch.compile options (each stage compiles its own layers), or launch with "
+            "start_method='popen' / torchrun / SLURM, where every rank runs your script and compiles itself."
+        )
+    if world > 1 and world % strategy.pipeline_stages:
+        raise ValueError(
+            f"PACIStrategy(pipeline_stages={strategy.pipeline_stages}) does not divide the world size {world} "
+            f"(devices={strategy.num_processes} x num_nodes={strategy.num_nodes}): world size = pipeline_stages x "
+            "data-parallel replicas. Use a number of devices that is a multiple of pipeline_stages, or "
+            "pipeline_stages that divides it."
+        )
+    accumulate = trainer.accumulate_grad_batches
+    if not isinstance(accumulate, int) or accumulate < 1:
+        raise ValueError(
+            f"Trainer(accumulate_grad_batches={accumulate!r}): micro-batches per optimizer step must be an "
+            "integer >= 1. Set it to N, or leave it at 1 and use GradientAccumulation(steps=N)."
+        )
+    for callback in trainer.callbacks:
+        if isinstance(callback, GradientAccumulationScheduler):  # its own error blames manual optimization
+            raise ValueError(
+                f"Lightning's GradientAccumulationScheduler(scheduling={callback.scheduling}) does not work under "
+                "PACIStrategy, which runs the module under manual optimization (the stages step themselves). "
+                f"Use lit_efficient.GradientAccumulation(steps={callback.scheduling}): the same {{epoch: N}} "
+                "schedule, which the pipeline reads."
+            )
+        check = getattr(callback, "check_accumulation_source", None)
+        if callable(check):
+            check(trainer)

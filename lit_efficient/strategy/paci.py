@@ -23,14 +23,13 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins import ClusterEnvironment, TorchCheckpointIO
+from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import _destroy_dist_connection
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.fabric.utilities.seed import _collect_rng_states
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
-from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.profilers import PassThroughProfiler
 from lightning.pytorch.strategies import DDPStrategy, Strategy
@@ -46,34 +45,34 @@ from lit_efficient.replicas.sharded_optimizer import ShardedOptimizer
 from lit_efficient.runtime.host import StageHost
 from lit_efficient.runtime.interpreter import PipelineRuntime
 from lit_efficient.runtime.partition import check_sizes, partition_balanced, partition_uniform, predicted_utilization
-from lit_efficient.runtime.profile import first_batch, profile_layers
+from lit_efficient.runtime.profile import profile_layers
 from lit_efficient.runtime.schedules import SCHEDULES, ScheduleName
 from lit_efficient.runtime.split import (
     LayerOnOtherStage,
     Split,
     check_sharing,
     check_stage_parameters,
-    layer_parameter_counts,
     only_stage,
     separate_tied_copies,
     split_module,
     tie_again,
 )
 from lit_efficient.runtime.stage import PipelineStage
-from lit_efficient.runtime.staleness import CORRECTIONS, CorrectionName, StalenessCorrection, make_correction
+from lit_efficient.runtime.staleness import CorrectionName, StalenessCorrection, make_correction
 from lit_efficient.runtime.tied import finish_tied, tie_delay, tie_stage, untag
 from lit_efficient.runtime.topology import Topology
 from lit_efficient.strategy import checkpointing, evaluation
 from lit_efficient.strategy.checkpointing import FinalState
 from lit_efficient.strategy.config import (
-    _check_arguments,
+    WIRE_DTYPES,
     _check_module,
-    _check_sharding,
     _CheckedMultiProcessingLauncher,
     _CheckedScriptLauncher,
     _refuse_unknown,
     _sharding_applies,
     _warn_single_replica,
+    check_before_launch,
+    check_options,
 )
 from lit_efficient.strategy.hosting import HostedStage, gather_model_on_rank_zero
 from lit_efficient.strategy.module_hooks import drain_before, undo_drain_before, warn_uncalled_hooks
@@ -88,6 +87,17 @@ from lit_efficient.strategy.step_hooks import (
     step_schedulers,
 )
 from lit_efficient.strategy.step_logging import log_once_per_optimizer_step
+from lit_efficient.strategy.trainer_glue import (
+    SyncCallbackMetrics,
+    batch_size_of,
+    carry_step_count_to_automatic,
+    first_training_batch,
+    keep_launch_random_streams,
+    keep_users_sampler,
+    normalize_mode,
+    parameter_counts,
+    point_metrics_at,
+)
 from lit_efficient.transport.collectives import broadcast_flat
 from lit_efficient.transport.failures import report_failure
 from lit_efficient.transport.local import LocalLinks
@@ -95,7 +105,6 @@ from lit_efficient.transport.process import LinkGroups, ProcessLinks, tie_groups
 from lit_efficient.transport.wire import WireFormat
 
 Balance = Literal["parameters", "uniform", "profile"]
-_WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class PACIStrategy(DDPStrategy):
@@ -229,34 +238,11 @@ class PACIStrategy(DDPStrategy):
     ) -> None:
         # First, before any value check: a misspelt or ignored keyword must not pass for an option in force.
         _refuse_unknown(kwargs, PACIStrategy.__init__)
-        _check_arguments(
+        check_options(
             pipeline_stages, schedule, balance, p2p_timeout, on_nonfinite, local_sgd_steps, local_sgd_warmup_steps,
-            outer_optimizer, outer_lr, outer_momentum,
+            outer_optimizer, outer_lr, outer_momentum, shard_optimizer_state, staleness_correction,
+            staleness_anneal_steps, compile_layers, wire_dtype, checkpoint_format, async_checkpoint,
         )  # fmt: skip
-        _check_sharding(shard_optimizer_state, local_sgd_steps, staleness_correction)
-        if staleness_correction is not None and staleness_correction not in CORRECTIONS:
-            raise ValueError(
-                f"staleness_correction={staleness_correction!r} is not one of {', '.join(CORRECTIONS)} (or None: off)"
-            )
-        if not isinstance(compile_layers, (bool, dict)):
-            raise ValueError(
-                f"compile_layers={compile_layers!r} must be True, False or a dict of torch.compile's keyword "
-                "arguments, e.g. {'backend': 'inductor', 'mode': 'max-autotune'}"
-            )
-        if wire_dtype not in _WIRE_DTYPES:
-            raise ValueError(f"wire_dtype={wire_dtype!r} must be one of {', '.join(map(repr, _WIRE_DTYPES))}")
-        if not isinstance(staleness_anneal_steps, int) or staleness_anneal_steps < 1:
-            raise ValueError(f"staleness_anneal_steps={staleness_anneal_steps!r} must be an integer >= 1")
-        if checkpoint_format not in ("file", "sharded"):
-            raise ValueError(
-                f"checkpoint_format={checkpoint_format!r} must be 'file' (one Lightning .ckpt) or 'sharded' (a folder "
-                "every rank writes its own share into)"
-            )
-        if async_checkpoint and checkpoint_format != "sharded":
-            raise ValueError(
-                f"async_checkpoint=True writes sharded checkpoints in the background; checkpoint_format="
-                f"{checkpoint_format!r} is one file that global rank 0 writes. Pass checkpoint_format='sharded'."
-            )
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
             precision_plugin=precision_plugin, process_group_backend=process_group_backend, timeout=timeout,
@@ -305,7 +291,7 @@ class PACIStrategy(DDPStrategy):
     @property
     def wire_format(self) -> WireFormat:
         """How tensors cross stage boundaries (`lit_efficient.transport.wire`), on processes and in one."""
-        return WireFormat(_WIRE_DTYPES[self.wire_dtype])
+        return WireFormat(WIRE_DTYPES[self.wire_dtype])
 
     @property
     def in_process(self) -> bool:
@@ -365,46 +351,7 @@ class PACIStrategy(DDPStrategy):
 
     def _check_before_launch(self, trainer: Trainer) -> None:
         """Refuse a layout or accumulation setting that cannot work, before any process starts."""
-        world = self.num_nodes * self.num_processes
-        if self._checkpoint_io is not None and type(self._checkpoint_io) is not TorchCheckpointIO:
-            raise ValueError(
-                f"Trainer(plugins=[{type(self._checkpoint_io).__name__}(...)]) would be ignored: PACIStrategy writes "
-                "and reads its checkpoints itself (each stage's share, gathered into one file or written as a "
-                "sharded folder) and never calls a CheckpointIO. Remove the plugin; for saves that do not stall "
-                "training use PACIStrategy(checkpoint_format='sharded', async_checkpoint=True)."
-            )
-        if isinstance(self._launcher, _MultiProcessingLauncher) and trainer.lightning_module._compiler_ctx is not None:
-            raise ValueError(
-                f"trainer.fit(torch.compile(model)) cannot start ranks with PACIStrategy(start_method="
-                f"{self._start_method!r}): they get a pickled copy of the module, and a compiled module's forward "
-                "does not pickle. Pass the module uncompiled with PACIStrategy(compile_layers={...}) holding the "
-                "same torch.compile options (each stage compiles its own layers), or launch with "
-                "start_method='popen' / torchrun / SLURM, where every rank runs your script and compiles itself."
-            )
-        if world > 1 and world % self.pipeline_stages:
-            raise ValueError(
-                f"PACIStrategy(pipeline_stages={self.pipeline_stages}) does not divide the world size {world} "
-                f"(devices={self.num_processes} x num_nodes={self.num_nodes}): world size = pipeline_stages x "
-                "data-parallel replicas. Use a number of devices that is a multiple of pipeline_stages, or "
-                "pipeline_stages that divides it."
-            )
-        accumulate = trainer.accumulate_grad_batches
-        if not isinstance(accumulate, int) or accumulate < 1:
-            raise ValueError(
-                f"Trainer(accumulate_grad_batches={accumulate!r}): micro-batches per optimizer step must be an "
-                "integer >= 1. Set it to N, or leave it at 1 and use GradientAccumulation(steps=N)."
-            )
-        for callback in trainer.callbacks:
-            if isinstance(callback, GradientAccumulationScheduler):  # its own error blames manual optimization
-                raise ValueError(
-                    f"Lightning's GradientAccumulationScheduler(scheduling={callback.scheduling}) does not work under "
-                    "PACIStrategy, which runs the module under manual optimization (the stages step themselves). "
-                    f"Use lit_efficient.GradientAccumulation(steps={callback.scheduling}): the same {{epoch: N}} "
-                    "schedule, which the pipeline reads."
-                )
-            check = getattr(callback, "check_accumulation_source", None)
-            if callable(check):
-                check(trainer)
+        check_before_launch(self, trainer)
 
     @override
     def setup_distributed(self) -> None:
@@ -433,7 +380,7 @@ class PACIStrategy(DDPStrategy):
         if self.in_process:
             # No peer, so no process group: Lightning's collectives see a world of one. No re-seed: the
             # process keeps the random streams one device has here, as every rank of a process pipeline
-            # is given them (_keep_launch_random_streams), so the streams agree.
+            # is given them (keep_launch_random_streams), so the streams agree.
             Strategy.setup_environment(self)
             self.topology = Topology(self.pipeline_stages)
             return
@@ -453,7 +400,7 @@ class PACIStrategy(DDPStrategy):
             self._pipeline_groups[replica] = dist.new_group(self.topology.pipeline_ranks(replica))
         self._signal_group = dist.new_group(backend="gloo")
         if self.topology.num_replicas == 1 and self._launch_streams is not None:
-            _keep_launch_random_streams(self._launch_streams, self._signal_group)
+            keep_launch_random_streams(self._launch_streams, self._signal_group)
         _warn_single_replica(self.local_sgd_steps, self.topology)
 
     # -- setup / teardown: one path for k = 1 (processes) and k = S (one process) --------------------
@@ -463,7 +410,7 @@ class PACIStrategy(DDPStrategy):
         assert self.accelerator is not None and self.topology is not None
         # First: whatever loads the training loader during setup (configure_optimizers reading
         # trainer.estimated_stepping_batches, as GPT's default schedule does) builds it with this setting.
-        _keep_users_sampler(trainer, self.topology.num_replicas)
+        keep_users_sampler(trainer, self.topology.num_replicas)
         if self.in_process:
             self._check_before_launch(trainer)  # nothing is launched in one process, so the check runs now
         self.accelerator.setup(trainer)
@@ -517,7 +464,7 @@ class PACIStrategy(DDPStrategy):
         self.setup_precision_plugin()
         self._prepare_runtimes(trainer)
         if self._dp_groups:
-            _point_metrics_at(module, self._dp_groups[self.pipeline_stages - 1])
+            point_metrics_at(module, self._dp_groups[self.pipeline_stages - 1])
         self._join_lightning(trainer, fitting)
 
     def _links(self, tied: bool) -> ProcessLinks | LocalLinks:
@@ -551,7 +498,7 @@ class PACIStrategy(DDPStrategy):
         stage = PipelineStage(
             layers[first:last], index, self.pipeline_stages, optimizer,
             loss_fn=module.pipeline_loss, scheduler=step_wise, recompute=self.recompute,
-            normalize=_normalize_mode(trainer), forward_context=self.precision_plugin.forward_context,
+            normalize=normalize_mode(trainer), forward_context=self.precision_plugin.forward_context,
             device=self.root_device, on_nonfinite=self.on_nonfinite, first_layer=first,
         )  # fmt: skip
         averager, tied = None, []
@@ -596,8 +543,8 @@ class PACIStrategy(DDPStrategy):
             # a drained pipeline) is exactly what a user's automatic-optimization checkpoint holds too.
             warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
         swap_stock_progress_bar(trainer)
-        if not any(isinstance(cb, _SyncCallbackMetrics) for cb in trainer.callbacks):
-            trainer.callbacks.insert(0, _SyncCallbackMetrics())
+        if not any(isinstance(cb, SyncCallbackMetrics) for cb in trainer.callbacks):
+            trainer.callbacks.insert(0, SyncCallbackMetrics())
 
     def _setup_stage_optimizer(self, trainer: Trainer, index: int) -> None:
         """Lightning's `setup_optimizers` while only stage ``index``'s layers are present, refusing anything but one
@@ -671,7 +618,7 @@ class PACIStrategy(DDPStrategy):
         split = self._split
         if module is not None and split is not None:
             if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
-                _carry_step_count_to_automatic(trainer)
+                carry_step_count_to_automatic(trainer)
                 module.automatic_optimization = self._was_automatic
             if split.whole:
                 tie_again(split)  # tied weights one parameter again, also after a failure: nothing moved out
@@ -717,7 +664,7 @@ class PACIStrategy(DDPStrategy):
         return only_stage(self._split, index)
 
     def _stage_sizes(self, module: LightningModule, layers: list, trainer: Trainer) -> list[int]:
-        counts = _parameter_counts(module, layers)
+        counts = parameter_counts(module, layers)
         if self.pipeline_stages > len(layers):
             raise ValueError(
                 f"pipeline_stages={self.pipeline_stages} exceeds the {len(layers)} layers of pipeline_layers(): "
@@ -740,7 +687,7 @@ class PACIStrategy(DDPStrategy):
         if self.global_rank == 0:
             if any(isinstance(layer, LayerOnOtherStage) for layer in layers):
                 raise ValueError("balance='profile' needs every layer's weights on rank 0; this module was split")
-            batch = _first_training_batch(trainer)
+            batch = first_training_batch(trainer)
             result = profile_layers(module, layers, batch, self.root_device, self.precision_plugin.forward_context)
             sizes_box[0] = result.partition(self.pipeline_stages, trainer.accumulate_grad_batches)
             times = result.stage_times(sizes_box[0])
@@ -782,7 +729,9 @@ class PACIStrategy(DDPStrategy):
             # progress-bar values with .item() after every batch, a stale one too, so a device tensor
             # here would cost a sync per micro-batch.
             value = loss.detach().cpu()
-            module.log("train_loss", value, prog_bar=True, on_step=True, on_epoch=False, batch_size=_batch_size(batch))
+            module.log(
+                "train_loss", value, prog_bar=True, on_step=True, on_epoch=False, batch_size=batch_size_of(batch)
+            )
         return {"loss": loss}
 
     def _log_averaging(self) -> None:
@@ -985,121 +934,6 @@ class PACIStrategy(DDPStrategy):
                 strategy_registry.register(
                     name, cls, description=f"Pipeline-parallel training with the {name} schedule", schedule=name
                 )
-
-
-class _SyncCallbackMetrics(Callback):
-    """The strategy's own callback, first among the trainer's callbacks.
-
-    Copies rank 0's callback metrics (it holds the last stage) to every rank before checkpoint and
-    early-stopping callbacks read them, so all ranks take the same decisions; and drains the pipeline
-    before any other callback's ``on_validation_start``, ``on_train_epoch_end`` and ``on_train_end``:
-    Lightning calls the callbacks' hooks (and the module's) before the strategy's, and a validation in
-    the middle of a window or a run stopped by ``max_steps`` mid-epoch would otherwise show them stage 0
-    still a step behind (docs/DESIGN.md section 7).
-    """
-
-    def _sync(self, trainer: Trainer) -> None:
-        if trainer.world_size == 1:
-            return
-        metrics = [{k: v.detach().cpu() if isinstance(v, Tensor) else v for k, v in trainer.callback_metrics.items()}]
-        metrics = trainer.strategy.broadcast(metrics, src=0)
-        if trainer.global_rank != 0:
-            trainer.callback_metrics.update(metrics[0])
-
-    @override
-    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        trainer.strategy.drain()  # type: ignore[attr-defined]
-
-    @override
-    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._sync(trainer)
-
-    @override
-    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        trainer.strategy.drain()  # type: ignore[attr-defined]
-        self._sync(trainer)
-
-    @override
-    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        trainer.strategy.drain()  # type: ignore[attr-defined]
-
-
-def _carry_step_count_to_automatic(trainer: Trainer) -> None:
-    """Lightning reads ``global_step`` from the automatic-optimization counter once the module is back
-    in automatic mode; copy the count the pipeline advanced so it stays right after ``fit``."""
-    loop = trainer.fit_loop.epoch_loop
-    steps = loop.manual_optimization.optim_step_progress.total
-    auto = loop.automatic_optimization.optim_progress.optimizer.step.total
-    auto.ready, auto.completed = steps.ready, steps.completed
-
-
-def _parameter_counts(module: LightningModule, layers: list) -> list[int]:
-    if any(isinstance(layer, LayerOnOtherStage) for layer in layers):
-        return [sum(p.numel() for p in getattr(layer, "structure", layer).parameters()) for layer in layers]
-    return layer_parameter_counts(module, layers)
-
-
-def _keep_launch_random_streams(streams: dict[str, Any], group: dist.ProcessGroup) -> None:
-    """With one replica the user's own loader is kept (_keep_users_sampler), and its sampler may draw from
-    the global streams (``DataLoader(shuffle=True)`` without a generator seeds its permutation from torch's
-    stream when an epoch starts). Every stage must then draw what one device draws: global rank 0's streams
-    as they were before Lightning's re-seed at setup (which replaced the state the model's construction had
-    advanced, so the pipeline read another order than one device; and without ``seed_everything`` each rank
-    kept its own, so the stages of one pipeline read different batches). A collective of every rank. The
-    host streams only (Lightning's own collect/set): a CUDA generator is per device and draws no sampler."""
-    box = [streams]
-    dist.broadcast_object_list(box, src=0, group=group)
-    _set_rng_states(box[0])
-
-
-def _keep_users_sampler(trainer: Trainer, num_replicas: int) -> None:
-    """With one replica every stage reads the user's own loader, so the pipeline sees exactly the batches one
-    device would: Lightning would wrap it in a shuffling DistributedSampler of one replica (another order),
-    as the strategy is a parallel one. Set before anything in setup loads the loader: once loaded, Lightning
-    keeps it for the run (before this was set first, GPT's default schedule, which reads
-    ``estimated_stepping_batches`` in ``configure_optimizers``, got the pipeline other batches than one device)."""
-    if num_replicas == 1:
-        trainer._accelerator_connector.use_distributed_sampler = False
-
-
-def _normalize_mode(trainer: Trainer) -> Literal["mean", "tokens"]:
-    for callback in trainer.callbacks:
-        mode = getattr(callback, "normalize", None)
-        if mode in ("mean", "tokens") and hasattr(callback, "get_accumulate_grad_batches"):
-            return mode
-    return "mean"
-
-
-def _point_metrics_at(module: LightningModule, group: dist.ProcessGroup) -> None:
-    """torchmetrics sync over the last stage's replicas: the only ranks that update and compute them."""
-    try:
-        from torchmetrics import Metric
-    except ImportError:  # pragma: no cover - torchmetrics is a dependency
-        return
-    for m in module.modules():
-        if isinstance(m, Metric):
-            m.process_group = group
-
-
-def _first_training_batch(trainer: Trainer) -> Any:
-    # Without a trace in the loader's random streams: only rank 0 draws it (profile.first_batch).
-    return first_batch(trainer.fit_loop._data_source.dataloader())
-
-
-def first_tensor(batch: Any) -> Tensor | None:
-    """The batch's first tensor with a batch dimension (through nested tuples, lists and dicts), or None.
-    Its first dimension is the micro-batch size the strategy and `PipelineMonitor` count."""
-    first = batch
-    while isinstance(first, (list, tuple)) and first:
-        first = first[0]
-    if isinstance(first, dict) and first:
-        first = next(iter(first.values()))
-    return first if isinstance(first, Tensor) and first.dim() > 0 else None
-
-
-def _batch_size(batch: Any) -> int | None:
-    first = first_tensor(batch)
-    return None if first is None else int(first.shape[0])
 
 
 class _BuiltStage:

@@ -22,45 +22,16 @@ Synchronous schedules repeat their one-window order for every window (micro-batc
 
 from __future__ import annotations
 
-import re
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from lit_efficient.runtime.actions import Action, ActionKind
 from lit_efficient.runtime.schedules import stage_actions
 
-TaskKind = Literal["F", "B", "I", "W", "STEP"]
 PlanName = Literal["gpipe", "1f1b_flush", "paci", "interleaved_1f1b", "zb1p", "zbv", "dualpipev"]
 PLANS: tuple[PlanName, ...] = ("gpipe", "1f1b_flush", "paci", "interleaved_1f1b", "zb1p", "zbv", "dualpipev")
-_PATTERN = re.compile(r"^(\d+)(F|B|I|W|STEP)(\d+)$")
-
-
-@dataclass(frozen=True, slots=True)
-class Task:
-    """One task of a model stage, run by the rank that holds the stage.
-
-    Args:
-        stage: The model stage (chunk) it runs on, 0 first; not the rank.
-        kind: ``F`` forward, ``B`` full backward, ``I`` input-gradient half, ``W`` weight-gradient
-            half (after ``I``), ``STEP`` optimizer step of the chunk.
-        index: The micro-batch, or the window for ``STEP``.
-    """
-
-    stage: int
-    kind: TaskKind
-    index: int
-
-    def __str__(self) -> str:
-        return f"{self.stage}{self.kind}{self.index}"
-
-    @classmethod
-    def parse(cls, text: str) -> Task:
-        """Inverse of ``str(task)``: ``Task.parse("3I2") == Task(3, "I", 2)``."""
-        match = _PATTERN.match(text.strip())
-        if match is None:
-            raise ValueError(f"cannot parse task {text!r}: expected <stage><F|B|I|W|STEP><index>, e.g. '3I2'")
-        return cls(int(match.group(1)), match.group(2), int(match.group(3)))  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -75,7 +46,7 @@ class Plan:
 
     name: str
     rank_of: tuple[int, ...]
-    tasks: tuple[tuple[Task, ...], ...]
+    tasks: tuple[tuple[Action, ...], ...]
 
     @property
     def num_ranks(self) -> int:
@@ -93,7 +64,7 @@ class Plan:
     @classmethod
     def parse(cls, text: str, rank_of: Sequence[int] | None = None, name: str = "custom") -> Plan:
         """One line of tasks per rank; ``rank_of`` defaults to one stage per rank (stage r on rank r)."""
-        tasks = tuple(tuple(Task.parse(t) for t in line.split()) for line in text.strip().splitlines())
+        tasks = tuple(tuple(Action.parse(t) for t in line.split()) for line in text.strip().splitlines())
         return cls(name, tuple(range(len(tasks)) if rank_of is None else rank_of), tasks)
 
 
@@ -119,7 +90,7 @@ def build_plan(name: PlanName, num_ranks: int, accumulate: int, windows: int = 1
     if name in ("paci", "1f1b_flush"):
         stop = windows * accumulate
         streams = [stage_actions(name, r, num_ranks, accumulate, 0, stop) for r in range(num_ranks)]
-        tasks = tuple(tuple(Task(a.stage, a.kind, a.index) for a in stream) for stream in streams)
+        tasks = tuple(tuple(a for a in stream) for stream in streams)
         return Plan(name, tuple(range(num_ranks)), tasks)
     if name in ("zbv", "dualpipev"):
         chunks = 2
@@ -129,7 +100,7 @@ def build_plan(name: PlanName, num_ranks: int, accumulate: int, windows: int = 1
         if chunks < 1:
             raise ValueError(f"virtual={virtual} must be >= 1 (chunks per rank)")
         rank_of = tuple(s % num_ranks for s in range(chunks * num_ranks))
-    one_window: Callable[[int], list[Task]] = {
+    one_window: Callable[[int], list[Action]] = {
         "gpipe": lambda r: _gpipe(r, accumulate),
         "interleaved_1f1b": lambda r: _looped(r, num_ranks, chunks, accumulate, zero_bubble=False),
         "zb1p": lambda r: _looped(r, num_ranks, chunks, accumulate, zero_bubble=True),
@@ -141,8 +112,8 @@ def build_plan(name: PlanName, num_ranks: int, accumulate: int, windows: int = 1
         order, mine = one_window(r), sorted(s for s, owner in enumerate(rank_of) if owner == r)
         stream = []
         for k in range(windows):
-            stream += [Task(t.stage, t.kind, t.index + k * accumulate) for t in order]
-            stream += [Task(s, "STEP", k) for s in mine]
+            stream += [Action(t.stage, t.kind, t.index + k * accumulate) for t in order]
+            stream += [Action(s, "STEP", k) for s in mine]
         tasks.append(tuple(stream))
     return Plan(name, rank_of, tuple(tasks))
 
@@ -173,20 +144,20 @@ class _Counter:
 
     def __init__(self) -> None:
         self.next: dict[tuple[int, str], int] = defaultdict(int)
-        self.tasks: list[Task] = []
+        self.tasks: list[Action] = []
 
-    def add(self, stage: int, kind: TaskKind) -> int:
+    def add(self, stage: int, kind: ActionKind) -> int:
         index = self.next[(stage, kind)]
         self.next[(stage, kind)] += 1
-        self.tasks.append(Task(stage, kind, index))
+        self.tasks.append(Action(stage, kind, index))
         return index
 
 
-def _gpipe(rank: int, accumulate: int) -> list[Task]:
-    return [Task(rank, "F", j) for j in range(accumulate)] + [Task(rank, "B", j) for j in range(accumulate)]
+def _gpipe(rank: int, accumulate: int) -> list[Action]:
+    return [Action(rank, "F", j) for j in range(accumulate)] + [Action(rank, "B", j) for j in range(accumulate)]
 
 
-def _looped(rank: int, p: int, v: int, n: int, zero_bubble: bool) -> list[Task]:
+def _looped(rank: int, p: int, v: int, n: int, zero_bubble: bool) -> list[Action]:
     """Interleaved 1F1B (``zero_bubble=False``) or interleaved ZB-1p on rank ``rank`` of a loop of v*p chunks.
 
     Forwards run chunk by chunk in rounds of ``per_round`` micro-batches (depth first); rank r warms up
@@ -199,7 +170,7 @@ def _looped(rank: int, p: int, v: int, n: int, zero_bubble: bool) -> list[Task]:
         raise ValueError(f"accumulate={n} must be a multiple of {rounds} (micro-batch rounds of {p} ranks)")
     per_round = n // rounds
     warmup = min((v - 1) * per_round + (1 if zero_bubble else 2) * (p - 1 - rank), n * v)
-    backward: TaskKind = "I" if zero_bubble else "B"
+    backward: ActionKind = "I" if zero_bubble else "B"
     out = _Counter()
     pending_w: list[int] = []  # stages of the I's whose W has not run, oldest first
 
@@ -224,7 +195,7 @@ def _looped(rank: int, p: int, v: int, n: int, zero_bubble: bool) -> list[Task]:
     return out.tasks
 
 
-def _zbv(rank: int, p: int, n: int) -> list[Task]:
+def _zbv(rank: int, p: int, n: int) -> list[Action]:
     """ZB-V on rank ``rank``: chunks r (down) and 2p-1-r (up); every I followed by its W in steady state."""
     c0, c1 = rank, 2 * p - 1 - rank
     n_micro = max(2 * p - 1, n)  # the order needs 2p-1 micro-batches to fill; extras are dropped below
@@ -258,7 +229,7 @@ def _zbv(rank: int, p: int, n: int) -> list[Task]:
     return [t for t in out.tasks if t.index < n]
 
 
-def _dualpipev(rank: int, p: int, n: int) -> list[Task]:
+def _dualpipev(rank: int, p: int, n: int) -> list[Action]:
     """DualPipeV on rank ``rank`` (chunks r and 2p-1-r); torch's overlapped F+B pairs run one after the other."""
     if n < 2 * p:
         raise ValueError(f"accumulate={n}: DualPipeV needs at least as many micro-batches as stages ({2 * p})")
@@ -271,13 +242,13 @@ def _dualpipev(rank: int, p: int, n: int) -> list[Task]:
             pending_w.append((stage, out.add(stage, "I")))
         else:  # a full backward advances the I and W counters together, as torch's does
             out.next[(stage, "W")] += 1
-            out.tasks.append(Task(stage, "B", out.next[(stage, "I")]))
+            out.tasks.append(Action(stage, "B", out.next[(stage, "I")]))
             out.next[(stage, "I")] += 1
 
     def weight_if_pending() -> None:
         if pending_w:
             stage, index = pending_w.pop(0)
-            out.tasks.append(Task(stage, "W", index))
+            out.tasks.append(Action(stage, "W", index))
 
     for _ in range(2 * (p - rank - 1)):
         out.add(c0, "F")

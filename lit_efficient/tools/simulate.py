@@ -36,7 +36,7 @@ _Key = tuple[int, str, int]
 
 
 class _TaskLike(Protocol):
-    """What the simulator reads of an `actions.Action` or a `plans.Task`."""
+    """What the simulator reads of an `actions.Action`."""
 
     stage: int
     kind: str
@@ -51,7 +51,7 @@ class Slot(NamedTuple):
     """One executed task: ``stage`` (the rank, for a `Plan`) ran ``action`` during ``[start, end)``."""
 
     stage: int
-    action: Any  # an `actions.Action` for `simulate_streams`, a `plans.Task` for `simulate_plan`
+    action: Any  # an `actions.Action` (of a stage's stream, or of a rank's plan)
     start: float
     end: float
 

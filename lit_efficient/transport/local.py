@@ -197,7 +197,7 @@ class LocalStageSum:
 class LocalTiedLink:
     """The tied-weight exchange between the first and the last stage of a pipeline that runs in one process.
 
-    `end` gives each of the two stages its side, answering `Exchange`'s calls like `comm.TiedExchange`.
+    `end` gives each of the two stages its side, answering `Exchange`'s calls like `process.TiedExchange`.
     Sends are mailbox appends of the sent tensor itself (the rule never changes a tensor it sent); an
     all-reduce posts a copy of its operand. A receive or an all-reduce whose message is not there calls
     `wait`, set by the host of the stages (`StageHost.run_others_until`): the other stages take

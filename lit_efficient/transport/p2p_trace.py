@@ -9,7 +9,7 @@ receive ahead of the send the other waits for are deadlocked, though gloo would 
 
 This module owns the two halves of the check:
 
-- **Recording.** With ``LIT_EFFICIENT_P2P_TRACE=<dir>`` in the environment, `comm.py` (the only module
+- **Recording.** With ``LIT_EFFICIENT_P2P_TRACE=<dir>`` in the environment, `transport` (the only package
   that talks to the network) appends every operation it issues and every wait it blocks on to
   ``<dir>/rank<R>.jsonl``, in program order: which peer, which group, how many bytes, whether the
   operation would run on the device communicator on a GPU (payloads, tied gradients, averaging) or on
@@ -26,7 +26,7 @@ This module owns the two halves of the check:
 
 The tests record real multi-process runs (both schedules, S=2/4/8, tied weights, validation mid-window,
 checkpoints) and replay them; the same traces replayed with both directions of a link on one
-communicator (the layout before `comm.LinkGroups`) deadlock, which keeps the check honest.
+communicator (the layout before `process.LinkGroups`) deadlock, which keeps the check honest.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from typing import Any
 TRACE_ENV = "LIT_EFFICIENT_P2P_TRACE"
 
 
-# -- recording (used by comm.py) -------------------------------------------------------------------------
+# -- recording (used by the transport) -------------------------------------------------------------------------
 
 
 class Recorder:
@@ -160,7 +160,7 @@ def by_group(op: Op) -> tuple:
 
 def by_role(op: Op) -> tuple:
     """The communicators of a layout with one group per role (``p2p``, ``tied``) carrying both directions:
-    what the package had before `comm.LinkGroups`."""
+    what the package had before `process.LinkGroups`."""
     if op.kind == "all_reduce":
         return ("collective", op.role, op.ranks)
     return ("pair", op.role, min(op.rank, op.peer), max(op.rank, op.peer))  # type: ignore[type-var]

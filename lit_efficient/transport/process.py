@@ -424,7 +424,7 @@ class TiedExchange:
         device: Where the parameter lives. Building the exchange creates its communicators
             (`LinkGroups.connect`): both ranks build theirs at the same point.
         send_window: Sends after which an earlier one still in flight is waited for (`SendsInFlight`): more
-            than the tied-weight rule's delay, by which the peer has received it (`pipeline.tied`).
+            than the tied-weight rule's delay, by which the peer has received it (`runtime.tied`).
     """
 
     def __init__(

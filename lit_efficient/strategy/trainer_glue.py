@@ -1,0 +1,134 @@
+"""What PACIStrategy adjusts in Lightning's Trainer and loops, and reads from them.
+
+The sampler a one-replica pipeline keeps (the user's own), the random streams every stage starts from, the
+step count Lightning reads after fit, the callback metrics every rank must agree on (`SyncCallbackMetrics`,
+the strategy's own callback), where torchmetrics sync, how gradients are normalized, and a batch's size.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch.distributed as dist
+from lightning.fabric.utilities.seed import _set_rng_states
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch import Tensor
+from typing_extensions import override
+
+from lit_efficient.runtime.profile import first_batch
+from lit_efficient.runtime.split import LayerOnOtherStage, layer_parameter_counts
+
+
+class SyncCallbackMetrics(Callback):
+    """The strategy's own callback, first among the trainer's callbacks.
+
+    Copies rank 0's callback metrics (it holds the last stage) to every rank before checkpoint and
+    early-stopping callbacks read them, so all ranks take the same decisions; and drains the pipeline
+    before any other callback's ``on_validation_start``, ``on_train_epoch_end`` and ``on_train_end``:
+    Lightning calls the callbacks' hooks (and the module's) before the strategy's, and a validation in
+    the middle of a window or a run stopped by ``max_steps`` mid-epoch would otherwise show them stage 0
+    still a step behind (docs/DESIGN.md section 7).
+    """
+
+    def _sync(self, trainer: Trainer) -> None:
+        if trainer.world_size == 1:
+            return
+        metrics = [{k: v.detach().cpu() if isinstance(v, Tensor) else v for k, v in trainer.callback_metrics.items()}]
+        metrics = trainer.strategy.broadcast(metrics, src=0)
+        if trainer.global_rank != 0:
+            trainer.callback_metrics.update(metrics[0])
+
+    @override
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        trainer.strategy.drain()  # type: ignore[attr-defined]
+
+    @override
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._sync(trainer)
+
+    @override
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        trainer.strategy.drain()  # type: ignore[attr-defined]
+        self._sync(trainer)
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        trainer.strategy.drain()  # type: ignore[attr-defined]
+
+
+def carry_step_count_to_automatic(trainer: Trainer) -> None:
+    """Lightning reads ``global_step`` from the automatic-optimization counter once the module is back
+    in automatic mode; copy the count the pipeline advanced so it stays right after ``fit``."""
+    loop = trainer.fit_loop.epoch_loop
+    steps = loop.manual_optimization.optim_step_progress.total
+    auto = loop.automatic_optimization.optim_progress.optimizer.step.total
+    auto.ready, auto.completed = steps.ready, steps.completed
+
+
+def parameter_counts(module: LightningModule, layers: list) -> list[int]:
+    if any(isinstance(layer, LayerOnOtherStage) for layer in layers):
+        return [sum(p.numel() for p in getattr(layer, "structure", layer).parameters()) for layer in layers]
+    return layer_parameter_counts(module, layers)
+
+
+def keep_launch_random_streams(streams: dict[str, Any], group: dist.ProcessGroup) -> None:
+    """With one replica the user's own loader is kept (keep_users_sampler), and its sampler may draw from
+    the global streams (``DataLoader(shuffle=True)`` without a generator seeds its permutation from torch's
+    stream when an epoch starts). Every stage must then draw what one device draws: global rank 0's streams
+    as they were before Lightning's re-seed at setup (which replaced the state the model's construction had
+    advanced, so the pipeline read another order than one device; and without ``seed_everything`` each rank
+    kept its own, so the stages of one pipeline read different batches). A collective of every rank. The
+    host streams only (Lightning's own collect/set): a CUDA generator is per device and draws no sampler."""
+    box = [streams]
+    dist.broadcast_object_list(box, src=0, group=group)
+    _set_rng_states(box[0])
+
+
+def keep_users_sampler(trainer: Trainer, num_replicas: int) -> None:
+    """With one replica every stage reads the user's own loader, so the pipeline sees exactly the batches one
+    device would: Lightning would wrap it in a shuffling DistributedSampler of one replica (another order),
+    as the strategy is a parallel one. Set before anything in setup loads the loader: once loaded, Lightning
+    keeps it for the run (before this was set first, GPT's default schedule, which reads
+    ``estimated_stepping_batches`` in ``configure_optimizers``, got the pipeline other batches than one device)."""
+    if num_replicas == 1:
+        trainer._accelerator_connector.use_distributed_sampler = False
+
+
+def normalize_mode(trainer: Trainer) -> Literal["mean", "tokens"]:
+    for callback in trainer.callbacks:
+        mode = getattr(callback, "normalize", None)
+        if mode in ("mean", "tokens") and hasattr(callback, "get_accumulate_grad_batches"):
+            return mode
+    return "mean"
+
+
+def point_metrics_at(module: LightningModule, group: dist.ProcessGroup) -> None:
+    """torchmetrics sync over the last stage's replicas: the only ranks that update and compute them."""
+    try:
+        from torchmetrics import Metric
+    except ImportError:  # pragma: no cover - torchmetrics is a dependency
+        return
+    for m in module.modules():
+        if isinstance(m, Metric):
+            m.process_group = group
+
+
+def first_training_batch(trainer: Trainer) -> Any:
+    # Without a trace in the loader's random streams: only rank 0 draws it (profile.first_batch).
+    return first_batch(trainer.fit_loop._data_source.dataloader())
+
+
+def first_tensor(batch: Any) -> Tensor | None:
+    """The batch's first tensor with a batch dimension (through nested tuples, lists and dicts), or None.
+    Its first dimension is the micro-batch size the strategy and `PipelineMonitor` count."""
+    first = batch
+    while isinstance(first, (list, tuple)) and first:
+        first = first[0]
+    if isinstance(first, dict) and first:
+        first = next(iter(first.values()))
+    return first if isinstance(first, Tensor) and first.dim() > 0 else None
+
+
+def batch_size_of(batch: Any) -> int | None:
+    first = first_tensor(batch)
+    return None if first is None else int(first.shape[0])
