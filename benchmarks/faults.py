@@ -28,7 +28,7 @@ from lit_efficient.runtime.topology import Topology
 from lit_efficient.tools.corpus import embedded_corpus
 from lit_efficient.tools.demo import batches, build_layers, lm_loss
 from lit_efficient.transport.process import PointToPoint
-from tests.multiproc import spawn
+from tests.support.multiproc import spawn
 
 TIMEOUT = 20.0
 

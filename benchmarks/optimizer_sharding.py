@@ -43,13 +43,13 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
-from lit_efficient.replicas import sharded_optimizer
 
 from benchmarks.harness import envelope, machine, write_json
 from lit_efficient import PACIStrategy
 from lit_efficient.cli.plan import plan
 from lit_efficient.data import TextDataModule
 from lit_efficient.models import GPT
+from lit_efficient.replicas import sharded_optimizer
 from lit_efficient.replicas.sharded_optimizer import optimizer_state_bytes
 from lit_efficient.tools.memory_plan import replica_shares
 
@@ -208,7 +208,7 @@ def readme_plans() -> None:
 
 def collectives() -> None:
     """Seconds per call of gloo's all-reduce, reduce-scatter and all-gather on one stage-sized buffer."""
-    from tests.multiproc import spawn, values
+    from tests.support.multiproc import spawn, values
 
     before, start = machine(), time.perf_counter()
     rows = []

@@ -4,7 +4,7 @@ simulated time-to-accuracy, and what the in-process pipeline itself costs.
 What is measured, and how:
 
 - Convergence grid: ``Trainer(devices=1, strategy=PACIStrategy(pipeline_stages=S))`` (the whole
-  pipeline in one process, bit-identical to S processes: tests/test_in_process.py) trains the same
+  pipeline in one process, bit-identical to S processes: tests/strategy/test_one_process.py) trains the same
   `GPT` (same seed, init and data order: `TextDataModule()`'s embedded standard-library text) with
   1F1B-flush, PACI, PACI + ``lr_scale`` and PACI + ``weight_prediction``, for every S, N, learning
   rate and seed asked. The paper's recipe scaled down: AdamW betas (0.9, 0.95), weight decay 0.1,
@@ -25,7 +25,7 @@ What is measured, and how:
   side by side in the in-process cost step above.
 
     python -m benchmarks.paci_at_depth            # the grid in BENCHMARKS.md ("PACI at depth")
-    python -m benchmarks.paci_at_depth --quick    # smoke run: S=4, a few steps (tests/test_benchmarks_depth.py)
+    python -m benchmarks.paci_at_depth --quick    # smoke run: S=4, a few steps (tests/benchmarks/)
 """
 
 from __future__ import annotations

@@ -68,8 +68,8 @@ from lit_efficient.tools.corpus import embedded_corpus
 from lit_efficient.tools.demo import batches, build_layers, lm_loss
 from lit_efficient.tools.simulate import simulate
 from lit_efficient.transport.process import PointToPoint
-from tests.multiproc import spawn as run_ranks
-from tests.multiproc import values
+from tests.support.multiproc import spawn as run_ranks
+from tests.support.multiproc import values
 
 QUIET = 0.15  # a round is "quiet" when other processes used under this many cores during both segments
 SCHEDULE_PAIR: tuple[ScheduleName, ScheduleName] = ("1f1b_flush", "paci")
@@ -78,7 +78,7 @@ SCHEDULE_PAIR: tuple[ScheduleName, ScheduleName] = ("1f1b_flush", "paci")
 
 
 def spawn(worker: Callable[..., Any], world: int, config: dict[str, Any], timeout: float) -> list[Any]:
-    """Run ``worker(rank, world, config)`` on ``world`` gloo ranks (tests/multiproc.py's harness, one
+    """Run ``worker(rank, world, config)`` on ``world`` gloo ranks (tests/support/multiproc.py's harness, one
     thread per rank); their return values, rank 0 first, or an error with every rank's traceback."""
     return values(run_ranks(worker, world, config, timeout=timeout))
 

@@ -56,8 +56,8 @@ from benchmarks.runtime_throughput import RankSetup, TimedStage, machine_cpu_sec
 from lit_efficient.runtime.partition import stage_bounds
 from lit_efficient.runtime.topology import Topology
 from lit_efficient.transport.process import PointToPoint
-from tests.multiproc import spawn as run_ranks
-from tests.multiproc import values
+from tests.support.multiproc import spawn as run_ranks
+from tests.support.multiproc import values
 
 S = 2
 QUIET_CORES = 0.5  # a round is "quiet" when other processes used under this many cores in every segment
@@ -76,7 +76,7 @@ def _quiet_lightning(worker: Any, rank: int, world: int, config: dict[str, Any])
 
 def spawn_pair(worker: Any, config: dict[str, Any], timeout: float, world: int = S) -> list[Any]:
     """Run ``worker(rank, world, config)`` on ``world`` gloo ranks that Lightning may also use
-    (tests/multiproc.py's harness with torchrun's environment, one thread per rank)."""
+    (tests/support/multiproc.py's harness with torchrun's environment, one thread per rank)."""
     return values(run_ranks(functools.partial(_quiet_lightning, worker), world, config, timeout=timeout,
                             torchrun_env=True))  # fmt: skip
 

@@ -34,7 +34,7 @@ from lit_efficient.tools.corpus import embedded_corpus  # noqa: E402
 from lit_efficient.tools.demo import batches, build_layers, lm_loss  # noqa: E402
 from lit_efficient.transport.process import LinkGroups, PointToPoint  # noqa: E402
 from lit_efficient.transport.wire import WireFormat  # noqa: E402
-from tests.multiproc import spawn, values  # noqa: E402
+from tests.support.multiproc import spawn, values  # noqa: E402
 
 WIRES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

@@ -1,6 +1,6 @@
 """Test-session setup.
 
-Multi-process tests start their ranks with ``forkserver`` (tests/multiproc.py's START_METHOD, and
+Multi-process tests start their ranks with ``forkserver`` (tests/support/multiproc.py's START_METHOD, and
 ``PACIStrategy(start_method="forkserver")``): the server imports these once and every rank is forked
 from it, instead of each spawned rank importing torch and Lightning afresh (about 13 s of CPU per rank
 on these machines, most of a multi-process test's time). Set here, before any server starts, with no
@@ -10,7 +10,9 @@ propagation of Lightning's log records that tests read through ``caplog``.
 
 import multiprocessing
 
-multiprocessing.set_forkserver_preload(["torch", "lightning.pytorch", "lit_efficient.strategy", "lit_efficient.cli.app"])
+multiprocessing.set_forkserver_preload(
+    ["torch", "lightning.pytorch", "lit_efficient.strategy", "lit_efficient.cli.app"]
+)
 
 
 import os  # noqa: E402

@@ -15,7 +15,7 @@ padded to a multiple of the R replicas, and replica r owns elements ``[r * C, (r
 
 Reduce-scatter plus all-gather move the same bytes as the all-reduce they replace (a ring all-reduce
 is exactly those two phases), plus three numbers. Both collectives are gloo's too (torch 2.13: measured
-on CPU in tests/test_shard_optimizer.py), so no fallback is needed there.
+on CPU in tests/replicas/test_shard_optimizer.py), so no fallback is needed there.
 
 Stepping slices is exact only for optimizers whose update of an element reads that element alone
 (SGD, Adam, AdamW, ...): `check_elementwise` refuses the others (Adafactor's factored moments, LBFGS).

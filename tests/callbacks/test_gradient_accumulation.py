@@ -1,0 +1,284 @@
+"""GradientAccumulation: N micro-batches equal one batch of N x size, on one device, DDP and the pipeline.
+
+The equivalence runs use a tiny GPT with SGD (fp32, dropout 0) on a token dataset whose targets are
+partly masked with -1, so micro-batches hold different numbers of tokens, and whose epoch is not a
+multiple of N, so the last window is partial. Each trained model is compared with a reference
+computed by hand in this process on the same micro-batches:
+
+- ``tokens``: per window, one backward of the cross-entropy of the concatenated window (literally one
+  batch of N x size, all replicas' micro-batches included);
+- ``mean``: per window, one backward of the mean of the micro-batch mean losses (the same as one big
+  batch when token counts are equal; here they are not, which is what tells the two modes apart).
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Sequence
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
+from lightning.pytorch.loops.optimization.automatic import ClosureResult
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from lit_efficient import GradientAccumulation, PACIStrategy
+from lit_efficient.models import GPT
+from tests.support.multiproc import SpawnedDDP
+
+VOCAB, BLOCK, BATCH, N, LR = 32, 8, 2, 3, 0.5
+MICRO_BATCHES = 7  # per replica and epoch: windows of 3, 3 and a partial 1
+
+
+class SGDGPT(GPT):
+    """The example GPT with plain SGD: Adam would hide a wrong gradient scale."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=LR)
+
+
+def _model() -> SGDGPT:
+    L.seed_everything(0)
+    return SGDGPT(vocab_size=VOCAB, block_size=BLOCK, n_layer=2, n_head=2, n_embd=16, max_steps=10)
+
+
+def _dataset(num_samples: int) -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, VOCAB, (num_samples, BLOCK), generator=g)
+    y = torch.randint(0, VOCAB, (num_samples, BLOCK), generator=g)
+    for i in range(num_samples):
+        y[i, : (3 * i) % BLOCK] = -1  # 1 to 8 counted targets per sample: micro-batches of 4 to 13 tokens
+    return TensorDataset(x, y)
+
+
+class _Shards(L.LightningDataModule):
+    """Replica r reads samples r, r + 2, ... in order (Lightning's own distributed sampler would shuffle)."""
+
+    def __init__(self, ds: TensorDataset) -> None:
+        super().__init__()
+        self.ds = ds
+
+    def train_dataloader(self) -> DataLoader:
+        world, rank = self.trainer.world_size, self.trainer.global_rank
+        sampler = DistributedSampler(self.ds, num_replicas=world, rank=rank, shuffle=False)
+        return DataLoader(self.ds, batch_size=BATCH, sampler=sampler)
+
+
+def _trainer(strategy="auto", devices: int = 1, **kw) -> L.Trainer:
+    args = dict(
+        accelerator="cpu", devices=devices, strategy=strategy, max_epochs=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+    )  # fmt: skip
+    args.update(kw)
+    return L.Trainer(**args)
+
+
+def _windows(ds: TensorDataset, replicas: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The micro-batches of every optimizer step, all replicas together (replica r reads samples r,
+    r + replicas, ...)."""
+    per_replica = []
+    for r in range(replicas):
+        idx = list(range(r, len(ds), replicas))
+        per_replica.append([ds[idx[k : k + BATCH]] for k in range(0, len(idx), BATCH)])
+    count = len(per_replica[0])
+    return [[mb for rep in per_replica for mb in rep[s : s + N]] for s in range(0, count, N)]
+
+
+def _reference(model: GPT, windows: Sequence[Sequence[tuple]], normalize: str, naive: bool = False) -> GPT:
+    """Train a copy of ``model`` on ``windows`` by hand. ``naive``: Lightning's own arithmetic instead
+    (every micro-batch loss divided by N, also in a partial window): must differ, or the test is blind."""
+    model = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for window in windows:
+        opt.zero_grad()
+        if naive:
+            loss = sum(model.pipeline_loss(model(x), (x, y))[0] for x, y in window) / N
+        elif normalize == "tokens":
+            x, y = torch.cat([b[0] for b in window]), torch.cat([b[1] for b in window])
+            loss = model.pipeline_loss(model(x), (x, y))[0]  # one batch of the whole window
+        else:
+            loss = sum(model.pipeline_loss(model(x), (x, y))[0] for x, y in window) / len(window)
+        loss.backward()
+        opt.step()
+    return model
+
+
+def _max_diff(a: nn.Module, b: nn.Module) -> float:
+    sa, sb = a.state_dict(), b.state_dict()
+    return max((sa[k].float() - sb[k].float()).abs().max().item() for k in sa)
+
+
+# ---------------------------------------------------------------- equivalence: one device (in-process)
+
+
+@pytest.mark.parametrize("normalize", ["mean", "tokens"])
+def test_single_device_equals_one_big_batch(normalize):
+    ds = _dataset(BATCH * MICRO_BATCHES)
+    model = _model()
+    start = copy.deepcopy(model)
+    trainer = _trainer(callbacks=[GradientAccumulation(N, normalize=normalize)])
+    trainer.fit(model, DataLoader(ds, batch_size=BATCH))
+    assert trainer.fit_loop.epoch_loop.automatic_optimization.output_result_cls is ClosureResult  # restored
+    windows = _windows(ds, replicas=1)
+    assert [len(w) for w in windows] == [3, 3, 1]
+    want = _reference(start, windows, normalize)
+    assert _max_diff(want, start) > 1e-2, "training must move the weights for the comparison to mean anything"
+    assert _max_diff(model, want) <= 1e-5
+    # Lightning alone (mean of micro-batch means, the partial window divided by N) is measurably different.
+    assert _max_diff(model, _reference(start, windows, normalize, naive=True)) > 1e-4
+    other = "mean" if normalize == "tokens" else "tokens"
+    assert _max_diff(model, _reference(start, windows, other)) > 1e-4
+
+
+# ---------------------------------------------------------------- equivalence: spawned DDP and pipeline
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("normalize", ["mean", "tokens"])
+def test_ddp_equals_one_big_batch_over_replicas(normalize):
+    ds = _dataset(2 * BATCH * MICRO_BATCHES)
+    model = _model()
+    start = copy.deepcopy(model)
+    strategy = SpawnedDDP()
+    callbacks = [GradientAccumulation(N, normalize=normalize)]
+    trainer = _trainer(strategy, 2, callbacks=callbacks)
+    trainer.fit(model, datamodule=_Shards(ds))
+    windows = _windows(ds, replicas=2)
+    assert [len(w) for w in windows] == [6, 6, 2]
+    assert _max_diff(model, _reference(start, windows, normalize)) <= 1e-5
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("normalize", ["mean", "tokens"])
+def test_flush_pipeline_equals_one_big_batch(normalize):
+    # The strategy normalizes inside the stages; it reads N and the mode from the callback.
+    ds = _dataset(BATCH * MICRO_BATCHES)
+    model = _model()
+    start = copy.deepcopy(model)
+    strategy = PACIStrategy(pipeline_stages=2, schedule="1f1b_flush", start_method="forkserver")
+    # Every stage of the one pipeline reads the same stream: no distributed sampler.
+    callbacks = [GradientAccumulation(N, normalize=normalize)]
+    trainer = _trainer(strategy, 2, callbacks=callbacks)
+    trainer.fit(model, DataLoader(ds, batch_size=BATCH))
+    assert _max_diff(model, _reference(start, _windows(ds, replicas=1), normalize)) <= 1e-5
+
+
+# ---------------------------------------------------------------- configuration (in-process, quick)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragment"),
+    [
+        (dict(steps=0), "steps=0 must be an integer >= 1"),
+        (dict(steps=2.5), "steps=2.5 must be an integer >= 1"),
+        (dict(steps=True), "steps=True must be an integer >= 1"),
+        (dict(steps={}), "give N"),
+        (dict(steps={-1: 2}), "epochs [-1] must be integers >= 0"),
+        (dict(steps={0: 2, 3: 0}), "{3: 0} must map epochs to integers >= 1"),
+        (dict(normalize="sum"), "normalize='sum' is not one of 'mean', 'tokens'"),
+    ],
+)
+def test_arguments_are_checked_with_value_and_fix(kwargs, fragment):
+    with pytest.raises(ValueError) as err:
+        GradientAccumulation(**kwargs)
+    assert fragment in str(err.value)
+
+
+def test_schedule_query_is_pure():
+    cb = GradientAccumulation({2: 4, 5: 8})
+    assert [cb.get_accumulate_grad_batches(e) for e in (0, 1, 2, 4, 5, 99)] == [1, 1, 4, 4, 8, 8]
+    assert cb.max_accumulate_grad_batches == 8
+    assert GradientAccumulation(3).get_accumulate_grad_batches(7) == 3
+
+
+def test_sets_trainer_value_and_trainer_spelling_agrees():
+    model = _model()
+    trainer = _trainer(callbacks=[GradientAccumulation({0: 2, 3: 5})])
+    trainer.callbacks[0].setup(trainer, model, "fit")
+    assert trainer.accumulate_grad_batches == 2
+    trainer.callbacks[0]._apply(trainer, 3)
+    assert trainer.accumulate_grad_batches == 5
+    same = _trainer(accumulate_grad_batches=3, callbacks=[GradientAccumulation(3)])
+    same.callbacks[0].setup(same, model, "fit")  # the equivalent spelling is accepted
+    assert same.accumulate_grad_batches == 3
+
+
+def test_conflicting_trainer_value_is_an_error():
+    trainer = _trainer(accumulate_grad_batches=4, callbacks=[GradientAccumulation(2)])
+    with pytest.raises(ValueError, match=r"accumulate_grad_batches=4\) and GradientAccumulation\(steps=2\)") as err:
+        trainer.fit(_model(), DataLoader(_dataset(4), batch_size=BATCH))
+    assert "Set N in one place" in str(err.value)
+    both = _trainer(callbacks=[GradientAccumulation(2), GradientAccumulationScheduler({0: 2})])
+    with pytest.raises(ValueError, match="GradientAccumulationScheduler both set"):
+        both.fit(_model(), DataLoader(_dataset(4), batch_size=BATCH))
+
+
+def test_schedule_changes_n_at_epoch_starts():
+    # 7 micro-batches per epoch: N=2 -> 4 steps (last window partial), then N=3 -> 3 steps.
+    trainer = _trainer(max_epochs=2, callbacks=[GradientAccumulation({0: 2, 1: 3})])
+    trainer.fit(_model(), DataLoader(_dataset(BATCH * MICRO_BATCHES), batch_size=BATCH))
+    assert trainer.global_step == 7 and trainer.accumulate_grad_batches == 3
+
+
+class _BatchNormModel(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+
+
+def test_batchnorm_warns_once():
+    cb = GradientAccumulation(4)
+    trainer = _trainer(callbacks=[cb])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cb.setup(trainer, _BatchNormModel(), "fit")
+        cb.setup(trainer, _BatchNormModel(), "fit")
+    messages = [str(w.message) for w in caught if "BatchNorm" in str(w.message)]
+    assert len(messages) == 1 and "net.1" in messages[0] and "GroupNorm or LayerNorm" in messages[0]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        GradientAccumulation(1).setup(_trainer(), _BatchNormModel(), "fit")  # no accumulation, no warning
+    assert not [w for w in caught if "BatchNorm" in str(w.message)]
+
+
+class _ManualGPT(SGDGPT):
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.automatic_optimization = False
+
+
+def test_manual_optimization_is_refused():
+    L.seed_everything(0)
+    model = _ManualGPT(vocab_size=VOCAB, block_size=BLOCK, n_layer=1, n_head=2, n_embd=8)
+    with pytest.raises(RuntimeError, match="automatic_optimization=False \\(strategy SingleDeviceStrategy\\)"):
+        _trainer(callbacks=[GradientAccumulation(2)]).fit(model, DataLoader(_dataset(4), batch_size=BATCH))
+
+
+class _NoItemsGPT(SGDGPT):
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch, batch_idx)["loss"]
+
+
+def test_tokens_mode_needs_num_items():
+    L.seed_everything(0)
+    model = _NoItemsGPT(vocab_size=VOCAB, block_size=BLOCK, n_layer=1, n_head=2, n_embd=8)
+    with pytest.raises(ValueError, match="needs training_step to return .*it returned Tensor"):
+        _trainer(callbacks=[GradientAccumulation(2, "tokens")]).fit(model, DataLoader(_dataset(4), batch_size=BATCH))
+
+
+def test_state_dict_round_trip():
+    cb = GradientAccumulation({0: 2, 4: 8}, normalize="tokens")
+    state = cb.state_dict()
+    assert state == {"steps": {0: 2, 4: 8}, "normalize": "tokens"}
+    same = GradientAccumulation({0: 2, 4: 8}, normalize="tokens")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # identical configuration: silent
+        same.load_state_dict(state)
+    assert same.state_dict() == state
+    other = GradientAccumulation(3)
+    with pytest.warns(UserWarning, match="continues with steps=3"):
+        other.load_state_dict(state)
+    assert other.state_dict() == {"steps": 3, "normalize": "mean"}  # this run's arguments win

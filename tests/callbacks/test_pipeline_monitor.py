@@ -1,0 +1,302 @@
+"""PipelineMonitor: its metric keys, its agreement with the simulator, and its timeline files."""
+
+from __future__ import annotations
+
+import csv
+import json
+import statistics
+import time
+import types
+import warnings
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch.loggers import CSVLogger
+from torch.utils.data import DataLoader
+
+from lit_efficient import GradientAccumulation, PACIStrategy, PipelineMonitor
+from lit_efficient.callbacks.pipeline_monitor import (
+    TIMELINE_JSON,
+    TIMELINE_PNG,
+    Row,
+    TimelineEvent,
+    aggregate,
+    chrome_trace,
+    draw_gantt,
+)
+from lit_efficient.models import GPT
+from lit_efficient.runtime.actions import Action
+from lit_efficient.tools.simulate import simulate
+from tests.support.modules import token_dataset as _tokens
+
+PIPELINE_KEYS = {
+    "pipeline/utilization_stage0", "pipeline/utilization_stage1", "pipeline/bubble_fraction",
+    "pipeline/drift_max_stage0", "pipeline/drift_max_stage1", "pipeline/drift_mean",
+}  # fmt: skip
+COMMON_KEYS = {"throughput/tokens_per_sec", "throughput/samples_per_sec", "memory/peak_bytes_stage0"}
+# The pipeline run: 8 windows of 4 micro-batches of 8 x 128 tokens, ~80 ms of compute per stage and
+# micro-batch, so that the fixed costs the simulator leaves out (Lightning between micro-batches,
+# ~1 ms; jitter) stay a few percent.
+MICRO_BATCHES, N, BLOCK, BATCH = 32, 4, 128, 8
+
+
+def _metrics(log_dir: Path) -> list[dict[str, str]]:
+    with open(log_dir / "metrics.csv") as f:
+        return list(csv.DictReader(f))
+
+
+# ---------------------------------------------------------------- pure parts
+
+
+def test_arguments_are_checked():
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match=f"logging_interval={bad!r} must be an integer >= 1"):
+            PipelineMonitor(logging_interval=bad)
+    with pytest.raises(ValueError, match="timeline='yes' must be True or False"):
+        PipelineMonitor(timeline="yes")  # type: ignore[arg-type]
+
+
+def test_aggregate_averages_replicas_and_counts_each_replica_once():
+    # 2 stages x 2 replicas. (stage, replica, pipeline, busy, elapsed, drift_max, drift_sum, backwards,
+    # tokens, samples, peak_bytes)
+    rows = [
+        Row(1, 0, True, 9.0, 10.0, 0, 0, 8, 512, 8, 100),
+        Row(0, 0, True, 8.0, 10.0, 1, 2, 8, 512, 8, 300),
+        Row(1, 1, True, 7.0, 10.0, 0, 0, 8, 256, 4, 200),
+        Row(0, 1, True, 6.0, 10.0, 1, 4, 8, 256, 4, 400),
+    ]
+    m = aggregate(rows, wall_seconds=2.0)
+    assert set(m) == PIPELINE_KEYS | COMMON_KEYS | {"memory/peak_bytes_stage1"}
+    assert m["pipeline/utilization_stage0"] == pytest.approx(0.7)
+    assert m["pipeline/utilization_stage1"] == pytest.approx(0.8)
+    assert m["pipeline/bubble_fraction"] == pytest.approx(0.25)
+    assert (m["pipeline/drift_max_stage0"], m["pipeline/drift_max_stage1"]) == (1, 0)
+    assert m["pipeline/drift_mean"] == pytest.approx(6 / 32)
+    assert m["throughput/tokens_per_sec"] == pytest.approx(384.0)  # (512 + 256) / 2 s: stage 0 of each replica
+    assert m["throughput/samples_per_sec"] == pytest.approx(6.0)
+    assert (m["memory/peak_bytes_stage0"], m["memory/peak_bytes_stage1"]) == (400, 200)
+    ddp = aggregate([Row(0, r, False, 0, 0, 0, 0, 0, 100, 2, 10 + r) for r in range(2)], wall_seconds=1.0)
+    assert ddp == {"throughput/tokens_per_sec": 200, "throughput/samples_per_sec": 4, "memory/peak_bytes_stage0": 11}
+
+
+def test_timeline_files_are_well_formed(tmp_path):
+    events = [
+        TimelineEvent(0, 0, "0F0", 10.000, 10.010),
+        TimelineEvent(1, 0, "1F0", 10.011, 10.020),
+        TimelineEvent(1, 0, "1B0", 10.020, 10.040),
+        TimelineEvent(0, 0, "0B0", 10.041, 10.060),
+        TimelineEvent(0, 0, "0STEP0", 10.060, 10.062),
+    ]
+    trace = json.loads(json.dumps(chrome_trace(events)))
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert [e["name"] for e in spans] == ["0F0", "1F0", "1B0", "0B0", "0STEP0"]
+    assert all({"name", "ph", "ts", "dur", "pid", "tid"} <= e.keys() for e in spans)
+    assert spans[0]["ts"] == 0 and spans[2]["ts"] == pytest.approx(20_000) and spans[2]["dur"] == pytest.approx(20_000)
+    assert {e["tid"] for e in spans} == {0, 1}
+    path = tmp_path / "t.png"
+    draw_gantt(events, path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---------------------------------------------------------------- single device (in-process)
+
+
+def test_single_device_logs_throughput_and_memory(tmp_path):
+    L.seed_everything(0)
+    model = GPT(vocab_size=256, block_size=16, n_layer=1, n_head=2, n_embd=16, max_steps=4)
+    logger = CSVLogger(tmp_path, name="single")
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=4, logger=logger, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
+        callbacks=[GradientAccumulation(2), PipelineMonitor(logging_interval=2, timeline=True)],
+    )  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, DataLoader(_tokens(32, 16), batch_size=4))
+    messages = [str(w.message) for w in caught]
+    assert [m for m in messages if "timeline=True) draws a pipeline's actions" in m], messages
+    rows = [r for r in _metrics(Path(logger.log_dir)) if r.get("throughput/tokens_per_sec")]
+    assert [int(r["step"]) for r in rows] == [2, 4]
+    for row in rows:
+        assert not any(k.startswith("pipeline/") and row[k] for k in row)
+        assert float(row["throughput/tokens_per_sec"]) == pytest.approx(16 * float(row["throughput/samples_per_sec"]))
+        assert float(row["memory/peak_bytes_stage0"]) > 1e6
+
+
+# ---------------------------------------------------------------- the pipeline (spawned)
+
+
+class _Probe(L.Callback):
+    """Test-side setup and measurements of the spawned pipeline run, one file per rank.
+
+    - One thread per stage: two stages share the machine's two cores.
+    - The point-to-point latency of one activation tensor (median of 10 ping-pongs before training),
+      given to the simulator as its ``comm`` cost.
+    - The runtime's whole-run stats at the last batch (this callback comes before the monitor, which
+      resets them once it has logged), and the CPU time the training thread got meanwhile: compute is
+      single-threaded, so CPU time well below busy time means the stage shared its core.
+    """
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.stats: dict = {}
+        self.latency = 0.0
+        self.cpu_start = self.cpu = 0.0
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        torch.set_num_threads(1)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        hp = pl_module.hparams
+        activation = torch.zeros(BATCH, hp.block_size, hp.n_embd)
+        peer, trips = 1 - trainer.global_rank, []
+        for _ in range(10):
+            start = time.perf_counter()
+            first, second = (dist.send, dist.recv) if trainer.global_rank == 0 else (dist.recv, dist.send)
+            first(activation, peer)
+            second(activation, peer)
+            trips.append(time.perf_counter() - start)
+        self.latency = statistics.median(trips) / 2
+        self.cpu_start = time.thread_time()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.stats = trainer.strategy.runtime.stats()
+        self.cpu = time.thread_time() - self.cpu_start
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        record = {**self.stats, "latency": self.latency, "cpu_seconds": self.cpu}
+        Path(self.folder, f"stats{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+@pytest.mark.multiproc
+def test_pipeline_run_logs_every_key_matches_simulator_and_draws_timeline(tmp_path):
+    """One spawned PACI run (2 balanced stages, N=4, M=32 micro-batches, one epoch) checks three things.
+
+    Keys: every metric key is in the CSVLogger's metrics.csv. Timeline: the Chrome trace loads and
+    holds forwards, backwards and steps of both stages; the PNG exists.
+
+    Utilization: "measured utilization" is what the monitor logs, busy / elapsed of each stage: busy is
+    the time inside the stage's forward/backward/step compute, elapsed runs from the stage's first
+    action to its last, so it also holds waiting for the neighbour, transfers and Lightning's work
+    between two micro-batches. Logging once, at the last window (after the epoch-end drain), makes it
+    cover the whole run, warm-up and drain included. The simulator gets this run's own costs: per
+    stage, the mean duration of the actions that never wait (stage 0's forwards, stage 1's backwards,
+    steps) from the recorded timeline, the other kind solved from the stage's measured busy time, and
+    the measured point-to-point latency; its utilization is taken over the same per-stage span.
+    Agreement within 10% says that the schedule runs as modelled and that what the model leaves out
+    (Lightning between micro-batches, the runtime's bookkeeping, jitter) stays under a tenth.
+
+    A balanced 2-stage PACI pipeline has no slack: a stage delayed by anything makes the other wait.
+    On a machine whose two cores other processes share, every preemption becomes such a delay, so when
+    a stage's thread got less than 90% of a core during its busy time the timing is inconclusive and
+    the comparison is skipped, with the measurements in the reason (the other checks still run).
+    """
+    L.seed_everything(0)
+    model = GPT(vocab_size=256, block_size=BLOCK, n_layer=4, n_head=4, n_embd=256, max_steps=100)
+    logger = CSVLogger(tmp_path, name="paci")
+    strategy = PACIStrategy(pipeline_stages=2, schedule="paci", start_method="forkserver")
+    monitor = PipelineMonitor(logging_interval=MICRO_BATCHES // N, timeline=True)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, logger=logger, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[_Probe(tmp_path), GradientAccumulation(N), monitor], log_every_n_steps=1,
+    )  # fmt: skip
+    trainer.fit(model, DataLoader(_tokens(MICRO_BATCHES * BATCH, BLOCK), batch_size=BATCH))
+    log_dir = tmp_path / "paci" / "version_0"
+
+    rows = [r for r in _metrics(log_dir) if r.get("pipeline/utilization_stage0")]
+    assert len(rows) == 1 and int(rows[0]["step"]) == MICRO_BATCHES // N
+    logged = {k: float(v) for k, v in rows[0].items() if v}
+    assert PIPELINE_KEYS | COMMON_KEYS | {"memory/peak_bytes_stage1"} <= logged.keys()
+    assert logged["pipeline/drift_max_stage0"] == 1 and logged["pipeline/drift_max_stage1"] == 0
+    assert logged["throughput/samples_per_sec"] > 0 and logged["memory/peak_bytes_stage1"] > 1e6
+
+    trace = json.loads((log_dir / TIMELINE_JSON).read_text())
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert all({"name", "ph", "ts", "dur", "pid", "tid"} <= e.keys() for e in spans)
+    assert {(e["tid"], Action.parse(e["name"]).kind) for e in spans} == {
+        (s, k) for s in (0, 1) for k in ("F", "B", "STEP")
+    }
+    assert (log_dir / TIMELINE_PNG).stat().st_size > 1000
+
+    stats = sorted((json.loads((tmp_path / f"stats{r}.json").read_text()) for r in range(2)), key=lambda x: x["stage"])
+    costs = []
+    for st in stats:
+        s = st["stage"]
+        mean = {
+            k: statistics.mean(e["dur"] * 1e-6 for e in spans if e["tid"] == s and Action.parse(e["name"]).kind == k)
+            for k in ("F", "B", "STEP")
+        }
+        known, unknown = ("F", "B") if s == 0 else ("B", "F")  # the first stage never waits in F, the last in B
+        rest = st["busy_seconds"] - st["forwards"] * mean[known] - st["steps"] * mean["STEP"]
+        costs.append({known: mean[known], unknown: rest / st["forwards"], "STEP": mean["STEP"]})
+    sim = simulate(
+        "paci", 2, N, MICRO_BATCHES, forward=[c["F"] for c in costs], backward=[c["B"] for c in costs],
+        step=statistics.mean(c["STEP"] for c in costs), comm=statistics.mean(st["latency"] for st in stats),
+    )  # fmt: skip
+    expected = []
+    for s in (0, 1):
+        slots = [slot for slot in sim.timeline if slot.stage == s]
+        expected.append(sim.busy[s] / (max(x.end for x in slots) - min(x.start for x in slots)))
+    measured = [logged[f"pipeline/utilization_stage{s}"] for s in (0, 1)]
+    # What the simulator leaves out, measured, as fractions of each stage's span: time outside the
+    # runtime between two actions (Lightning) and time waiting for the neighbour.
+    outside = [1 - sum(e["dur"] for e in spans if e["tid"] == s) / _span(spans, s) for s in (0, 1)]
+    waiting = [st["wait_seconds"] / st["elapsed_seconds"] for st in stats]
+    report = (
+        f"measured {measured}, simulated {expected}, costs {costs}, latency {[st['latency'] for st in stats]}; "
+        f"outside the runtime {outside}, waiting {waiting}"
+    )
+    core_share = [st["cpu_seconds"] / st["busy_seconds"] for st in stats]
+    report += f"; CPU time / busy time of each stage's thread {core_share}"
+    if min(core_share) < 0.9:
+        pytest.skip(f"timing inconclusive, the stages shared their cores with other processes: {report}")
+    # The issue's 10%. Measured on a shared 2-core machine: -2% to -4% on both stages (4 runs); with
+    # 64-token sequences -5% to -9%; before receives were posted ahead (comm.py), -8% to -11%.
+    for s in (0, 1):
+        assert abs(measured[s] - expected[s]) <= 0.10 * expected[s], report
+
+
+def _span(spans: list[dict], stage: int) -> float:
+    mine = [e for e in spans if e["tid"] == stage]
+    return max(e["ts"] + e["dur"] for e in mine) - min(e["ts"] for e in mine)
+
+
+class _RecordingRuntime:
+    """Just what the monitor's timeline bookkeeping touches on the strategy's runtime (a `StageHost` hosting one
+    stage, itself standing in for that stage's runtime)."""
+
+    def __init__(self) -> None:
+        self.timeline = None
+        self.runtimes = [self]
+        self.stage = types.SimpleNamespace(stage=0)
+
+    def record_timeline(self, enabled: bool = True) -> None:
+        self.timeline = [] if enabled else None
+
+    def reset_stats(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("resumed_at", [0, 7])
+def test_timeline_records_the_same_number_of_windows_after_a_resume(resumed_at, monkeypatch):
+    """A fit resumed at step 7 records as many windows as a fresh one, starting after its first window."""
+    from types import SimpleNamespace
+
+    import lit_efficient.callbacks.pipeline_monitor as pm
+
+    runtime = _RecordingRuntime()
+    monkeypatch.setattr(pm, "_runtime", lambda trainer: runtime)
+    trainer = SimpleNamespace(global_step=resumed_at, strategy=SimpleNamespace(root_device=torch.device("cpu")))
+    monitor = PipelineMonitor(logging_interval=1000, timeline=True)
+    monitor.on_train_start(trainer, None)
+    recorded = []
+    for step in range(resumed_at + 1, resumed_at + 10):
+        trainer.global_step = step
+        monitor.on_train_batch_end(trainer, None, None, torch.zeros(2, 3), 0)
+        if runtime.timeline is not None:
+            recorded.append(step)
+    assert recorded == list(range(max(resumed_at + 1, 1), max(resumed_at + 1, 1) + 4)), recorded

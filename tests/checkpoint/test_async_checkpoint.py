@@ -1,0 +1,105 @@
+"""``PACIStrategy(checkpoint_format="sharded", async_checkpoint=True)``: the share is copied, written in the
+background while training continues, and the folder appears, whole, once every rank's write is done.
+
+Same reference as tests/checkpoint/test_sharded_checkpoints.py: one uninterrupted device, checkpoints at step 3 (an
+epoch's end), 1F1B-flush, one thread per process, 1e-6.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.distributed.checkpoint import FileSystemWriter
+
+from lit_efficient import PACIStrategy
+from lit_efficient.checkpoint import sharded_write as sharded
+from tests.support.gpt_runs import gpt_model as _model
+from tests.support.gpt_runs import gpt_trainer as _trainer
+from tests.support.gpt_runs import max_diff as _max_diff
+from tests.support.gpt_runs import ordered_data as _ordered
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.usefixtures("one_thread")]  # tests/conftest.py
+
+
+def _async(stages: int = 2) -> PACIStrategy:
+    return PACIStrategy(
+        pipeline_stages=stages, schedule="1f1b_flush", start_method="forkserver", checkpoint_format="sharded",
+        async_checkpoint=True,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def full():
+    model = _model()
+    _trainer("auto", 1, 6).fit(model, datamodule=_ordered())
+    return model
+
+
+@pytest.mark.parametrize("devices", [2, 1], ids=["2 processes", "one process"])
+def test_background_saves_resume_exactly(tmp_path, full, devices):
+    """A save every step (each waits for the one before), then a resume from step 3's on 2 processes."""
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, filename="{step}", save_top_k=-1)
+    _trainer(_async(), devices, 3, callbacks=[ckpt], enable_checkpointing=True).fit(_model(), datamodule=_ordered())
+    for step in (1, 2, 3):  # every one published, whole, before fit returned
+        path = tmp_path / f"step={step}.ckpt"
+        assert sharded.is_sharded(path) and (path / "meta.pt").is_file(), step
+        assert not path.with_name(path.name + ".partial").exists(), step
+    resumed = _model()
+    _trainer(_async(), 2, 6).fit(resumed, datamodule=_ordered(), ckpt_path=str(tmp_path / "step=3.ckpt"))
+    assert _max_diff(resumed, full) <= 1e-6
+
+
+class _Observe(L.Callback):
+    """What the checkpoint folder looks like right after ``trainer.save_checkpoint`` returns, and how long it took."""
+
+    def __init__(self, path) -> None:
+        self.path, self.seconds, self.published = path, None, None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if batch_idx == 3:
+            start = time.perf_counter()
+            trainer.save_checkpoint(self.path)
+            self.seconds = time.perf_counter() - start
+            self.published = self.path.exists()
+
+
+def test_training_continues_while_the_share_is_written(tmp_path, monkeypatch):
+    """The write is made slow (0.5 s); save_checkpoint returns before it ends, the folder appears only once it
+    is written, and fit waits for it before returning."""
+    real_write = FileSystemWriter.write_data
+    writer_threads = []
+
+    def slow_write(self, plan, planner):
+        writer_threads.append(threading.current_thread() is not threading.main_thread())
+        time.sleep(0.5)
+        return real_write(self, plan, planner)
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", slow_write)
+    observe = _Observe(tmp_path / "mid.ckpt")
+    model = _model()
+    _trainer(_async(), 1, 3, callbacks=[observe]).fit(model, datamodule=_ordered())
+    assert writer_threads == [True]  # written off the training thread
+    assert observe.seconds < 0.5 and not observe.published
+    assert sharded.is_sharded(tmp_path / "mid.ckpt")  # published by the end of fit
+    assert torch.load(tmp_path / "mid.ckpt" / "meta.pt", weights_only=True)["global_step"] == 1
+
+
+def test_a_failed_background_write_is_raised_and_publishes_nothing(tmp_path, monkeypatch):
+    def failing_write(self, plan, planner):
+        raise OSError("disk gone")
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", failing_write)
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, filename="{step}")
+    with pytest.raises(RuntimeError, match="asynchronous checkpoint save failed"):
+        _trainer(_async(), 1, 3, callbacks=[ckpt], enable_checkpointing=True).fit(_model(), datamodule=_ordered())
+    assert not (tmp_path / "step=3.ckpt").exists()
+
+
+def test_async_needs_the_sharded_format():
+    with pytest.raises(ValueError, match="checkpoint_format='sharded'"):
+        PACIStrategy(async_checkpoint=True)

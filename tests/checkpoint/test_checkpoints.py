@@ -1,0 +1,110 @@
+"""A PACIStrategy checkpoint is one ordinary Lightning file: it loads anywhere and resumes on another layout.
+
+The reference is one device: 6 optimizer steps (2 epochs of 3 windows of N=4) without interruption.
+Checkpoints are taken at step 3, an epoch's end, so a resumed run reads the same batches as the
+uninterrupted one (Lightning restarts a plain dataloader at its epoch's start), and 1F1B-flush is
+exactly large-batch SGD, so every layout must continue to the same weights.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lit_efficient import GradientAccumulation, PACIStrategy, consolidate_checkpoint
+from lit_efficient.models import GPT
+from tests.support.gpt_runs import gpt_model as _model
+from tests.support.gpt_runs import gpt_trainer as _trainer
+from tests.support.gpt_runs import max_diff as _max_diff
+from tests.support.gpt_runs import ordered_data as _ordered
+from tests.support.multiproc import SpawnedDDP
+
+pytestmark = pytest.mark.multiproc
+
+
+def _flush(stages: int = 2) -> PACIStrategy:
+    return PACIStrategy(pipeline_stages=stages, schedule="1f1b_flush", start_method="forkserver")
+
+
+class _WeightsOnly(ModelCheckpoint):
+    """A second ModelCheckpoint beside the first needs a state key of its own."""
+
+    @property
+    def state_key(self) -> str:
+        return "weights-only"
+
+
+def _checkpoint_at_step_3(strategy, devices, directory) -> tuple[GPT, str]:
+    model = _model()
+    ckpt = ModelCheckpoint(dirpath=directory, every_n_train_steps=3, filename="{step}")
+    weights = _WeightsOnly(dirpath=directory, every_n_train_steps=3, filename="weights", save_weights_only=True)
+    trainer = _trainer(strategy, devices, 3, callbacks=[ckpt, weights], enable_checkpointing=True)
+    trainer.fit(model, datamodule=_ordered())
+    return model, str(directory / "step=3.ckpt")
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """The uninterrupted one-device run, and step-3 checkpoints written by S=2 and by one device."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    full = _model()
+    _trainer("auto", 1, 6).fit(full, datamodule=_ordered())
+    piped, piped_path = _checkpoint_at_step_3(_flush(), 2, root / "piped")
+    single, single_path = _checkpoint_at_step_3("auto", 1, root / "single")
+    return {"full": full, "piped": piped, "path": piped_path, "single": single, "single_path": single_path}
+
+
+def _resume(strategy, devices: int, path: str, **kw) -> GPT:
+    model = _model()
+    _trainer(strategy, devices, 6, **kw).fit(model, datamodule=_ordered(), ckpt_path=path)
+    return model
+
+
+def test_the_checkpoint_is_one_file_that_one_device_loads(saved):
+    path = saved["path"]
+    loaded = GPT.load_from_checkpoint(path)  # no strategy, no processes: Lightning's own loader
+    assert _max_diff(loaded, saved["piped"]) == 0.0 and loaded.hparams.n_layer == saved["piped"].hparams.n_layer
+    assert _max_diff(loaded, saved["full"]) > 1e-3, "step 3 must differ from step 6 for the comparisons to mean much"
+    plain = _model()
+    plain.load_state_dict(consolidate_checkpoint(path))
+    assert _max_diff(plain, saved["piped"]) == 0.0
+    checkpoint = torch.load(path, weights_only=True)
+    assert checkpoint["global_step"] == 3 and checkpoint["pipeline"]["layout"]["num_stages"] == 2
+    weights = Path(path).with_name("weights.ckpt")  # ModelCheckpoint(save_weights_only=True)
+    assert "optimizer_states" not in torch.load(weights, weights_only=True)
+    assert _max_diff(GPT.load_from_checkpoint(weights), saved["piped"]) == 0.0
+    validator = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, limit_val_batches=2,
+                          enable_model_summary=False)  # fmt: skip
+    want = validator.validate(copy.deepcopy(saved["piped"]), datamodule=_ordered(), verbose=False)[0]
+    got = validator.validate(_model(), datamodule=_ordered(), ckpt_path=path, verbose=False)[0]
+    assert got["val_loss"] == pytest.approx(want["val_loss"], rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("name", "strategy", "devices"),
+    [("one device", "auto", 1), ("4 stages", lambda: _flush(4), 4), ("2 stages", _flush, 2)],
+)
+def test_a_two_stage_checkpoint_resumes_on_another_layout(saved, name, strategy, devices):
+    resumed = _resume(strategy() if callable(strategy) else strategy, devices, saved["path"])
+    assert _max_diff(resumed, saved["piped"]) > 1e-3, name
+    assert _max_diff(resumed, saved["full"]) <= 1e-5, name
+
+
+def test_a_one_device_checkpoint_resumes_as_a_pipeline(saved):
+    resumed = _resume(_flush(), 2, saved["single_path"])
+    assert _max_diff(resumed, saved["full"]) <= 1e-5
+
+
+def test_a_single_replica_checkpoint_resumes_on_two_replicas(saved):
+    """S=2 x dp=2 continues like DDP on 2 devices from the same step (the same data, split alike). Each
+    replica's epoch is 6 micro-batches, so every second window is partial: GradientAccumulation (N from
+    the Trainer) makes DDP normalize it by its real size, as the pipeline does."""
+    want = _resume(SpawnedDDP(), 2, saved["single_path"], callbacks=[GradientAccumulation()])
+    got = _resume(_flush(), 4, saved["path"], callbacks=[GradientAccumulation()])
+    assert _max_diff(want, saved["single"]) > 1e-3
+    assert _max_diff(got, want) <= 1e-5

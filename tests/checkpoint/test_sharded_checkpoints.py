@@ -1,0 +1,314 @@
+"""``PACIStrategy(checkpoint_format="sharded")``: every rank writes its own share into one folder laid out as
+Lightning's FSDP checkpoints, Lightning's tool consolidates it, and it resumes on any layout.
+
+The reference is one device: 6 optimizer steps (2 epochs of 3 windows of N=4) without interruption;
+checkpoints are taken at step 3, an epoch's end (Lightning restarts a plain dataloader at its epoch's
+start), and 1F1B-flush is exactly large-batch SGD. Everything here runs one thread per process, as the
+ranks do, so that one device, one process and S processes agree bit for bit (the reduction order of a
+matmul depends on the thread count); the bound is 1e-6.
+"""
+
+from __future__ import annotations
+
+import runpy
+import shutil
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+
+from lit_efficient import GradientAccumulation, PACIStrategy, consolidate_checkpoint
+from lit_efficient.checkpoint import sharded_read, sharded_write
+from lit_efficient.checkpoint.merge import assemble, rank_share
+from lit_efficient.checkpoint.single_file import load_file
+from lit_efficient.models import GPT
+from tests.support.checkpoints import SaveBothFormatsAt
+from tests.support.compare import assert_equal as _assert_equal
+from tests.support.gpt_runs import gpt_model as _model
+from tests.support.gpt_runs import gpt_trainer as _trainer
+from tests.support.gpt_runs import max_diff as _max_diff
+from tests.support.gpt_runs import ordered_data as _ordered
+from tests.support.multiproc import SpawnedDDP
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.usefixtures("one_thread")]  # tests/conftest.py
+
+
+def _sharded(stages: int = 2, **kw) -> PACIStrategy:
+    return PACIStrategy(
+        pipeline_stages=stages, schedule="1f1b_flush", start_method="forkserver", checkpoint_format="sharded", **kw
+    )
+
+
+def _checkpoint_at_step_3(strategy, devices: int, directory: Path) -> tuple[GPT, Path]:
+    model = _model()
+    ckpt = ModelCheckpoint(dirpath=directory, every_n_train_steps=3, filename="{step}")
+    _trainer(strategy, devices, 3, callbacks=[ckpt], enable_checkpointing=True).fit(model, datamodule=_ordered())
+    return model, directory / "step=3.ckpt"
+
+
+def _consolidate(path: Path) -> Path:
+    """What ``python -m lightning.pytorch.utilities.consolidate_checkpoint PATH`` does, run as that module."""
+    out = path.with_name(path.name + ".consolidated")
+    if out.is_file():  # consolidated by an earlier test; the tool refuses to overwrite
+        return out
+    argv = sys.argv
+    sys.argv = ["consolidate_checkpoint", str(path)]
+    try:
+        runpy.run_module("lightning.pytorch.utilities.consolidate_checkpoint", run_name="__main__")
+    finally:
+        sys.argv = argv
+    return out
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """The uninterrupted one-device run, and step-3 sharded checkpoints written by 2 processes and by one."""
+    root = tmp_path_factory.mktemp("sharded")
+    full = _model()
+    _trainer("auto", 1, 6).fit(full, datamodule=_ordered())
+    piped, path = _checkpoint_at_step_3(_sharded(), 2, root / "piped")
+    local, local_path = _checkpoint_at_step_3(_sharded(), 1, root / "local")
+    return {"full": full, "piped": piped, "path": path, "local": local, "local_path": local_path}
+
+
+def test_every_rank_writes_its_share_and_lightning_consolidates_the_folder(saved):
+    path = saved["path"]
+    assert path.is_dir() and {p.name for p in path.iterdir()} == {
+        ".metadata",
+        "meta.pt",
+        "__0_0.distcp",
+        "__1_0.distcp",
+    }
+    assert not path.with_name(path.name + ".partial").exists()
+    one_file = _consolidate(path)
+    loaded = GPT.load_from_checkpoint(one_file)  # one device, no strategy: Lightning's own loader
+    assert _max_diff(loaded, saved["piped"]) == 0.0
+    assert _max_diff(loaded, saved["full"]) > 1e-3, "step 3 must differ from step 6 for the comparisons to mean much"
+    plain = _model()
+    plain.load_state_dict(consolidate_checkpoint(path))  # the package's own, straight from the folder
+    assert _max_diff(plain, saved["piped"]) == 0.0
+    checkpoint = torch.load(one_file, weights_only=True)
+    assert checkpoint["global_step"] == 3 and checkpoint["pipeline"]["layout"]["num_stages"] == 2
+    # One device's optimizer by name, in one device's order: what Optimizer.load_state_dict matches by position.
+    names = [n for g in checkpoint["optimizer_states"][0]["param_groups"] for n in g["params"]]
+    assert sorted(names) == sorted(n for n, _ in _model().named_parameters())
+    # The one-device file from a one-process run is the same, bit for bit.
+    local = torch.load(_consolidate(saved["local_path"]), weights_only=True)
+    for key in ("state_dict", "optimizer_states", "lr_schedulers"):
+        _assert_equal(local[key], checkpoint[key], key)
+
+
+@pytest.mark.parametrize(
+    ("name", "strategy", "devices", "source"),
+    [
+        ("2 processes", _sharded, 2, "path"),
+        ("4 processes", lambda: _sharded(4), 4, "path"),
+        ("2 processes to one process", _sharded, 1, "path"),
+        ("one process to 2 processes", _sharded, 2, "local_path"),
+    ],
+)
+def test_a_sharded_checkpoint_resumes_on_any_layout_exactly(saved, name, strategy, devices, source):
+    resumed = _model()
+    _trainer(strategy(), devices, 6).fit(resumed, datamodule=_ordered(), ckpt_path=str(saved[source]))
+    assert _max_diff(resumed, saved["piped"]) > 1e-3, name
+    assert _max_diff(resumed, saved["full"]) <= 1e-6, name
+
+
+def test_a_single_replica_folder_resumes_on_two_replicas(saved):
+    """S=2 x dp=2 from the 2-process folder continues like DDP on 2 devices from its consolidated file (the
+    same data, split alike; GradientAccumulation makes DDP normalize the partial windows as the pipeline)."""
+    want, got = _model(), _model()
+    ddp = _trainer(SpawnedDDP(), 2, 6, callbacks=[GradientAccumulation()])
+    ddp.fit(want, datamodule=_ordered(), ckpt_path=str(_consolidate(saved["path"])))
+    pipelines = _trainer(_sharded(), 4, 6, callbacks=[GradientAccumulation()])
+    pipelines.fit(got, datamodule=_ordered(), ckpt_path=str(saved["path"]))
+    assert _max_diff(want, saved["piped"]) > 1e-3
+    assert _max_diff(got, want) <= 1e-6
+
+
+def test_the_consolidated_file_resumes_on_one_device(saved):
+    resumed = _model()
+    _trainer("auto", 1, 6).fit(resumed, datamodule=_ordered(), ckpt_path=str(_consolidate(saved["path"])))
+    assert _max_diff(resumed, saved["full"]) <= 1e-6
+
+
+def test_mid_window_paci_checkpoints_carry_the_same_state_in_both_formats_and_resume_alike(tmp_path):
+    """PACI with dropout, saved after micro-batch 10 of windows of 4: the folder holds what the file holds
+    (weights, optimizer and schedulers by name, each stage's accumulated gradients, window, version and
+    random streams), and the run resumed from either continues alike, on processes and in one process."""
+
+    def paci(fmt: str = "file") -> PACIStrategy:
+        return PACIStrategy(pipeline_stages=2, schedule="paci", start_method="forkserver", checkpoint_format=fmt)
+
+    callbacks = [SaveBothFormatsAt(tmp_path, batch_idx=9, prefix="mid")]
+    _trainer(paci(), 2, 3, callbacks=callbacks).fit(_model(dropout=0.1), datamodule=_ordered())
+    file = load_file(tmp_path / "mid-file.ckpt")
+    folder = sharded_read.from_consolidated(torch.load(_consolidate(tmp_path / "mid-sharded.ckpt"), weights_only=True))
+    windows = [r["accumulation"].get("window") for r in file["pipeline"]["ranks"].values()]
+    assert all(w is not None for w in windows), "the checkpoint must be mid-window on every stage"
+    for key in ("state_dict", "lr_schedulers", "global_step"):
+        _assert_equal(folder[key], file[key], key)
+    for key in ("optimizer_by_name", "ranks", "layout", "param_names"):
+        _assert_equal(folder["pipeline"][key], file["pipeline"][key], f"pipeline.{key}")
+    resumed = {}
+    for name, fmt, devices in [("file", "file", 2), ("folder", "sharded", 2), ("folder, one process", "sharded", 1)]:
+        model = _model(dropout=0.1)
+        _trainer(paci(), devices, 6).fit(model, datamodule=_ordered(), ckpt_path=str(tmp_path / f"mid-{fmt}.ckpt"))
+        resumed[name] = model
+    assert _max_diff(resumed["folder"], resumed["file"]) <= 1e-6
+    assert _max_diff(resumed["folder, one process"], resumed["file"]) <= 1e-6
+
+
+def test_a_tied_gpt_folder_holds_one_devices_optimizer_and_resumes_on_both_sides(tmp_path):
+    """GPT(tie_weights=True): each stage holds a copy of the table. The consolidated file has one optimizer
+    entry for it, as one device's, and resumes on one device as one device's own checkpoint of the same step;
+    the pipeline resumes the folder, the head's copy taking its own state (``pipeline.tied_state``)."""
+
+    def fit(strategy, devices, steps, ckpt_path=None, callbacks=()):
+        model = _model(tie_weights=True)
+        trainer = _trainer(strategy, devices, steps, callbacks=list(callbacks), enable_checkpointing=bool(callbacks))
+        trainer.fit(model, datamodule=_ordered(), ckpt_path=ckpt_path)
+        return model
+
+    fit("auto", 1, 2, callbacks=[ModelCheckpoint(dirpath=tmp_path / "one", save_last=True)])
+    fit(_sharded(), 2, 2, callbacks=[ModelCheckpoint(dirpath=tmp_path / "piped", save_last=True)])
+    consolidated = _consolidate(tmp_path / "piped" / "last.ckpt")
+    (piped,) = torch.load(consolidated, weights_only=True)["optimizer_states"]
+    (one,) = torch.load(tmp_path / "one" / "last.ckpt", weights_only=True)["optimizer_states"]
+    assert [len(g["params"]) for g in piped["param_groups"]] == [len(g["params"]) for g in one["param_groups"]]
+    assert len(piped["state"]) == len(one["state"])
+    want = fit("auto", 1, 3, ckpt_path=tmp_path / "one" / "last.ckpt")
+    assert _max_diff(fit("auto", 1, 3, ckpt_path=consolidated), want) <= 1e-6
+    assert _max_diff(fit(_sharded(), 2, 3, ckpt_path=tmp_path / "piped" / "last.ckpt"), want) <= 1e-6
+
+
+def test_a_rank_reads_only_its_stage(saved):
+    """Stage 1 of 2 (the last layers) reads its weights and its parameters' optimizer state, nothing else."""
+    model = _model()
+    keys = [k for k in model.state_dict() if k.startswith("blocks.1.") or k.startswith("head.")]
+    names = [n for n, _ in model.named_parameters() if n in keys]
+    layout = {"num_stages": 2, "num_replicas": 1, "sizes": [2, 2], "schedule": "1f1b_flush"}
+    part = sharded_read.read(saved["path"], keys, names, ["stage1-replica0"], layout)
+    assert set(part["state_dict"]) == set(keys)
+    mine = {n for n, (_, _, state) in part["pipeline"]["optimizer_by_name"].items() if state}
+    assert mine == set(names)
+    assert set(part["pipeline"]["ranks"]) == {"stage0-replica0", "stage1-replica0"}
+    assert "rng" in part["pipeline"]["ranks"]["stage1-replica0"]
+
+
+def test_a_crash_while_saving_keeps_the_previous_checkpoint_for_ckpt_path_last(tmp_path, monkeypatch):
+    """The second save dies after DCP wrote its data: last.ckpt is still step 1's, whole, and ckpt_path="last"
+    resumes it, not the partial folder beside it."""
+    real_save = sharded_write.dcp.save
+    calls = []
+
+    def dying_save(*args, **kwargs):
+        calls.append(1)
+        real_save(*args, **kwargs)
+        if len(calls) == 2:
+            raise OSError("disk gone")
+
+    monkeypatch.setattr(sharded_write.dcp, "save", dying_save)
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_last=True, save_top_k=0)
+    with pytest.raises(OSError, match="disk gone"):
+        _trainer(_sharded(), 1, 3, callbacks=[ckpt], enable_checkpointing=True).fit(_model(), datamodule=_ordered())
+    monkeypatch.setattr(sharded_write.dcp, "save", real_save)
+    last = tmp_path / "last.ckpt"
+    assert sharded_write.is_sharded(last) and (tmp_path / "last.ckpt.partial").is_dir()
+    assert torch.load(last / "meta.pt", weights_only=True)["global_step"] == 1
+
+    class StartsAt(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            self.step = trainer.global_step
+
+    starts = StartsAt()
+    again = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_last=True, save_top_k=0)
+    trainer = _trainer(_sharded(), 1, 2, callbacks=[again, starts], enable_checkpointing=True)
+    trainer.fit(_model(), datamodule=_ordered(), ckpt_path="last")
+    assert starts.step == 1 and trainer.global_step == 2
+    assert not (tmp_path / "last.ckpt.partial").exists()  # the next save cleared it
+
+
+def test_publish_replaces_a_file_or_a_folder(tmp_path):
+    target = tmp_path / "last.ckpt"
+    for old in ("file", "folder"):
+        if old == "file":
+            target.write_bytes(b"old")
+        else:
+            target.mkdir()
+            (target / "x").write_bytes(b"old")
+        new = tmp_path / "new"
+        new.mkdir()
+        (new / "meta.pt").write_bytes(b"new")
+        sharded_write.publish(new, target)
+        assert (target / "meta.pt").read_bytes() == b"new" and not new.exists()
+        assert not target.with_name("last.ckpt.old").exists()
+        shutil.rmtree(target)
+
+
+# -- the format without processes: shares in, the single file's dict out --------------------------------
+
+
+def _two_stage_shares() -> tuple[dict, list[dict], dict]:
+    """Shares of a 2-stage split of a tiny model after one AdamW step, mid-window on stage 0."""
+    torch.manual_seed(0)
+    stages = [nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 4, bias=False)), nn.Sequential(nn.Linear(4, 2))]
+    shares, names_of = [], [["0.weight", "0.bias", "1.weight"], ["2.weight", "2.bias"]]
+    for s, part in enumerate(stages):
+        matrices = [p for p in part.parameters() if p.dim() > 1]
+        vectors = [p for p in part.parameters() if p.dim() == 1]
+        opt = torch.optim.AdamW([{"params": matrices}, {"params": vectors, "weight_decay": 0.0}])
+        part(torch.randn(2, part[0].in_features)).sum().backward()
+        opt.step()
+        named = dict(zip(names_of[s], part.parameters(), strict=True))
+        module = _Named(named)
+        lightning = {"state_dict": {n: p.detach() for n, p in named.items()}, "optimizer_states": [opt.state_dict()],
+                     "lr_schedulers": [{"base_lrs": [1e-3] * len(opt.param_groups), "last_epoch": 1}]}  # fmt: skip
+        accumulation = {"version": 1, "rng": None}
+        if s == 0:
+            accumulation.update(window=torch.tensor(2), grads={n: torch.full_like(p, 0.5) for n, p in named.items()})
+        extras = {"stage": s, "replica": 0, "accumulation": accumulation, "rng": {"cpu": torch.get_rng_state()}}
+        shares.append(rank_share(lightning, module, opt, extras, True))
+    base = {"global_step": 1, "loops": {}, "callbacks": {}, "lr_schedulers": shares[-1]["lr_schedulers"]}
+    layout = {"num_stages": 2, "num_replicas": 1, "sizes": [2, 1], "schedule": "paci"}
+    return base, shares, layout
+
+
+class _Named:
+    def __init__(self, named):
+        self.named = named
+
+    def named_parameters(self):
+        return iter(self.named.items())
+
+
+def test_the_folder_gives_back_the_single_files_dict(tmp_path):
+    base, shares, layout = _two_stage_shares()
+    sharded_write.save(tmp_path / "c.ckpt", shares, base, layout, distributed=False)
+    want = assemble(base, shares, layout)
+    every_name = [n for s in shares for g in s["groups"] for n in g]
+    keys = list(want["state_dict"])
+    got = sharded_read.read(tmp_path / "c.ckpt", keys, every_name, ["stage0-replica0", "stage1-replica0"], layout)
+    for key in ("state_dict", "lr_schedulers", "global_step"):
+        _assert_equal(got[key], want[key], key)
+    for key in ("optimizer_by_name", "ranks", "layout", "param_names"):
+        _assert_equal(got["pipeline"][key], want["pipeline"][key], f"pipeline.{key}")
+    # The single file loads memory-mapped: its tensors are the file's pages, read where used.
+    file = tmp_path / "c.file"
+    torch.save(want, file)
+    assert _mapped_file(load_file(file)["state_dict"]["0.weight"]) == str(file)
+
+
+def _mapped_file(tensor: torch.Tensor) -> str | None:
+    """The file whose mapping holds the tensor's bytes (Linux: /proc/self/maps), or None."""
+    address = tensor.data_ptr()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        start, end = (int(x, 16) for x in fields[0].split("-"))
+        if start <= address < end:
+            return fields[5] if len(fields) == 6 else None
+    return None

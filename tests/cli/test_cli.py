@@ -1,0 +1,274 @@
+"""The `lit-efficient` CLI: help from docstrings, links, saved configs, and an offline W&B run end to end."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import os
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from lit_efficient import ActivationCheckpointing, GradientAccumulation, PACIStrategy, PipelineMonitor
+from lit_efficient.cli.app import LitEfficientCLI, free_path, keep_wandb_local
+
+REPO = Path(__file__).resolve().parents[2]
+QUICKSTART = REPO / "configs" / "quickstart.yaml"
+# A single-process GPT small enough that a CLI fit takes a couple of seconds.
+TINY = [
+    "--model.init_args.n_layer=1", "--model.init_args.n_embd=32", "--model.init_args.n_head=2",
+    "--data.init_args.block_size=16", "--data.init_args.batch_size=4", "--data.init_args.max_bytes=20000",
+    "--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.enable_progress_bar=false",
+    "--trainer.enable_model_summary=false", "--trainer.limit_val_batches=1", "--trainer.num_sanity_val_steps=0",
+]  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def _no_pytest_argv(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["lit-efficient"])  # LightningCLI warns when args and sys.argv both exist
+
+
+def _cli(*args: str, run: bool = False) -> LitEfficientCLI:
+    return LitEfficientCLI(args=list(args), run=run)
+
+
+def _help(capsys, *args: str) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        _cli(*args, run=True)
+    assert exit_info.value.code == 0
+    return capsys.readouterr().out
+
+
+# -- parser -----------------------------------------------------------------------------------------
+
+
+def test_help_comes_from_docstrings(capsys):
+    fit = _help(capsys, "fit", "--help")
+    assert "--trainer.strategy" in fit and "lit_efficient.PACIStrategy" in fit
+    assert "data.init_args.block_size --> model.init_args.block_size" in fit
+    assert "data.vocab_size --> model.init_args.vocab_size" in fit
+    assert "--optimizer" not in fit and "--lr_scheduler" not in fit  # GPT.configure_optimizers owns them
+    model = _help(capsys, "fit", "--model.help", "GPT")
+    assert "Attention heads per block" in model
+    strategy = _help(capsys, "fit", "--trainer.strategy.help", "lit_efficient.PACIStrategy")
+    assert "Number of stages S each pipeline is split into" in strategy
+    callback = _help(capsys, "fit", "--trainer.callbacks.help", "lit_efficient.GradientAccumulation")
+    assert "Micro-batches per optimizer step" in callback
+
+
+@pytest.mark.parametrize("subcommand", ["fit", "validate", "test", "predict"])
+def test_subcommands(capsys, subcommand):
+    assert "--ckpt_path" in _help(capsys, subcommand, "--help")
+
+
+def test_defaults_are_gpt_text_and_offline_wandb():
+    cli = _cli("--trainer.logger=false")
+    assert type(cli.model).__name__ == "GPT" and type(cli.datamodule).__name__ == "TextDataModule"
+    logger = cli.parser.get_defaults().trainer.logger
+    assert logger.class_path.endswith("WandbLogger")
+    assert logger.init_args.offline is True and logger.init_args.save_dir == "runs"
+
+
+def test_short_class_name_and_repeated_configs_compose(tmp_path):
+    overlay = tmp_path / "overlay.yaml"
+    overlay.write_text("model:\n  init_args:\n    n_layer: 3\n")
+    cli = _cli("--model=GPT", "--model.n_embd=64", f"--config={QUICKSTART}", f"--config={overlay}")
+    assert cli.model.hparams.n_layer == 3  # the overlay, after quickstart's 4
+    assert cli.model.hparams.n_embd == 128  # quickstart's, after the flag given before it
+
+
+def test_data_sizes_feed_the_model(tmp_path):
+    cli = _cli("--trainer.logger=false", "--data.init_args.block_size=48")
+    assert cli.model.hparams.block_size == 48 == cli.datamodule.block_size
+    assert cli.model.hparams.vocab_size == 256
+    tokens = tmp_path / "tokens.bin"
+    np.array([1, 2, 3, 300, 7] * 40, dtype="<u2").tofile(tokens)
+    cli = _cli("--trainer.logger=false", f"--data.init_args.path={tokens}", "--data.init_args.block_size=8")
+    assert cli.model.hparams.vocab_size == 301  # scanned from the .bin
+    # The data decide: a value given for a link target is replaced by the data's.
+    cli = _cli("--trainer.logger=false", "--model.init_args.block_size=64", "--data.init_args.block_size=32")
+    assert cli.model.hparams.block_size == 32
+
+
+# -- saved config ----------------------------------------------------------------------------------
+
+
+def test_free_path_never_reuses_a_name(tmp_path):
+    path = tmp_path / "config.yaml"
+    assert free_path(path) == path
+    path.write_text("x")
+    assert free_path(path) == tmp_path / "config-1.yaml"
+    (tmp_path / "config-1.yaml").write_text("y")
+    assert free_path(path) == tmp_path / "config-2.yaml"
+
+
+def test_saved_config_reproduces_the_run_and_never_overwrites_its_input(tmp_path):
+    logger = [
+        "--trainer.logger=CSVLogger", f"--trainer.logger.save_dir={tmp_path}", "--trainer.logger.name=exp",
+        "--trainer.logger.version=v0",
+    ]  # fmt: skip
+    _cli("fit", *TINY, *logger, "--trainer.max_steps=1", "--seed_everything=7", run=True)
+    saved = tmp_path / "exp" / "v0" / "config.yaml"
+    text = saved.read_text()
+    config = yaml.safe_load(text)
+    assert config["seed_everything"] == 7 and config["model"]["init_args"]["n_layer"] == 1
+    # GPT and TextDataModule hparams merge without a conflict (vocab_size, block_size) in the logger.
+    hparams = yaml.safe_load((tmp_path / "exp" / "v0" / "hparams.yaml").read_text())
+    assert hparams["vocab_size"] == 256 and hparams["block_size"] == 16
+    assert hparams["config"]["trainer"]["max_steps"] == 1  # the resolved config reaches the logger
+
+    # Resuming from the saved file writes the new run's config beside it, never over it.
+    _cli("fit", f"--config={saved}", "--trainer.max_steps=2", run=True)
+    assert saved.read_text() == text
+    again = yaml.safe_load((tmp_path / "exp" / "v0" / "config-1.yaml").read_text())
+    assert again["trainer"]["max_steps"] == 2
+
+
+def test_wandb_directories_stay_under_save_dir(tmp_path, monkeypatch):
+    for var in ("WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_CONFIG_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("WANDB_DATA_DIR", "/somewhere/the/user/chose")
+    chosen = keep_wandb_local(tmp_path / "runs", offline=True)
+    assert set(chosen) == {"WANDB_CACHE_DIR", "WANDB_CONFIG_DIR"}
+    for var in chosen:
+        assert Path(os.environ[var]).is_relative_to(tmp_path / "runs" / "wandb")
+    assert os.environ["WANDB_DATA_DIR"] == "/somewhere/the/user/chose"
+    monkeypatch.delenv("WANDB_CONFIG_DIR")
+    assert "WANDB_CONFIG_DIR" not in keep_wandb_local(tmp_path, offline=False)  # online keeps user settings
+
+
+# -- end to end: console script, 2 pipeline ranks, offline W&B -----------------------------------
+
+
+def wandb_records(path: Path):
+    """The protobuf records of an offline run's ``run-<id>.wandb`` log (W&B's LevelDB-style log format).
+
+    wandb >= 0.19 writes offline runs only into this log (no ``wandb-summary.json``/``config.yaml``
+    until ``wandb sync``); each 32 KiB block holds chunks ``crc32 | length u16 | type u8 | data``.
+    """
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", f"{path} is not a W&B run log"
+    pos, block, pending = 7, 32768, b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a chunk header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if length == 0 and kind == 0:
+            pos += block - pos % block
+            continue
+        pending += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # FULL or LAST chunk: a record is complete
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            yield record
+
+
+def read_offline_run(run_dir: Path) -> tuple[dict, list[dict]]:
+    """(config, history rows) of an offline W&B run directory, values JSON-decoded."""
+    (log,) = run_dir.glob("run-*.wandb")
+    config: dict = {}
+    history: list[dict] = []
+    for record in wandb_records(log):
+        kind = record.WhichOneof("record_type")
+        if kind == "config":
+            config.update({item.key: json.loads(item.value_json) for item in record.config.update})
+        elif kind == "history":
+            # Media (the timeline picture) arrive as nested keys: ("pipeline/timeline", "width"), ...
+            history.append(
+                {item.key or ".".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            )
+    return config, history
+
+
+@pytest.mark.multiproc
+def test_fit_says_where_its_checkpoint_is_or_that_there_is_none(tmp_path, caplog):
+    root = f"--trainer.default_root_dir={tmp_path}"
+    with caplog.at_level(logging.INFO):
+        _cli("fit", *TINY, root, "--trainer.logger=false", "--trainer.max_steps=1", run=True)
+    (saved,) = tmp_path.rglob("*.ckpt")
+    assert f"lit-efficient: checkpoint {saved} (resume: --ckpt_path {saved})" in caplog.text
+    with pytest.warns(UserWarning, match=r"ended without saving a checkpoint \(no ModelCheckpoint callback\)"):
+        _cli("fit", *TINY, root, "--trainer.logger=false", "--trainer.max_steps=1",
+             "--trainer.enable_checkpointing=false", run=True)  # fmt: skip
+
+
+def test_console_script_quickstart_offline_wandb_run(tmp_path):
+    home, runs = tmp_path / "home", tmp_path / "runs"
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env.update(HOME=str(home), MPLCONFIGDIR=str(tmp_path / "mpl"), PYTHONUNBUFFERED="1")
+    script = shutil.which("lit-efficient")
+    command = [script] if script else [sys.executable, "-m", "lit_efficient.cli"]
+    command += [
+        "fit", f"--config={QUICKSTART}", "--trainer.max_steps=2", "--trainer.val_check_interval=8",
+        "--trainer.limit_val_batches=2", "--trainer.log_every_n_steps=1", "--data.init_args.max_bytes=200000",
+        "--trainer.enable_progress_bar=false", f"--trainer.logger.init_args.save_dir={runs}",
+    ]  # fmt: skip
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+
+    (run_dir,) = (runs / "wandb").glob("offline-run-*")
+    config, history = read_offline_run(run_dir)
+    keys = set().union(*history)
+    assert {"train_loss", "val_loss", "pipeline/utilization_stage0", "pipeline/bubble_fraction"} <= keys
+    assert {"pipeline/drift_max_stage0", "throughput/tokens_per_sec"} <= keys
+    assert any(key.startswith("pipeline/timeline") for key in keys)  # PipelineMonitor's picture
+    assert config["n_layer"] == 4 and config["vocab_size"] == 256  # the model's hparams
+    resolved = config["config"]  # the CLI's resolved config
+    assert resolved["trainer"]["strategy"]["init_args"]["schedule"] == "paci"
+    assert resolved["trainer"]["max_steps"] == 2
+
+    run_id = run_dir.name.rsplit("-", 1)[1]
+    own = runs / "lit-efficient" / run_id
+    assert yaml.safe_load((own / "config.yaml").read_text())["trainer"]["max_steps"] == 2
+    (checkpoint,) = (own / "checkpoints").glob("*.ckpt")
+    assert f"lit-efficient: checkpoint {checkpoint.resolve()}" in done.stdout + done.stderr
+    assert (own / "pipeline_timeline.png").is_file() and (own / "pipeline_timeline.json").is_file()
+    # Nothing from W&B outside save_dir: its cache and logs were pointed under runs/wandb.
+    assert not [p for p in home.rglob("*") if "wandb" in str(p.relative_to(home)).lower()]
+
+
+# -- README ----------------------------------------------------------------------------------------
+
+
+def test_readme_keeps_the_setup_commands_and_documents_every_option():
+    text = (REPO / "README.md").read_text()
+    assert "pip install torch==2.13.0 && pip install -e . && lit-efficient fit --config configs/quickstart.yaml" in text
+    assert 'pip install torch==2.13.0 && pip install -e ".[test]" && python -m pytest\n' in text  # CI runs it
+    for cls in (PACIStrategy, GradientAccumulation, ActivationCheckpointing, PipelineMonitor):
+        section = text.split(f"### `{cls.__name__}`\n", 1)[1].split("\n#", 1)[0]
+        for name, param in inspect.signature(cls.__init__).parameters.items():
+            if name != "self":
+                row = f"| `**{name}` |" if param.kind is param.VAR_KEYWORD else f"| `{name}` |"
+                assert row in section, f"README's {cls.__name__} table lacks {name}"
+
+
+@pytest.mark.parametrize(
+    ("env", "want"),
+    [({"TORCHELASTIC_RUN_ID": "job/7"}, "torchrun-job-7"), ({"SLURM_JOB_ID": "4242"}, "slurm-4242"),
+     ({"TORCHELASTIC_RUN_ID": "none"}, None), ({}, None)],
+)  # fmt: skip
+def test_every_attempt_of_a_restartable_job_logs_to_one_wandb_run_and_checkpoint_folder(env, want, monkeypatch):
+    """A restarted torchrun/SLURM attempt must find the checkpoints of the one before: they live under the
+    W&B run's id (<save_dir>/<project>/<id>/checkpoints), which is one id per job, not a fresh one per launch."""
+    for var in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    logger = _cli("--trainer.logger.init_args.save_dir=runs-test").trainer.logger
+    assert logger.version == want and logger._wandb_init["id"] == want
+    assert logger._wandb_init["resume"] == ("allow" if want else None)
+    given = _cli("--trainer.logger.init_args.save_dir=runs-test", "--trainer.logger.init_args.id=mine").trainer.logger
+    assert given.version == "mine"  # the user's own id wins

@@ -1,0 +1,149 @@
+"""Every shipped YAML config parses through the CLI; the CPU ones build their Trainer and the overlays train.
+
+The quickstart itself runs end to end through the console script in ``test_cli.py``; here the flush and
+activation-checkpointing overlays run a few steps in this process's children (``start_method: forkserver``).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lit_efficient.cli.app import LitEfficientCLI
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+QUICKSTART = CONFIGS / "quickstart.yaml"
+GPU_CONFIGS = ["gpt2_medium_8stage_paci.yaml", "gpt2_medium_8stage_flush.yaml"]
+OVERLAYS = ["flush.yaml", "localsgd.yaml", "diloco.yaml", "checkpointing.yaml"]
+# A few steps of the quickstart on a small slice of the corpus; tests swap W&B (test_cli covers it) for CSV.
+SHORT = [
+    "--trainer.max_steps=2", "--trainer.val_check_interval=8", "--trainer.limit_val_batches=2",
+    "--trainer.log_every_n_steps=1", "--trainer.enable_progress_bar=false",
+    "--data.init_args.max_bytes=200000", "--trainer.strategy.init_args.start_method=forkserver",
+]  # fmt: skip
+
+
+class _ParseOnly(LitEfficientCLI):
+    """Parses and validates, instantiates nothing (the GPU configs need 8 GPUs and a token file)."""
+
+    def before_instantiate_classes(self) -> None:
+        pass
+
+    def instantiate_classes(self) -> None:
+        pass
+
+
+@pytest.fixture(autouse=True)
+def _no_pytest_argv(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["lit-efficient"])
+
+
+def _args(*names: str) -> list[str]:
+    return [f"--config={CONFIGS / name}" for name in names]
+
+
+HF_CONFIGS = ["hf_llama.yaml"]  # standalone (not overlays): a Hugging Face model through HFCausalLM
+
+
+def test_every_shipped_config_is_covered():
+    shipped = sorted(p.name for p in CONFIGS.glob("*.y*ml"))
+    assert shipped == sorted(["quickstart.yaml", *OVERLAYS, *GPU_CONFIGS, *HF_CONFIGS])
+
+
+@pytest.mark.parametrize("stack", [["quickstart.yaml"], *(["quickstart.yaml", o] for o in OVERLAYS),
+                                   ["quickstart.yaml", "localsgd.yaml", "diloco.yaml"]])  # fmt: skip
+def test_cpu_configs_parse_and_build_their_trainer(stack, tmp_path):
+    cli = LitEfficientCLI(args=[*_args(*stack), "--trainer.logger=false", f"--trainer.default_root_dir={tmp_path}"],
+                          run=False)  # fmt: skip
+    strategy = cli.trainer.strategy
+    assert type(strategy).__name__ == "PACIStrategy" and strategy.pipeline_stages == 2
+    assert cli.trainer.accumulate_grad_batches == 4  # N; GradientAccumulation (steps=None) normalizes
+    names = [type(cb).__name__ for cb in cli.trainer.callbacks]
+    assert {"GradientAccumulation", "PipelineMonitor", "ModelCheckpoint"} <= set(names)
+    assert cli.model.hparams.block_size == cli.datamodule.block_size == 64
+    overlay = stack[-1]
+    if overlay == "flush.yaml":
+        assert strategy.schedule == "1f1b_flush"
+    elif overlay in ("localsgd.yaml", "diloco.yaml"):
+        assert strategy.local_sgd_steps == (20 if overlay == "diloco.yaml" else 4) and strategy.num_processes == 4
+        assert strategy.outer_optimizer == ("nesterov" if overlay == "diloco.yaml" else "average")
+    elif overlay == "checkpointing.yaml":
+        assert "ActivationCheckpointing" in names
+    else:
+        assert strategy.schedule == "paci"
+
+
+def test_command_line_sets_n_for_the_shipped_configs(tmp_path):
+    """The documented override: --trainer.accumulate_grad_batches N, with the config's GradientAccumulation."""
+    cli = LitEfficientCLI(
+        args=[*_args("quickstart.yaml"), "--trainer.accumulate_grad_batches=8", "--trainer.logger=false",
+              f"--trainer.default_root_dir={tmp_path}"],
+        run=False,
+    )  # fmt: skip
+    accumulation = next(cb for cb in cli.trainer.callbacks if type(cb).__name__ == "GradientAccumulation")
+    accumulation.setup(cli.trainer, cli.model, "fit")  # the conflict check and the value it applies
+    assert cli.trainer.accumulate_grad_batches == 8
+    assert accumulation.get_accumulate_grad_batches(0) == 8
+
+
+@pytest.mark.parametrize("name", GPU_CONFIGS)
+def test_gpu_configs_parse_with_the_paper_recipe(name):
+    config = _ParseOnly(args=_args(name), run=False).config
+    trainer, model, data = config.trainer, config.model.init_args, config.data.init_args
+    assert (trainer.accelerator, trainer.devices, trainer.precision) == ("gpu", 8, "bf16-mixed")
+    assert trainer.strategy.init_args.pipeline_stages == 8
+    assert trainer.strategy.init_args.schedule == ("paci" if "paci" in name else "1f1b_flush")
+    assert (model.n_layer, model.n_embd, model.n_head) == (24, 1024, 16)
+    assert (data.block_size, data.vocab_size) == (1024, 50304) and data.path.endswith(".bin")
+    assert config.model.init_args.block_size == 1024  # linked from the data
+    assert (model.learning_rate, tuple(model.betas), model.weight_decay) == (3e-4, (0.9, 0.95), 0.1)
+    assert model.warmup_steps == round(0.01 * trainer.max_steps) and model.min_lr_ratio == 0.1
+    accumulation = next(cb for cb in trainer.callbacks if cb.class_path.endswith("GradientAccumulation"))
+    assert accumulation.init_args.steps is None  # N is the Trainer's, so the command line can set it
+    assert data.batch_size * trainer.accumulate_grad_batches == 128  # the paper's global batch
+
+
+def test_gpu_paci_and_flush_differ_only_in_schedule():
+    paci, flush = (yaml.safe_load((CONFIGS / name).read_text()) for name in GPU_CONFIGS)
+    assert paci["trainer"]["strategy"]["init_args"].pop("schedule") == "paci"
+    assert flush["trainer"]["strategy"]["init_args"].pop("schedule") == "1f1b_flush"
+    paci["trainer"]["logger"]["init_args"].pop("name")
+    flush["trainer"]["logger"]["init_args"].pop("name")
+    assert paci == flush
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("overlay", ["flush.yaml", "checkpointing.yaml"])
+def test_overlay_trains_a_few_steps(overlay, tmp_path):
+    logger = ["--trainer.logger=CSVLogger", f"--trainer.logger.save_dir={tmp_path}", "--trainer.logger.name=run",
+              "--trainer.logger.version=v0"]  # fmt: skip
+    cli = LitEfficientCLI(args=["fit", *_args("quickstart.yaml", overlay), *SHORT, *logger])
+    metrics = cli.trainer.callback_metrics  # rank 0's (the last stage), brought back from the spawned ranks
+    assert math.isfinite(float(metrics["train_loss"])) and math.isfinite(float(metrics["val_loss"]))
+    run = tmp_path / "run" / "v0"
+    header = (run / "metrics.csv").read_text().splitlines()[0].split(",")
+    assert {"pipeline/utilization_stage0", "pipeline/bubble_fraction", "throughput/tokens_per_sec"} <= set(header)
+    if overlay == "checkpointing.yaml":
+        assert "activation_checkpointing/saved_bytes" in header
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    assert saved["trainer"]["callbacks"][-1]["class_path"].endswith(
+        "ActivationCheckpointing" if overlay == "checkpointing.yaml" else "ModelCheckpoint"
+    )
+    assert list((run / "checkpoints").glob("*.ckpt"))
+
+
+@pytest.mark.multiproc
+def test_hf_llama_config_builds_and_trains_a_few_steps(tmp_path):
+    pytest.importorskip("transformers")
+    logger = [f"--trainer.default_root_dir={tmp_path}", "--trainer.logger=false", "--trainer.callbacks=[]"]
+    short = [a for a in SHORT if "logger" not in a] + ["--model.init_args.model.num_hidden_layers=2"]
+    cli = LitEfficientCLI(args=["fit", *_args(*HF_CONFIGS), *short, *logger])
+    model = cli.model.model
+    assert type(model).__name__ == "LlamaForCausalLM" and model.config.tie_word_embeddings
+    assert model.config.vocab_size == cli.datamodule.vocab_size == 256  # linked from the data
+    assert cli.trainer.strategy.pipeline_stages == 2
+    assert math.isfinite(float(cli.trainer.callback_metrics["train_loss"]))  # rank 0's, from the spawned ranks

@@ -1,0 +1,357 @@
+"""HFCausalLM: stock transformers models (random init from configs, no download) pipelined with no glue.
+
+Unit tests check the adapter in one process (parts, side inputs, losses, refusals); the multiproc tests
+run the real Trainer with a user's default arguments (spawned ranks, gloo) against one device.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+
+from lit_efficient import GradientAccumulation, PACIStrategy
+from lit_efficient.data import TextDataModule
+from lit_efficient.models import GPT, HFCausalLM
+from lit_efficient.runtime.split import check_stage_parameters, layer_parameter_counts
+from lit_efficient.runtime.stage import run_layers
+from tests.support.multiproc import SpawnedDDP
+
+transformers = pytest.importorskip("transformers")
+from transformers import (  # noqa: E402
+    AutoModelForCausalLM,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from tests.support.hf_runs import SGDLM  # noqa: E402
+
+BLOCK = 32
+VOCAB = 256  # TextDataModule's bytes
+
+
+def gpt2(**kw) -> GPT2LMHeadModel:
+    L.seed_everything(0)
+    args = dict(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=BLOCK, resid_pdrop=0.0,
+                embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)  # fmt: skip
+    args.update(kw)
+    return GPT2LMHeadModel(GPT2Config(**args))
+
+
+def llama(layers: int = 2, **kw) -> LlamaForCausalLM:
+    L.seed_everything(0)
+    args = dict(num_hidden_layers=layers, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=BLOCK, bos_token_id=0,
+                eos_token_id=0, pad_token_id=0)  # fmt: skip
+    args.update(kw)
+    return LlamaForCausalLM(LlamaConfig(**args))
+
+
+def qwen2(**kw) -> Qwen2ForCausalLM:
+    L.seed_everything(0)
+    args = dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=BLOCK, tie_word_embeddings=True,
+                bos_token_id=0, eos_token_id=0)  # fmt: skip
+    args.update(kw)
+    return Qwen2ForCausalLM(Qwen2Config(**args))
+
+
+def _batch(b: int = 2, t: int = 8, pad: int = 2) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, VOCAB, (b, t), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[0, t - pad :] = 0
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+# ----------------------------------------------------------------------------- one process
+
+
+@pytest.mark.parametrize("make", [gpt2, llama, qwen2], ids=["gpt2", "llama", "qwen2"])
+def test_parts_in_a_chain_give_the_models_logits_and_loss(make):
+    module = HFCausalLM(make())
+    batch = _batch()
+    layers = module.pipeline_layers()
+    assert len(layers) == 2 + module.model.config.num_hidden_layers
+    out = run_layers(layers, module.pipeline_input(batch))
+    want = module.model(**batch)
+    assert torch.equal(out[0], want.logits)
+    loss, count = module.pipeline_loss(out[0], batch)
+    assert loss.item() == pytest.approx(want.loss.item(), rel=1e-6)
+    assert count.item() == int((batch["labels"][:, 1:] != -100).sum())
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_only_the_hidden_states_cross_a_boundary_with_a_gradient(attn):
+    module = HFCausalLM(llama(attn_implementation=attn))
+    layers = module.pipeline_layers()
+    boundary = run_layers(layers[:2], module.pipeline_input(_batch()))
+    assert boundary[0].requires_grad
+    side = [t for t in boundary[1:] if t is not None]
+    assert side and not any(t.requires_grad for t in side)  # rotary cos/sin, position ids, masks
+
+
+def test_tuple_batches_use_their_targets_and_ignore_negative_ones():
+    module = HFCausalLM(gpt2())
+    x = torch.randint(0, VOCAB, (2, 8))
+    y = torch.randint(0, VOCAB, (2, 8))
+    y[1, -3:] = -1
+    logits = module(module.pipeline_input((x, y)))
+    loss, count = module.pipeline_loss(logits, (x, y))
+    keep = y.reshape(-1) >= 0
+    want = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB)[keep], y.reshape(-1)[keep])
+    assert count.item() == 13 and loss.item() == pytest.approx(want.item(), rel=1e-6)
+
+
+def test_constructible_from_plain_values_and_saved_models(tmp_path):
+    module = HFCausalLM({"model_type": "llama", "num_hidden_layers": 1, "hidden_size": 16, "intermediate_size": 32,
+                         "num_attention_heads": 2}, vocab_size=VOCAB)  # fmt: skip
+    assert type(module.model).__name__ == "LlamaForCausalLM" and module.model.config.vocab_size == VOCAB
+    assert module.hparams.model["model_type"] == "llama"
+    module.model.save_pretrained(tmp_path)
+    again = HFCausalLM(str(tmp_path))
+    ids = torch.randint(0, VOCAB, (1, 6))
+    assert torch.equal(again(ids), module(ids))
+    with pytest.raises(ValueError, match="never downloads"):
+        HFCausalLM("gpt2")
+    with pytest.raises(ValueError, match="model_type"):
+        HFCausalLM({"hidden_size": 16})
+
+
+def test_fits_with_a_logger_beside_a_datamodule_without_the_data_sizes(tmp_path):
+    """The Python API's pair: HFCausalLM(model) and TextDataModule(block_size=...), with a logger (the default's
+    hparams merge). The model's unset vocab_size/block_size (None) clashed with the data's values ("block_size
+    present in both ... different values") before any batch ran."""
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, limit_val_batches=0, enable_progress_bar=False,
+                        enable_checkpointing=False, logger=L.pytorch.loggers.CSVLogger(str(tmp_path)))  # fmt: skip
+    trainer.fit(HFCausalLM(llama()), datamodule=TextDataModule(block_size=16, batch_size=2, max_bytes=20_000))
+    assert trainer.global_step == 1
+    assert HFCausalLM(llama(), block_size=16).hparams.block_size == 16  # given sizes are still saved
+
+
+def test_architecture_it_cannot_split_is_named():
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    t5 = T5ForConditionalGeneration(T5Config(d_model=16, d_ff=32, num_layers=1, num_heads=2, vocab_size=64))
+    with pytest.raises(ValueError, match="decoder-only"):
+        HFCausalLM(t5)
+    model = llama()
+    model.model.extra = nn.Linear(4, 4)  # weights the forward never calls: the first stage holds them
+    layers = HFCausalLM(model).pipeline_layers()
+    assert layers[0].extra is model.model.extra and type(layers[-1]).__name__ == "HFHead"
+    assert [n for n, _ in layers[-1].named_children()] == ["final_norm", "lm_head"]
+
+
+def test_layers_registered_twice_are_refused_naming_the_fix():
+    class Wrapped(L.LightningModule):  # the natural first attempt: keep the model, wrap its layers
+        def __init__(self):
+            super().__init__()
+            self.model = llama()
+            self.blocks = nn.ModuleList(nn.Sequential(layer) for layer in self.model.model.layers)
+
+        def pipeline_layers(self):
+            return [self.model.model.embed_tokens, *self.blocks, self.model.lm_head]
+
+    module = Wrapped()
+    with pytest.raises(ValueError, match="registered twice.*HFCausalLM"):
+        layer_parameter_counts(module, module.pipeline_layers())
+
+
+def test_a_stateless_module_shared_by_layers_is_accepted():
+    """openai-gpt's blocks share one activation object: nothing to copy or train, so no refusal."""
+    act = nn.GELU()
+
+    class Shared(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Sequential(nn.Linear(4, 4), act) for _ in range(3))
+
+        def pipeline_layers(self):
+            return list(self.layers)
+
+    module = Shared()
+    assert layer_parameter_counts(module, module.pipeline_layers()) == [20, 20, 20]
+
+
+def test_a_stage_without_parameters_is_refused_before_training():
+    check_stage_parameters([10, 0, 5], [1, 2])
+    with pytest.raises(ValueError, match="stage 1 would hold pipeline layers 2..3, which have no parameters"):
+        check_stage_parameters([10, 5, 0, 0], [2, 2])
+
+
+def test_embedding_rows_and_a_tied_head_are_not_decayed():
+    module = HFCausalLM(gpt2(), max_steps=10)
+    groups = module.configure_optimizers()["optimizer"].param_groups
+    no_decay = {id(p) for g in groups if g["weight_decay"] == 0 for p in g["params"]}
+    assert id(module.model.lm_head.weight) in no_decay and id(module.model.transformer.wte.weight) in no_decay
+    assert "model.lm_head.weight" in module._no_decay  # by name: what the last stage alone sees
+
+
+# ----------------------------------------------------------------------------- Trainer, several processes
+
+
+def _data() -> TextDataModule:
+    return TextDataModule(block_size=BLOCK, batch_size=4, max_bytes=60_000, seed=1)
+
+
+def _trainer(strategy, devices: int, max_steps: int, **kw) -> L.Trainer:
+    args = dict(accelerator="cpu", devices=devices, strategy=strategy, max_steps=max_steps, accumulate_grad_batches=4,
+                logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                limit_val_batches=0)  # fmt: skip
+    args.update(kw)
+    return L.Trainer(**args)
+
+
+def _max_diff(a: nn.Module, b: nn.Module) -> float:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    return max((sa[k].float() - sb[k].float()).abs().max().item() for k in sa)
+
+
+TIED_NAMES = ("model.transformer.wte.weight", "model.lm_head.weight")
+
+
+class DumpTiedCopies(PACIStrategy):
+    """Each rank writes its copy of the tied weight once the pipeline is drained at the end of training
+    (a callback's on_train_end runs before the strategy drains; its teardown after rank 0 re-gathered)."""
+
+    def __init__(self, path: Path, **kw) -> None:
+        super().__init__(start_method="forkserver", **kw)
+        self.path = path
+
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        mine = {n: p.detach().clone() for n, p in self.lightning_module.named_parameters() if n in TIED_NAMES}
+        torch.save(mine, self.path / f"copy{self.global_rank}.pt")
+
+    def copies(self) -> list[dict[str, torch.Tensor]]:
+        return [torch.load(self.path / f"copy{r}.pt") for r in range(self.pipeline_stages)]
+
+
+class RecordRanks(Callback):
+    """Rank 0 writes the losses it saw (it holds the last stage) and whether, after the strategy gathered the
+    model, the head and the embedding are one parameter again."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if outputs is not None and "loss" in outputs:
+            self.losses.append(float(outputs["loss"]))
+
+    def teardown(self, trainer, pl_module, stage) -> None:
+        if trainer.global_rank == 0:
+            model = pl_module.model
+            tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+            (self.path / "rank0.json").write_text(json.dumps({"tied": tied, "losses": self.losses}))
+
+
+@pytest.mark.multiproc
+def test_stock_gpt2_tied_flush_equals_single_device_and_reloads(tmp_path):
+    single, piped = SGDLM(gpt2()), SGDLM(gpt2())
+    start = {k: v.clone() for k, v in single.state_dict().items()}
+    _trainer("auto", 1, 3).fit(single, datamodule=_data())
+    strategy = DumpTiedCopies(tmp_path, pipeline_stages=2, schedule="1f1b_flush")
+    _trainer(strategy, 2, 3, callbacks=[RecordRanks(tmp_path)]).fit(piped, datamodule=_data())
+    assert max((single.state_dict()[k] - v).abs().max().item() for k, v in start.items()) > 1e-3
+    assert _max_diff(piped, single) <= 1e-5
+    # The two stages' copies of the tied weight are identical, and one parameter again on rank 0.
+    last, first = strategy.copies()  # rank 0 holds the last stage
+    assert torch.equal(first["model.transformer.wte.weight"], last["model.lm_head.weight"])
+    assert json.loads((tmp_path / "rank0.json").read_text())["tied"]
+    # save_pretrained after the pipelined fit reloads to identical logits.
+    piped.model.save_pretrained(tmp_path / "hf")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    ids = torch.randint(0, VOCAB, (2, 16))
+    assert torch.equal(reloaded(ids).logits, piped.model(ids).logits)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize(("make", "stages"), [(lambda: llama(layers=2), 4), (qwen2, 2)], ids=["llama-gqa", "qwen2"])
+def test_stock_models_flush_equal_single_device(make, stages):
+    single, piped = SGDLM(make()), SGDLM(make())
+    _trainer("auto", 1, 3).fit(single, datamodule=_data())
+    strategy = PACIStrategy(pipeline_stages=stages, schedule="1f1b_flush", start_method="forkserver")
+    _trainer(strategy, stages, 3).fit(piped, datamodule=_data())
+    assert _max_diff(piped, single) <= 1e-5
+
+
+class TrailingReshapes(GPT):
+    """GPT followed by two parameter-free layers (reshapes, say), which a split can leave alone on a stage."""
+
+    def __init__(self) -> None:
+        super().__init__(n_layer=1, n_head=2, n_embd=32, block_size=BLOCK, max_steps=4)
+        self.reshape = nn.ModuleList([nn.Identity(), nn.Identity()])
+
+    def pipeline_layers(self):
+        return [*super().pipeline_layers(), *self.reshape]
+
+
+@pytest.mark.multiproc
+def test_parameterless_stage_fails_on_every_rank_before_training():
+    strategy = PACIStrategy(pipeline_stages=2, balance=[3, 2], start_method="forkserver")
+    with pytest.raises(Exception, match="stage 1 would hold pipeline layers 3..4, which have no parameters"):
+        _trainer(strategy, 2, 2).fit(TrailingReshapes(), datamodule=_data())
+
+
+@pytest.mark.multiproc
+def test_stock_gpt2_tied_paci_trains_and_keeps_the_copies_equal(tmp_path):
+    module = HFCausalLM(gpt2(), learning_rate=3e-3, warmup_steps=2, max_steps=30)
+    strategy = DumpTiedCopies(tmp_path, pipeline_stages=2, schedule="paci")
+    _trainer(strategy, 2, 30, callbacks=[RecordRanks(tmp_path)]).fit(module, datamodule=_data())
+    last, first = strategy.copies()
+    assert torch.equal(first["model.transformer.wte.weight"], last["model.lm_head.weight"])
+    losses = json.loads((tmp_path / "rank0.json").read_text())["losses"]
+    assert len(losses) == 120
+    first, last = sum(losses[:16]) / 16, sum(losses[-16:]) / 16
+    assert last < first - 0.5, (first, last)
+
+
+class PaddedDicts(L.LightningDataModule):
+    """HF-style dict batches whose rows are right-padded to different lengths (so micro-batches hold
+    different token counts): what token-weighted accumulation must get exactly right."""
+
+    def train_dataloader(self):
+        gen = torch.Generator().manual_seed(3)
+        rows = []
+        for _ in range(48):
+            ids = torch.randint(1, VOCAB, (16,), generator=gen)
+            keep = int(torch.randint(4, 17, (1,), generator=gen))
+            mask = (torch.arange(16) < keep).long()
+            rows.append({"input_ids": ids.masked_fill(mask == 0, 0), "attention_mask": mask,
+                         "labels": ids.masked_fill(mask == 0, -100)})  # fmt: skip
+        return torch.utils.data.DataLoader(rows, batch_size=4)
+
+
+@pytest.mark.multiproc
+def test_padded_dict_batches_token_weighted_flush_equals_single_device():
+    def run(strategy, devices):
+        module = SGDLM(llama())
+        trainer = _trainer(strategy, devices, 3, accumulate_grad_batches=1,
+                           callbacks=[GradientAccumulation(steps=4, normalize="tokens")])  # fmt: skip
+        trainer.fit(module, datamodule=PaddedDicts())
+        return module
+
+    single = run("auto", 1)
+    piped = run(PACIStrategy(pipeline_stages=2, schedule="1f1b_flush", start_method="forkserver"), 2)
+    assert _max_diff(piped, single) <= 1e-5
+
+
+@pytest.mark.multiproc
+def test_trains_under_ddp_through_training_step():
+    module = HFCausalLM(gpt2(), warmup_steps=1, max_steps=2)
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    trainer = _trainer(SpawnedDDP(), 2, 2)
+    trainer.fit(module, datamodule=_data())
+    assert max((module.state_dict()[k] - v).abs().max().item() for k, v in before.items()) > 1e-4
+    assert torch.isfinite(trainer.callback_metrics["train_loss"])

@@ -1,0 +1,184 @@
+"""PACI's staleness corrections against one-process emulations of their documented rules (staleness.py).
+
+The runtime side is a `StageHost` (bit-identical to processes: test_in_process.py), so no process is
+spawned. The emulations are written from the rules, not from the implementation: PACI as in
+test_runtime_multiproc's `_paci_emulation` (forward of micro-batch j on stage s on the weights after
+`_forward_version` steps, backward recomputed on the current ones), with the correction's change.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from lit_efficient import PACIStrategy
+from lit_efficient.runtime.partition import partition_uniform, stage_bounds
+from lit_efficient.runtime.stage import PipelineStage
+from lit_efficient.runtime.staleness import LRScale, delay_bound, make_correction
+from lit_efficient.tools.demo import build_layers, lm_loss
+from lit_efficient.transport.local import local_pipeline
+from tests.support.emulation import backward_from_inputs, run
+from tests.support.runtime_runs import MODEL
+from tests.support.runtime_runs import forward_version as _forward_version
+from tests.support.runtime_runs import runtime_batches as _data
+from tests.support.runtime_runs import runtime_optimizer as _optimizer
+
+LR, WD, BETAS, EPS = 1e-2, 0.01, (0.9, 0.999), 1e-8  # _optimizer's AdamW
+ANNEAL = 4
+
+
+def _run(layers, correction, stages, accumulate, data, recompute=True, record=None):
+    bounds = stage_bounds(partition_uniform(len(layers), stages))
+    mine = [layers[lo:hi] for lo, hi in bounds]
+    built = []
+    for s, ls in enumerate(mine):
+        stage = PipelineStage(ls, s, stages, _optimizer([p for layer in ls for p in layer.parameters()]), lm_loss,
+                              recompute=recompute)  # fmt: skip
+        stage.correction = make_correction(correction, "paci", s, stages, accumulate, ANNEAL)
+        built.append(stage)
+    if record is not None:
+        for stage in built:
+            forward = stage.forward
+
+            def spy(j, inputs, batch=None, pending_steps=0, _s=stage.stage, _f=forward):
+                record.setdefault(_s, {})[j] = pending_steps
+                return _f(j, inputs, batch, pending_steps)
+
+            stage.forward = spy  # type: ignore[method-assign]
+    pipe = local_pipeline(built, "paci", accumulate, lambda b: b[0])
+    for j, batch in enumerate(data):
+        pipe.feed(batch, j)
+    pipe.drain()
+    return built
+
+
+def _predicted(layers_now, opt_state, delay, partial):
+    """The documented rule for AdamW: w - d * lr * (m'_hat / (sqrt(v'_hat) + eps) + wd * w), per parameter, the
+    moments m' and v' (and the step count) advanced by one step on ``partial``, the mean gradient of the window
+    accumulated so far (None: the moments as they are)."""
+    out = copy.deepcopy(layers_now)
+    params = [p for layer in out for p in layer.parameters()]
+    state = opt_state["state"]
+    decayed = {i for g in opt_state["param_groups"] for i in g["params"] if g["weight_decay"]}
+    with torch.no_grad():
+        for i, p in enumerate(params):
+            if i not in state:
+                continue
+            t, m, v = float(state[i]["step"]), state[i]["exp_avg"], state[i]["exp_avg_sq"]
+            if partial is not None and partial[i] is not None:
+                g = partial[i]
+                t, m, v = t + 1, BETAS[0] * m + (1 - BETAS[0]) * g, BETAS[1] * v + (1 - BETAS[1]) * g * g
+            m_hat = m / (1 - BETAS[0] ** t)
+            v_hat = v / (1 - BETAS[1] ** t)
+            u = m_hat / (v_hat.sqrt() + EPS) + (WD * p if i in decayed else 0)
+            p -= delay * LR * u
+    return out
+
+
+def _emulate(data, stages, accumulate, correction):
+    """PACI with recompute from its definition, plus ``correction``'s documented rule."""
+    layers = build_layers(**MODEL)
+    bounds = stage_bounds(partition_uniform(len(layers), stages))
+    stage_layers = [layers[lo:hi] for lo, hi in bounds]
+    opts = [_optimizer([p for layer in mine for p in layer.parameters()]) for mine in stage_layers]
+    versions = [[(copy.deepcopy(mine), copy.deepcopy(opts[s].state_dict()))] for s, mine in enumerate(stage_layers)]
+    # partial[s][k]: stage s's mean gradient of its open window right after micro-batch k's backward (None
+    # once that backward closed the window). In 1F1B order stage s forwards j right after backward j-(S-s).
+    partial: list[dict[int, list | None]] = [{} for _ in range(stages)]
+
+    for j, batch in enumerate(data):
+        inputs, x = [], batch[0]
+        with torch.no_grad():
+            for s in range(stages):
+                inputs.append(x)
+                v = _forward_version(s, stages, j, accumulate)
+                weights, opt_state = versions[s][v]
+                delay = j // accumulate - v
+                if correction == "weight_prediction" and delay > 0:
+                    weights = _predicted(weights, opt_state, delay, partial[s].get(j - (stages - s)))
+                x = run(weights, x)
+        backward_from_inputs(stage_layers, inputs, batch, accumulate)
+        done = j % accumulate + 1  # backwards of this window so far; the emulation's grads hold their sum / N
+        for s in range(stages):
+            grads = [p.grad for layer in stage_layers[s] for p in layer.parameters()]
+            partial[s][j] = (
+                None if done == accumulate else [None if g is None else g * accumulate / done for g in grads]
+            )
+        if (j + 1) % accumulate == 0:
+            for s in range(stages):
+                k = j // accumulate  # this stage's step count before this step
+                scale = 1.0
+                if correction == "lr_scale":
+                    d = math.ceil((stages - 1 - s) / accumulate)
+                    scale = (1 + d) ** -(1 - min(1, k / ANNEAL))
+                for g in opts[s].param_groups:
+                    g["lr"] = LR * scale
+                opts[s].step()
+                for g in opts[s].param_groups:
+                    g["lr"] = LR
+                opts[s].zero_grad()
+                versions[s].append((copy.deepcopy(stage_layers[s]), copy.deepcopy(opts[s].state_dict())))
+    return stage_layers
+
+
+def _max_diff(a, b):
+    pa = [p for layer in a for p in layer.parameters()]
+    pb = [p for layer in b for p in layer.parameters()]
+    return max((x - y).abs().max().item() for x, y in zip(pa, pb, strict=True))
+
+
+@pytest.mark.parametrize("correction", ["lr_scale", "weight_prediction"])
+@pytest.mark.parametrize(("stages", "accumulate"), [(4, 2), (2, 1)])
+def test_correction_equals_its_definition(correction, stages, accumulate):
+    data = _data(accumulate * 6)
+    got = _run(build_layers(**MODEL), correction, stages, accumulate, data)
+    plain = _run(build_layers(**MODEL), None, stages, accumulate, data)
+    want = _emulate(data, stages, accumulate, correction)
+    for s in range(stages):
+        assert _max_diff(got[s].layers, want[s]) <= 1e-5, (s, _max_diff(got[s].layers, want[s]))
+    # Stage 0 is stale, so the correction changed its trajectory: the comparison is not vacuous.
+    assert _max_diff(got[0].layers, plain[0].layers) > 1e-4
+
+
+def test_plain_emulation_matches_too():
+    """The emulation without a correction is PACI itself (the base the two above build on)."""
+    data = _data(12)
+    got = _run(build_layers(**MODEL), None, 4, 2, data)
+    want = _emulate(data, 4, 2, None)
+    assert max(_max_diff(got[s].layers, want[s]) for s in range(4)) <= 1e-5
+
+
+def test_pending_steps_are_the_measured_drift():
+    """What the runtime tells a forward about its staleness is the drift its backward then measures."""
+    record: dict[int, dict[int, int]] = {}
+    stages = _run(build_layers(**MODEL), None, 4, 2, _data(14), record=record)
+    for stage in stages:
+        measured = {j: after - before for j, before, after in stage.stats.versions}
+        assert record[stage.stage] == measured, stage.stage
+        assert max(measured.values()) == delay_bound("paci", stage.stage, 4, 2)
+
+
+def test_weight_prediction_with_keep_graph_restores_the_weights():
+    """Keep-graph: the stale forward's graph survives the restore (version counters), and outside forwards
+    the stage always holds the real weights."""
+    data = _data(12)
+    stages = _run(build_layers(**MODEL), "weight_prediction", 2, 2, data, recompute=False)
+    real = [p.detach().clone() for p in stages[0].parameters()]
+    assert stages[0].correction is not None and stages[0].correction._stash is not None  # it ran
+    assert all(torch.equal(p, r) for p, r in zip(stages[0].parameters(), real, strict=True))
+
+
+def test_lr_scale_factor_and_where_corrections_apply():
+    rule = LRScale(delay=1, anneal_steps=10)
+    assert (
+        rule.factor(0) == 0.5 and rule.factor(5) == pytest.approx(2**-0.5) and rule.factor(10) == rule.factor(99) == 1
+    )
+    assert make_correction("lr_scale", "1f1b_flush", 0, 8, 4, 10) is None  # no staleness under flush
+    assert make_correction("weight_prediction", "paci", 7, 8, 4, 10) is None  # the last stage is never stale
+    assert make_correction("none", "paci", 0, 8, 4, 10) is None
+    assert delay_bound("paci", 0, 8, 4) == 2
+    with pytest.raises(ValueError, match="staleness_correction='bogus'"):
+        PACIStrategy(staleness_correction="bogus")  # type: ignore[arg-type]

@@ -1,0 +1,198 @@
+"""What Lightning does between two training batches, under PACIStrategy, with the arguments a user has.
+
+Each test runs the real Trainer with its defaults (the default sampler, validation inside fit) and
+compares the pipeline with a reference: the same run with a Lightning hook turned off, a one-process
+emulation of PACI's documented rule, or one device.
+"""
+
+from __future__ import annotations
+
+import json
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lit_efficient import PACIStrategy
+from lit_efficient.models import GPT
+from lit_efficient.runtime.partition import partition_uniform, stage_bounds
+from lit_efficient.tools.demo import build_layers, lm_loss
+from tests.support.gpt_runs import gpt_model as _model
+from tests.support.gpt_runs import max_diff as _max_diff
+from tests.support.gpt_runs import text_data as _text_data
+from tests.support.runtime_runs import MODEL
+from tests.support.runtime_runs import paci_emulation as _paci_emulation
+from tests.support.runtime_runs import runtime_batches as _data
+
+pytestmark = pytest.mark.multiproc
+
+
+class TinyPipelined(L.LightningModule):
+    """The runtime tests' demo model as a pipelineable LightningModule, trained on a fixed list of
+    micro-batches in order (no shuffling), so a one-process emulation can replay exactly its data."""
+
+    def __init__(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(build_layers(**MODEL))
+        self.batches = batches
+
+    def pipeline_layers(self) -> list[nn.Module]:
+        return list(self.layers)
+
+    def pipeline_input(self, batch):
+        return batch[0]
+
+    def pipeline_loss(self, output, batch):
+        return lm_loss(output, batch)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+    def training_step(self, batch, batch_idx):
+        return self.pipeline_loss(self(batch[0]), batch)[0]
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.pipeline_loss(self(batch[0]), batch)[0])
+
+    def configure_optimizers(self):
+        return _sgd(self.parameters())
+
+    def train_dataloader(self):
+        xs, ys = (torch.cat(t) for t in zip(*self.batches, strict=True))
+        return DataLoader(TensorDataset(xs, ys), batch_size=self.batches[0][0].shape[0])
+
+    def val_dataloader(self):
+        return self.train_dataloader()
+
+
+def _sgd(params):
+    # Not AdamW: its first steps move every weight by ~lr * sign(grad), so the float reassociation of a
+    # near-zero gradient (another thread count in the spawned ranks) would show as a 1e-2 difference.
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def _fit(module, strategy, devices, accumulate, max_steps, datamodule=None, **kw):
+    """A fit with the Trainer's defaults besides quiet output; returns the module (whole after fit)."""
+    trainer = L.Trainer(
+        accelerator="cpu", devices=devices, strategy=strategy, max_steps=max_steps,
+        accumulate_grad_batches=accumulate, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, **kw,
+    )  # fmt: skip
+    trainer.fit(module, datamodule=datamodule)
+    return module
+
+
+def _drained_emulation(data, stages, accumulate, drains):
+    """PACI (recompute) from its definition, with the pipeline drained before each micro-batch in
+    ``drains``: a drain finishes every backward first, so forwards after it count those steps."""
+    layers = _paci_emulation(data, stages, accumulate, _bounds(stages), drains=drains, optimizer=_sgd)
+    return [p for mine in layers for layer in mine for p in layer.parameters()]
+
+
+def _bounds(stages):
+    return stage_bounds(partition_uniform(len(build_layers(**MODEL)), stages))
+
+
+def test_paci_validation_at_a_window_end_loses_no_gradient():
+    """Validation every 2 windows (val_check_interval = 2N micro-batches): Lightning's zero-grad hook
+    runs there on every stage while stage 0 still has that window's last micro-batch in flight.
+    PACI must equal its definition with a drain at each validation (and the same run with that hook
+    turned off): a lost gradient shows as a difference of order 1e-2."""
+    stages, accumulate, windows = 2, 2, 6
+    data = _data(accumulate * windows)
+    every = 2 * accumulate
+    strategy = PACIStrategy(pipeline_stages=stages, schedule="paci", recompute=True, start_method="forkserver")
+    piped = _fit(
+        TinyPipelined(data), strategy, stages, accumulate, windows, val_check_interval=every, limit_val_batches=1
+    )
+    got = list(piped.parameters())
+    drains = set(range(every, len(data), every))
+    want = _drained_emulation(data, stages, accumulate, drains)
+    undrained = _drained_emulation(data, stages, accumulate, set())
+    assert max((a - b).abs().max().item() for a, b in zip(got, undrained, strict=True)) > 1e-4, (
+        "the drains must change the trajectory, or this test cannot tell a drained run from an undrained one"
+    )
+    assert max((a - b).abs().max().item() for a, b in zip(got, want, strict=True)) <= 1e-5
+
+
+class _NoValidationZeroGrad(GPT):
+    def on_validation_model_zero_grad(self) -> None:
+        pass
+
+
+def test_paci_validation_zero_grad_hook_changes_nothing():
+    """The package's own GPT in keep-graph mode (the default): the run with Lightning's zero-grad
+    hook equals, bit for bit, the run with the hook turned off."""
+    kw = dict(val_check_interval=8, limit_val_batches=2)
+    runs = []
+    for cls in (GPT, _NoValidationZeroGrad):
+        module = _model()
+        module.__class__ = cls
+        strategy = PACIStrategy(pipeline_stages=2, schedule="paci", start_method="forkserver")
+        runs.append(_fit_with_data(module, strategy, 2, 4, 6, **kw))
+    assert _max_diff(runs[0], runs[1]) == 0.0
+
+
+def _fit_with_data(module, strategy, devices, accumulate, max_steps, **kw):
+    return _fit(module, strategy, devices, accumulate, max_steps, datamodule=_text_data(), **kw)
+
+
+class _LogsFromPipelineLoss(GPT):
+    """Logs a per-micro-batch metric where PACIStrategy runs it: in pipeline_loss, on the last stage."""
+
+    def pipeline_loss(self, output, batch):
+        loss, items = super().pipeline_loss(output, batch)
+        if self.trainer.training:
+            self.log("train_items", items.float(), on_step=True, batch_size=batch[0].shape[0])
+        return loss, items
+
+
+class _RecordMetrics(L.Callback):
+    def __init__(self, path) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if trainer.global_rank == 0:
+            metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+            self.path.write_text(json.dumps(metrics))
+
+
+def test_metrics_logged_in_pipeline_loss_reach_the_logger(tmp_path):
+    module = _model()
+    module.__class__ = _LogsFromPipelineLoss
+    out = tmp_path / "metrics.json"
+    strategy = PACIStrategy(pipeline_stages=2, schedule="paci", start_method="forkserver")
+    _fit_with_data(module, strategy, 2, 2, 3, limit_val_batches=0, callbacks=[_RecordMetrics(out)])
+    metrics = json.loads(out.read_text())
+    assert metrics["train_items"] == 4 * 32  # batch_size x block tokens, every micro-batch
+    assert "train_loss" in metrics
+
+
+class _RecordSteps(L.Callback):
+    """What a user's end-of-training callback sees: each stage's optimizer steps against global_step."""
+
+    def __init__(self, path) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        runtime = trainer.strategy.runtime
+        record = {
+            "global_step": trainer.global_step,
+            "steps": runtime.stage.stats.steps,
+            "in_flight": runtime.stage.in_flight,
+        }
+        (self.path / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+def test_callbacks_at_the_end_of_training_see_every_stage_stepped(tmp_path):
+    """max_steps ends the run mid-epoch: Lightning calls the callbacks' on_train_end before the strategy's,
+    so without a drain first stage 0 would still hold its last micro-batch and one step less."""
+    strategy = PACIStrategy(pipeline_stages=2, schedule="paci", start_method="forkserver")
+    _fit_with_data(_model(), strategy, 2, 4, 3, limit_val_batches=0, callbacks=[_RecordSteps(tmp_path)])
+    for rank in range(2):
+        record = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert record == {"global_step": 3, "steps": 3, "in_flight": 0}, (rank, record)

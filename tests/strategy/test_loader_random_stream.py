@@ -1,0 +1,102 @@
+"""A user's ``DataLoader(shuffle=True)`` without a generator, passed to fit, under one replica.
+
+Its ``RandomSampler`` draws its permutation's seed from the process's global torch stream when the epoch
+starts. The README promises that with one data-parallel replica "every stage reads your own training loader
+as it is (its sampler, its shuffling), so the pipeline sees exactly the batches one device would". Before
+the fix, Lightning's re-seed at setup (``reset_seed`` in DDP's ``setup_distributed``, copied for one process)
+replaced the stream the model's construction had advanced, so the pipeline read another order than one
+device; and without ``seed_everything`` the ranks of a pipeline each drew their own permutation, so the last
+stage took the loss of one batch's outputs against another batch's targets, silently.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning.pytorch as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch.utils.data import DataLoader, TensorDataset
+
+from lit_efficient import PACIStrategy
+from lit_efficient.models import GPT
+
+
+class _Batches(Callback):
+    def __init__(self, out: Path | None = None) -> None:
+        self.seen: list[int] = []
+        self.out = out
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.seen.append(int(batch[0].sum()))
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self.out is not None:
+            Path(self.out, f"rank{trainer.global_rank}.json").write_text(json.dumps(self.seen))
+
+
+def _loader() -> DataLoader:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(0, 256, (48, 8), generator=g)
+    return DataLoader(TensorDataset(x, x.roll(-1, 1)), batch_size=2, shuffle=True)  # no generator: global stream
+
+
+def _fit(seed: bool, callback: Callback, **kw) -> None:
+    if seed:
+        L.seed_everything(0)
+    model = GPT(n_layer=2, n_head=2, n_embd=32, block_size=8, vocab_size=256, warmup_steps=1, max_steps=4)
+    trainer = L.Trainer(
+        accelerator="cpu", max_steps=4, accumulate_grad_batches=2, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[callback], **kw,
+    )  # fmt: skip
+    trainer.fit(model, _loader())
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_one_process_pipeline_reads_the_loader_as_one_device_does() -> None:
+    single, piped = _Batches(), _Batches()
+    _fit(True, single, devices=1)
+    _fit(True, piped, devices=1, strategy=PACIStrategy(pipeline_stages=2, schedule="1f1b_flush"))
+    assert len(single.seen) == 8
+    assert piped.seen == single.seen
+
+
+REPO = Path(__file__).resolve().parents[2]
+_SCRIPT = """
+import sys
+sys.path.insert(0, {repo!r})
+from pathlib import Path
+from lit_efficient import PACIStrategy
+from tests.strategy.test_loader_random_stream import _Batches, _fit
+
+if __name__ == "__main__":
+    out, mode, seed = Path(sys.argv[1]), sys.argv[2], sys.argv[3] == "seed"
+    if mode == "single":
+        _fit(seed, _Batches(out / "single"), devices=1)
+    else:  # the default start_method, "popen": every rank runs this script, as under torchrun
+        _fit(seed, _Batches(out), devices=2, strategy=PACIStrategy(pipeline_stages=2, schedule="1f1b_flush"))
+"""
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("seed", ["seed", "noseed"])
+def test_every_stage_reads_the_batches_one_device_reads(tmp_path: Path, seed: str) -> None:
+    script = tmp_path / "run.py"
+    script.write_text(_SCRIPT.format(repo=str(REPO)))
+    (tmp_path / "single").mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_", "MASTER_", "PL_"))}
+    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", MPLCONFIGDIR=str(tmp_path / "mpl"))
+    for mode in ("single", "pipeline"):
+        done = subprocess.run([sys.executable, str(script), str(tmp_path), mode, seed], env=env, cwd=tmp_path,
+                              capture_output=True, text=True, timeout=240)  # fmt: skip
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    ranks = [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(2)]
+    assert len(ranks[0]) == 8
+    assert ranks[0] == ranks[1], "the stages of one pipeline read different batches"
+    if seed == "seed":
+        assert ranks[0] == json.loads(Path(tmp_path, "single", "rank0.json").read_text())

@@ -1,0 +1,314 @@
+"""Faults: dead and failing stages, NaNs, crashes while saving, bad configuration."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lit_efficient import GradientAccumulation, PACIStrategy
+from tests.support.gpt_runs import gpt_model as _model
+from tests.support.gpt_runs import gpt_trainer as _trainer
+from tests.support.gpt_runs import max_diff as _max_diff
+from tests.support.gpt_runs import ordered_data as _ordered
+from tests.support.multiproc import spawn
+from tests.support.runtime_runs import pipeline_on_ranks as _pipeline
+from tests.support.runtime_runs import runtime_batches as _data
+
+
+def _killed_mid_training(rank, world, victim_stage, stamp):
+    runtime, _ = _pipeline(rank, world, "paci", 2, world, timeout=30.0)
+    for j, batch in enumerate(_data(16)):
+        if runtime.stage.stage == victim_stage and j == 6:
+            Path(stamp).write_text(str(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        runtime.feed(batch, j)
+    runtime.drain()
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("world,victim", [(2, 0), (4, 1)])
+def test_sigkilled_stage_stops_every_rank_naming_it(world, victim, tmp_path):
+    stamp = tmp_path / "killed_at"
+    results = spawn(_killed_mid_training, world, victim, str(stamp), timeout=90)
+    killed_at = float(stamp.read_text())
+    victim_rank = world - 1 - victim  # the last stage sits on the lowest rank
+    dead = f"stage {victim} (rank {victim_rank})"
+    for rank, res in enumerate(results):
+        if rank == victim_rank:
+            continue
+        assert res["error"] != "hung", f"rank {rank} hung"
+        assert dead in res["error"], res["error"]
+        # Within seconds of the kill, not at the 30 s timeout: a closed connection is detected at once.
+        assert res["finished_at"] - killed_at < 10, res
+
+
+def _nan_at(rank, world, policy):
+    runtime, _ = _pipeline(rank, world, "paci", 2, world, timeout=30.0)
+    runtime.stage.on_nonfinite = policy
+    loss_fn = runtime.stage.loss_fn
+
+    def poisoned(out, batch):
+        loss, n = loss_fn(out, batch)
+        return (loss * float("nan"), n) if runtime._fed == 6 else (loss, n)  # micro-batch 5, step 2
+
+    runtime.stage.loss_fn = poisoned
+    for j, batch in enumerate(_data(12)):
+        runtime.feed(batch, j)
+    runtime.drain()
+    params = list(runtime.stage.parameters())
+    return {"skipped": runtime.stage.skipped_windows, "finite": all(bool(torch.isfinite(p).all()) for p in params)}
+
+
+@pytest.mark.multiproc
+def test_nan_loss_raises_with_step_stage_and_micro_batch():
+    results = spawn(_nan_at, 2, "raise", timeout=60)
+    last = results[0]["error"]  # rank 0 runs the last stage, where the loss is
+    assert "NonFiniteError" in last and "micro-batch 5" in last and "optimizer step 2" in last and "stage 1" in last
+    assert "error" in results[1]
+
+
+@pytest.mark.multiproc
+def test_nan_loss_skips_the_same_window_on_every_stage():
+    results = spawn(_nan_at, 2, "skip", timeout=60)
+    for res in results:
+        assert res.get("ok") == {"skipped": 1, "finite": True}, res
+
+
+class _CrashWhileSaving(PACIStrategy):
+    """Rank 0 dies while writing the second checkpoint's file, half of it on disk."""
+
+    def save_checkpoint(self, checkpoint, filepath, storage_options=None):
+        if self.global_rank == 0 and "step=6" in str(filepath):
+            import lit_efficient.checkpoint.merge as io
+
+            def half_then_die(obj, path):
+                Path(path).write_bytes(b"PK\x03\x04 half a zip")
+                os._exit(1)
+
+            io.torch.save = half_then_die  # the module's torch: only this process, which dies
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+
+@pytest.mark.multiproc
+def test_crash_while_saving_keeps_the_previous_checkpoint(tmp_path):
+    full = _model()
+    _trainer(PACIStrategy(schedule="1f1b_flush", start_method="forkserver"), 2, 6).fit(full, datamodule=_ordered())
+
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, filename="{step}", save_top_k=-1)
+    crashing = _CrashWhileSaving(schedule="1f1b_flush", start_method="forkserver")
+    with pytest.raises(Exception):  # noqa: B017 - the spawn launcher reports the dead rank its own way
+        _trainer(crashing, 2, 9, callbacks=[ckpt], enable_checkpointing=True).fit(_model(), datamodule=_ordered())
+    assert not (tmp_path / "step=6.ckpt").exists(), "a half-written checkpoint must never appear"
+    previous = tmp_path / "step=3.ckpt"
+    assert previous.is_file() and torch.load(previous, weights_only=True)["global_step"] == 3
+
+    resumed = _model()
+    strategy = PACIStrategy(schedule="1f1b_flush", start_method="forkserver")
+    _trainer(strategy, 2, 6).fit(resumed, datamodule=_ordered(), ckpt_path=str(previous))
+    assert _max_diff(resumed, full) <= 1e-5
+
+
+_SCRIPT = textwrap.dedent(
+    """
+    import os, signal, sys
+    import lightning as L
+    from lightning.pytorch.callbacks import Callback
+    from lit_efficient import PACIStrategy
+    from lit_efficient.data import TextDataModule
+    from lit_efficient.models import GPT
+
+    class KillStageZero(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_rank == 1 and trainer.global_step == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    if __name__ == "__main__":
+        trainer = L.Trainer(
+            accelerator="cpu", devices=2, max_steps=20, accumulate_grad_batches=2, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, limit_val_batches=0,
+            strategy=PACIStrategy(p2p_timeout=60), callbacks=[KillStageZero()],
+        )
+        model = GPT(n_layer=2, n_head=2, n_embd=32, block_size=32, warmup_steps=2, max_steps=20)
+        trainer.fit(model, datamodule=TextDataModule(block_size=32, batch_size=4, max_bytes=60_000))
+    """
+)
+
+
+@pytest.mark.multiproc
+def test_trainer_with_default_launcher_fails_fast_when_a_rank_is_killed(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(_SCRIPT)
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )  # fmt: skip
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0
+    assert "stage 0 (rank 1)" in proc.stderr, proc.stderr[-3000:]
+    assert elapsed < 60, f"took {elapsed:.0f}s; the p2p timeout is 60s and a dead peer is detectable at once"
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    stages=st.integers(-2, 9),
+    schedule=st.sampled_from(["paci", "1f1b_flush", "gpipe", ""]),
+    balance=st.one_of(st.sampled_from(["parameters", "uniform", "profile", "random"]), st.lists(st.integers(-1, 4))),
+    timeout=st.floats(-10, 1e4, allow_nan=False),
+    local_sgd=st.one_of(st.none(), st.integers(-2, 50)),
+    outer=st.sampled_from(["average", "nesterov", "adam"]),
+    outer_lr=st.sampled_from([0.7, 1.0, 0.0, -1.0]),
+    nonfinite=st.sampled_from(["raise", "skip", "ignore"]),
+)
+def test_every_invalid_strategy_argument_fails_clearly_and_valid_ones_construct(
+    stages, schedule, balance, timeout, local_sgd, outer, outer_lr, nonfinite
+):
+    valid = (
+        stages >= 1
+        and schedule in ("paci", "1f1b_flush")
+        and (
+            balance in ("parameters", "uniform", "profile")
+            or (isinstance(balance, list) and len(balance) == stages and all(n >= 1 for n in balance))
+        )
+        and timeout > 0
+        and (local_sgd is None or local_sgd >= 1)
+        and outer in ("average", "nesterov")
+        and outer_lr > 0
+        and (outer == "nesterov" or outer_lr == 0.7)
+        and nonfinite in ("raise", "skip")
+    )
+    kwargs = dict(
+        pipeline_stages=stages, schedule=schedule, balance=balance, p2p_timeout=timeout, local_sgd_steps=local_sgd,
+        outer_optimizer=outer, outer_lr=outer_lr, on_nonfinite=nonfinite,
+    )  # fmt: skip
+    if valid:
+        PACIStrategy(**kwargs)
+    else:
+        with pytest.raises(ValueError) as info:
+            PACIStrategy(**kwargs)
+        assert "=" in str(info.value), "the message names the offending argument and its value"
+
+
+@pytest.fixture
+def no_process_group_left():
+    yield
+    if torch.distributed.is_initialized():  # an in-process run of world size 1 must not leak into other tests
+        torch.distributed.destroy_process_group()
+
+
+def test_module_without_protocol_is_refused_naming_the_methods(no_process_group_left):
+    class Plain(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 2)
+
+        def training_step(self, batch, batch_idx):
+            return self.layer(batch).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    strategy = PACIStrategy(pipeline_stages=1)
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=1, logger=False)
+    with pytest.raises(TypeError, match="pipeline_layers, pipeline_input, pipeline_loss"):
+        trainer.fit(Plain(), train_dataloaders=[torch.zeros(1, 2)])
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    steps=st.one_of(
+        st.integers(-2, 8),
+        st.dictionaries(st.integers(-1, 4), st.integers(-1, 6), max_size=3),
+        st.sampled_from([1.5, "4", None]),
+    ),
+    normalize=st.sampled_from(["mean", "tokens", "sum", ""]),
+)
+def test_gradient_accumulation_arguments_fail_clearly_or_construct(steps, normalize):
+    valid_steps = (
+        steps is None  # N from Trainer(accumulate_grad_batches)
+        or (isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1)
+        or (isinstance(steps, dict) and steps and all(k >= 0 and v >= 1 for k, v in steps.items()))
+    )
+    if valid_steps and normalize in ("mean", "tokens"):
+        assert GradientAccumulation(steps, normalize).get_accumulate_grad_batches(0) >= 1
+    else:
+        with pytest.raises((ValueError, TypeError)) as info:
+            GradientAccumulation(steps, normalize)
+        assert "=" in str(info.value)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    modules=st.one_of(st.none(), st.lists(st.sampled_from(["Block", "", "Linear"]), max_size=3), st.just("Block")),
+    mode=st.sampled_from(["full", "selective", "none"]),
+    every_n=st.integers(-1, 3),
+    interval=st.integers(-1, 3),
+)
+def test_checkpointing_and_monitor_arguments_fail_clearly_or_construct(modules, mode, every_n, interval):
+    from lit_efficient import PipelineMonitor
+    from lit_efficient.callbacks import ActivationCheckpointing
+
+    ok = (modules is None or (isinstance(modules, list) and modules and all(modules))) and mode != "none"
+    ok = ok and every_n >= 1
+    if ok:
+        ActivationCheckpointing(modules=modules, mode=mode, every_n=every_n)
+    else:
+        with pytest.raises(ValueError, match="="):
+            ActivationCheckpointing(modules=modules, mode=mode, every_n=every_n)
+    if interval >= 1:
+        PipelineMonitor(logging_interval=interval)
+    else:
+        with pytest.raises(ValueError, match="="):
+            PipelineMonitor(logging_interval=interval)
+
+
+class _Opaque:
+    """Not a tensor, not on torch's weights_only allow-list: only a full unpickle restores it."""
+
+
+def test_shard_loading_obeys_weights_only(tmp_path):
+    from lit_efficient.checkpoint.single_file import load_file as load_shard
+
+    path = tmp_path / "stage0-replica0.pt"
+    torch.save({"state_dict": {"w": torch.ones(2)}, "extra": _Opaque()}, path)
+    with pytest.raises(Exception, match="weights_only|Unpickl"):
+        load_shard(path, weights_only=True)  # asked for safe loading: never silently a full unpickle
+    assert isinstance(load_shard(path, weights_only=False)["extra"], _Opaque)
+    with pytest.warns(UserWarning, match="Only load checkpoints you trust"):
+        assert isinstance(load_shard(path)["extra"], _Opaque)  # unspecified: safe first, then full with a warning
+    torch.save({"state_dict": {"w": torch.ones(2)}}, path)
+    assert torch.equal(load_shard(path, weights_only=True)["state_dict"]["w"], torch.ones(2))
+
+
+@pytest.mark.parametrize(
+    ("devices", "trainer_kw", "callbacks", "match"),
+    [
+        (3, {}, [], r"pipeline_stages=2\) does not divide the world size 3"),
+        (2, {"accumulate_grad_batches": 0}, [], r"accumulate_grad_batches=0\): .* integer >= 1"),
+        (2, {"accumulate_grad_batches": 2}, ["ga4"], r"accumulate_grad_batches=2\) and GradientAccumulation"),
+    ],
+)
+def test_configuration_errors_fail_before_any_process_starts(devices, trainer_kw, callbacks, match):
+    """One message from the launching process, before it starts any rank (which would each raise)."""
+    cbs = [GradientAccumulation(steps=4) for name in callbacks if name == "ga4"]
+    strategy = PACIStrategy(pipeline_stages=2, start_method="forkserver")
+    trainer = L.Trainer(
+        accelerator="cpu", devices=devices, strategy=strategy, max_steps=1, logger=False, callbacks=cbs, **trainer_kw
+    )
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=match):
+        trainer.fit(_model())
+    assert time.monotonic() - started < 5, "it must fail before the processes start, not in them"
+    assert not torch.distributed.is_initialized()

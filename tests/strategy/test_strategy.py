@@ -1,0 +1,166 @@
+"""PACIStrategy inside the real Lightning Trainer, against single-device and DDP runs on the same data."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from pathlib import Path
+
+import lightning as L
+import pytest
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+from lit_efficient import GradientAccumulation, PACIStrategy, consolidate_checkpoint
+from lit_efficient.models import GPT
+from tests.support.gpt_runs import ValHistory
+from tests.support.gpt_runs import gpt_model as _model
+from tests.support.gpt_runs import gpt_trainer as _trainer
+from tests.support.gpt_runs import max_diff as _max_diff
+from tests.support.gpt_runs import ordered_data as _ordered
+from tests.support.gpt_runs import text_data as _data
+from tests.support.multiproc import SpawnedDDP
+
+pytestmark = pytest.mark.multiproc
+
+
+class RecordStats(Callback):
+    """Writes every rank's pipeline stats to a file at the end of training (spawned ranks cannot return)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        s = trainer.strategy
+        stats = s.runtime.stats() if getattr(s, "runtime", None) else {}
+        stats.update(global_step=trainer.global_step, rank=trainer.global_rank)
+        stats["val_loss"] = [float(x) for x in getattr(pl_module, "_val_history", [])]
+        Path(self.path, f"rank{trainer.global_rank}.json").write_text(json.dumps(stats))
+
+
+def test_flush_in_trainer_equals_single_device():
+    """The Trainer's default arguments (use_distributed_sampler=True, a shuffled training loader): a
+    2-stage flush pipeline with one replica reads the batches one device reads, so it trains alike."""
+    steps = 3
+    single, piped = _model(), _model()
+    start = copy.deepcopy(single)
+    _trainer("auto", 1, steps).fit(single, datamodule=_data())
+    strategy = PACIStrategy(pipeline_stages=2, schedule="1f1b_flush", start_method="forkserver")
+    _trainer(strategy, 2, steps).fit(piped, datamodule=_data())
+    assert _max_diff(single, start) > 1e-3, "training must move the weights for the comparison to mean anything"
+    assert _max_diff(piped, single) <= 1e-5
+
+
+@pytest.mark.usefixtures("one_thread")  # tests/conftest.py: one device and one process at the same thread count
+def test_default_schedule_leaves_one_device_batches_and_steps():
+    """GPT's default schedule (max_steps=None) reads trainer.estimated_stepping_batches in configure_optimizers,
+    which loads the training loader inside the strategy's setup. The pipeline must still read the user's loader,
+    as one device does: it read a DistributedSampler's order when the loader was loaded before the strategy
+    turned Lightning's sampler off (1.5e-2 apart here; 5.8e-5 at GPT's default learning rate). Epochs end in a
+    partial window; both estimate 2 x ceil(3 / 2) = 4 steps and take them, so the schedules are alike."""
+    estimates = []
+
+    class Estimate(Callback):
+        def on_train_start(self, trainer, pl_module):
+            estimates.append(trainer.estimated_stepping_batches)
+
+    def fit(strategy) -> tuple[GPT, int]:
+        model = _model(max_steps=None)
+        trainer = _trainer(
+            strategy, 1, -1, max_epochs=2, limit_train_batches=3, accumulate_grad_batches=2,
+            callbacks=[GradientAccumulation(steps=2), Estimate()],
+        )  # fmt: skip
+        trainer.fit(model, datamodule=_data())
+        return model, trainer.global_step
+
+    single, single_steps = fit("auto")
+    piped, piped_steps = fit(PACIStrategy(pipeline_stages=2, schedule="1f1b_flush"))
+    assert estimates == [4, 4] and single_steps == piped_steps == 4
+    assert _max_diff(single, _model()) > 1e-3  # the run moved the weights
+    assert _max_diff(piped, single) == 0.0
+
+
+def test_pipeline_times_data_parallel_equals_ddp():
+    steps = 2
+    ddp, piped = _model(), _model()
+    _trainer(SpawnedDDP(), 2, steps).fit(ddp, datamodule=_data())
+    strategy = PACIStrategy(pipeline_stages=2, schedule="1f1b_flush", start_method="forkserver")
+    _trainer(strategy, 4, steps).fit(piped, datamodule=_data())
+    assert _max_diff(piped, ddp) <= 1e-5
+
+
+def test_paci_trains_on_real_text_with_drift_in_bound(tmp_path):
+    model = _model()
+    # balance="profile" times every layer on rank 0 and broadcasts the split: exercised here too.
+    strategy = PACIStrategy(pipeline_stages=2, schedule="paci", balance="profile", start_method="forkserver")
+    trainer = _trainer(
+        strategy, 2, 24, callbacks=[ValHistory(), RecordStats(tmp_path)], limit_val_batches=4, val_check_interval=32
+    )
+    trainer.fit(model, datamodule=_data())
+    ranks = [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(2)]
+    for st in ranks:
+        assert st["global_step"] == 24
+        assert st["drift_max"] <= math.ceil((2 - 1 - st["stage"]) / 4)
+        assert st["steps"] == 24
+    stage0 = next(st for st in ranks if st["stage"] == 0)
+    assert stage0["drift_max"] == 1 and 0 < stage0["drift_mean"] <= 0.25 + 1e-9
+    history = ranks[0]["val_loss"]  # rank 0 holds the last stage and its metrics
+    assert len(history) >= 3 and history[-1] < history[0] - 0.3, history
+
+
+def test_checkpoint_resume_follows_uninterrupted_run(tmp_path):
+    # Epochs of 12 micro-batches (3 windows); the checkpoint is taken after the last batch of epoch 0,
+    # so the resumed run sees the same micro-batches as the uninterrupted one.
+    def trainer(max_steps, **kw):
+        strategy = PACIStrategy(pipeline_stages=2, schedule="1f1b_flush", start_method="forkserver")
+        return _trainer(strategy, 2, max_steps, **kw)
+
+    full = _model()
+    trainer(6).fit(full, datamodule=_ordered())
+    first = _model()
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, filename="{step}")
+    trainer(3, callbacks=[ckpt], enable_checkpointing=True).fit(first, datamodule=_ordered())
+    path = tmp_path / "step=3.ckpt"
+    assert path.is_file()  # one ordinary Lightning file (tests/checkpoint/test_checkpoints.py: it loads anywhere)
+    resumed = _model()
+    trainer(6).fit(resumed, datamodule=_ordered(), ckpt_path=str(path))
+    assert _max_diff(resumed, first) > 1e-3
+    assert _max_diff(resumed, full) <= 1e-5
+    # The consolidated checkpoint is the unsplit module's state_dict at step 3.
+    plain = _model()
+    plain.load_state_dict(consolidate_checkpoint(path))
+    assert _max_diff(plain, first) == 0.0
+
+
+def test_validate_and_test_metrics_equal_unsplit_model():
+    model = _model()
+    dm = _data()
+    single = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, limit_test_batches=5,
+                       limit_val_batches=5, enable_model_summary=False)  # fmt: skip
+    want_val = single.validate(model, datamodule=dm, verbose=False)[0]
+    want_test = single.test(model, datamodule=dm, verbose=False)[0]
+    piped = L.Trainer(accelerator="cpu", devices=2, strategy=PACIStrategy(start_method="forkserver"), logger=False,
+                      enable_progress_bar=False, limit_val_batches=5, limit_test_batches=5,
+                      enable_model_summary=False)  # fmt: skip
+    got_val = piped.validate(model, datamodule=_data(), verbose=False)[0]
+    got_test = piped.test(model, datamodule=_data(), verbose=False)[0]
+    for want, got in ((want_val, got_val), (want_test, got_test)):
+        assert want.keys() == got.keys()
+        for key in want:
+            assert got[key] == pytest.approx(want[key], rel=1e-5), key
+
+
+def test_validation_metrics_cover_every_replica():
+    """2 stages x 2 replicas: each replica validates half of the batches (DistributedSampler), and
+    val_loss and val_ppl are the means over all of them, as on one device over the same batches."""
+    model = _model()
+    single = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, limit_val_batches=6,
+                       enable_model_summary=False)  # fmt: skip
+    want = single.validate(model, datamodule=_data(), verbose=False)[0]
+    strategy = PACIStrategy(pipeline_stages=2, start_method="forkserver")
+    piped = L.Trainer(accelerator="cpu", devices=4, strategy=strategy, logger=False, enable_progress_bar=False,
+                      limit_val_batches=3, enable_model_summary=False)  # fmt: skip
+    got = piped.validate(model, datamodule=_data(), verbose=False)[0]
+    assert want.keys() == got.keys() == {"val_loss", "val_ppl"}
+    for key in want:
+        assert got[key] == pytest.approx(want[key], rel=1e-5), key

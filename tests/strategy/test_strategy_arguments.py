@@ -1,0 +1,254 @@
+"""PACIStrategy refuses every keyword that would do nothing, on each path a user reaches it by (issue 23).
+
+Direct construction, a registered name (``Trainer(strategy="paci")``; the registry passes its init
+params), and the command line (``--trainer.strategy.init_args.<typo>`` or the same key in a YAML file):
+a misspelt option names the closest one and what passes through to Lightning, a DistributedDataParallel
+option says what PACIStrategy does instead, and nothing is built, launched or trained first.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.fabric.plugins.environments import LightningEnvironment
+from lightning.pytorch.accelerators import CPUAccelerator
+from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+
+from lit_efficient import PACIStrategy
+from lit_efficient.cli.app import LitEfficientCLI
+from lit_efficient.runtime.schedules import SCHEDULES
+from lit_efficient.strategy.config import PASSED_TO_LIGHTNING, options_of, wrapper_options
+
+REPO = Path(__file__).resolve().parents[2]
+QUICKSTART = REPO / "configs" / "quickstart.yaml"
+OPTIONS = options_of(PACIStrategy.__init__)
+OWN = [n for n in OPTIONS if n not in PASSED_TO_LIGHTNING]
+
+
+def typos(name: str) -> list[str]:
+    """Three misspellings of ``name``: a letter dropped, the last one dropped, two different letters swapped."""
+    mid = len(name) // 2
+    i = next(i for i in range(mid, len(name) - 1) if name[i] != name[i + 1])
+    return [name[:mid] + name[mid + 1 :], name[:-1], name[:i] + name[i + 1] + name[i] + name[i + 2 :]]
+
+
+def _refusal(**kwargs) -> str:
+    with pytest.raises(ValueError) as info:
+        PACIStrategy(**kwargs)
+    return str(info.value)
+
+
+def _assert_lists_what_is_accepted(message: str) -> None:
+    assert f"PACIStrategy's options: {', '.join(OWN)};" in message
+    assert f"passed through to Lightning's DDPStrategy: {', '.join(PASSED_TO_LIGHTNING)}." in message
+
+
+# -- direct construction ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", OPTIONS)
+def test_a_typo_of_every_option_is_refused_naming_the_option_meant(name):
+    for typo in typos(name):
+        assert typo not in OPTIONS
+        message = _refusal(**{typo: 1})
+        assert f"{typo}=1: not an option of PACIStrategy; did you mean {name}?" in message
+        _assert_lists_what_is_accepted(message)
+
+
+def test_the_issue_example_is_refused_with_every_bad_keyword_in_one_message():
+    # The issue's example named checkpoint_format, an option since issue 19; fault_tolerance is none.
+    message = _refusal(pipeline_stages=2, pipline_stage=4, fault_tolerance="restart")
+    assert "pipline_stage=4: not an option of PACIStrategy; did you mean pipeline_stages?" in message
+    assert "fault_tolerance='restart': not an option of PACIStrategy\n" in message  # nothing close: no guess
+    _assert_lists_what_is_accepted(message)
+    assert "DistributedDataParallel" not in message  # no wrapper option among them: no wrapper story
+
+
+@pytest.mark.parametrize("name", wrapper_options())
+def test_ddp_wrapper_options_say_what_paci_does_instead(name):
+    message = _refusal(**{name: None})
+    assert f"{name}=None: configures Lightning's DistributedDataParallel wrapper, never built here;" in message
+    assert "reduces gradients per stage instead" in message and "data-parallel replica group" in message
+    assert "lit_efficient/strategy/step_hooks.py" in message  # where the reduction lives
+    _assert_lists_what_is_accepted(message)
+
+
+@pytest.mark.parametrize(
+    ("name", "equivalent"),
+    [
+        ("find_unused_parameters", "none needed: a stage gives parameters that got no gradient zeros"),
+        ("static_graph", "none needed: a stage's gradients go in one flat all-reduce per dtype"),
+        ("bucket_cap_mb", "no buckets"),
+        ("model_averaging_period", "local_sgd_steps=H"),
+        ("ddp_comm_state", "PostLocalSGDState: local_sgd_steps=H"),
+        ("ddp_comm_hook", "none for compression hooks"),
+        ("mixed_precision", "Trainer(precision='bf16-mixed')"),
+        ("broadcast_buffers", "average_buffers=True"),
+        ("gradient_as_bucket_view", "no buckets"),
+    ],
+)
+def test_ddp_wrapper_options_name_their_equivalent(name, equivalent):
+    line = next(line for line in _refusal(**{name: True}).splitlines() if line.startswith(f"  - {name}="))
+    assert equivalent in line.split("; equivalent: ", 1)[1]
+
+
+def test_checkpoint_io_is_refused_as_never_called():
+    message = _refusal(checkpoint_io=object())
+    assert "checkpoint_io=<object" in message and "never calls a CheckpointIO" in message
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_a_checkpoint_io_plugin_is_refused_before_training_not_ignored(devices, tmp_path):
+    """``Trainer(plugins=[CheckpointIO])`` reaches the strategy past its constructor: refused at fit, before any
+    process starts or any step runs, in one process and on processes alike."""
+    from lightning.pytorch.plugins import AsyncCheckpointIO
+
+    from lit_efficient.models import GPT
+
+    trainer = L.Trainer(
+        accelerator="cpu", devices=devices, strategy=PACIStrategy(pipeline_stages=2), plugins=[AsyncCheckpointIO()],
+        max_steps=1, default_root_dir=tmp_path, logger=False, enable_progress_bar=False,
+    )  # fmt: skip
+    model = GPT(n_layer=2, n_head=2, n_embd=16, block_size=8)
+    refused = r"plugins=\[AsyncCheckpointIO\(\.\.\.\)\]\) would be ignored.*async_checkpoint=True"
+    with pytest.raises(ValueError, match=refused):
+        trainer.fit(model, train_dataloaders=[(torch.zeros(2, 8, dtype=torch.long),) * 2])
+    assert trainer.global_step == 0
+
+
+def test_every_ddp_strategy_parameter_is_passed_through_or_refused():
+    # A Lightning release that adds a DDPStrategy parameter fails here until it is sorted into one or the other.
+    ddp = [n for n in inspect.signature(DDPStrategy.__init__).parameters if n not in ("self", "kwargs")]
+    for name in ddp:
+        if name in PASSED_TO_LIGHTNING:
+            assert name in OPTIONS, name
+        else:
+            assert name in wrapper_options() or name == "checkpoint_io", name
+            _refusal(**{name: None})
+    assert set(PASSED_TO_LIGHTNING) <= set(OPTIONS) and set(PASSED_TO_LIGHTNING) <= set(ddp)
+
+
+def test_the_passed_through_options_reach_lightning():
+    env, plugin = LightningEnvironment(), MixedPrecision("bf16-mixed", "cpu")
+    strategy = PACIStrategy(
+        parallel_devices=[torch.device("cpu")] * 2, cluster_environment=env, precision_plugin=plugin,
+        process_group_backend="gloo", timeout=timedelta(seconds=7),
+    )  # fmt: skip
+    trainer = L.Trainer(strategy=strategy, logger=False, enable_progress_bar=False)
+    s = trainer.strategy
+    assert s is strategy and s.cluster_environment is env and s.precision_plugin is plugin
+    assert isinstance(trainer.accelerator, CPUAccelerator) and s.num_processes == 2 and trainer.world_size == 2
+    assert s.process_group_backend == "gloo" and s._timeout == timedelta(seconds=7)  # init_process_group's
+    # Lightning refuses an accelerator object together with parallel_devices: one at a time.
+    accelerator = CPUAccelerator()
+    trainer = L.Trainer(strategy=PACIStrategy(accelerator=accelerator), devices=2, logger=False)
+    assert trainer.accelerator is accelerator and trainer.strategy.accelerator is accelerator
+
+
+# -- registered names -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_the_registered_names_build_the_strategy_from_valid_init_params(name):
+    assert set(StrategyRegistry[name]["init_params"]) <= set(OPTIONS)
+    trainer = L.Trainer(strategy=name, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+    assert isinstance(trainer.strategy, PACIStrategy) and trainer.strategy.schedule == name
+
+
+@pytest.fixture
+def registered():
+    """Register names for one test, as a package registering PACIStrategy with init params would."""
+    names: list[str] = []
+
+    def register(**init_params) -> str:
+        name = f"paci_test_{len(names)}"
+        StrategyRegistry.register(name, PACIStrategy, description="test", **init_params)
+        names.append(name)
+        return name
+
+    yield register
+    for name in names:
+        StrategyRegistry.remove(name)
+
+
+@pytest.mark.parametrize("name", OPTIONS)
+def test_a_registered_name_with_a_misspelt_init_param_is_refused_at_trainer_construction(registered, name):
+    typo = typos(name)[0]
+    strategy = registered(schedule="1f1b_flush", **{typo: 1})
+    with pytest.raises(ValueError, match=rf"{typo}=1: not an option of PACIStrategy; did you mean {name}\?"):
+        L.Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False)
+
+
+def test_a_registered_name_with_a_ddp_option_is_refused(registered):
+    strategy = registered(find_unused_parameters=True)
+    with pytest.raises(ValueError, match="DistributedDataParallel wrapper, never built here"):
+        L.Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False)
+
+
+# -- command line -----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def cli_refusal(monkeypatch, capsys, tmp_path):
+    """Run ``lit-efficient fit --config quickstart.yaml <args>``, expect the parser's refusal, return stderr."""
+    monkeypatch.setattr(sys, "argv", ["lit-efficient"])  # LightningCLI warns when args and sys.argv both exist
+    root = tmp_path / "root"
+
+    def run(*args: str) -> str:
+        with pytest.raises(SystemExit) as exit_info:
+            LitEfficientCLI(args=["fit", f"--config={QUICKSTART}", f"--trainer.default_root_dir={root}", *args])
+        assert exit_info.value.code == 2  # argparse's usage error
+        assert not root.exists() and not (tmp_path / "runs").exists()  # nothing was built, nothing trained
+        return capsys.readouterr().err
+
+    monkeypatch.chdir(tmp_path)  # the quickstart's logger would write under ./runs
+    return run
+
+
+@pytest.mark.parametrize("name", OPTIONS)
+def test_the_cli_refuses_a_typo_of_every_strategy_option_without_running(cli_refusal, name):
+    typo = typos(name)[0]
+    err = cli_refusal(f"--trainer.strategy.init_args.{typo}=1")
+    assert f"Option '{typo}' is not accepted" in err  # jsonargparse's own refusal
+    assert f"  - {typo}: not an option of PACIStrategy; did you mean {name}?" in err
+    _assert_lists_what_is_accepted(err)
+
+
+def test_the_cli_refuses_a_ddp_option_from_a_yaml_file_saying_what_paci_does_instead(cli_refusal, tmp_path):
+    overlay = tmp_path / "ddp.yaml"
+    overlay.write_text("trainer:\n  strategy:\n    init_args:\n      find_unused_parameters: true\n")
+    err = cli_refusal(f"--config={overlay}")
+    assert "  - find_unused_parameters: configures Lightning's DistributedDataParallel wrapper" in err
+    assert "reduces gradients per stage instead" in err and "lit_efficient/strategy/step_hooks.py" in err
+
+
+def test_the_cli_refuses_init_args_on_a_registered_name(cli_refusal):
+    err = cli_refusal("--trainer.strategy=paci", "--trainer.strategy.init_args.pipeline_stages=2")
+    assert 'Parser key "trainer.strategy"' in err  # a name takes no options: spell out the class to set them
+
+
+def test_the_cli_shows_and_applies_the_passed_through_options_and_no_ddp_option(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["lit-efficient"])
+    with pytest.raises(SystemExit):
+        LitEfficientCLI(args=["fit", "--trainer.strategy.help", "lit_efficient.PACIStrategy"])
+    help_text = capsys.readouterr().out
+    for name in OPTIONS:
+        assert f"--trainer.strategy.{name} " in help_text, name
+    assert not [n for n in wrapper_options() if f"--trainer.strategy.{n} " in help_text]
+    assert "--trainer.strategy.checkpoint_io " not in help_text
+    args = [
+        "--trainer.strategy=lit_efficient.PACIStrategy", "--trainer.strategy.init_args.timeout=0:10:00",
+        "--trainer.strategy.init_args.process_group_backend=gloo", "--trainer.logger=false",
+        "--trainer.accelerator=cpu", "--trainer.devices=1", "--model.init_args.n_layer=2",
+        "--model.init_args.n_embd=32", "--model.init_args.n_head=2", "--data.init_args.max_bytes=20000",
+    ]  # fmt: skip
+    strategy = LitEfficientCLI(args=args, run=False).trainer.strategy
+    assert isinstance(strategy, PACIStrategy)
+    assert strategy._timeout == timedelta(minutes=10) and strategy.process_group_backend == "gloo"
