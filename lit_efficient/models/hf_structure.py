@@ -325,56 +325,21 @@ class Template:
         side: list[Tensor | None] = [None] * self.num_side
         seen = [False] * self.num_side
 
-        def put(e: _Entry, value: Any, where: str) -> None:
-            kind = e[0]
-            if kind == "side":
-                if value is not None and not isinstance(value, Tensor):
-                    raise ValueError(f"{where}: expected a tensor or None, got {type(value).__name__}")
-                if seen[e[1]] and side[e[1]] is not value:
-                    raise ValueError(f"{where}: a side input the dry run saw shared by several layers differs now")
-                side[e[1]], seen[e[1]] = value, True
-            elif kind == "seq":
-                if type(value) is not e[1] or len(value) != len(e[2]):
-                    raise ValueError(f"{where}: expected a {e[1].__name__} of {len(e[2])} values")
-                for sub, v in zip(e[2], value, strict=True):
-                    put(sub, v, where)
-            elif kind == "map":
-                if type(value) is not dict or value.keys() != {k for k, _ in e[1]}:
-                    raise ValueError(f"{where}: expected a dict of {[k for k, _ in e[1]]}")
-                for k, sub in e[1]:
-                    put(sub, value[k], where)
-            elif kind == "fresh" and not (type(value) is type(e[1]) and _is_empty_container(value)):
-                raise ValueError(f"{where}: expected an empty {type(e[1]).__name__}, got {value!r}")
-            elif kind == "const" and value is not e[1] and value != e[1]:
-                raise ValueError(f"{where}: {value!r} differs from the dry run's {e[1]!r}")
-
         for i, (a, kw) in enumerate(calls):
             for j, (e, v) in enumerate(zip(self.args[i][1:], a[1:], strict=True)):
-                put(e, v, f"decoder layer {i} argument {j + 1}")
+                _put(e, v, f"decoder layer {i} argument {j + 1}", side, seen)
             for k, e in self.kwargs[i].items():
-                put(e, kw.get(k), f"decoder layer {i} argument {k}")
+                _put(e, kw.get(k), f"decoder layer {i} argument {k}", side, seen)
         return side
 
     def call(self, i: int, layer: nn.Module, hidden: Tensor, side: Sequence[Tensor | None]) -> Tensor:
         """Run decoder layer ``i`` as the base forward would."""
-
-        def value(e: _Entry) -> Any:
-            if e[0] == "hidden":
-                return hidden
-            if e[0] == "side":
-                return side[e[1]]
-            if e[0] == "seq":
-                return e[1](value(sub) for sub in e[2])
-            if e[0] == "map":
-                return {k: value(sub) for k, sub in e[1]}
-            if e[0] == "fresh":
-                return copy.copy(e[1])  # empty, of the base forward's own type
-            return e[1]
-
         fresh = [f"argument {j}" for j, e in enumerate(self.args[i]) if e[0] == "fresh"]
         fresh += [f"argument {k}" for k, e in self.kwargs[i].items() if e[0] == "fresh"]
+        args = [_value(e, hidden, side) for e in self.args[i]]
+        kwargs = {k: _value(e, hidden, side) for k, e in self.kwargs[i].items()}
         try:
-            out = layer(*(value(e) for e in self.args[i]), **{k: value(e) for k, e in self.kwargs[i].items()})
+            out = layer(*args, **kwargs)
         except (KeyError, IndexError) as err:
             if not fresh:
                 raise
@@ -384,6 +349,50 @@ class Template:
                 "layers), state that is not in the hidden states and cannot cross a stage boundary"
             ) from err
         return out[0] if isinstance(out, (tuple, list)) else out  # openai-gpt's blocks return lists
+
+
+# Module-level, not closures: a nested function that calls itself by name is a reference cycle (function ->
+# cell -> function) holding what it captured, here the hidden states and their autograd graph, until Python's
+# cyclic collector runs: every micro-batch's layer inputs stayed alive for a while, the memory plan's measured
+# activations depended on when the collector ran (47% above the plan on one stage), and page faults rose.
+def _value(e: _Entry, hidden: Tensor, side: Sequence[Tensor | None]) -> Any:
+    """The value of template entry ``e`` for this call: the hidden states, a side input, or a structure of them."""
+    if e[0] == "hidden":
+        return hidden
+    if e[0] == "side":
+        return side[e[1]]
+    if e[0] == "seq":
+        return e[1](_value(sub, hidden, side) for sub in e[2])
+    if e[0] == "map":
+        return {k: _value(sub, hidden, side) for k, sub in e[1]}
+    if e[0] == "fresh":
+        return copy.copy(e[1])  # empty, of the base forward's own type
+    return e[1]
+
+
+def _put(e: _Entry, value: Any, where: str, side: list[Tensor | None], seen: list[bool]) -> None:
+    """Check ``value`` against template entry ``e`` and put the side inputs it holds into ``side``."""
+    kind = e[0]
+    if kind == "side":
+        if value is not None and not isinstance(value, Tensor):
+            raise ValueError(f"{where}: expected a tensor or None, got {type(value).__name__}")
+        if seen[e[1]] and side[e[1]] is not value:
+            raise ValueError(f"{where}: a side input the dry run saw shared by several layers differs now")
+        side[e[1]], seen[e[1]] = value, True
+    elif kind == "seq":
+        if type(value) is not e[1] or len(value) != len(e[2]):
+            raise ValueError(f"{where}: expected a {e[1].__name__} of {len(e[2])} values")
+        for sub, v in zip(e[2], value, strict=True):
+            _put(sub, v, where, side, seen)
+    elif kind == "map":
+        if type(value) is not dict or value.keys() != {k for k, _ in e[1]}:
+            raise ValueError(f"{where}: expected a dict of {[k for k, _ in e[1]]}")
+        for k, sub in e[1]:
+            _put(sub, value[k], where, side, seen)
+    elif kind == "fresh" and not (type(value) is type(e[1]) and _is_empty_container(value)):
+        raise ValueError(f"{where}: expected an empty {type(e[1]).__name__}, got {value!r}")
+    elif kind == "const" and value is not e[1] and value != e[1]:
+        raise ValueError(f"{where}: {value!r} differs from the dry run's {e[1]!r}")
 
 
 # ----------------------------------------------------------------------------- the dry run's helpers
