@@ -233,14 +233,18 @@ def _worker(rank: int, world: int, config: dict[str, Any]) -> dict[str, Any]:
     datamodule = build_data(config)
     datamodule.setup("fit")
     data = list(itertools.islice(iter(datamodule.train_dataloader()), 64))
-    model = build_model(config, 1000)
-    mine = stage_layers(model, s)
-    optimizer = module_optimizer(model, [p for layer in mine for p in layer.parameters()])
-    stage = TimedStage(mine, s, S, optimizer, loss_fn=model.pipeline_loss)
     comm = PointToPoint(s, topo.stage_of, torch.device("cpu"), timeout=300.0)
     prev_rank, next_rank = topo.neighbours(rank)
-    setup = RankSetup(stage, comm, prev_rank, next_rank, model.pipeline_input, data)
-    torch_model = build_model(config, 1000)
+
+    def fresh_setup() -> RankSetup:
+        # Every variant builds its model and optimizer in its own segment, as the Trainer's fit must: objects built
+        # at another point of a long-lived process run up to 20% faster or slower on these VMs (benchmarks.zero_bubble).
+        model = build_model(config, 1000)
+        mine = stage_layers(model, s)
+        optimizer = module_optimizer(model, [p for layer in mine for p in layer.parameters()])
+        stage = TimedStage(mine, s, S, optimizer, loss_fn=model.pipeline_loss)
+        return RankSetup(stage, comm, prev_rank, next_rank, model.pipeline_input, data)
+
     segments = []
     for n in config["accumulate"]:
         warm, windows = config["plan"][str(n)]
@@ -255,10 +259,10 @@ def _worker(rank: int, world: int, config: dict[str, Any]) -> dict[str, Any]:
                     out = run_trainer(config, variant.split("_")[1].replace("flush", "1f1b_flush"), n, warm, windows)
                     last = s == S - 1
                 elif variant == "bare_paci":
-                    out = run_bare(setup, n, warm, windows)
+                    out = run_bare(fresh_setup(), n, warm, windows)
                     last = s == S - 1
                 else:
-                    out = run_torch(torch_model, rank, data, variant, n, warm, windows)
+                    out = run_torch(build_model(config, 1000), rank, data, variant, n, warm, windows)
                     last = out["last_stage"]
                 out.update(variant=variant, N=n, round=r, loadavg=load, last_stage=last)
                 # Machine-wide busy CPU over the segment and this rank's own CPU: the parent subtracts
