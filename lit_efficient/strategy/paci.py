@@ -61,8 +61,7 @@ from lit_efficient.runtime.stage import PipelineStage
 from lit_efficient.runtime.staleness import CorrectionName, StalenessCorrection, make_correction
 from lit_efficient.runtime.tied import finish_tied, tie_delay, tie_stage, untag
 from lit_efficient.runtime.topology import Topology
-from lit_efficient.strategy import checkpointing, evaluation
-from lit_efficient.strategy.checkpointing import FinalState
+from lit_efficient.strategy import evaluation, stage_checkpoints
 from lit_efficient.strategy.config import (
     WIRE_DTYPES,
     _check_module,
@@ -78,6 +77,7 @@ from lit_efficient.strategy.hosting import HostedStage, gather_model_on_rank_zer
 from lit_efficient.strategy.module_hooks import drain_before, undo_drain_before, warn_uncalled_hooks
 from lit_efficient.strategy.progress import swap_stock_progress_bar
 from lit_efficient.strategy.runs import attempt_store
+from lit_efficient.strategy.stage_checkpoints import FinalState
 from lit_efficient.strategy.step_hooks import (
     Averaging,
     clips_global_norm,
@@ -274,7 +274,7 @@ class PACIStrategy(DDPStrategy):
         self.runtime: StageHost | None = None
         self.averager: ReplicaAverager | None = None  # the last hosted stage's LocalSGD/DiLoCo averager
         self.async_checkpointer: AsyncCheckpointer | None = None  # the save in flight (checkpoint.async_write)
-        self.final_state: FinalState | None = None  # the hosted stages at the end of training (checkpointing.py)
+        self.final_state: FinalState | None = None  # the hosted stages at the end of training (stage_checkpoints.py)
         self._split: Split | None = None
         self._dp_groups: dict[int, dist.ProcessGroup] = {}
         self._pipeline_groups: dict[int, dist.ProcessGroup] = {}
@@ -788,7 +788,7 @@ class PACIStrategy(DDPStrategy):
         if self.runtime is not None:
             self.runtime.drain()
             # Before fit takes the stages apart: for trainer.save_checkpoint after fit.
-            self.final_state = checkpointing.final_state(self)
+            self.final_state = stage_checkpoints.final_state(self)
         finish_tied([t for h in self.hosted for t in h.tied])
         # Every rank started the same broadcasts; wait for the last ones so no asynchronous work is
         # left in flight when the process group is torn down (a pending gloo work at exit aborts).
@@ -865,7 +865,7 @@ class PACIStrategy(DDPStrategy):
         with evaluation.forward_answers(module, outputs[0] if len(outputs) == 1 else outputs, hook):
             return getattr(module, hook)(batch, *args, **kwargs)
 
-    # -- checkpoints (checkpointing.py): one save path, one load path, for every hosting -----------
+    # -- checkpoints (stage_checkpoints.py): one save path, one load path, for every hosting -----------
 
     @property
     @override
@@ -890,23 +890,23 @@ class PACIStrategy(DDPStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        checkpointing.save(self, checkpoint, filepath)  # collective on processes
+        stage_checkpoints.save(self, checkpoint, filepath)  # collective on processes
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        return checkpointing.load(self, checkpoint_path, weights_only)
+        return stage_checkpoints.load(self, checkpoint_path, weights_only)
 
     @override
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
-        checkpointing.load_weights(self, checkpoint, strict)
+        stage_checkpoints.load_weights(self, checkpoint, strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
-        checkpointing.load_stage_states(self, checkpoint)
+        stage_checkpoints.load_stage_states(self, checkpoint)
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
-        checkpointing.remove(self, filepath)
+        stage_checkpoints.remove(self, filepath)
 
     # -- collectives ------------------------------------------------------------------------------
 
