@@ -58,17 +58,18 @@ class _Recorder(Callback):
         self._last_step = 0
 
     def setup(self, trainer, pl_module, stage) -> None:
-        # The strategy's gradient hook looks all_reduce_flat up at call time: count what it sends.
-        import lit_efficient.strategy.paci as paci
+        # The stage's gradient reduction (strategy/step_hooks.py) looks all_reduce_flat up at call time: count
+        # what it sends.
+        import lit_efficient.strategy.step_hooks as step_hooks
 
-        inner = paci.all_reduce_flat
+        inner = step_hooks.all_reduce_flat
 
         def counting(tensors, group=None):
             sent = inner(tensors, group)
             self.reduced_bytes += sent
             return sent
 
-        paci.all_reduce_flat = counting
+        step_hooks.all_reduce_flat = counting
 
     def on_train_start(self, trainer, pl_module) -> None:
         self._start = time.perf_counter()
