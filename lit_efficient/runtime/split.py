@@ -116,7 +116,8 @@ class Split:
 
 def layer_parameter_counts(module: nn.Module, layers: Sequence[nn.Module]) -> list[int]:
     """Parameters per layer, after checking that every parameter belongs to a layer and no part of a
-    layer is registered twice. A parameter shared by two layers counts in both (see `check_sharing`)."""
+    layer is registered twice. A parameter shared by two layers counts in both (see `check_sharing`); the parts
+    of a split module's layers on other stages count as if they were here."""
     _check_registered_once(module, layers)
     owner: set[int] = {id(p) for layer in layers for p in layer.parameters()}
     outside = [name for name, p in module.named_parameters() if id(p) not in owner]
@@ -125,7 +126,16 @@ def layer_parameter_counts(module: nn.Module, layers: Sequence[nn.Module]) -> li
             f"parameters {outside[:5]}{' ...' if len(outside) > 5 else ''} belong to no layer of pipeline_layers(): "
             "every parameter must live in exactly one pipeline layer so that some stage trains it"
         )
-    return [sum(p.numel() for p in layer.parameters()) for layer in layers]
+    return [_parameters_of(layer) for layer in layers]
+
+
+def _parameters_of(layer: nn.Module) -> int:
+    """A layer's parameter count, its parts on other stages included (a placeholder keeps their structure): every
+    rank of a split module counts what the whole one does, so a later setup (a validate or test after fit on the
+    same module) partitions as the first did, on every rank alike."""
+    own = sum(p.numel() for p in layer.parameters())
+    away = (m.structure for m in layer.modules() if isinstance(m, LayerOnOtherStage))
+    return own + sum(p.numel() for part in away for p in part.parameters())
 
 
 def check_sharing(module: nn.Module, layers: Sequence[nn.Module], sizes: Sequence[int]) -> list[Tie]:

@@ -52,6 +52,7 @@ from lit_efficient.runtime.split import (
     Split,
     check_sharing,
     check_stage_parameters,
+    layer_parameter_counts,
     only_stage,
     separate_tied_copies,
     split_module,
@@ -89,13 +90,13 @@ from lit_efficient.strategy.step_hooks import (
 from lit_efficient.strategy.step_logging import log_once_per_optimizer_step
 from lit_efficient.strategy.trainer_glue import (
     SyncCallbackMetrics,
+    agree_on_evaluation_results,
     batch_size_of,
     carry_step_count_to_automatic,
     first_training_batch,
     keep_launch_random_streams,
     keep_users_sampler,
     normalize_mode,
-    parameter_counts,
     point_metrics_at,
 )
 from lit_efficient.transport.collectives import broadcast_flat
@@ -545,6 +546,7 @@ class PACIStrategy(DDPStrategy):
         swap_stock_progress_bar(trainer)
         if not any(isinstance(cb, SyncCallbackMetrics) for cb in trainer.callbacks):
             trainer.callbacks.insert(0, SyncCallbackMetrics())
+        agree_on_evaluation_results(trainer)
 
     def _setup_stage_optimizer(self, trainer: Trainer, index: int) -> None:
         """Lightning's `setup_optimizers` while only stage ``index``'s layers are present, refusing anything but one
@@ -664,7 +666,7 @@ class PACIStrategy(DDPStrategy):
         return only_stage(self._split, index)
 
     def _stage_sizes(self, module: LightningModule, layers: list, trainer: Trainer) -> list[int]:
-        counts = parameter_counts(module, layers)
+        counts = layer_parameter_counts(module, layers)
         if self.pipeline_stages > len(layers):
             raise ValueError(
                 f"pipeline_stages={self.pipeline_stages} exceeds the {len(layers)} layers of pipeline_layers(): "

@@ -16,7 +16,6 @@ from torch import Tensor
 from typing_extensions import override
 
 from lit_efficient.runtime.profile import first_batch
-from lit_efficient.runtime.split import LayerOnOtherStage, layer_parameter_counts
 
 
 class SyncCallbackMetrics(Callback):
@@ -56,6 +55,30 @@ class SyncCallbackMetrics(Callback):
         trainer.strategy.drain()  # type: ignore[attr-defined]
 
 
+def agree_on_evaluation_results(trainer: Trainer) -> None:
+    """``trainer.validate``/``trainer.test`` return on every rank what rank 0 (the last stage) logged.
+
+    Only the last stage computes the loss, so another stage's rank logged nothing and a user's
+    ``trainer.validate(...)[0]["val_loss"]`` failed there with a KeyError (plain DDP returns every rank
+    its own values). The loops' ``run`` is wrapped once per trainer: a collective of every rank,
+    after the callbacks' ``on_*_end`` (where `SyncCallbackMetrics` already made the callback metrics
+    agree). The fit loop's validation returns nothing to the user and is left alone."""
+    if trainer.world_size == 1:
+        return
+    for loop in (trainer.validate_loop, trainer.test_loop):
+        if getattr(loop, "_lit_efficient_agrees", False):
+            continue
+        run = loop.run
+
+        def run_and_share(*args: Any, _run: Any = run, **kwargs: Any) -> Any:
+            results = _run(*args, **kwargs)
+            results = [{k: v.detach().cpu() if isinstance(v, Tensor) else v for k, v in r.items()} for r in results]
+            return trainer.strategy.broadcast(results, src=0)
+
+        loop.run = run_and_share  # type: ignore[method-assign]
+        loop._lit_efficient_agrees = True  # type: ignore[attr-defined]
+
+
 def carry_step_count_to_automatic(trainer: Trainer) -> None:
     """Lightning reads ``global_step`` from the automatic-optimization counter once the module is back
     in automatic mode; copy the count the pipeline advanced so it stays right after ``fit``."""
@@ -63,12 +86,6 @@ def carry_step_count_to_automatic(trainer: Trainer) -> None:
     steps = loop.manual_optimization.optim_step_progress.total
     auto = loop.automatic_optimization.optim_progress.optimizer.step.total
     auto.ready, auto.completed = steps.ready, steps.completed
-
-
-def parameter_counts(module: LightningModule, layers: list) -> list[int]:
-    if any(isinstance(layer, LayerOnOtherStage) for layer in layers):
-        return [sum(p.numel() for p in getattr(layer, "structure", layer).parameters()) for layer in layers]
-    return layer_parameter_counts(module, layers)
 
 
 def keep_launch_random_streams(streams: dict[str, Any], group: dist.ProcessGroup) -> None:

@@ -329,6 +329,17 @@ def _validate_then_fit(run: _Run):
     return trainer, module, returned
 
 
+def _fit_then_evaluate(run: _Run):
+    """Lightning's most common pattern: fit, then validate, test, predict and validate again on the same Trainer
+    (the module split by fit's setup is set up again, each time)."""
+    trainer, module = run.trainer(), run.row.module()
+    run.fit(trainer, module)
+    returned = [getattr(trainer, method)(module, datamodule=run.row.data()) for method in ("validate", "test")]
+    returned.append(trainer.predict(module, datamodule=run.row.data()))
+    returned.append(trainer.validate(module, datamodule=run.row.data()))
+    return trainer, module, returned
+
+
 def _resume(run: _Run):
     """Two steps with a "last" checkpoint in the middle of the first epoch (6 windows), then resumed from it to
     step 4; the uninterrupted 4 steps, saving at the same step (a checkpoint drains a paci pipeline, which moves
@@ -481,3 +492,8 @@ def _two_kept(piped: dict, ref: dict) -> None:
 
 def _predictions(piped: dict, ref: dict) -> None:
     assert len(piped["returned"]) == 2 and piped["returned"][0].shape == (4, BLOCK)
+
+
+def _evaluated_twice_alike(piped: dict, ref: dict) -> None:
+    first, _, predictions, again = piped["returned"]
+    assert first == again and len(predictions) == 2 and predictions[0].shape == (4, BLOCK)
