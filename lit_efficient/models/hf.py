@@ -93,7 +93,11 @@ def load_hf_model(model: Any, vocab_size: int | None = None, attn_implementation
                 "downloads: save the model with save_pretrained(folder) (or download it yourself) and pass the folder, "
                 "or pass a config dict with model_type."
             )
-        return AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, **kwargs)
+        if torch.get_default_device().type == "meta":  # the memory plan: the architecture, no weights to read
+            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder, local_files_only=True), **kwargs)
+        # from_pretrained returns the model in eval mode (for inference); a model built here is to train, and
+        # Lightning keeps each submodule's mode as it finds it: left so, dropout would stay off, silently.
+        return AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, **kwargs).train()
     raise TypeError(
         f"HFCausalLM(model=...) takes a transformers PreTrainedModel, a config dict or a local folder; got "
         f"{type(model).__name__}"
@@ -298,6 +302,10 @@ class HFCausalLM(LightningModule):
         self.__dict__["_no_decay"] = frozenset(
             n for n, p in self.named_parameters(remove_duplicate=False) if id(p) in tables or p.ndim < 2
         )
+        # Discovered once, on the whole model: a pipeline that has split the module (a rank after fit, before a
+        # validate or test on the same Trainer) holds other stages' layers only as placeholders, which the probe
+        # cannot run. The parts are looked up by name from it at every pipeline_layers().
+        self.__dict__["_structure"] = s
         self.__dict__["_template"] = None
 
     @override
@@ -321,8 +329,9 @@ class HFCausalLM(LightningModule):
 
     def pipeline_layers(self) -> list[nn.Module]:
         """``[embedding, decoder layer 0, ..., decoder layer L-1, head]`` as adapters around the model's own
-        modules (built afresh on every call, so they always hold the model's current parts)."""
-        s = find_structure(self.model)
+        modules (built afresh on every call, so they always hold the model's current parts: on a rank of a split
+        module, the placeholders of the other stages' layers)."""
+        s = self._structure
         if self._template is None:
             self.__dict__["_template"] = self._dry_run(s)
         return self._chain(s, self._template)
@@ -472,6 +481,14 @@ class HFCausalLM(LightningModule):
     @override
     def test_step(self, batch: Any, batch_idx: int) -> Tensor:
         return self._eval_step(batch, "test")
+
+    @override
+    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Tensor:
+        """Greedy next-token predictions ``(B, T)`` int64, as `GPT`'s (the argmax, not the ``(B, T, V)`` logits,
+        which would dominate the memory of ``trainer.predict``). Under PACIStrategy on processes the last stage's
+        rank returns them; the other ranks return ``None``."""
+        out = self(self.pipeline_input(batch))
+        return (out[0] if isinstance(out, tuple) else out).argmax(dim=-1)
 
     def _eval_step(self, batch: Any, prefix: str) -> Tensor:
         # Exactly one self(...) call: under PACIStrategy the last stage gets the pipeline's output here.

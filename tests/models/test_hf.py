@@ -20,7 +20,7 @@ from lit_efficient.data import TextDataModule
 from lit_efficient.models import GPT, HFCausalLM
 from lit_efficient.runtime.split import check_stage_parameters, layer_parameter_counts
 from lit_efficient.runtime.stage import run_layers
-from tests.support.multiproc import SpawnedDDP
+from tests.support.multiproc import SpawnedDDP, spawn, values
 
 transformers = pytest.importorskip("transformers")
 from transformers import (  # noqa: E402
@@ -125,6 +125,27 @@ def test_constructible_from_plain_values_and_saved_models(tmp_path):
         HFCausalLM("gpt2")
     with pytest.raises(ValueError, match="model_type"):
         HFCausalLM({"hidden_size": 16})
+
+
+def test_a_saved_model_loads_to_train_with_its_dropout_on(tmp_path):
+    """``from_pretrained`` returns a model in eval mode; Lightning keeps each submodule's mode as it finds it, so a
+    pretrained folder trained with dropout off, silently, while Lightning warned of modules in eval mode."""
+    gpt2(resid_pdrop=0.5, embd_pdrop=0.5).save_pretrained(tmp_path)
+    module = HFCausalLM(str(tmp_path))
+    assert all(m.training for m in module.modules())
+    trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)  # fmt: skip
+    modes = []
+
+    class Modes(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            modes.append(all(m.training for m in pl_module.modules()))
+
+    trainer.callbacks.append(Modes())
+    trainer.fit(module, datamodule=_data())
+    assert modes == [True]
+    ids = torch.randint(0, VOCAB, (1, 6))
+    assert not torch.equal(module(ids), module(ids))  # dropout draws a new mask each call
 
 
 def test_fits_with_a_logger_beside_a_datamodule_without_the_data_sizes(tmp_path):
@@ -355,3 +376,46 @@ def test_trains_under_ddp_through_training_step():
     trainer.fit(module, datamodule=_data())
     assert max((module.state_dict()[k] - v).abs().max().item() for k, v in before.items()) > 1e-4
     assert torch.isfinite(trainer.callback_metrics["train_loss"])
+
+
+def _fit_then_evaluate(rank: int, world: int, root: str) -> dict:
+    """A user's script on every rank: fit, then validate, test, predict and validate again on the same Trainer."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    model = SGDLM(qwen2())
+    trainer = _trainer(
+        PACIStrategy(pipeline_stages=2), 2, 2, limit_val_batches=2, limit_test_batches=2, limit_predict_batches=2,
+        default_root_dir=root,
+    )  # fmt: skip
+    trainer.fit(model, datamodule=_data())
+    losses = [
+        trainer.validate(model, datamodule=_data(), verbose=False)[0]["val_loss"],
+        trainer.test(model, datamodule=_data(), verbose=False)[0]["test_loss"],
+    ]
+    predictions = trainer.predict(model, datamodule=_data())
+    losses.append(trainer.validate(model, datamodule=_data(), verbose=False)[0]["val_loss"])
+    if rank == 0:  # the last stage, and the whole model after fit
+        torch.save(model.state_dict(), Path(root, "trained.pt"))
+    return {"losses": losses, "predictions": predictions}
+
+
+def test_evaluating_after_fit_on_processes_answers_as_one_device(tmp_path):
+    """Lightning's most common pattern, fit then validate/test/predict on the same Trainer, under PACI on two
+    processes: a Hugging Face model's layers are discovered once, not again on a rank whose module is split (that
+    crashed rank 1 naming a layer on the other stage). Every rank gets the results (only the last stage logs
+    them: rank 1's validate()[0]["val_loss"] was a KeyError), and they are one device's on the trained weights."""
+    last, first = values(spawn(_fit_then_evaluate, 2, str(tmp_path), timeout=240, torchrun_env=True))
+    assert last["losses"] == first["losses"]
+    val, test, val_again = last["losses"]
+    assert val == val_again
+    assert first["predictions"] == [None, None]  # the first stage's rank has no logits to answer with
+    reference = SGDLM(qwen2())
+    reference.load_state_dict(torch.load(tmp_path / "trained.pt"))
+    trainer = _trainer("auto", 1, 1, limit_val_batches=2, limit_test_batches=2, limit_predict_batches=2)
+    want_val = trainer.validate(reference, datamodule=_data(), verbose=False)[0]["val_loss"]
+    want_test = trainer.test(reference, datamodule=_data(), verbose=False)[0]["test_loss"]
+    want_predictions = trainer.predict(reference, datamodule=_data())
+    assert abs(val - want_val) < 1e-5 and abs(test - want_test) < 1e-5, (val, want_val, test, want_test)
+    assert len(last["predictions"]) == 2
+    assert all(torch.equal(a, b) for a, b in zip(last["predictions"], want_predictions, strict=True))
