@@ -20,6 +20,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
+from lit_efficient.data.loading import EpochShuffle, ResumableLoader
 from lit_efficient.tools.corpus import TEXT_SUFFIXES, concat_files, embedded_corpus, folder_files
 
 
@@ -93,10 +94,12 @@ class TextDataModule(LightningDataModule):
     Text is byte-level: token = byte, vocabulary 256. The last `val_fraction` of the tokens is the
     validation split (also served by `test_dataloader` and `predict_dataloader`: there is no third
     split); the rest is training. Both are cut into non-overlapping blocks of ``block_size + 1``.
-    Training batches are shuffled by a generator seeded with `seed` and the last incomplete batch is
-    dropped, so every micro-batch has the same shape (pipeline stages exchange fixed-shape activations,
-    and a short batch would weigh its tokens more under mean accumulation). Under multi-process
-    strategies Lightning replaces the sampler with a distributed one.
+    Training batches are shuffled, epoch ``e`` by a generator seeded with ``seed + e``, and the last
+    incomplete batch is dropped, so every micro-batch has the same shape (pipeline stages exchange
+    fixed-shape activations, and a short batch would weigh its tokens more under mean accumulation).
+    The training loader is resumable (`lit_efficient.data.loading`): a run resumed from a checkpoint
+    taken in the middle of an epoch reads the batches the uninterrupted run reads. Under several
+    replicas Lightning wraps the sampler in its distributed one, which keeps both properties.
 
     `prepare_data` is Lightning's no-op: nothing is downloaded. The corpus is read in `setup` and cached
     per process.
@@ -232,25 +235,27 @@ class TextDataModule(LightningDataModule):
 
     @override
     def train_dataloader(self) -> DataLoader:
-        generator = torch.Generator().manual_seed(self.seed)
-        return self._loader(self.train_set, shuffle=True, drop_last=True, generator=generator)
+        if self.train_set is None:
+            raise RuntimeError("TextDataModule: call setup() (the Trainer does) before asking for a dataloader.")
+        return self._loader(self.train_set, ResumableLoader, sampler=EpochShuffle(len(self.train_set), self.seed),
+                            drop_last=True)  # fmt: skip
 
     @override
     def val_dataloader(self) -> DataLoader:
-        return self._loader(self.val_set)
+        return self._loader(self.val_set, DataLoader)
 
     @override
     def test_dataloader(self) -> DataLoader:
-        return self._loader(self.val_set)
+        return self._loader(self.val_set, DataLoader)
 
     @override
     def predict_dataloader(self) -> DataLoader:
-        return self._loader(self.val_set)
+        return self._loader(self.val_set, DataLoader)
 
-    def _loader(self, dataset: TokenBlocks | None, **kwargs: Any) -> DataLoader:
+    def _loader(self, dataset: TokenBlocks | None, kind: type[DataLoader], **kwargs: Any) -> DataLoader:
         if dataset is None:
             raise RuntimeError("TextDataModule: call setup() (the Trainer does) before asking for a dataloader.")
-        return DataLoader(
+        return kind(
             dataset,
             batch_size=self.batch_size,
             num_workers=self.num_workers,

@@ -1,0 +1,122 @@
+"""Training loaders that Lightning resumes in the middle of an epoch, exactly.
+
+Lightning saves a training loader's ``state_dict()`` in every checkpoint and hands it back through
+``load_state_dict()`` before a resumed fit iterates again, when the loader has both ("stateful data
+loading"); a loader without them restarts its epoch from the first batch, so a run resumed mid-epoch
+reads batches the uninterrupted run never read there (Lightning warns "your dataloader is not
+resumable"). Two pieces make the data modules' training order a function of (seed, epoch, batch):
+
+- `EpochShuffle`: the permutation of epoch ``e`` is drawn from a generator seeded with ``seed + e``
+  (Lightning calls ``set_epoch`` at every epoch's start, also on the epoch a run resumes in). A
+  ``RandomSampler`` with one seeded generator draws epoch ``e``'s order after ``e`` earlier draws,
+  which a resumed process never made.
+- `ResumableLoader`: a DataLoader whose state is (epoch, batches yielded in it). Resumed in the same
+  epoch it skips that many batches of the epoch's index order without loading them; resumed in a later
+  epoch (the checkpoint was taken at an epoch's end) it skips nothing. Under several replicas Lightning
+  wraps the sampler in its distributed wrapper, which forwards ``set_epoch``: the same state holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Sampler
+
+
+class EpochShuffle(Sampler[int]):
+    """A random permutation of ``range(size)`` per epoch, a function of ``seed`` and the epoch alone.
+
+    Epoch 0's order is what ``RandomSampler(generator=torch.Generator().manual_seed(seed))`` draws first.
+
+    Args:
+        size: The dataset's length.
+        seed: The seed of epoch 0; epoch ``e`` uses ``seed + e``.
+    """
+
+    def __init__(self, size: int, seed: int) -> None:
+        self.size = size
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        return iter(torch.randperm(self.size, generator=generator).tolist())
+
+    def __len__(self) -> int:
+        return self.size
+
+
+class _SkipFirst:
+    """An index sampler's order without its first ``loader._skipping`` entries, which `ResumableLoader` sets for the
+    duration of starting an iteration (DataLoader's iterators start their order once or twice while being built, and
+    a persistent-workers iterator keeps this object and starts it again every epoch). Its length stays the whole
+    epoch's: Lightning reads a loader's length after loading its state and counts the resumed epoch's batches from
+    the checkpoint."""
+
+    def __init__(self, order: Any, loader: ResumableLoader) -> None:
+        self.order, self.loader = order, loader
+
+    def __iter__(self) -> Iterator[Any]:
+        order = iter(self.order)
+        for _ in range(self.loader._skipping):
+            next(order, None)
+        return order
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+
+class ResumableLoader(DataLoader):
+    """A DataLoader Lightning resumes mid-epoch: ``state_dict()`` is the epoch (the sampler's, set by Lightning) and
+    the batches yielded in it; after ``load_state_dict()`` the next iteration of that epoch starts after them.
+
+    The skipped batches are skipped as indices, never loaded. Takes DataLoader's arguments.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._epoch: int | None = None
+        self._yielded = 0
+        self._resume: dict[str, Any] | None = None
+        self._skipping = 0
+
+    @property
+    def _index_sampler(self) -> Any:  # DataLoader's iterators read their batch order from here
+        return _SkipFirst(super()._index_sampler, self)
+
+    def _sampler_epoch(self) -> int | None:
+        for sampler in (self.sampler, getattr(self.batch_sampler, "sampler", None)):
+            if isinstance(getattr(sampler, "epoch", None), int):
+                return sampler.epoch  # type: ignore[union-attr]
+        return None
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        # A generator: the body runs at the first batch, after Lightning's set_epoch for the epoch.
+        epoch, resume, self._resume = self._sampler_epoch(), self._resume, None
+        skip = resume["batches"] if resume is not None and resume["epoch"] == epoch else 0
+        self._skipping = skip
+        try:
+            batches = super().__iter__()
+        finally:
+            self._skipping = 0
+        self._epoch, self._yielded = epoch, skip
+        for batch in batches:
+            self._yielded += 1
+            yield batch
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self._epoch, "batches": self._yielded}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if set(state) != {"epoch", "batches"}:
+            raise ValueError(
+                f"ResumableLoader.load_state_dict: the checkpoint's loader state has keys {sorted(state)}, not "
+                "['batches', 'epoch']: it was saved by another training loader. Resume with the data module that "
+                "wrote the checkpoint."
+            )
+        self._resume = dict(state)
