@@ -27,12 +27,11 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lit_efficient.data import TextDataModule
 from lit_efficient.models import GPT, HFCausalLM  # noqa: F401 - HFCausalLM: known to --model by name
 from lit_efficient.strategy import PACIStrategy  # importing it registers the names "paci" and "1f1b_flush"
 from lit_efficient.strategy.config import explain_refused, options_of, refusal_footer
@@ -103,6 +102,15 @@ def keep_wandb_local(save_dir: str | os.PathLike, offline: bool) -> dict[str, st
     return chosen
 
 
+def run_id_of_checkpoint(ckpt_path: Any) -> str | None:
+    """The W&B run id of a checkpoint saved where the CLI's logger puts them, ``<save_dir>/<project>/<run
+    id>/checkpoints/<name>`` (a ``.ckpt`` file or a sharded folder); None for any other path or ``"last"``."""
+    if not isinstance(ckpt_path, (str, os.PathLike)) or str(ckpt_path) in ("last", "best", "hpc", "registry"):
+        return None
+    folder = Path(ckpt_path).expanduser().parent
+    return folder.parent.name or None if folder.name == "checkpoints" else None
+
+
 class StrategyOptionParser(LightningArgumentParser):
     """LightningCLI's parser, whose refusal of an unknown PACIStrategy option also says what the strategy would.
 
@@ -145,7 +153,7 @@ class LitEfficientCLI(LightningCLI):
         })  # fmt: skip
         super().__init__(
             LightningModule,  # GPT by default (below), HFCausalLM or any module with vocab_size/block_size
-            TextDataModule,
+            LightningDataModule,  # TextDataModule by default (below), TokenizedDataModule or any data module
             subclass_mode_model=True,
             subclass_mode_data=True,
             # GPT.configure_optimizers owns AdamW and its warmup + cosine schedule; set them on the model.
@@ -167,9 +175,12 @@ class LitEfficientCLI(LightningCLI):
                 },
             }
         )
-        # One source of truth: the data decide the context length and the vocabulary, the model follows.
-        parser.link_arguments("data.init_args.block_size", "model.init_args.block_size")
+        # One source of truth: the data decide the context length and the vocabulary, the model follows. Read from
+        # the built data module, so any LightningDataModule fits: a link whose attribute the data lack is not
+        # applied (the model's own value stands); a data module's default block_size counts as well (a link made
+        # when parsing saw only the values given, and fed a module with another default the model's 256).
         # vocab_size is known only once the data exist (a .bin without vocab_size is scanned for it).
+        parser.link_arguments("data.block_size", "model.init_args.block_size", apply_on="instantiate")
         parser.link_arguments("data.vocab_size", "model.init_args.vocab_size", apply_on="instantiate")
 
     @override
@@ -183,12 +194,15 @@ class LitEfficientCLI(LightningCLI):
                 init = logger.init_args
                 offline = bool(init.get("offline")) or "offline" in (init.get("mode"), os.environ.get("WANDB_MODE"))
                 keep_wandb_local(init.get("save_dir") or init.get("dir") or ".", offline)
-                job = restartable_job_id()
-                if job is not None and not (init.get("id") or init.get("version")):
-                    # One W&B run, and one checkpoint folder (<save_dir>/<project>/<run id>/checkpoints), for
-                    # every attempt of a job: a restarted attempt continues the chart and finds its
-                    # ckpt_path="last", where a fresh id per launch would start the run over.
-                    init["id"] = job
+                if init.get("id") or init.get("version"):
+                    continue  # the user's own run id wins
+                # One W&B run, and one checkpoint folder (<save_dir>/<project>/<run id>/checkpoints), for every
+                # attempt of a job: a restarted attempt continues the chart and finds its ckpt_path="last", where a
+                # fresh id per launch would start the run over. A run resumed by hand from a checkpoint of that
+                # layout continues the run that wrote it, likewise.
+                run = restartable_job_id() or run_id_of_checkpoint(config.get("ckpt_path"))
+                if run is not None:
+                    init["id"] = run
                     if init.get("resume") is None:
                         init["resume"] = "allow"
 

@@ -273,3 +273,20 @@ def test_every_attempt_of_a_restartable_job_logs_to_one_wandb_run_and_checkpoint
     assert logger._wandb_init["resume"] == ("allow" if want else None)
     given = _cli("--trainer.logger.init_args.save_dir=runs-test", "--trainer.logger.init_args.id=mine").trainer.logger
     assert given.version == "mine"  # the user's own id wins
+
+
+def test_a_run_resumed_from_its_checkpoint_continues_its_wandb_run(monkeypatch):
+    """``--ckpt_path <save_dir>/<project>/<run id>/checkpoints/last.ckpt`` started a new W&B run beside the one
+    that wrote the checkpoint: the chart of a resumed run began again at its first logged step."""
+    for var in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(LitEfficientCLI, "_run_subcommand", lambda self, subcommand: None)  # built, not fitted
+
+    def logger(*args: str):
+        return _cli("fit", "--trainer.logger.init_args.save_dir=runs-test", *args, run=True).trainer.logger
+
+    resumed = logger("--ckpt_path=runs-test/lit-efficient/1x2y3z/checkpoints/last.ckpt")
+    assert resumed._wandb_init["id"] == "1x2y3z" and resumed._wandb_init["resume"] == "allow"
+    for other in ("last", "elsewhere/model.ckpt"):  # no run to continue: a new one, as before
+        assert logger(f"--ckpt_path={other}")._wandb_init.get("id") is None
+    assert logger("--trainer.logger.init_args.id=mine", "--ckpt_path=r/p/1x2y3z/checkpoints/a.ckpt").version == "mine"
