@@ -37,3 +37,13 @@ def one_thread():
         os.environ.pop("OMP_NUM_THREADS", None)
     else:
         os.environ["OMP_NUM_THREADS"] = env
+
+
+@pytest.fixture(scope="session")
+def demo_model(tmp_path_factory):
+    """examples/own_hf_model.py's stand-in for a downloaded model: a small Qwen2 and its BPE tokenizer in one
+    save_pretrained folder (a 300-token vocabulary trained on 300 kB of the embedded corpus here)."""
+    pytest.importorskip("transformers")
+    from tests.support.own_model import example
+
+    return example().make_demo_folder(tmp_path_factory.mktemp("my_model"), vocab_size=300, text_bytes=300_000)

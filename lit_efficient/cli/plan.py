@@ -202,7 +202,7 @@ def load_config(argv: Sequence[str]) -> dict[str, Any]:
     strategy = _strategy(trainer.strategy)
     data = _init_args(config.data)
     batch_size, block_size = int(data.get("batch_size", 16)), int(data.get("block_size", 256))
-    vocab = data.get("vocab_size") or _text_vocab(data)
+    vocab = data.get("vocab_size") or _data_vocab(config.data.class_path, data)
     callbacks = [c for c in (trainer.callbacks or []) if not isinstance(c, str)]
     accumulate = _accumulate(trainer, callbacks)
     checkpointing = next((_build(c) for c in callbacks if _class_name(c) == "ActivationCheckpointing"), None)
@@ -367,7 +367,11 @@ def _world(trainer: Any) -> int:
     return max(1, count) * max(1, int(trainer.num_nodes or 1))
 
 
-def _text_vocab(data: dict) -> int:
+def _data_vocab(class_path: str, data: dict) -> int:
+    from lit_efficient.data.tokenized import TokenizedDataModule, load_tokenizer
+
+    if issubclass(_import(class_path), TokenizedDataModule):
+        return len(load_tokenizer(data["tokenizer"]))  # the tokenizer only: the text is not read
     path = data.get("path")
     if path is not None and str(path).endswith(".bin"):
         raise ValueError(

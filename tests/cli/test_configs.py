@@ -46,7 +46,8 @@ def _args(*names: str) -> list[str]:
     return [f"--config={CONFIGS / name}" for name in names]
 
 
-HF_CONFIGS = ["hf_llama.yaml"]  # standalone (not overlays): a Hugging Face model through HFCausalLM
+# Standalone (not overlays): a Hugging Face model through HFCausalLM.
+HF_CONFIGS = ["hf_llama.yaml", "hf_own_model.yaml"]
 
 
 def test_every_shipped_config_is_covered():
@@ -141,9 +142,25 @@ def test_hf_llama_config_builds_and_trains_a_few_steps(tmp_path):
     pytest.importorskip("transformers")
     logger = [f"--trainer.default_root_dir={tmp_path}", "--trainer.logger=false", "--trainer.callbacks=[]"]
     short = [a for a in SHORT if "logger" not in a] + ["--model.init_args.model.num_hidden_layers=2"]
-    cli = LitEfficientCLI(args=["fit", *_args(*HF_CONFIGS), *short, *logger])
+    cli = LitEfficientCLI(args=["fit", *_args("hf_llama.yaml"), *short, *logger])
     model = cli.model.model
     assert type(model).__name__ == "LlamaForCausalLM" and model.config.tie_word_embeddings
     assert model.config.vocab_size == cli.datamodule.vocab_size == 256  # linked from the data
     assert cli.trainer.strategy.pipeline_stages == 2
     assert math.isfinite(float(cli.trainer.callback_metrics["train_loss"]))  # rank 0's, from the spawned ranks
+
+
+@pytest.mark.multiproc
+def test_hf_own_model_config_trains_a_saved_model_on_its_tokenizers_ids(tmp_path, demo_model):
+    """The config of docs/hf-on-n-gpus.md as written there: a save_pretrained folder, its tokenizer, the data."""
+    logger = [f"--trainer.default_root_dir={tmp_path}", "--trainer.logger=false", "--trainer.callbacks=[]"]
+    short = [a for a in SHORT if "logger" not in a and "max_bytes" not in a] + ["--data.init_args.max_bytes=300000"]
+    paths = [f"--model.init_args.model={demo_model}", f"--data.init_args.tokenizer={demo_model}",
+             f"--data.init_args.cache_dir={tmp_path / 'tokens'}"]  # fmt: skip
+    cli = LitEfficientCLI(args=["fit", *_args("hf_own_model.yaml"), *short, *paths, *logger])
+    assert type(cli.model.model).__name__ == "Qwen2ForCausalLM"
+    assert type(cli.datamodule).__name__ == "TokenizedDataModule"
+    assert cli.model.model.config.vocab_size == cli.datamodule.vocab_size == len(cli.datamodule.tokenizer)
+    assert cli.model.hparams.block_size == cli.datamodule.block_size == 128  # linked from the data
+    assert list((tmp_path / "tokens").glob("tokens-*.uint16.bin"))
+    assert math.isfinite(float(cli.trainer.callback_metrics["train_loss"]))

@@ -52,3 +52,37 @@ def test_checkpointing_memory_saves_activation_memory(monkeypatch):
     results = _load(EXAMPLES / "checkpointing_memory.py").main(tiny)
     off, full, selective = (results[mode][0] for mode in ("off", "full", "selective"))
     assert 0 < full < selective < off
+
+
+@pytest.mark.multiproc
+def test_own_hf_model_example_is_a_users_day_from_a_folder_to_save_pretrained(tmp_path, demo_model):
+    """examples/own_hf_model.py as docs/hf-on-n-gpus.md runs it (two processes, PACI, its own tokenizer's data):
+    the folder it saves reloads with from_pretrained, holds the checkpoint's weights, and answers the validation
+    it printed on one device."""
+    import os
+    import re
+    import subprocess
+
+    import lightning as L
+    import torch
+
+    from lit_efficient import consolidate_checkpoint
+    from lit_efficient.data import TokenizedDataModule
+    from lit_efficient.models import HFCausalLM
+
+    env = dict(os.environ, LIT_EFFICIENT_CACHE=str(tmp_path / "cache"), PYTHONUNBUFFERED="1")
+    args = ["--model", str(demo_model), "--max-steps", "4", "--checkpoint-every", "2", "--max-bytes", "300000",
+            "--block-size", "32", "--batch-size", "4"]  # fmt: skip
+    done = subprocess.run([sys.executable, str(EXAMPLES / "own_hf_model.py"), *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    printed = float(re.search(r"step 4: val_loss ([\d.]+); saved to trained", done.stdout).group(1))
+    trained = HFCausalLM(str(tmp_path / "trained"))  # from_pretrained underneath
+    saved = consolidate_checkpoint(tmp_path / "runs" / "own_hf_model" / "last.ckpt")
+    assert all(torch.equal(saved[k], v) for k, v in trained.state_dict().items())
+    data = TokenizedDataModule(str(tmp_path / "trained"), block_size=32, batch_size=4, max_bytes=300_000,
+                               cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, limit_val_batches=8,
+                        enable_model_summary=False)  # fmt: skip
+    want = trainer.validate(trained, datamodule=data, verbose=False)[0]["val_loss"]
+    assert abs(printed - want) < 1e-5, (printed, want)

@@ -283,3 +283,22 @@ def test_the_readme_configs_load_on_the_meta_device(config, model, parameters, s
     assert sum(p.numel() for p in module.parameters()) == parameters
     assert arguments["strategy"].pipeline_stages == stages and arguments["accumulate"] == accumulate
     assert arguments["precision"] == "bf16-mixed" and arguments["accelerator"] == "gpu" and arguments["replicas"] == 1
+
+
+def test_plans_a_saved_model_folder_with_its_tokenizers_vocabulary(capsys, demo_model):
+    """docs/hf-on-n-gpus.md's plan command: a save_pretrained folder (from_pretrained refused the meta device) and
+    TokenizedDataModule (the vocabulary is the tokenizer's, read without the text)."""
+    config = QUICKSTART.parent / "hf_own_model.yaml"
+    args = ["--config", str(config), f"--model.init_args.model={demo_model}",
+            f"--data.init_args.tokenizer={demo_model}", "--trainer.devices=4",
+            "--trainer.strategy.init_args.pipeline_stages=4", "--json"]  # fmt: skip
+    assert plan_main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["stages"]) == 4 and sum(out["context"]["sizes"]) == 6  # embedding, 4 decoder layers, head
+    weights = sum(s["weights"] for s in out["stages"])
+    from transformers import AutoModelForCausalLM
+
+    real = AutoModelForCausalLM.from_pretrained(str(demo_model))
+    tied = real.get_input_embeddings().weight.numel()  # both end stages hold a copy of the tied embedding
+    want = 4 * (sum(p.numel() for p in real.parameters()) + tied)  # fp32 bytes
+    assert abs(weights - want) < 1e-3 * want  # buffers aside; the byte-level 256 ids would be 1.4% fewer

@@ -1,0 +1,198 @@
+"""Text tokenized by the user's own Hugging Face tokenizer: the data for a real model's vocabulary.
+
+`TokenizedDataModule` reads the same sources as `TextDataModule` (a text file, a folder of text files, or
+the embedded standard-library corpus), tokenizes them once with a tokenizer saved locally (nothing
+downloads) and writes the ids to a flat token file in a cache folder, as uint16 where the vocabulary fits
+and uint32 where it does not (Llama 3's 128k, Qwen's 151k). Every later run, and every rank, memory-maps
+that file; the blocks, splits and the resumable training loader are `TextDataModule`'s.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from lightning.pytorch.utilities import rank_zero_info
+from typing_extensions import override
+
+from lit_efficient.data.text import TextDataModule
+from lit_efficient.tools.corpus import TEXT_SUFFIXES, folder_files, stdlib_files
+
+# Text is tokenized in pieces of about this many bytes, cut at line ends: a whole corpus in one call would hold
+# every token's Python object at once.
+_PIECE_BYTES = 1 << 20
+_FORMAT = 1  # bump when the token file's content for the same inputs changes
+
+
+def default_cache_dir() -> Path:
+    """``$LIT_EFFICIENT_CACHE``, else ``$XDG_CACHE_HOME/lit_efficient`` (``~/.cache/lit_efficient``)."""
+    if os.environ.get("LIT_EFFICIENT_CACHE"):
+        return Path(os.environ["LIT_EFFICIENT_CACHE"]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "lit_efficient"
+
+
+def load_tokenizer(tokenizer: Any) -> Any:
+    """A tokenizer object as given, or loaded from a local folder (``tokenizer.save_pretrained(folder)``, or a
+    model folder that holds its tokenizer); never downloaded."""
+    if not isinstance(tokenizer, (str, os.PathLike)):
+        if not callable(getattr(tokenizer, "convert_tokens_to_ids", None)):
+            raise TypeError(
+                f"TokenizedDataModule(tokenizer=...) takes a local tokenizer folder or a transformers tokenizer; got "
+                f"{type(tokenizer).__name__}"
+            )
+        return tokenizer
+    folder = Path(tokenizer).expanduser()
+    if not folder.is_dir():
+        raise ValueError(
+            f"TokenizedDataModule(tokenizer={str(tokenizer)!r}): no such folder. Nothing is downloaded: save the "
+            "tokenizer with tokenizer.save_pretrained(folder) (or download it yourself) and pass the folder."
+        )
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+
+
+def documents(source: Path | None, max_bytes: int | None) -> Iterator[bytes]:
+    """The source's files' bytes, one document per file, in `TextDataModule`'s order, cut at ``max_bytes`` in all."""
+    files = documents_files(source)
+    if source is not None and source.is_dir() and not files:
+        raise ValueError(
+            f"TokenizedDataModule(path='{source}') holds no text file ({', '.join(TEXT_SUFFIXES)}); point path at a "
+            "file or at a folder with such files."
+        )
+    left = max_bytes
+    for path in files:
+        if left is not None and left <= 0:
+            return
+        data = path.read_bytes()
+        if left is not None:
+            data, left = data[:left], left - len(data)
+        yield data
+
+
+def _pieces(text: str) -> Iterator[str]:
+    start = 0
+    while start < len(text):
+        end = text.find("\n", start + _PIECE_BYTES)
+        end = len(text) if end < 0 else end + 1
+        yield text[start:end]
+        start = end
+
+
+class TokenizedDataModule(TextDataModule):
+    """Language-modelling data in a Hugging Face tokenizer's ids, for `HFCausalLM` (or any model of that vocabulary).
+
+    The text is `TextDataModule`'s (``path``: a text file, a folder of ``.txt``/``.md``/``.rst``/``.py`` files, or
+    None for the embedded standard-library sources; ``max_bytes`` caps it), read one document per file, decoded
+    as UTF-8 and tokenized without special tokens; the tokenizer's end-of-sequence token, where it has one,
+    separates documents. The ids are written once to ``<cache_dir>/tokens-<key>.uint16.bin`` (``.uint32.bin``
+    for a vocabulary above 65,536), where the key hashes the tokenizer's vocabulary and special tokens, the files'
+    names, sizes and modification times and ``max_bytes``: the same inputs reuse the file, a changed one writes
+    another. Lightning's ``prepare_data`` writes it on one process per node before any rank reads it; each rank
+    memory-maps it (no copy in RAM).
+
+    Splits, blocks and the training order are `TextDataModule`'s: the last ``val_fraction`` of the tokens
+    validates; training batches are shuffled per epoch and resume exactly mid-epoch.
+
+    Args:
+        tokenizer: A folder saved by ``tokenizer.save_pretrained(folder)`` (a model folder holding its tokenizer
+            works too), or a transformers tokenizer object. Nothing is downloaded.
+        path: Text file or folder of text files; None tokenizes the embedded corpus.
+        block_size: Tokens per training sequence (the model's context).
+        batch_size: Sequences per batch, i.e. per micro-batch.
+        num_workers: DataLoader worker processes.
+        val_fraction: Fraction of the tokens, from the end, used for validation; in (0, 1).
+        seed: Seed of the training shuffle.
+        max_bytes: Cap on the text bytes read before tokenizing; None reads everything.
+        cache_dir: Folder of the token files; None: ``$LIT_EFFICIENT_CACHE``, else ``~/.cache/lit_efficient``.
+    """
+
+    def __init__(
+        self,
+        tokenizer: str | Any,
+        path: str | None = None,
+        block_size: int = 256,
+        batch_size: int = 16,
+        num_workers: int = 0,
+        val_fraction: float = 0.05,
+        seed: int = 42,
+        max_bytes: int | None = 8_000_000,
+        cache_dir: str | None = None,
+    ) -> None:
+        if path is not None and Path(path).suffix == ".bin":
+            raise ValueError(
+                f"TokenizedDataModule(path={path!r}): a .bin is already token ids; read it with "
+                "TextDataModule(path=..., vocab_size=<the tokenizer's vocabulary>)."
+            )
+        super().__init__(path, block_size, batch_size, num_workers, val_fraction, seed, max_bytes)
+        self.tokenizer = load_tokenizer(tokenizer)
+        self.cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+        # The vocabulary the model must embed: added tokens included (len(), not .vocab_size).
+        self._vocab_size = len(self.tokenizer)
+
+    @property
+    def token_file(self) -> Path:
+        """Where the ids are (to be) written for these inputs."""
+        tok = self.tokenizer
+        files = documents_files(self._source)
+        key = json.dumps({
+            "format": _FORMAT, "tokenizer": type(tok).__name__, "vocab": sorted(tok.get_vocab().items()),
+            "special": sorted(map(str, tok.all_special_tokens)), "eos": tok.eos_token_id, "max_bytes": self.max_bytes,
+            "files": [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files],
+        })  # fmt: skip
+        digest = hashlib.sha256(key.encode()).hexdigest()[:20]
+        return self.cache_dir / f"tokens-{digest}.{self._dtype.name}.bin"
+
+    @property
+    def _dtype(self) -> np.dtype:
+        return np.dtype("<u2") if self._vocab_size <= 1 << 16 else np.dtype("<u4")
+
+    @override
+    def prepare_data(self) -> None:
+        """Tokenize the text into the token file, unless these inputs were tokenized before (one process per node)."""
+        target = self.token_file
+        if target.exists():
+            return
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
+        eos = self.tokenizer.eos_token_id
+        count = 0
+        with partial.open("wb") as out:
+            for doc in documents(self._source, self.max_bytes):
+                text = doc.decode("utf-8", errors="replace")
+                for piece in _pieces(text):
+                    ids = self.tokenizer(piece, add_special_tokens=False)["input_ids"]
+                    np.asarray(ids, dtype=self._dtype).tofile(out)
+                    count += len(ids)
+                if eos is not None:
+                    np.asarray([eos], dtype=self._dtype).tofile(out)
+                    count += 1
+        partial.replace(target)  # whole or absent: a rank never maps a half-written file
+        rank_zero_info(f"TokenizedDataModule: {count:,} tokens written to {target}")
+
+    @property
+    @override
+    def tokens(self) -> np.ndarray:
+        """The token file, memory-mapped (written first when ``prepare_data`` has not run, e.g. outside a Trainer)."""
+        if self._tokens is None:
+            target = self.token_file
+            if not target.exists():
+                self.prepare_data()
+            size = target.stat().st_size
+            if size == 0:
+                source = f"path={self.path!r}" if self.path is not None else "the embedded corpus"
+                raise ValueError(f"TokenizedDataModule: {source} gave no tokens; give a path with some text in it.")
+            self._tokens = np.memmap(target, dtype=self._dtype, mode="r")
+        return self._tokens
+
+
+def documents_files(source: Path | None) -> list[Path]:
+    """The files `documents` reads, for the cache key."""
+    if source is None:
+        return stdlib_files()
+    return folder_files(source) if source.is_dir() else [source]

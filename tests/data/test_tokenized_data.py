@@ -1,0 +1,67 @@
+"""TokenizedDataModule: the user's text in their own tokenizer's ids, any vocabulary, written once, memory-mapped."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from lit_efficient.data import TokenizedDataModule  # noqa: E402
+from lit_efficient.data.loading import ResumableLoader  # noqa: E402
+
+
+@pytest.fixture
+def texts(tmp_path):
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    (folder / "a.txt").write_text("def main():\n    return 1\n" * 200)
+    (folder / "b.md").write_text("# notes\nsome words, some more words\n" * 200)
+    (folder / "skip.bin").write_bytes(b"\x00\x01")  # not a text suffix
+    return folder
+
+
+def test_tokenizes_each_file_with_the_end_of_text_between_and_reuses_the_file(texts, demo_model, tmp_path):
+    data = TokenizedDataModule(str(demo_model), path=str(texts), block_size=16, batch_size=2, cache_dir=str(tmp_path))
+    data.prepare_data()
+    target = data.token_file
+    assert target.name.endswith(".uint16.bin") and target.exists()
+    tok = data.tokenizer
+    want = []
+    for name in ("a.txt", "b.md"):
+        want += tok((texts / name).read_text(), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    assert data.tokens.tolist() == want and isinstance(data.tokens, np.memmap)
+    assert data.vocab_size == len(tok)
+    written = target.stat().st_mtime_ns
+    again = TokenizedDataModule(str(demo_model), path=str(texts), block_size=16, batch_size=2, cache_dir=str(tmp_path))
+    again.prepare_data()
+    assert again.token_file == target and target.stat().st_mtime_ns == written  # the same inputs: not rewritten
+    (texts / "a.txt").write_text("changed\n" * 300)
+    changed = TokenizedDataModule(str(demo_model), path=str(texts), block_size=16, cache_dir=str(tmp_path))
+    assert changed.token_file != target  # a changed file writes another token file
+
+
+def test_a_vocabulary_above_65536_ids_is_stored_wide(texts, demo_model, tmp_path):
+    tok = transformers.AutoTokenizer.from_pretrained(str(demo_model))
+    tok.add_tokens([f"<x{i}>" for i in range(70_000)])
+    (texts / "c.txt").write_text("x <x69999> y <x5> " * 100)
+    data = TokenizedDataModule(tok, path=str(texts), block_size=16, batch_size=2, cache_dir=str(tmp_path))
+    data.setup("fit")  # outside a Trainer: setup writes the file itself
+    assert data.token_file.name.endswith(".uint32.bin") and data.tokens.dtype == np.dtype("<u4")
+    assert data.vocab_size == len(tok) > 65_536
+    assert int(data.tokens.max()) == tok.convert_tokens_to_ids("<x69999>") > 65_535
+    x, y = next(iter(data.train_dataloader()))
+    assert x.dtype == torch.int64 and torch.equal(x[:, 1:], y[:, :-1])
+    assert isinstance(data.train_dataloader(), ResumableLoader)
+
+
+def test_mistakes_are_refused_with_the_fix(tmp_path, demo_model):
+    with pytest.raises(ValueError, match="no such folder. Nothing is downloaded: save the tokenizer"):
+        TokenizedDataModule("Qwen/Qwen2.5-0.5B")
+    (tmp_path / "t.bin").write_bytes(b"\x00\x00")
+    with pytest.raises(ValueError, match=r"a \.bin is already token ids; read it with TextDataModule"):
+        TokenizedDataModule(str(demo_model), path=str(tmp_path / "t.bin"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="holds no text file"):
+        TokenizedDataModule(str(demo_model), path=str(tmp_path / "empty"), cache_dir=str(tmp_path)).prepare_data()
