@@ -290,3 +290,28 @@ def test_a_run_resumed_from_its_checkpoint_continues_its_wandb_run(monkeypatch):
     for other in ("last", "elsewhere/model.ckpt"):  # no run to continue: a new one, as before
         assert logger(f"--ckpt_path={other}")._wandb_init.get("id") is None
     assert logger("--trainer.logger.init_args.id=mine", "--ckpt_path=r/p/1x2y3z/checkpoints/a.ckpt").version == "mine"
+
+
+def test_any_lightning_data_module_goes_through_the_cli(tmp_path, monkeypatch):
+    """``--data mymodule.TokenDM`` (a LightningDataModule yielding token batches) was refused: "Import path does not
+    correspond to a subclass of TextDataModule". The data's sizes reach the model where the data have them."""
+    (tmp_path / "users_data.py").write_text(
+        "import torch, lightning as L\n"
+        "from torch.utils.data import DataLoader, TensorDataset\n"
+        "class TokenDM(L.LightningDataModule):\n"
+        "    def __init__(self, n: int = 64):\n"
+        "        super().__init__()\n"
+        "        self.n = n\n"
+        "    def train_dataloader(self):\n"
+        "        x = torch.randint(0, 256, (self.n, 17))\n"
+        "        return DataLoader(TensorDataset(x[:, :-1], x[:, 1:]), batch_size=4, drop_last=True)\n"
+        "class SizedDM(TokenDM):\n"
+        "    vocab_size = 1000\n"
+        "    block_size = 16\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    plain = _cli("--data=users_data.TokenDM", "--data.init_args.n=32", "--trainer.logger=false")
+    assert type(plain.datamodule).__name__ == "TokenDM" and plain.datamodule.n == 32
+    assert (plain.model.hparams.vocab_size, plain.model.hparams.block_size) == (256, 256)  # the model's own
+    sized = _cli("--data=users_data.SizedDM", "--trainer.logger=false", "--model.init_args.n_layer=1")
+    assert (sized.model.hparams.vocab_size, sized.model.hparams.block_size) == (1000, 16)  # linked from the data
