@@ -64,6 +64,23 @@ from lit_efficient.models.hf_structure import (
 HF_IGNORE_INDEX = -100  # labels equal to this are ignored (Hugging Face's convention)
 
 
+def _check_has_a_head(model: nn.Module) -> None:
+    """A base model (``Qwen2Model``) has no LM head: refuse it naming the causal LM class to use instead."""
+    if model.get_output_embeddings() is not None:
+        return
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    name = type(model).__name__
+    model_type = getattr(model.config, "model_type", None)
+    causal = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, "its ...ForCausalLM class")
+    raise ValueError(
+        f"HFCausalLM({name}) is a base model without a language-model head (get_output_embeddings() is None): it "
+        f"has no logits to train next-token prediction with. Use {causal}: HFCausalLM({causal}(config)), or "
+        "pass the config dict or the save_pretrained folder, from which HFCausalLM builds the causal LM class "
+        "(AutoModelForCausalLM)."
+    )
+
+
 def load_hf_model(model: Any, vocab_size: int | None = None, attn_implementation: str | None = None) -> nn.Module:
     """A `PreTrainedModel` from an instance (returned as is), a config dict with ``model_type`` (random
     init), or a local folder written by ``save_pretrained``. Never downloads."""
@@ -273,6 +290,7 @@ class HFCausalLM(LightningModule):
         if max_steps is not None and max_steps < 1:
             raise ValueError(f"HFCausalLM(max_steps={max_steps}) must be >= 1, or None to use the Trainer's estimate.")
         self.model = load_hf_model(model, vocab_size, attn_implementation)
+        _check_has_a_head(self.model)
         # The data's sizes only when given (as TextDataModule saves its vocab_size): Lightning refuses a key that the
         # model and the datamodule both log with different values, and None would clash with the data's.
         unset = [name for name, value in (("vocab_size", vocab_size), ("block_size", block_size)) if value is None]
@@ -338,10 +356,19 @@ class HFCausalLM(LightningModule):
 
     def pipeline_input(self, batch: Any) -> tuple[Tensor, ...]:
         """What the embedding layer consumes: ``(input_ids,)`` or ``(input_ids, attention_mask)``."""
+        ids = batch["input_ids"] if isinstance(batch, Mapping) else batch[0]
+        positions = getattr(self.model.config, "max_position_embeddings", None)
+        if isinstance(positions, int) and ids.shape[-1] > positions:
+            # A learned position table (GPT-2's n_positions) fails with a bare IndexError deep in stage 0 otherwise.
+            raise ValueError(
+                f"the batch's sequences have {ids.shape[-1]} tokens but {type(self.model).__name__} has "
+                f"max_position_embeddings={positions}; use blocks of at most {positions} tokens "
+                f"(TextDataModule(block_size={positions}), --data.init_args.block_size {positions})."
+            )
         if isinstance(batch, Mapping):
             mask = batch.get("attention_mask")
-            return (batch["input_ids"],) if mask is None else (batch["input_ids"], mask)
-        return (batch[0],)
+            return (ids,) if mask is None else (ids, mask)
+        return (ids,)
 
     def pipeline_loss(self, output: Tensor | tuple[Tensor, Tensor], batch: Any) -> tuple[Tensor, Tensor]:
         """Mean next-token cross-entropy over the counted tokens (fp32 softmax), and their number. With a router
@@ -455,6 +482,14 @@ class HFCausalLM(LightningModule):
             raise ValueError(
                 f"The data have vocab_size={data_vocab} but the model has vocab_size={self.model.config.vocab_size}; "
                 "build the model with a vocabulary at least that large."
+            )
+        data_block = getattr(datamodule, "block_size", None)
+        positions = getattr(self.model.config, "max_position_embeddings", None)
+        if isinstance(data_block, int) and isinstance(positions, int) and data_block > positions:
+            raise ValueError(
+                f"The data have block_size={data_block} but {type(self.model).__name__} has "
+                f"max_position_embeddings={positions}; use blocks of at most {positions} tokens "
+                f"(TextDataModule(block_size={positions}), --data.init_args.block_size {positions})."
             )
         tokens = [c for c in getattr(self._trainer, "callbacks", []) if getattr(c, "normalize", None) == "tokens"]
         if self._aux_coef is not None and tokens:

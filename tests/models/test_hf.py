@@ -419,3 +419,24 @@ def test_evaluating_after_fit_on_processes_answers_as_one_device(tmp_path):
     assert abs(val - want_val) < 1e-5 and abs(test - want_test) < 1e-5, (val, want_val, test, want_test)
     assert len(last["predictions"]) == 2
     assert all(torch.equal(a, b) for a, b in zip(last["predictions"], want_predictions, strict=True))
+
+
+def test_a_base_model_without_a_head_is_refused_naming_the_causal_lm_class():
+    """``HFCausalLM(Qwen2Model(cfg))`` was refused with a message about decoder stacks that never named the fix."""
+    from transformers import Qwen2Model
+
+    base = Qwen2Model(qwen2().config)
+    with pytest.raises(ValueError, match=r"HFCausalLM\(Qwen2Model\) is a base model .* Use Qwen2ForCausalLM"):
+        HFCausalLM(base)
+
+
+def test_blocks_longer_than_the_position_table_are_refused_with_the_fix():
+    """The Python API pair HFCausalLM(gpt2 with n_positions=16) and TextDataModule(block_size=32) failed with a bare
+    IndexError in stage 0's position embedding; a data module of the user's own has no block_size to check."""
+    model = HFCausalLM(gpt2(n_positions=16))
+    trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)  # fmt: skip
+    with pytest.raises(ValueError, match=r"block_size=32 but GPT2LMHeadModel has max_position_embeddings=16; use"):
+        trainer.fit(model, datamodule=TextDataModule(block_size=32, batch_size=2, max_bytes=20_000))
+    with pytest.raises(ValueError, match="sequences have 32 tokens but GPT2LMHeadModel has max_position_embeddings"):
+        model.pipeline_input((torch.zeros(2, 32, dtype=torch.long), None))
