@@ -21,6 +21,8 @@ torchrun, SLURM): every rank parses the same arguments and builds the same model
 
 from __future__ import annotations
 
+import difflib
+import importlib
 import os
 import re
 from pathlib import Path
@@ -112,26 +114,61 @@ def run_id_of_checkpoint(ckpt_path: Any) -> str | None:
 
 
 class StrategyOptionParser(LightningArgumentParser):
-    """LightningCLI's parser, whose refusal of an unknown PACIStrategy option also says what the strategy would.
+    """LightningCLI's parser, whose refusals of unknown options name the closest known one.
 
-    jsonargparse already refuses a ``trainer.strategy.init_args`` key that PACIStrategy's signature lacks
-    ("Option 'x' is not accepted") before anything is built; this adds the closest option, or for a
-    DistributedDataParallel option what PACIStrategy does instead: the `PACIStrategy(**kwargs)` message.
+    jsonargparse refuses a class's ``init_args`` key its signature lacks ("Option 'x' is not accepted") before
+    anything is built; this adds the closest option the class has, and for PACIStrategy, for a
+    DistributedDataParallel option, what it does instead: the `PACIStrategy(**kwargs)` message. An unrecognized
+    flag (``--trainer.max_step``: abbreviations are off, argparse took it for ``max_steps`` silently) gets the
+    closest flag of the parser.
     """
 
     @override
     def error(self, message: str, ex: Exception | None = None) -> Any:
-        return super().error(explain_strategy_options(message), ex)
+        message = explain_strategy_options(message)
+        unknown = re.match(r"unrecognized arguments: (.*)", message)
+        if unknown:
+            known = list(self._option_string_actions)
+            flags = [f.split("=")[0] for f in unknown.group(1).split() if f.startswith("--")]
+            hints = [f"{f}: did you mean {c[0]}?" for f in flags if (c := difflib.get_close_matches(f, known, n=1))]
+            message = "\n".join([message, *hints])
+        return super().error(message, ex)
 
 
 def explain_strategy_options(message: str) -> str:
-    """``message`` with, for each PACIStrategy option it says was not accepted, why and what is accepted."""
-    names = re.findall(r"class_path '[\w.]*PACIStrategy':\s*Option '(\w+)' is not accepted", message)
-    if not names:
+    """``message`` with, for each option it says a class did not accept, the closest option that class has; for
+    PACIStrategy also why (a DistributedDataParallel option) and everything it accepts."""
+    refused = re.findall(r"class_path '([\w.]+)':\s*Option '(\w+)' is not accepted", message)
+    if not refused:
         return message
-    options = options_of(PACIStrategy.__init__)
-    lines = "".join(f"\n  - {explain_refused(name, options, show_value=False)}" for name in names)
-    return f"{message}\nPACIStrategy does not accept:{lines}\n{refusal_footer(names, options)}"
+    lines = []
+    for class_path, name in refused:
+        if class_path.rpartition(".")[2] == "PACIStrategy":
+            continue
+        options = _init_options(class_path)
+        close = difflib.get_close_matches(name, options, n=1)
+        hint = f"did you mean '{close[0]}'? " if close else ""
+        lines.append(f"{class_path.rpartition('.')[2]} has no option '{name}': {hint}it takes {', '.join(options)}.")
+    names = [name for class_path, name in refused if class_path.rpartition(".")[2] == "PACIStrategy"]
+    if names:
+        options = options_of(PACIStrategy.__init__)
+        listed = "".join(f"\n  - {explain_refused(name, options, show_value=False)}" for name in names)
+        lines.append(f"PACIStrategy does not accept:{listed}\n{refusal_footer(names, options)}")
+    return "\n".join([message, *lines])
+
+
+def _init_options(class_path: str) -> list[str]:
+    """The keyword options of the class at ``class_path``, its bases' included (as jsonargparse reads them)."""
+    module, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return []
+    options: list[str] = []
+    for klass in cls.__mro__:
+        if "__init__" in vars(klass) and klass is not object:
+            options += [o for o in options_of(klass.__init__) if o not in options and o not in ("args", "kwargs")]
+    return options
 
 
 class LitEfficientCLI(LightningCLI):
@@ -149,7 +186,9 @@ class LitEfficientCLI(LightningCLI):
         kwargs.setdefault("save_config_kwargs", {"config_filename": "config.yaml", "overwrite": False})
         kwargs.setdefault("parser_kwargs", {
             "description": "Pipeline-parallel training for PyTorch Lightning. The memory plan of a config, before "
-            "any GPU: lit-efficient plan --config ... (lit-efficient plan --help)."
+            "any GPU: lit-efficient plan --config ... (lit-efficient plan --help).",
+            # argparse would take the prefix --trainer.max_step for --trainer.max_steps, silently.
+            "allow_abbrev": False,
         })  # fmt: skip
         super().__init__(
             LightningModule,  # GPT by default (below), HFCausalLM or any module with vocab_size/block_size

@@ -252,3 +252,16 @@ def test_the_cli_shows_and_applies_the_passed_through_options_and_no_ddp_option(
     strategy = LitEfficientCLI(args=args, run=False).trainer.strategy
     assert isinstance(strategy, PACIStrategy)
     assert strategy._timeout == timedelta(minutes=10) and strategy.process_group_backend == "gloo"
+
+
+@pytest.mark.parametrize(
+    ("args", "want"),
+    [(["--model.init_args.n_layr=2"], "GPT has no option 'n_layr': did you mean 'n_layer'? it takes vocab_size,"),
+     (["--data.init_args.batchsize=2"], "TextDataModule has no option 'batchsize': did you mean 'batch_size'?"),
+     (["--trainer.max_step", "5"], "--trainer.max_step: did you mean --trainer.max_steps?")],
+    ids=["model-option", "data-option", "abbreviated-flag"],
+)  # fmt: skip
+def test_the_cli_names_the_option_meant_for_a_typo_anywhere(cli_refusal, args, want):
+    """A typo in a model or data option got jsonargparse's bare refusal; ``--trainer.max_step 5`` was silently taken
+    as max_steps (argparse's prefix matching): refused now, naming the flag meant."""
+    assert want in cli_refusal(*args)
