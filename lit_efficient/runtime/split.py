@@ -138,6 +138,22 @@ def _parameters_of(layer: nn.Module) -> int:
     return own + sum(p.numel() for part in away for p in part.parameters())
 
 
+def whole_model_parameters(module: nn.Module, ties: Sequence[Tie] = ()) -> tuple[int, int]:
+    """(all, trainable) parameters of the unsplit module, counted on any process of a split one: the parts here and
+    the structure of every placeholder, each name once, a tied parameter once (as ``module.parameters()`` of the
+    whole module counts it; the pipeline holds a copy on each of the two stages)."""
+    aliases = {tie.alias for tie in ties}
+    named = dict(module.named_parameters(remove_duplicate=False))
+    for path, m in module.named_modules():
+        if isinstance(m, LayerOnOtherStage):
+            named.update({f"{path}.{name}": p for name, p in m.structure.named_parameters(remove_duplicate=False)})
+    unique: dict[int, nn.Parameter] = {}
+    for name, p in named.items():
+        if name not in aliases:
+            unique.setdefault(id(p), p)
+    return sum(p.numel() for p in unique.values()), sum(p.numel() for p in unique.values() if p.requires_grad)
+
+
 def check_sharing(module: nn.Module, layers: Sequence[nn.Module], sizes: Sequence[int]) -> list[Tie]:
     """The parameters shared across stages, each a `Tie` of the first and the last layer; raises for any
     other sharing (between other layers on different stages, or by more than two layers)."""
@@ -178,8 +194,13 @@ def split_module(
     record. Hosting every stage moves nothing."""
     slots = layer_slots(module, layers)
     split = Split(list(sizes), sorted(hosted), slots, list(ties))
+    # A part two layers share (nanochat's weightless norm, before the first layer and after the last) stays where a
+    # hosted layer uses it; replaced by the other layer's placeholder, it failed the hosted layer on that rank.
+    used_here = {(id(parent), name) for i, parent, name in slots if split.hosts(i)}
     for i, parent, name in slots:
         part = _get(parent, name)
+        if (id(parent), name) in used_here and not split.hosts(i):
+            continue
         if split.hosts(i):
             if isinstance(part, LayerOnOtherStage):
                 raise ValueError(
@@ -219,8 +240,11 @@ def only_stage(split: Split, stage: int) -> Iterator[None]:
     ``configure_optimizers`` see that stage alone. Every part is back in its place afterwards, the same
     object, untouched. On a rank that hosts ``stage`` alone nothing changes."""
     parts = [_get(parent, name) for _, parent, name in split.slots]
+    used = {(id(parent), name) for i, parent, name in split.slots if split.stage_of_layer(i) == stage}
     try:
         for (i, parent, name), part in zip(split.slots, parts, strict=True):
+            if (id(parent), name) in used:
+                continue  # the stage's own part, or one it shares with another stage's layer
             if split.stage_of_layer(i) != stage and not isinstance(part, LayerOnOtherStage):
                 _set(parent, name, LayerOnOtherStage(i, split.stage_of_layer(i), part))
         yield

@@ -57,6 +57,7 @@ from lit_efficient.runtime.split import (
     separate_tied_copies,
     split_module,
     tie_again,
+    whole_model_parameters,
 )
 from lit_efficient.runtime.stage import PipelineStage
 from lit_efficient.runtime.staleness import CorrectionName, StalenessCorrection, make_correction
@@ -88,6 +89,7 @@ from lit_efficient.strategy.step_hooks import (
     step_schedulers,
 )
 from lit_efficient.strategy.step_logging import log_once_per_optimizer_step
+from lit_efficient.strategy.summary import count_the_whole_model
 from lit_efficient.strategy.trainer_glue import (
     SyncCallbackMetrics,
     agree_on_evaluation_results,
@@ -544,6 +546,8 @@ class PACIStrategy(DDPStrategy):
             # a drained pipeline) is exactly what a user's automatic-optimization checkpoint holds too.
             warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
         swap_stock_progress_bar(trainer)
+        split = self._split
+        count_the_whole_model(trainer, lambda: whole_model_parameters(module, split.ties if split else ()))
         if not any(isinstance(cb, SyncCallbackMetrics) for cb in trainer.callbacks):
             trainer.callbacks.insert(0, SyncCallbackMetrics())
         agree_on_evaluation_results(trainer)

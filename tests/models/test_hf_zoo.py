@@ -331,7 +331,9 @@ def test_the_zoos_skip_rules_are_read_from_the_class_not_a_list_of_names():
     assert "shared_kv_states" in reason("gemma4_assistant")
 
 
-ON_PROCESSES = ["deepseek_v2", "gemma2"]  # complex side inputs on the wire (untied); soft-capping, tied
+# Complex side inputs on the wire (untied); soft-capping, tied; one weightless norm used before the first layer and
+# after the last (nanochat: its last stage's rank replaced the norm with stage 0's placeholder, issue 33 item 7).
+ON_PROCESSES = ["deepseek_v2", "gemma2", "nanochat"]
 
 
 def _fit_on_every_rank(rank: int, world: int, types: list[str]) -> dict[str, dict[str, torch.Tensor]] | None:

@@ -42,3 +42,37 @@ def test_stock_bars_are_swapped_in_place_and_others_left_alone():
     rich = StepAwareRichProgressBar()
     rich._trainer = _trainer(max_steps=3, global_step=0, accumulate=4)
     assert rich._get_train_description(0).strip() == "Epoch 0"
+
+
+def _summarized(rank: int, world: int, frozen: bool) -> dict:
+    import warnings
+
+    from lightning.pytorch.callbacks import ModelSummary
+
+    from lit_efficient import PACIStrategy
+    from tests.support.gpt_runs import gpt_model, gpt_trainer, text_data
+
+    warnings.filterwarnings("ignore")
+    model = gpt_model(tie_weights=True)
+    if frozen:
+        model.embed.wpe.weight.requires_grad_(False)
+    trainer = gpt_trainer(PACIStrategy(pipeline_stages=2), 2, 1, enable_model_summary=True)
+    trainer.fit(model, datamodule=text_data())
+    (callback,) = [c for c in trainer.callbacks if isinstance(c, ModelSummary)]
+    summary = callback._summary(trainer, model)
+    return {"total": summary.total_parameters, "trainable": summary.trainable_parameters, "mb": summary.model_size}
+
+
+def test_the_model_summary_on_processes_counts_the_whole_model():
+    """Under PACI on processes Lightning's summary showed rank 0's stage as "Total params" (90.7K of a 164.9K model):
+    every rank now shows the whole model's totals, a tied embedding once, a frozen table as non-trainable."""
+    from tests.support.gpt_runs import gpt_model
+    from tests.support.multiproc import spawn, values
+
+    whole = gpt_model(tie_weights=True)
+    total = sum(p.numel() for p in whole.parameters())
+    frozen = whole.embed.wpe.weight.numel()
+    for freeze in (False, True):
+        for got in values(spawn(_summarized, 2, freeze, torchrun_env=True)):
+            assert got["total"] == total and got["trainable"] == total - (frozen if freeze else 0), got
+            assert abs(got["mb"] - total * 4 / 1e6) < 1e-9
