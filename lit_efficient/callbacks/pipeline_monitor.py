@@ -22,9 +22,10 @@ Metric keys (logged from global rank 0 through ``trainer.loggers``, at ``trainer
 - ``throughput/tokens_per_sec``, ``throughput/samples_per_sec``: over rank 0's wall time of the
   interval, counted across data-parallel replicas. Tokens are the ``numel`` of the batch's first
   tensor (the input ids of a ``(x, y)`` batch), samples its first dimension;
-- ``memory/peak_bytes_stage{s}``: peak memory of stage s's processes (max over replicas) since training
-  started, not per interval: CUDA ``max_memory_allocated`` on GPU (reset at train start), the process's
-  peak resident set size on CPU (since the process started).
+- ``memory/peak_bytes_stage{s}`` on GPU: CUDA ``max_memory_allocated`` of stage s's processes (max over
+  replicas) since training started (reset at train start), not per interval; on CPU the metric is
+  ``memory/peak_rss_bytes_stage{s}``, the process's peak resident set size since the process started
+  (interpreter and libraries included), named so on the chart as it is not the same quantity.
 
 Under a strategy without a pipeline (single device, DDP) only throughput and memory (``stage0``) apply.
 With the whole pipeline in one process (``Trainer(devices=1)``) every stage has its row and its timeline,
@@ -221,7 +222,7 @@ class PipelineMonitor(Callback):
         wall = clock.seconds(self._interval_start, clock.mark()) - self._eval.total("validation")
         if trainer.is_global_zero:
             everyone = [Row(*r) for r in gathered.reshape(-1, len(Row._fields)).tolist()]
-            metrics = aggregate(everyone, wall)
+            metrics = aggregate(everyone, wall, memory_name(trainer.strategy.root_device))
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)
         if runtime is not None:
@@ -293,7 +294,13 @@ class PipelineMonitor(Callback):
 # ------------------------------------------------------------------------ pure parts (unit-tested)
 
 
-def aggregate(rows: Sequence[Row], wall_seconds: float) -> dict[str, float]:
+def memory_name(device: torch.device) -> str:
+    """The memory metric's name says what it measures: the allocator's peak on CUDA, the process's peak resident
+    set on CPU (the process's whole footprint since it started: interpreter, libraries, every stage it hosts)."""
+    return "memory/peak_bytes" if device.type == "cuda" else "memory/peak_rss_bytes"
+
+
+def aggregate(rows: Sequence[Row], wall_seconds: float, memory: str = "memory/peak_bytes") -> dict[str, float]:
     """Rank 0's metrics from every rank's `Row` of one interval of ``wall_seconds``."""
     stages = sorted({int(r.stage) for r in rows})
     by_stage = {s: [r for r in rows if int(r.stage) == s] for s in stages}
@@ -314,7 +321,7 @@ def aggregate(rows: Sequence[Row], wall_seconds: float) -> dict[str, float]:
     metrics["throughput/tokens_per_sec"] = sum(r.tokens for r in first) * per_sec
     metrics["throughput/samples_per_sec"] = sum(r.samples for r in first) * per_sec
     for s in stages:
-        metrics[f"memory/peak_bytes_stage{s}"] = max(r.peak_bytes for r in by_stage[s])
+        metrics[f"{memory}_stage{s}"] = max(r.peak_bytes for r in by_stage[s])
     return metrics
 
 
@@ -336,8 +343,10 @@ def chrome_trace(events: Sequence[TimelineEvent]) -> dict[str, Any]:
     return {"traceEvents": trace, "displayTimeUnit": "ms"}
 
 
-def draw_gantt(events: Sequence[TimelineEvent], path: Path) -> None:
-    """A Gantt chart of ``events`` (one row per replica x stage, stage 0 on top) written to ``path`` (PNG)."""
+def draw_gantt(events: Sequence[TimelineEvent], path: Path) -> list[str]:
+    """A Gantt chart of ``events`` (one row per replica x stage, stage 0 on top) written to ``path`` (PNG); returns
+    the labels written in the bars: the micro-batch of a forward or backward, ``s<k>`` on the k-th optimizer step
+    (the Chrome trace names every action; the picture labels the bars wide enough to hold a number)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg  # Agg: no display, no pyplot global state
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
@@ -356,15 +365,26 @@ def draw_gantt(events: Sequence[TimelineEvent], path: Path) -> None:
             ]
             if spans:
                 ax.broken_barh(spans, (y - 0.4, 0.8), facecolors=color)
+    span = max((e.end for e in events), default=origin) - origin
+    labels = []
+    for e in events:
+        if e.end - e.start < 0.012 * span:
+            continue  # too narrow for a number at this width
+        action = Action.parse(e.action)
+        label = f"s{action.index}" if action.kind == "STEP" else str(action.index)
+        y = rows.index((e.replica, e.stage))
+        ax.text((e.start + e.end - 2 * origin) / 2 * 1e3, y, label, ha="center", va="center", fontsize=7, color="white")
+        labels.append(label)
     replicas = {r for r, _ in rows}
     ax.set_yticks(range(len(rows)), [f"replica {r} stage {s}" if len(replicas) > 1 else f"stage {s}" for r, s in rows])
     ax.invert_yaxis()
-    ax.set_xlabel("time (ms)")
+    ax.set_xlabel("time (ms); in the bars: micro-batch, s<k> the k-th optimizer step")
     ax.set_title("pipeline timeline", loc="left")
     handles = [Patch(color=c, label=_LABELS[k]) for k, c in _COLORS.items()]
     ax.legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.0), ncols=3, frameon=False)
     fig.tight_layout()
     fig.savefig(path)
+    return labels
 
 
 # ------------------------------------------------------------------------ measurements of this rank

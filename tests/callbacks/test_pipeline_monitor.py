@@ -97,7 +97,7 @@ def test_timeline_files_are_well_formed(tmp_path):
     assert spans[0]["ts"] == 0 and spans[2]["ts"] == pytest.approx(20_000) and spans[2]["dur"] == pytest.approx(20_000)
     assert {e["tid"] for e in spans} == {0, 1}
     path = tmp_path / "t.png"
-    draw_gantt(events, path)
+    assert draw_gantt(events, path) == ["0", "0", "0", "0", "s0"]  # micro-batches and the step, as the trace
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -123,7 +123,7 @@ def test_single_device_logs_throughput_and_memory(tmp_path):
     for row in rows:
         assert not any(k.startswith("pipeline/") and row[k] for k in row)
         assert float(row["throughput/tokens_per_sec"]) == pytest.approx(16 * float(row["throughput/samples_per_sec"]))
-        assert float(row["memory/peak_bytes_stage0"]) > 1e6
+        assert float(row["memory/peak_rss_bytes_stage0"]) > 1e6  # on CPU the name says resident set
 
 
 # ---------------------------------------------------------------- the pipeline (spawned)
@@ -210,9 +210,10 @@ def test_pipeline_run_logs_every_key_matches_simulator_and_draws_timeline(tmp_pa
     rows = [r for r in _metrics(log_dir) if r.get("pipeline/utilization_stage0")]
     assert len(rows) == 1 and int(rows[0]["step"]) == MICRO_BATCHES // N
     logged = {k: float(v) for k, v in rows[0].items() if v}
-    assert PIPELINE_KEYS | COMMON_KEYS | {"memory/peak_bytes_stage1"} <= logged.keys()
+    on_cpu = {k.replace("peak_bytes", "peak_rss_bytes") for k in COMMON_KEYS | {"memory/peak_bytes_stage1"}}
+    assert PIPELINE_KEYS | on_cpu <= logged.keys() and not any("memory/peak_bytes" in k for k in logged)
     assert logged["pipeline/drift_max_stage0"] == 1 and logged["pipeline/drift_max_stage1"] == 0
-    assert logged["throughput/samples_per_sec"] > 0 and logged["memory/peak_bytes_stage1"] > 1e6
+    assert logged["throughput/samples_per_sec"] > 0 and logged["memory/peak_rss_bytes_stage1"] > 1e6
 
     trace = json.loads((log_dir / TIMELINE_JSON).read_text())
     spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
