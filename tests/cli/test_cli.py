@@ -52,7 +52,7 @@ def _help(capsys, *args: str) -> str:
 def test_help_comes_from_docstrings(capsys):
     fit = _help(capsys, "fit", "--help")
     assert "--trainer.strategy" in fit and "lit_efficient.PACIStrategy" in fit
-    assert "data.init_args.block_size --> model.init_args.block_size" in fit
+    assert "data.block_size --> model.init_args.block_size" in fit  # from the built data module
     assert "data.vocab_size --> model.init_args.vocab_size" in fit
     assert "--optimizer" not in fit and "--lr_scheduler" not in fit  # GPT.configure_optimizers owns them
     model = _help(capsys, "fit", "--model.help", "GPT")

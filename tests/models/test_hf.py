@@ -385,7 +385,7 @@ def _fit_then_evaluate(rank: int, world: int, root: str) -> dict:
     warnings.filterwarnings("ignore")
     model = SGDLM(qwen2())
     trainer = _trainer(
-        PACIStrategy(pipeline_stages=2), 2, 2, limit_val_batches=2, limit_test_batches=2, limit_predict_batches=2,
+        PACIStrategy(pipeline_stages=2), world, 2, limit_val_batches=2, limit_test_batches=2, limit_predict_batches=2,
         default_root_dir=root,
     )  # fmt: skip
     trainer.fit(model, datamodule=_data())
@@ -396,6 +396,7 @@ def _fit_then_evaluate(rank: int, world: int, root: str) -> dict:
     predictions = trainer.predict(model, datamodule=_data())
     losses.append(trainer.validate(model, datamodule=_data(), verbose=False)[0]["val_loss"])
     if rank == 0:  # the last stage, and the whole model after fit
+        Path(root).mkdir(parents=True, exist_ok=True)
         torch.save(model.state_dict(), Path(root, "trained.pt"))
     return {"losses": losses, "predictions": predictions}
 
@@ -419,6 +420,10 @@ def test_evaluating_after_fit_on_processes_answers_as_one_device(tmp_path):
     assert abs(val - want_val) < 1e-5 and abs(test - want_test) < 1e-5, (val, want_val, test, want_test)
     assert len(last["predictions"]) == 2
     assert all(torch.equal(a, b) for a, b in zip(last["predictions"], want_predictions, strict=True))
+    # The same script with the pipeline in one process (devices=1): PACI there is PACI on processes, exactly.
+    one = _fit_then_evaluate(0, 1, str(tmp_path / "one"))
+    assert one["losses"] == last["losses"]
+    assert all(torch.equal(a, b) for a, b in zip(one["predictions"], last["predictions"], strict=True))
 
 
 def test_a_base_model_without_a_head_is_refused_naming_the_causal_lm_class():
