@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> dict:
     trainer = Trainer(
         accelerator=args.accelerator, devices=args.devices, max_steps=args.max_steps, default_root_dir=args.runs,
         strategy=PACIStrategy(pipeline_stages=args.stages), callbacks=[GradientAccumulation(steps=4), checkpoints],
-        val_check_interval=40, limit_val_batches=8, logger=False,
+        val_check_interval=40, check_val_every_n_epoch=None, limit_val_batches=8, logger=False,
     )  # fmt: skip
     resume = str(Path(args.runs, "last.ckpt")) if args.resume else None
     trainer.fit(model, datamodule=data, ckpt_path=resume)
