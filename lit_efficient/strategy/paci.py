@@ -35,7 +35,7 @@ from lightning.pytorch.profilers import PassThroughProfiler
 from lightning.pytorch.strategies import DDPStrategy, Strategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
@@ -75,6 +75,7 @@ from lit_efficient.strategy.config import (
     check_before_launch,
     check_options,
 )
+from lit_efficient.strategy.divergence import LossTrend
 from lit_efficient.strategy.hosting import HostedStage, gather_model_on_rank_zero
 from lit_efficient.strategy.module_hooks import drain_before, undo_drain_before, warn_uncalled_hooks
 from lit_efficient.strategy.progress import swap_stock_progress_bar
@@ -262,6 +263,7 @@ class PACIStrategy(DDPStrategy):
         self.compile_layers = compile_layers
         self._compiled_steps: dict[str, Any] = {}  # a torch.compile-d module's steps, set aside while it trains
         self.on_nonfinite = on_nonfinite
+        self._loss_trend = LossTrend()
         self.checkpoint_format = checkpoint_format
         self.async_checkpoint = async_checkpoint
         self.local_sgd_steps = local_sgd_steps
@@ -437,6 +439,7 @@ class PACIStrategy(DDPStrategy):
             broadcast_flat(list({id(t): t for t in own}.values()), self._dp_groups[self.stage])
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
+            self._loss_trend = LossTrend()  # a blow-up of this fit's loss against its own trend: one warning
             self._was_automatic = module.automatic_optimization
             module.automatic_optimization = False  # the stages zero, accumulate and step themselves
             if ties and {0, self.pipeline_stages - 1} <= set(hosted):
@@ -738,6 +741,8 @@ class PACIStrategy(DDPStrategy):
             module.log(
                 "train_loss", value, prog_bar=True, on_step=True, on_epoch=False, batch_size=batch_size_of(batch)
             )
+            if self.schedule == "paci" and (warning := self._loss_trend.observe(trainer.global_step, float(value))):
+                rank_zero_warn(warning)
         return {"loss": loss}
 
     def _log_averaging(self) -> None:
@@ -783,7 +788,6 @@ class PACIStrategy(DDPStrategy):
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         raise RuntimeError("PACIStrategy runs backwards inside the pipeline; manual_backward is not supported")
 
-    @override
     @override
     def on_train_start(self) -> None:
         self.final_state = None  # what a save after the previous fit used is not this fit's
