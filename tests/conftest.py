@@ -44,6 +44,6 @@ def demo_model(tmp_path_factory):
     """examples/own_hf_model.py's stand-in for a downloaded model: a small Qwen2 and its BPE tokenizer in one
     save_pretrained folder (a 300-token vocabulary trained on 300 kB of the embedded corpus here)."""
     pytest.importorskip("transformers")
-    from tests.support.own_model import example
+    from tests.support.examples import own_hf_model
 
-    return example().make_demo_folder(tmp_path_factory.mktemp("my_model"), vocab_size=300, text_bytes=300_000)
+    return own_hf_model().make_demo_folder(tmp_path_factory.mktemp("my_model"), vocab_size=300, text_bytes=300_000)

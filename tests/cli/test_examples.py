@@ -3,23 +3,14 @@
 from __future__ import annotations
 
 import ast
-import importlib.util
 import sys
-from pathlib import Path
-from types import ModuleType
 
 import pytest
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+from tests.support.examples import EXAMPLES
+from tests.support.examples import load_example as _load
+
 SCRIPTS = sorted(EXAMPLES.glob("*.py"))
-
-
-def _load(path: Path) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"example_{path.stem}", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_the_documented_examples_exist():

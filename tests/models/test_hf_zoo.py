@@ -24,14 +24,7 @@ from benchmarks.hf_zoo import batches, build, fit, flush_in_one_process, max_dif
 from tests.support.hf_runs import AUX  # noqa: E402
 from tests.support.hf_runs import padded_batches as _padded_batches  # noqa: E402
 
-
-@pytest.fixture(autouse=True)
-def _one_thread(monkeypatch):
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # spawned ranks read it
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py: one thread here and in every rank
 
 
 def _chain_and_model(module: HFCausalLM, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

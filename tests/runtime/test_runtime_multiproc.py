@@ -10,7 +10,7 @@ import torch
 from lit_efficient.runtime.partition import partition_uniform, stage_bounds
 from lit_efficient.tools.demo import build_layers, lm_loss
 from tests.support.multiproc import spawn, values
-from tests.support.runtime_runs import MODEL
+from tests.support.runtime_runs import MODEL, train_unsplit
 from tests.support.runtime_runs import paci_emulation as _paci_emulation
 from tests.support.runtime_runs import pipeline_on_ranks as _pipeline
 from tests.support.runtime_runs import runtime_batches as _data
@@ -22,15 +22,7 @@ pytestmark = pytest.mark.multiproc
 def _reference(data, accumulate: int, dropout: float = 0.0) -> list[torch.nn.Module]:
     """Unsplit model trained on the same micro-batches: loss / N per micro-batch, step per window."""
     layers = build_layers(**MODEL, dropout=dropout)
-    opt = _optimizer([p for layer in layers for p in layer.parameters()])
-    for j, batch in enumerate(data):
-        x = batch[0]
-        for layer in layers:
-            x = layer(x)
-        (lm_loss(x, batch)[0] / accumulate).backward()
-        if (j + 1) % accumulate == 0:
-            opt.step()
-            opt.zero_grad()
+    train_unsplit(layers, _optimizer([p for layer in layers for p in layer.parameters()]), data, accumulate)
     return layers
 
 

@@ -17,6 +17,7 @@ from lit_efficient.tools.demo import lm_loss
 from lit_efficient.transport.process import LinkGroups, PointToPoint, TiedExchange
 from tests.support.multiproc import spawn, values
 from tests.support.runtime_runs import runtime_batches as _data
+from tests.support.runtime_runs import train_unsplit
 from tests.support.tied_runs import emulate_tied as _emulate
 from tests.support.tied_runs import tied_layers as _tied_layers
 from tests.support.tied_runs import tied_sgd as _optimizer
@@ -65,15 +66,7 @@ def test_tied_rule_equals_its_definition(schedule, stages, accumulate):
     assert first.shape == last.shape and torch.equal(first, last)  # the copies are identical after the run
     if schedule == "1f1b_flush":  # flush is the unsplit tied model's SGD
         layers = _tied_layers()
-        opt = _optimizer(_unique(layers))
-        for j, batch in enumerate(data):
-            x = batch[0]
-            for layer in layers:
-                x = layer(x)
-            (lm_loss(x, batch)[0] / accumulate).backward()
-            if (j + 1) % accumulate == 0:
-                opt.step()
-                opt.zero_grad()
+        train_unsplit(layers, _optimizer(_unique(layers)), data, accumulate)
         assert (layers[0].tok.weight - first).abs().max().item() <= 1e-5
 
 

@@ -33,14 +33,7 @@ from tests.support.multiproc import spawn, values
 from tests.support.runtime_runs import demo_stage as _stage
 from tests.support.runtime_runs import runtime_batches as _data
 
-
-@pytest.fixture(autouse=True)
-def _one_thread(monkeypatch):
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # spawned Trainer ranks read it; Lightning then leaves threads be
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py: one thread here and in every rank
 
 
 # -- the runtime: StageHost against processes -------------------------------------------------------

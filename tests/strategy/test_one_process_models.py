@@ -40,13 +40,7 @@ BLOCK = 32
 VOCAB = 256  # TextDataModule's bytes
 
 
-@pytest.fixture(autouse=True)
-def _one_thread(monkeypatch):
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # spawned Trainer ranks read it; Lightning then leaves threads be
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py: one thread here and in every rank
 
 
 # Tiny configs of several architectures, built from their Config classes (random init, nothing downloaded).

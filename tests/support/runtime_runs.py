@@ -39,6 +39,18 @@ def runtime_optimizer(params):
     return torch.optim.AdamW(params, lr=LR, weight_decay=0.01)
 
 
+def train_unsplit(layers, optimizer, data, accumulate: int) -> None:
+    """The unsplit reference: every micro-batch through all ``layers``, loss / N, a step per window of N."""
+    for j, batch in enumerate(data):
+        x = batch[0]
+        for layer in layers:
+            x = layer(x)
+        (lm_loss(x, batch)[0] / accumulate).backward()
+        if (j + 1) % accumulate == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+
+
 def pipeline_on_ranks(rank, world, schedule, accumulate, stages, *, dropout=0.0, recompute=False, timeout=60.0):
     topo = Topology.for_world(world, stages)
     s = topo.stage_of(rank)

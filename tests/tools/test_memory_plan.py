@@ -33,12 +33,7 @@ QUICKSTART = REPO / "configs" / "quickstart.yaml"
 TOLERANCE = 0.10  # issue 20's contract; measured agreement is exact on CPU
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py: one thread here and in every rank
 
 
 # -- pure parts ------------------------------------------------------------------------------------
