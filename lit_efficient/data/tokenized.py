@@ -9,6 +9,7 @@ that file; the blocks, splits and the resumable training loader are `TextDataMod
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -135,9 +136,10 @@ class TokenizedDataModule(TextDataModule):
         # The vocabulary the model must embed: added tokens included (len(), not .vocab_size).
         self._vocab_size = len(self.tokenizer)
 
-    @property
+    @functools.cached_property
     def token_file(self) -> Path:
-        """Where the ids are (to be) written for these inputs."""
+        """Where the ids are (to be) written for these inputs: hashed once per module (a 151k-entry vocabulary and
+        the standard library's ~800 files are no per-call read; ``prepare_data`` and ``tokens`` both ask)."""
         tok = self.tokenizer
         files = documents_files(self._source)
         key = json.dumps({

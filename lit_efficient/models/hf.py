@@ -311,6 +311,9 @@ class HFCausalLM(LightningModule):
                 "ids; build the model with a vocabulary at least that large."
             )
         positions = getattr(config, "max_position_embeddings", None)
+        # Read once: pipeline_input checks every micro-batch against it, and a config's attribute map is no plain
+        # attribute read (GPT-2 maps it to n_positions).
+        self.__dict__["_positions"] = positions if isinstance(positions, int) else None
         if block_size is not None and isinstance(positions, int) and block_size > positions:
             raise ValueError(
                 f"block_size={block_size} exceeds the model's max_position_embeddings={positions}; use shorter blocks."
@@ -357,8 +360,8 @@ class HFCausalLM(LightningModule):
     def pipeline_input(self, batch: Any) -> tuple[Tensor, ...]:
         """What the embedding layer consumes: ``(input_ids,)`` or ``(input_ids, attention_mask)``."""
         ids = batch["input_ids"] if isinstance(batch, Mapping) else batch[0]
-        positions = getattr(self.model.config, "max_position_embeddings", None)
-        if isinstance(positions, int) and ids.shape[-1] > positions:
+        positions = self._positions
+        if positions is not None and ids.shape[-1] > positions:
             # A learned position table (GPT-2's n_positions) fails with a bare IndexError deep in stage 0 otherwise.
             raise ValueError(
                 f"the batch's sequences have {ids.shape[-1]} tokens but {type(self.model).__name__} has "
@@ -484,8 +487,8 @@ class HFCausalLM(LightningModule):
                 "build the model with a vocabulary at least that large."
             )
         data_block = getattr(datamodule, "block_size", None)
-        positions = getattr(self.model.config, "max_position_embeddings", None)
-        if isinstance(data_block, int) and isinstance(positions, int) and data_block > positions:
+        positions = self._positions
+        if isinstance(data_block, int) and positions is not None and data_block > positions:
             raise ValueError(
                 f"The data have block_size={data_block} but {type(self.model).__name__} has "
                 f"max_position_embeddings={positions}; use blocks of at most {positions} tokens "
