@@ -75,7 +75,9 @@ class ResumableLoader(DataLoader):
     """A DataLoader Lightning resumes mid-epoch: ``state_dict()`` is the epoch (the sampler's, set by Lightning) and
     the batches yielded in it; after ``load_state_dict()`` the next iteration of that epoch starts after them.
 
-    The skipped batches are skipped as indices, never loaded. Takes DataLoader's arguments.
+    The skipped batches are skipped as indices, never loaded. Takes DataLoader's arguments. With a sampler that
+    has no epoch (Lightning swaps in a sequential one under ``overfit_batches``) the state cannot tell the saved
+    epoch from the next one, so nothing is skipped: the epoch restarts, as a plain DataLoader's does.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -98,7 +100,8 @@ class ResumableLoader(DataLoader):
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         # A generator: the body runs at the first batch, after Lightning's set_epoch for the epoch.
         epoch, resume, self._resume = self._sampler_epoch(), self._resume, None
-        skip = resume["batches"] if resume is not None and resume["epoch"] == epoch else 0
+        same_epoch = resume is not None and epoch is not None and resume["epoch"] == epoch
+        skip = resume["batches"] if same_epoch else 0
         self._skipping = skip
         try:
             batches = super().__iter__()

@@ -115,21 +115,32 @@ def _resume_against_uninterrupted(root: Path, strategy, devices: int) -> float:
     return max_diff(resumed, fit(6, "whole"))
 
 
-@pytest.mark.usefixtures("one_thread")  # tests/conftest.py: two threads on two shared cores ran 3x slower
+@pytest.mark.usefixtures("one_thread")  # tests/conftest.py: one device at the pipeline runs' thread count
 def test_plain_lightning_resumes_mid_epoch_exactly(tmp_path):
     assert _resume_against_uninterrupted(tmp_path, lambda: "auto", 1) == 0.0
 
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize(
-    ("devices", "checkpoint_format"), [(2, "file"), (4, "sharded")], ids=["one-replica-file", "two-replicas-sharded"]
+    ("devices", "checkpoint_format"),
+    [(1, "file"), (2, "file"), (4, "sharded")],
+    ids=["one-process-file", "one-replica-file", "two-replicas-sharded"],
 )
 def test_the_pipeline_resumes_mid_epoch_exactly(tmp_path, devices, checkpoint_format):
-    """PACI (the default schedule) on 2 stages, one replica (the user's sampler kept) and two (Lightning's
-    distributed sampler around it), each in one of the two checkpoint formats (both carry the loops' state alike:
-    tests/checkpoint/test_sharded_checkpoints.py)."""
+    """PACI (the default schedule) on 2 stages: both in one process (devices=1), one replica on two processes
+    (the user's sampler kept) and two replicas (Lightning's distributed sampler around it), in both checkpoint
+    formats (both carry the loops' state alike: tests/checkpoint/test_sharded_checkpoints.py)."""
 
     def strategy():
         return PACIStrategy(pipeline_stages=2, checkpoint_format=checkpoint_format, start_method="forkserver")
 
     assert _resume_against_uninterrupted(tmp_path, strategy, devices) == 0.0
+
+
+def test_without_a_sampler_epoch_nothing_is_skipped(data):
+    """Under overfit_batches Lightning swaps in a sequential sampler, which has no epoch: a state saved at an
+    epoch's end would otherwise skip the next epoch's batches (all of them, for a whole epoch saved)."""
+    loader = data.train_dataloader()
+    plain = ResumableLoader(loader.dataset, batch_size=4, drop_last=True)  # SequentialSampler: no set_epoch
+    plain.load_state_dict({"epoch": None, "batches": len(plain)})
+    assert len(_batches(plain)) == len(plain)
