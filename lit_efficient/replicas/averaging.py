@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.distributed as dist
@@ -67,6 +67,9 @@ class ReplicaAverager:
         outer_lr: Outer learning rate (DiLoCo only; reference 0.7).
         outer_momentum: Outer Nesterov momentum in [0, 1) (DiLoCo only; reference 0.9).
         average_buffers: Also average floating-point buffers (e.g. BatchNorm running stats).
+        mean: How the replicas' mean is taken; None: over ``group`` (`GroupMean`), after one broadcast of its
+            first rank's weights. A changing replica set (`replicas.fault_tolerance`) passes its own and
+            makes the replicas' weights agree by healing, so nothing is broadcast here.
 
     Attributes:
         last_divergence: Relative L2 distance between this replica's parameters and the group
@@ -87,6 +90,7 @@ class ReplicaAverager:
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
         average_buffers: bool = True,
+        mean: ReplicaMean | None = None,
     ) -> None:
         if sync_every < 1:
             raise ValueError(f"sync_every={sync_every} must be >= 1; use 1 to synchronize after every step.")
@@ -113,12 +117,14 @@ class ReplicaAverager:
         self.bytes_communicated = 0
         self.setup_bytes = 0
         self._step = 0
-        self._world = _group_size(group)
+        self._mean = mean if mean is not None else GroupMean(group)
         # All parameters, frozen ones too: cheap insurance that replicas never drift apart if a
         # parameter is unfrozen later. The list is fixed here, in module order, on every rank.
         self._params = list(module.parameters())
 
-        if self._world == 1:
+        if mean is not None:
+            pass  # a changing replica set (fault_tolerance.py): it makes the replicas' weights agree itself
+        elif self._mean.alone:
             warnings.warn(
                 "ReplicaAverager: the data-parallel group has a single replica, so there is nothing "
                 "to average; syncs only apply the outer optimizer (if any) to this replica.",
@@ -177,43 +183,60 @@ class ReplicaAverager:
         self.sync()
         return True
 
-    @torch.no_grad()
+    def count_step(self) -> None:
+        """Count one local optimizer step without synchronizing: for replicas whose syncs are driven from
+        outside (`replicas.fault_tolerance`, at drained points)."""
+        self._step += 1
+
     def sync(self) -> None:
         """Synchronize now, out of schedule if needed (e.g. before validation or a checkpoint).
 
         Collective: every rank of the group must call it at the same point. Updates
         `last_divergence` and `bytes_communicated`.
         """
-        buffers = self._float_buffers()
-        if self.outer_optimizer == "nesterov":
-            self._sync_nesterov(buffers)
-        else:
-            self._sync_average(buffers)
+        self.apply(self.reduce())
 
-    def _sync_average(self, buffers: list[Tensor]) -> None:
-        if self._world == 1:
+    @torch.no_grad()
+    def reduce(self) -> tuple[list[Tensor], list[Tensor]]:
+        """The collective half of `sync`: the replicas' means of what a sync averages (the parameters for
+        "average", the fp32 pseudo-gradients for "nesterov"; and the floating buffers), nothing changed yet.
+        With a changing replica set (fault_tolerance.py) a sync is committed or dropped after every hosted
+        stage has reduced: `apply` only then."""
+        buffers = [b.clone() for b in self._float_buffers()]
+        if self.outer_optimizer == "nesterov":
+            values = [a - p.detach().float() for a, p in zip(self._anchor, self._params, strict=True)]
+        else:
+            # Reduce copies: the local values are needed afterwards for the divergence.
+            values = [p.detach().clone() for p in self._params]
+        if not self._mean.alone:
+            self.bytes_communicated += self._mean(values + buffers)
+        return values, buffers
+
+    @torch.no_grad()
+    def apply(self, means: tuple[list[Tensor], list[Tensor]]) -> None:
+        """The local half of `sync`: this replica's weights and buffers (and, for "nesterov", the anchor and
+        outer momentum) from the means `reduce` returned."""
+        values, buffers = means
+        if self.outer_optimizer == "average" and self._mean.alone:
             self.last_divergence = 0.0
             return
-        # Reduce copies: the local values are needed afterwards for the divergence.
-        sums = [p.detach().clone() for p in self._params]
-        self.bytes_communicated += all_reduce_flat(sums + buffers, self.group)
-        for b in buffers:
-            b.div_(self._world)
+        for b, mean in zip(self._float_buffers(), buffers, strict=True):
+            b.copy_(mean)
+        if self.outer_optimizer == "nesterov":
+            self._apply_nesterov(values)
+        else:
+            self._apply_average(values)
+
+    def _apply_average(self, means: list[Tensor]) -> None:
         diff_sq, avg_sq = _zeros(self._params)
-        for p, s in zip(self._params, sums, strict=True):
-            avg = s.div_(self._world)
+        for p, avg in zip(self._params, means, strict=True):
             diff_sq += (p.detach().float() - avg.float()).pow(2).sum(dtype=torch.float64)
             avg_sq += avg.float().pow(2).sum(dtype=torch.float64)
             p.copy_(avg)
         self.last_divergence = _relative(diff_sq, avg_sq)
 
-    def _sync_nesterov(self, buffers: list[Tensor]) -> None:
+    def _apply_nesterov(self, pseudo_grads: list[Tensor]) -> None:
         assert self._outer is not None
-        pseudo_grads = [a - p.detach().float() for a, p in zip(self._anchor, self._params, strict=True)]
-        if self._world > 1:
-            self.bytes_communicated += all_reduce_flat(pseudo_grads + buffers, self.group)
-            for t in pseudo_grads + buffers:
-                t.div_(self._world)
         # This replica minus the average = local - (anchor - mean pseudo-gradient).
         diff_sq, avg_sq = _zeros(self._params)
         for a, p, g in zip(self._anchor, self._params, pseudo_grads, strict=True):
@@ -221,7 +244,7 @@ class ReplicaAverager:
             diff_sq += (p.detach().float() - avg).pow(2).sum(dtype=torch.float64)
             avg_sq += avg.pow(2).sum(dtype=torch.float64)
             a.grad = g
-        self.last_divergence = 0.0 if self._world == 1 else _relative(diff_sq, avg_sq)
+        self.last_divergence = 0.0 if self._mean.alone else _relative(diff_sq, avg_sq)
         # Identical anchors, identical mean pseudo-gradients and identical outer state on every
         # replica make identical updates: no broadcast needed to stay bit-identical.
         self._outer.step()
@@ -291,6 +314,30 @@ class ReplicaAverager:
         for a, buf in zip(self._anchor, momentum, strict=True):
             if buf is not None:
                 self._outer.state[a]["momentum_buffer"] = buf.detach().to(a).clone()
+
+
+class ReplicaMean(Protocol):
+    """The mean across a stage's replicas, in place: `GroupMean` over a fixed group, or
+    `replicas.fault_tolerance.TorchftReplicas.mean` over whichever replica groups are alive."""
+
+    alone: bool  # no other replica: nothing to reduce
+
+    def __call__(self, tensors: list[Tensor]) -> int: ...
+
+
+class GroupMean:
+    """The mean over a fixed torch.distributed group: one summing all-reduce per dtype, then a division."""
+
+    def __init__(self, group: ProcessGroup | None) -> None:
+        self.group = group
+        self.size = _group_size(group)
+        self.alone = self.size == 1
+
+    def __call__(self, tensors: list[Tensor]) -> int:
+        sent = all_reduce_flat(tensors, self.group)
+        for t in tensors:
+            t.div_(self.size)
+        return sent
 
 
 def _group_size(group: ProcessGroup | None) -> int:

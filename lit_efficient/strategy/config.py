@@ -314,6 +314,24 @@ def check_options(
         )
 
 
+def check_fault_tolerance(fault_tolerance: str | None, local_sgd_steps: int | None, min_replica_groups: int) -> None:
+    """Refuse a ``fault_tolerance`` setting that cannot work (what needs the launch is checked before it). A sharded
+    optimizer state is refused by its own check: it needs per-step gradient averaging, and this needs
+    ``local_sgd_steps``."""
+    if fault_tolerance not in (None, "torchft"):
+        raise ValueError(f"fault_tolerance={fault_tolerance!r} must be None or 'torchft'.")
+    if fault_tolerance is None:
+        return
+    if local_sgd_steps is None:
+        raise ValueError(
+            "fault_tolerance='torchft' takes its quorum at the LocalSGD/DiLoCo outer sync: set local_sgd_steps=H "
+            "(and outer_optimizer='nesterov' for DiLoCo). Per-step gradient averaging across replica groups is "
+            "not supported: it would drain the pipeline at every step."
+        )
+    if not isinstance(min_replica_groups, int) or min_replica_groups < 1:
+        raise ValueError(f"min_replica_groups={min_replica_groups!r} must be an integer >= 1.")
+
+
 def check_before_launch(strategy: Any, trainer: Trainer) -> None:
     """Refuse a layout or accumulation setting of ``strategy`` (a `PACIStrategy`) that cannot work, before any
     process starts (the launchers above call it in the launching process; one process calls it in setup)."""

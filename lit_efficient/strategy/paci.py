@@ -41,6 +41,7 @@ from typing_extensions import override
 
 from lit_efficient.checkpoint.async_write import AsyncCheckpointer
 from lit_efficient.replicas.averaging import ReplicaAverager
+from lit_efficient.replicas.fault_tolerance import TorchftReplicas, group_settings, lighthouse_address, require_torchft
 from lit_efficient.replicas.sharded_optimizer import ShardedOptimizer
 from lit_efficient.runtime.host import StageHost
 from lit_efficient.runtime.interpreter import PipelineRuntime
@@ -73,9 +74,11 @@ from lit_efficient.strategy.config import (
     _sharding_applies,
     _warn_single_replica,
     check_before_launch,
+    check_fault_tolerance,
     check_options,
 )
 from lit_efficient.strategy.divergence import LossTrend
+from lit_efficient.strategy.fault_tolerant import start_replicas
 from lit_efficient.strategy.hosting import HostedStage, gather_model_on_rank_zero
 from lit_efficient.strategy.module_hooks import drain_before, undo_drain_before, warn_uncalled_hooks
 from lit_efficient.strategy.progress import swap_stock_progress_bar
@@ -182,6 +185,17 @@ class PACIStrategy(DDPStrategy):
             "PACI at depth"): weight prediction brings S=4 and S=8 within 1% of flush at lr 5e-4 and 1e-3,
             not at 2e-3 with a short warmup; lr_scale helps at S=2. See `lit_efficient.runtime.staleness`.
         staleness_anneal_steps: Optimizer steps over which ``"lr_scale"`` returns to the plain learning rate.
+        fault_tolerance: None: a dead rank ends the job (torchrun restarts all of it from the last checkpoint).
+            ``"torchft"``: replica groups on torchft (``pip install 'lit-efficient[fault-tolerance]'``): each
+            group is one whole pipeline under its own launcher; a group whose rank dies restarts alone and
+            heals from a live group's same ranks at their next outer sync, while the others go on. Needs
+            ``local_sgd_steps`` (the quorum is taken at the LocalSGD/DiLoCo sync, at a drained point), the
+            lighthouse's address in ``TORCHFT_LIGHTHOUSE``, and processes. See docs/fault-tolerance.md.
+        replica_group_id: This replica group's index (0, 1, ...); None reads ``REPLICA_GROUP_ID``.
+        replica_groups: Replica groups launched (each reads its own shard of the data); None reads
+            ``NUM_REPLICA_GROUPS``.
+        min_replica_groups: Live groups a sync needs to commit; fewer, and the groups keep training locally
+            until enough are back.
         compile_layers: ``torch.compile`` each stage's layers: True with torch's defaults, or a dict of
             ``torch.compile``'s keyword arguments (``{"backend": "inductor", "mode": "max-autotune"}``, ...).
             ``trainer.fit(torch.compile(model))`` does the same with that call's options (the pipeline runs
@@ -230,6 +244,10 @@ class PACIStrategy(DDPStrategy):
         shard_optimizer_state: bool = False,
         staleness_correction: CorrectionName | None = None,
         staleness_anneal_steps: int = 100,
+        fault_tolerance: Literal["torchft"] | None = None,
+        replica_group_id: int | None = None,
+        replica_groups: int | None = None,
+        min_replica_groups: int = 1,
         compile_layers: bool | dict[str, Any] = False,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         accelerator: Accelerator | None = None,
@@ -247,6 +265,7 @@ class PACIStrategy(DDPStrategy):
             outer_optimizer, outer_lr, outer_momentum, shard_optimizer_state, staleness_correction,
             staleness_anneal_steps, compile_layers, wire_dtype, checkpoint_format, async_checkpoint,
         )  # fmt: skip
+        check_fault_tolerance(fault_tolerance, local_sgd_steps, min_replica_groups)
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
             precision_plugin=precision_plugin, process_group_backend=process_group_backend, timeout=timeout,
@@ -273,6 +292,13 @@ class PACIStrategy(DDPStrategy):
         self.outer_momentum = outer_momentum
         self.average_buffers = average_buffers
         self.shard_optimizer_state = shard_optimizer_state
+        self.fault_tolerance = fault_tolerance
+        self.replica_group_id = replica_group_id
+        self.replica_groups = replica_groups
+        self.min_replica_groups = min_replica_groups
+        self.replicas: TorchftReplicas | None = None  # this rank's torchft membership (fault_tolerance="torchft")
+        self._ft_store: Any = None
+        self._ft_joining = False
         self.topology: Topology | None = None
         # The stages this process hosts (one on a rank, every stage with devices=1) and their driver.
         self.hosted: list[HostedStage] = []
@@ -338,6 +364,8 @@ class PACIStrategy(DDPStrategy):
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # Every stage of a replica reads the same micro-batch stream; replicas read different ones.
+        if self.fault_tolerance is not None:  # each replica group is its own launch: its shard by its index
+            return {"num_replicas": self.replica_groups, "rank": self.replica_group_id}
         world = self.pipeline_stages if self.in_process else self.num_nodes * self.num_processes
         topo = Topology.for_world(world, self.pipeline_stages)
         return {"num_replicas": topo.num_replicas, "rank": topo.replica_of(self.global_rank)}
@@ -357,6 +385,18 @@ class PACIStrategy(DDPStrategy):
     def _check_before_launch(self, trainer: Trainer) -> None:
         """Refuse a layout or accumulation setting that cannot work, before any process starts."""
         check_before_launch(self, trainer)
+        if self.fault_tolerance is not None:
+            if self.in_process:
+                raise ValueError(
+                    "PACIStrategy(fault_tolerance='torchft') runs each replica group on processes (devices=S, one "
+                    "stage per rank, under torchrun or SLURM); with devices=1 there is no rank to heal. Launch "
+                    "each group with torchrun --nproc-per-node S."
+                )
+            require_torchft()
+            self.replica_group_id, self.replica_groups = group_settings(
+                self.replica_group_id, self.replica_groups, self.min_replica_groups
+            )
+            lighthouse_address()
 
     @override
     def setup_distributed(self) -> None:
@@ -415,7 +455,7 @@ class PACIStrategy(DDPStrategy):
         assert self.accelerator is not None and self.topology is not None
         # First: whatever loads the training loader during setup (configure_optimizers reading
         # trainer.estimated_stepping_batches, as GPT's default schedule does) builds it with this setting.
-        keep_users_sampler(trainer, self.topology.num_replicas)
+        keep_users_sampler(trainer, self.replica_groups if self.fault_tolerance else self.topology.num_replicas)
         if self.in_process:
             self._check_before_launch(trainer)  # nothing is launched in one process, so the check runs now
         self.accelerator.setup(trainer)
@@ -446,6 +486,8 @@ class PACIStrategy(DDPStrategy):
                 # Before the optimizers are built: the last stage's optimizer holds its own copy, as on its rank.
                 separate_tied_copies(self._split)
         links = self._links(bool(ties) and fitting)
+        if fitting and self.fault_tolerance is not None:
+            self.replicas = start_replicas(self, trainer)
         stages = [self._build_stage(s, layers, trainer, fitting, links) for s in hosted]
         if fitting and not self.in_process:
             self._sigterm_pending = replace_sigterm_barrier(trainer, self.pipeline_stages, self._signal_group)
@@ -519,6 +561,7 @@ class PACIStrategy(DDPStrategy):
             averager = install_step_hooks(
                 stage, trainer, self._dp_groups.get(index), self.topology.num_replicas, averaging,  # type: ignore[union-attr]
                 links.stage_sum, exact_norm, warn_per_stage_clipping=index == self.hosted_stages[0],
+                replicas=self.replicas,
             )  # fmt: skip
             stage.correction = self.correction_for(index, trainer)
             if self._split.ties and index in (0, self.pipeline_stages - 1):
@@ -640,6 +683,9 @@ class PACIStrategy(DDPStrategy):
         # stages': on an accelerator their state would otherwise stay in its memory after fit.
         _optimizers_to_device([h.optimizer for h in self.hosted[:-1] if h.optimizer is not None], torch.device("cpu"))
         self.runtime = None
+        if self.replicas is not None:
+            self.replicas.shutdown()
+            self.replicas = self._ft_store = None
         self._destroy_groups()
         super().teardown()
         if healthy and isinstance(self.launcher, _MultiProcessingLauncher) and dist.is_initialized():
@@ -898,8 +944,15 @@ class PACIStrategy(DDPStrategy):
             "schedule": self.schedule,
         }
 
+    @property
+    def averagers(self) -> list[ReplicaAverager]:
+        """The hosted stages' LocalSGD/DiLoCo averagers (none without replicas)."""
+        return [h.averager for h in self.hosted if h.averager is not None]
+
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        if self.replicas is not None:  # a whole-job restart resumes the groups' sync count
+            checkpoint["torchft"] = self.replicas.state_dict()
         stage_checkpoints.save(self, checkpoint, filepath)  # collective on processes
 
     @override

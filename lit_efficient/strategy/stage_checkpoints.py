@@ -145,18 +145,9 @@ def save(strategy: Any, checkpoint: dict[str, Any], filepath: Any) -> None:
         )
     records = live_records(strategy) if live else final.records
     layout = strategy.layout() if live else final.layout
-    diverged = strategy.local_sgd_steps is not None and strategy.topology.num_replicas > 1
-    views = [
-        _view(strategy, checkpoint, r, h, h is strategy.hosted[-1])
-        for r, h in zip(records, strategy.hosted, strict=True)
-    ]
-    shares = [
-        _share(view, r, h.optimizer, r.replica == 0 or diverged)
-        for view, r, h in zip(views, records, strategy.hosted, strict=True)
-    ]
+    shares, base = _shares(strategy, checkpoint, records)
     distributed = not strategy.in_process
     group = strategy.cpu_group if distributed else None
-    base = views[-1]  # Lightning's dict as global rank 0 (the last stage) built it
     saver = strategy.async_checkpointer
     if live and strategy.async_checkpoint and strategy.checkpoint_format == "sharded":
         if saver is None:
@@ -171,6 +162,28 @@ def save(strategy: Any, checkpoint: dict[str, Any], filepath: Any) -> None:
         write_atomically(to_automatic_loops(assemble(base, [s for part in gathered for s in part], layout)), path)
     if distributed:
         dist.barrier(group=group)  # nobody reads or removes it before it is complete
+
+
+def in_memory(strategy: Any, checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """This process's stages as the dict a resume loads, built in memory from Lightning's ``checkpoint``: what a
+    healing peer rank of another replica group loads (`strategy.fault_tolerant`), by the shares a save writes."""
+    shares, base = _shares(strategy, checkpoint, live_records(strategy))
+    return assemble(base, shares, strategy.layout())
+
+
+def _shares(strategy: Any, checkpoint: dict[str, Any], records: list[StageRecord]) -> tuple[list[dict], dict]:
+    """Every hosted stage's share, and Lightning's dict as this process's last hosted stage built it (on global
+    rank 0, the last stage's: the base of a file)."""
+    diverged = strategy.local_sgd_steps is not None and strategy.topology.num_replicas > 1
+    views = [
+        _view(strategy, checkpoint, r, h, h is strategy.hosted[-1])
+        for r, h in zip(records, strategy.hosted, strict=True)
+    ]
+    shares = [
+        _share(view, r, h.optimizer, r.replica == 0 or diverged)
+        for view, r, h in zip(views, records, strategy.hosted, strict=True)
+    ]
+    return shares, views[-1]
 
 
 def _view(strategy: Any, checkpoint: dict[str, Any], record: StageRecord, hosted: HostedStage, lightnings: bool):

@@ -21,7 +21,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor
 
-from lit_efficient.replicas.averaging import ReplicaAverager
+from lit_efficient.replicas.averaging import ReplicaAverager, ReplicaMean
 from lit_efficient.replicas.sharded_optimizer import ShardedOptimizer
 from lit_efficient.runtime.stage import PipelineStage
 from lit_efficient.runtime.tied import counted_in_global_norm, is_tied
@@ -75,6 +75,7 @@ def install_step_hooks(
     stage_sum: StageSum,
     exact_norm: bool,
     warn_per_stage_clipping: bool,
+    replicas: ReplicaMean | None = None,
 ) -> ReplicaAverager | None:
     """Install the gradient reduction across ``stage``'s replicas (over ``replica_group``) or its LocalSGD/DiLoCo
     averager, and gradient clipping as the Trainer asks; returns the averager, if any.
@@ -89,6 +90,9 @@ def install_step_hooks(
         exact_norm: Whether norm clipping clips the pipeline's global norm (flush) or each stage's own (paci).
         warn_per_stage_clipping: Say, once, that per-stage norm clipping is not one device's (the first stage
             set up in a process says it).
+        replicas: Fault-tolerant replica groups (`replicas.fault_tolerance.TorchftReplicas`): the averager
+            reduces over the live groups, and only counts steps here; the groups sync at drained points
+            (`strategy.fault_tolerant.OuterSync`).
     """
     averager = None
     if isinstance(stage.optimizer, ShardedOptimizer):
@@ -106,7 +110,14 @@ def install_step_hooks(
             return totals
 
         stage.reduce_gradients = reduce_gradients
-    if averaging is not None and num_replicas > 1:
+    if averaging is not None and replicas is not None:
+        averager = ReplicaAverager(
+            torch.nn.ModuleList(stage.layers), None, averaging.steps, averaging.warmup_steps,
+            averaging.outer_optimizer, averaging.outer_lr, averaging.outer_momentum, averaging.average_buffers,
+            mean=replicas,
+        )  # fmt: skip
+        stage.after_step = averager.count_step
+    elif averaging is not None and num_replicas > 1:
         # Each stage syncs inside its own dp group when its own step count says so (the same
         # count on every replica): no cross-stage barrier, PACI stays asynchronous. The
         # constructor is collective over the group (one broadcast of replica 0's weights).

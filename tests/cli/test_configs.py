@@ -18,7 +18,7 @@ from lit_efficient.cli.app import LitEfficientCLI
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 QUICKSTART = CONFIGS / "quickstart.yaml"
 GPU_CONFIGS = ["gpt2_medium_8stage_paci.yaml", "gpt2_medium_8stage_flush.yaml"]
-OVERLAYS = ["flush.yaml", "localsgd.yaml", "diloco.yaml", "checkpointing.yaml"]
+OVERLAYS = ["flush.yaml", "localsgd.yaml", "diloco.yaml", "checkpointing.yaml", "fault_tolerant.yaml"]
 # A few steps of the quickstart on a small slice of the corpus; tests swap W&B (test_cli covers it) for CSV.
 SHORT = [
     "--trainer.max_steps=2", "--trainer.val_check_interval=8", "--trainer.limit_val_batches=2",
@@ -74,6 +74,9 @@ def test_cpu_configs_parse_and_build_their_trainer(stack, tmp_path):
         assert strategy.outer_optimizer == ("nesterov" if overlay == "diloco.yaml" else "average")
     elif overlay == "checkpointing.yaml":
         assert "ActivationCheckpointing" in names
+    elif overlay == "fault_tolerant.yaml":  # one replica group of two stages (its run: tests/replicas)
+        assert strategy.fault_tolerance == "torchft" and strategy.replica_groups == 2 and strategy.num_processes == 2
+        assert strategy.local_sgd_steps == 20 and strategy.outer_optimizer == "nesterov"
     else:
         assert strategy.schedule == "paci"
 

@@ -63,10 +63,11 @@ def test_a_typo_of_every_option_is_refused_naming_the_option_meant(name):
 
 
 def test_the_issue_example_is_refused_with_every_bad_keyword_in_one_message():
-    # The issue's example named checkpoint_format, an option since issue 19; fault_tolerance is none.
-    message = _refusal(pipeline_stages=2, pipline_stage=4, fault_tolerance="restart")
+    # The issue's example named checkpoint_format (an option since issue 19) and fault_tolerance (one since issue
+    # 32); elastic is none.
+    message = _refusal(pipeline_stages=2, pipline_stage=4, elastic="restart")
     assert "pipline_stage=4: not an option of PACIStrategy; did you mean pipeline_stages?" in message
-    assert "fault_tolerance='restart': not an option of PACIStrategy\n" in message  # nothing close: no guess
+    assert "elastic='restart': not an option of PACIStrategy\n" in message  # nothing close: no guess
     _assert_lists_what_is_accepted(message)
     assert "DistributedDataParallel" not in message  # no wrapper option among them: no wrapper story
 

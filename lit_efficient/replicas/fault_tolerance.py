@@ -1,0 +1,212 @@
+"""Fault-tolerant pipeline replicas on torchft: a dead replica group costs itself a few steps, never the run.
+
+A replica group is one whole pipeline of S ranks under its own launcher (torchrun, a SLURM step); torchft's
+lighthouse (``torchft_lighthouse``) keeps the quorum of live groups. Every rank has a torchft `Manager` (the
+group's rank 0 runs its server); rank s of every live group joins one reconfigurable process group per
+quorum, so **stage s of the live groups is stage s's replica dimension**, and a restarted rank s heals from rank
+s of a live group: its stage's weights, optimizer, LocalSGD/DiLoCo state, schedulers, step counters and the
+data position, all in the in-memory checkpoint the strategy builds for it (docs/DESIGN.md section 10).
+
+The quorum is taken at the LocalSGD/DiLoCo outer sync, at a drained point (every stage of the group at the same
+step): `TorchftReplicas.sync` takes the quorum (a joining or lagging rank heals inside it), reduces every hosted
+stage's pseudo-gradient or weights over the live groups (torchft's all-reduce: the mean over the participants),
+and applies the sync only if the group commits it (`Manager.should_commit`: no error anywhere in the group, at
+least ``min_replica_groups`` groups live). A group that died is left out of the next quorum after torchft's
+heartbeat timeout; nothing waits for it longer. PACI stays bubble-free between syncs: the drain costs the
+pipeline's warm-up (S-1 micro-batch slots) once per ``local_sgd_steps`` windows.
+
+Pure PyTorch and torchft (no Lightning): the strategy gives the state to send and the way to load it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+from urllib.parse import urlparse
+
+import torch
+from torch import Tensor
+
+from lit_efficient.replicas.averaging import ReplicaAverager
+
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # torchft's own variable: the lighthouse's address
+GROUP_ENV = "REPLICA_GROUP_ID"  # this group's index, as torchft's examples name it
+GROUPS_ENV = "NUM_REPLICA_GROUPS"  # how many groups were launched
+START_LIGHTHOUSE = "torchft_lighthouse --min_replicas 1 --quorum_tick_ms 100 --join_timeout_ms 10000 --bind [::]:29510"
+INSTALL = "pip install 'lit-efficient[fault-tolerance]'  (torchft 0.2)"
+
+
+def require_torchft() -> Any:
+    """The torchft module, or an ImportError that says how to install it."""
+    try:
+        import torchft
+    except ImportError as err:
+        raise ImportError(
+            f"PACIStrategy(fault_tolerance='torchft') needs torchft, which is not installed: {INSTALL}."
+        ) from err
+    return torchft
+
+
+def group_settings(group_id: int | None, groups: int | None, min_groups: int) -> tuple[int, int]:
+    """(this group's index, the number of groups launched) from the arguments or torchft's variables, checked."""
+    if group_id is None:
+        if GROUP_ENV not in os.environ:
+            raise ValueError(
+                f"fault_tolerance='torchft' needs this replica group's index: set {GROUP_ENV}=0, 1, ... for each "
+                "group's launcher (or pass replica_group_id=)."
+            )
+        group_id = int(os.environ[GROUP_ENV])
+    if groups is None:
+        groups = int(os.environ.get(GROUPS_ENV, max(group_id + 1, min_groups)))
+    if not 0 <= group_id < groups:
+        raise ValueError(
+            f"replica_group_id={group_id} is not one of the {groups} replica groups launched (0..{groups - 1}); "
+            f"set replica_groups= (or {GROUPS_ENV}) to the number of groups."
+        )
+    if not 1 <= min_groups <= groups:
+        raise ValueError(
+            f"min_replica_groups={min_groups} must be between 1 and the {groups} replica groups launched: with more, "
+            "no quorum could ever form. Lower it, or launch more groups (replica_groups=)."
+        )
+    return group_id, groups
+
+
+def lighthouse_address(timeout: float = 5.0) -> str:
+    """``$TORCHFT_LIGHTHOUSE``, checked to answer: a clear error before training instead of a quorum timeout."""
+    address = os.environ.get(LIGHTHOUSE_ENV)
+    if not address:
+        raise ValueError(
+            f"fault_tolerance='torchft' needs the lighthouse's address in {LIGHTHOUSE_ENV} (e.g. "
+            f"http://localhost:29510); start one with: {START_LIGHTHOUSE}"
+        )
+    url = urlparse(address if "://" in address else f"http://{address}")
+    host, port = url.hostname or "localhost", url.port or 29510
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as err:
+        raise ConnectionError(
+            f"the torchft lighthouse at {address} ({LIGHTHOUSE_ENV}) does not answer ({err}). Start one there with: "
+            f"{START_LIGHTHOUSE}"
+        ) from err
+    return address
+
+
+class TorchftReplicas:
+    """This rank's membership in the live replica groups: its torchft `Manager` and the mean over the groups.
+
+    Args:
+        group_id: This replica group's index (a group keeps it across restarts).
+        group_rank: This rank within its group (its stage on processes).
+        group_size: Ranks in the group (S on processes).
+        min_groups: Groups that must be live for a sync to commit (torchft's ``min_replica_size``).
+        store: (host, port) of a TCPStore of this group, fresh for this launch (rank 0 serves it).
+        state: The state to send to a healing peer rank (called in torchft's quorum thread while this
+            rank waits for the quorum).
+        load: Loads such a state, received from a live peer rank.
+        device: Where the stages' tensors live (a CUDA device gets torchft's NCCL process group).
+        quorum_timeout: Longest wait for a quorum, in seconds: a restarted group waits at start for the live
+            groups' next sync, up to ``local_sgd_steps`` windows away.
+        timeout: Longest wait for a collective, a commit or a checkpoint transfer, in seconds.
+    """
+
+    def __init__(
+        self,
+        group_id: int,
+        group_rank: int,
+        group_size: int,
+        min_groups: int,
+        store: tuple[str, int],
+        state: Callable[[], Any],
+        load: Callable[[Any], None],
+        device: torch.device,
+        quorum_timeout: float,
+        timeout: float = 60.0,
+    ) -> None:
+        torchft = require_torchft()
+        lighthouse = lighthouse_address()
+        pg_class = torchft.ProcessGroupNCCL if device.type == "cuda" else torchft.ProcessGroupGloo
+        self.manager = torchft.Manager(
+            pg=pg_class(timeout=timedelta(seconds=timeout)),
+            load_state_dict=load,
+            state_dict=state,
+            min_replica_size=min_groups,
+            # The quorum is waited for where it is taken (a drained point): a healing rank loads its state in
+            # this thread, before the sync's reduce, and takes part in it.
+            use_async_quorum=False,
+            timeout=timedelta(seconds=timeout),
+            quorum_timeout=timedelta(seconds=quorum_timeout),
+            connect_timeout=timedelta(seconds=timeout),
+            rank=group_rank,
+            world_size=group_size,
+            store_addr=store[0],
+            store_port=store[1],
+            lighthouse_addr=lighthouse,
+            replica_id=f"lit_efficient_group{group_id}",
+            hostname=socket.gethostname(),
+        )
+        self.group_id = group_id
+        self.participants = 0  # live groups in the latest quorum
+        self.committed_syncs = 0
+        self.dropped_syncs = 0
+        self.alone = False  # `ReplicaMean`: even alone, a group reduces (others may join at any quorum)
+
+    def __call__(self, tensors: list[Tensor]) -> int:
+        """The mean over the live groups' same rank, in place (`ReplicaMean`): one all-reduce per dtype."""
+        by_dtype: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault((t.dtype, t.device), []).append(t)
+        sent = 0
+        for bucket in by_dtype.values():
+            flat = torch.cat([t.reshape(-1) for t in bucket])
+            self.manager.allreduce(flat).wait()  # torchft divides by the participants; errors are kept for commit
+            offset = 0
+            for t in bucket:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+            sent += flat.numel() * flat.element_size()
+        return sent
+
+    def sync(self, averagers: Sequence[ReplicaAverager]) -> bool:
+        """One outer sync of this process's stages over the live groups: quorum (healing here if this rank is
+        behind), reduce every stage, commit, apply. Returns whether the group committed it; if not, every stage
+        keeps its local weights and the next sync covers both intervals."""
+        self.manager.start_quorum()
+        self.participants = self.manager.num_participants()
+        reduced = [averager.reduce() for averager in averagers]
+        committed = self.manager.should_commit()
+        if committed:
+            for averager, means in zip(averagers, reduced, strict=True):
+                averager.apply(means)
+            self.committed_syncs += 1
+        else:
+            self.dropped_syncs += 1
+        return committed
+
+    @property
+    def step(self) -> int:
+        """Syncs committed by this group (torchft's step: what a healing rank catches up to)."""
+        return self.manager.current_step()
+
+    def state_dict(self) -> dict[str, int]:
+        """torchft's counters, for a checkpoint (a whole-job restart resumes them)."""
+        return self.manager.state_dict()
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.manager.load_state_dict(state)
+
+    def shutdown(self) -> None:
+        """Leave: the lighthouse drops this group after its heartbeat timeout."""
+        self.manager.shutdown(wait=False)
+
+
+def fresh_store() -> tuple[Any, tuple[str, int]]:
+    """A TCPStore for one launch of a group's managers, served by its rank 0 on a free port, and its address
+    (for the group's other ranks). Fresh at each launch: a restarted group must not read the manager address its
+    previous launch left in a long-lived store (torchrun's keeps its keys across restarts)."""
+    from torch.distributed import TCPStore
+
+    store = TCPStore(socket.gethostname(), 0, is_master=True, wait_for_workers=False)
+    return store, (socket.gethostname(), store.port)

@@ -1,0 +1,124 @@
+"""PACIStrategy(fault_tolerance="torchft"): the Lightning side of `replicas.fault_tolerance`.
+
+- **Joining** (`join_after_restore`): right after Lightning restores the run (from ``ckpt_path``, if any) and
+  before the first batch, every rank takes a quorum with the live replica groups. A rank behind them (a
+  restarted group, or the non-first groups at a fresh start) receives its peer rank's state and resumes from it
+  through Lightning's own resume path (weights, optimizer, schedulers, loops, callbacks, data position), as if
+  it were a checkpoint file: it continues at the peer's step. Then it takes part in that sync.
+- **Syncing** (`OuterSync`): at every LocalSGD/DiLoCo sync step (Lightning's ``global_step``, equal in every
+  group), after the batch, the pipeline drains and the hosted stages sync over the live groups.
+- **Healing state** (`state_for_peer`): the in-memory checkpoint of this process's stages, built by the shares
+  every checkpoint is built from (`stage_checkpoints.in_memory`), with the group's layout to check against.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_info
+
+from lit_efficient.replicas.fault_tolerance import TorchftReplicas, fresh_store
+from lit_efficient.strategy import stage_checkpoints
+
+
+def start_replicas(strategy: Any, trainer: Trainer) -> TorchftReplicas:
+    """This rank's torchft membership (collective over the group: rank 0 serves a fresh store for its managers)."""
+    server, address = fresh_store() if strategy.global_rank == 0 else (None, None)
+    box = [address]
+    dist.broadcast_object_list(box, src=0, group=strategy.cpu_group)
+    strategy._ft_store = server  # kept alive for the group's managers while training
+    replicas = TorchftReplicas(
+        strategy.replica_group_id, strategy.global_rank, strategy.world_size, strategy.min_replica_groups, box[0],
+        state=lambda: state_for_peer(strategy, trainer), load=lambda ckpt: heal(strategy, trainer, ckpt),
+        device=strategy.root_device, quorum_timeout=strategy.p2p_timeout,
+    )  # fmt: skip
+    join_after_restore(strategy, trainer, replicas)
+    if not any(isinstance(cb, OuterSync) for cb in trainer.callbacks):
+        trainer.callbacks.insert(0, OuterSync())  # first: a checkpoint at a sync step holds the synced weights
+    return replicas
+
+
+def state_for_peer(strategy: Any, trainer: Trainer) -> dict[str, Any]:
+    """What a healing peer rank loads: this process's stages as an in-memory checkpoint, Lightning's loops,
+    callbacks and data position included (called in torchft's quorum thread while this rank waits there)."""
+    checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+    checkpoint = stage_checkpoints.in_memory(strategy, checkpoint)
+    checkpoint["torchft"] = strategy.replicas.state_dict()
+    return checkpoint
+
+
+def heal(strategy: Any, trainer: Trainer, checkpoint: dict[str, Any]) -> None:
+    """Load a live peer rank's state. Joining (before the first batch): through Lightning's resume path, loops and
+    data position included. Later (a group that missed a commit): its stages' state only, its loop is in step."""
+    theirs, mine = checkpoint["pipeline"]["layout"], strategy.layout()
+    if theirs != mine:
+        raise ValueError(
+            f"replica group {strategy.replica_group_id} cannot heal from a live group that runs another pipeline: "
+            f"theirs {theirs}, this group's {mine}. Every group must run the same pipeline_stages, balance and "
+            "schedule on the same number of devices."
+        )
+    connector = trainer._checkpoint_connector
+    if strategy._ft_joining:
+        rank_zero_info(f"replica group {strategy.replica_group_id} heals from a live group at step "
+                       f"{checkpoint['global_step']}")  # fmt: skip
+        connector._loaded_checkpoint = checkpoint
+        connector.restore_model()
+        connector.restore_datamodule()
+        connector.restore_callbacks()
+        strategy._ft_restore_training_state()
+        connector._loaded_checkpoint = {}
+        return
+    strategy.load_model_state_dict(checkpoint)
+    strategy.load_optimizer_state_dict(checkpoint)
+    for config, saved in zip(trainer.lr_scheduler_configs, checkpoint.get("lr_schedulers", []), strict=False):
+        config.scheduler.load_state_dict(saved)
+
+
+def join_after_restore(strategy: Any, trainer: Trainer, replicas: TorchftReplicas) -> None:
+    """Take the first quorum right after Lightning's restore, where a healed state can still become the loops'."""
+    connector = trainer._checkpoint_connector
+    restore = strategy._ft_restore_training_state = connector.restore_training_state
+
+    def restore_then_join() -> None:
+        restore()
+        loaded = connector._loaded_checkpoint
+        if loaded and "torchft" in loaded:  # a whole-job restart: the groups' sync count resumes too
+            replicas.load_state_dict(loaded["torchft"])
+        strategy._ft_joining = True
+        try:
+            replicas.sync(strategy.averagers)
+        finally:
+            strategy._ft_joining = False
+        connector.restore_training_state = restore  # once per fit
+
+    connector.restore_training_state = restore_then_join
+
+
+class OuterSync(Callback):
+    """Drains the pipeline and syncs its stages over the live replica groups at every LocalSGD/DiLoCo sync step
+    (the strategy's own callback, inserted first). Logs ``fault_tolerance/live_groups`` and
+    ``fault_tolerance/committed`` (1 when the sync was committed, 0 when a fault dropped it)."""
+
+    def __init__(self) -> None:
+        self._last_step = -1
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._last_step = trainer.global_step  # joining synced this step (a resume's first batches are in it)
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        strategy = trainer.strategy
+        replicas = getattr(strategy, "replicas", None)
+        step = trainer.global_step
+        if replicas is None or step == self._last_step or step < 1:
+            return
+        self._last_step = step
+        averagers = strategy.averagers
+        if not averagers or not averagers[0].is_sync_step(step):
+            return
+        strategy.drain()
+        committed = replicas.sync(averagers)
+        log = dict(on_step=True, on_epoch=False, rank_zero_only=True)
+        pl_module.log("fault_tolerance/live_groups", float(replicas.participants), **log)
+        pl_module.log("fault_tolerance/committed", float(committed), **log)

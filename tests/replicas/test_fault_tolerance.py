@@ -1,0 +1,128 @@
+"""Fault-tolerant pipeline replicas on torchft: two replica groups x two stages on gloo, DiLoCo every 2 steps.
+
+Each group is its own torch elastic agent (what ``torchrun`` runs: `elastic_launch`, as in
+tests/checkpoint/test_restart.py) with ``REPLICA_GROUP_ID`` set; a torchft lighthouse (its Rust server, in this
+process) keeps the quorum. Rank 1 of group 1 SIGKILLs itself on its first attempt, a step after the groups'
+first sync together; its agent restarts the group, which heals from group 0 at group 0's next sync. Group 0
+never stops: it keeps stepping while group 1 is down (paced a little so it is still running when group 1 comes
+back), and both groups end at the same step with identical weights.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from lit_efficient import PACIStrategy
+from tests.support.gpt_runs import gpt_model, gpt_trainer, max_diff, text_data
+from tests.support.multiproc import START_METHOD, _free_port
+
+pytestmark = pytest.mark.multiproc
+
+STEPS, SYNC_EVERY, PACE = 14, 2, 0.35
+
+
+class _Timeline(Callback):
+    """Records each group's steps (rank 0: step, time) and where each attempt started; kills group 1's rank 1
+    once."""
+
+    def __init__(self, out: Path, group: int) -> None:
+        self.out, self.group = out, group
+        self.attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+        self.steps: list[tuple[int, float]] = []
+        self.synced_at: int | None = None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if trainer.global_rank == 0:
+            seen = {"step": trainer.global_step, "at": time.time()}
+            Path(self.out, f"start-{self.group}-{self.attempt}.json").write_text(json.dumps(seen))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_rank == 0 and (not self.steps or self.steps[-1][0] != trainer.global_step):
+            self.steps.append((trainer.global_step, time.time()))
+            if self.group == 0:
+                time.sleep(PACE)  # still running when group 1 is back
+        # Killed once both groups have synced together (they start at different times on a busy machine).
+        together = trainer.strategy.replicas.participants == 2
+        if self.group == 1 and self.attempt == 0 and trainer.global_rank == 1 and together and self.synced_at is None:
+            self.synced_at = trainer.global_step
+        if self.synced_at is not None and trainer.global_step == self.synced_at + 1 and self.attempt == 0:
+            Path(self.out, "killed.json").write_text(json.dumps({"at": time.time(), "step": trainer.global_step}))
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if trainer.global_rank == 0:
+            Path(self.out, f"steps-{self.group}.json").write_text(json.dumps(self.steps))
+
+
+def _worker(out: str, group: int) -> None:
+    torch.set_num_threads(1)
+    strategy = PACIStrategy(
+        pipeline_stages=2, local_sgd_steps=SYNC_EVERY, outer_optimizer="nesterov", fault_tolerance="torchft",
+        replica_groups=2, p2p_timeout=60,
+    )  # fmt: skip
+    trainer = gpt_trainer(strategy, 2, STEPS, callbacks=[_Timeline(Path(out), group)])
+    model = gpt_model()
+    trainer.fit(model, datamodule=text_data())
+    if trainer.global_rank == 0:  # the whole model after fit
+        torch.save(model.state_dict(), Path(out, f"weights-{group}.pt"))
+
+
+def _agent(out: str, group: int, max_restarts: int, environ: dict) -> None:
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    os.environ.update(environ, REPLICA_GROUP_ID=str(group), OMP_NUM_THREADS="1")
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=2, run_id=uuid.uuid4().hex, rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=max_restarts, monitor_interval=0.1,
+        start_method="fork",
+    )  # fmt: skip
+    elastic_launch(config, _worker)(out, group)
+
+
+def test_a_killed_group_heals_from_the_live_one_which_never_stops(tmp_path):
+    from torchft._torchft import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000, quorum_tick_ms=50,
+                                  heartbeat_timeout_ms=2000)  # fmt: skip
+    environ = {"TORCHFT_LIGHTHOUSE": lighthouse.address(), "RUST_LOG": "warn"}
+    ctx = multiprocessing.get_context(START_METHOD)
+    agents = [ctx.Process(target=_agent, args=(str(tmp_path), g, g, environ)) for g in (0, 1)]
+    try:
+        for agent in agents:
+            agent.start()
+        for agent in agents:
+            agent.join(240)
+    finally:
+        for agent in agents:
+            if agent.is_alive():
+                agent.kill()
+                agent.join()
+        lighthouse.shutdown()
+    assert [a.exitcode for a in agents] == [0, 0], "an agent failed; its workers' output is above"
+
+    kill = json.loads((tmp_path / "killed.json").read_text())
+    killed = kill["at"]
+    healed = json.loads((tmp_path / "start-1-1.json").read_text())
+    steps0 = json.loads((tmp_path / "steps-0.json").read_text())
+    # Group 1's second attempt resumed at a sync step of group 0's, past the kill: nothing from scratch.
+    assert healed["step"] >= kill["step"] and healed["step"] % SYNC_EVERY == 0
+    # Group 0 never stopped: it took steps between the kill and group 1's return.
+    while_down = [step for step, at in steps0 if killed < at < healed["at"]]
+    assert len(while_down) >= 2, (while_down, killed, healed)
+    assert steps0[-1][0] == STEPS
+    # Both groups end at the same step with the same weights (the last step is a sync).
+    weights = [gpt_model(), gpt_model()]
+    for group, model in enumerate(weights):
+        model.load_state_dict(torch.load(tmp_path / f"weights-{group}.pt", weights_only=True))
+    assert max_diff(weights[0], gpt_model()) > 1e-3  # it trained
+    assert max_diff(weights[0], weights[1]) == 0.0

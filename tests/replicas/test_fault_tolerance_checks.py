@@ -1,0 +1,76 @@
+"""fault_tolerance="torchft" refuses what cannot work before training, with the value and the fix."""
+
+from __future__ import annotations
+
+import socket
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from lit_efficient import PACIStrategy
+from lit_efficient.replicas.fault_tolerance import group_settings, lighthouse_address, require_torchft
+from lit_efficient.strategy.fault_tolerant import heal
+from tests.support.gpt_runs import gpt_model, gpt_trainer, text_data
+
+
+def test_needs_an_outer_sync():
+    with pytest.raises(ValueError, match="local_sgd_steps=H"):
+        PACIStrategy(fault_tolerance="torchft")
+
+
+def test_refuses_a_sharded_optimizer_state():
+    # A healing rank takes its stage's whole optimizer state from one peer; LocalSGD/DiLoCo refuses sharding anyway.
+    with pytest.raises(ValueError, match="shard_optimizer_state=True with local_sgd_steps=4"):
+        PACIStrategy(fault_tolerance="torchft", local_sgd_steps=4, shard_optimizer_state=True)
+
+
+def test_refuses_an_unknown_kind():
+    with pytest.raises(ValueError, match="fault_tolerance='torchelastic' must be None or 'torchft'"):
+        PACIStrategy(fault_tolerance="torchelastic", local_sgd_steps=4)
+
+
+def test_group_index_and_count(monkeypatch):
+    monkeypatch.delenv("REPLICA_GROUP_ID", raising=False)
+    monkeypatch.delenv("NUM_REPLICA_GROUPS", raising=False)
+    with pytest.raises(ValueError, match="set REPLICA_GROUP_ID=0, 1, ..."):
+        group_settings(None, 2, 1)
+    monkeypatch.setenv("REPLICA_GROUP_ID", "1")
+    monkeypatch.setenv("NUM_REPLICA_GROUPS", "3")
+    assert group_settings(None, None, 2) == (1, 3)
+    with pytest.raises(ValueError, match="replica_group_id=2 is not one of the 2 replica groups"):
+        group_settings(2, 2, 1)
+    with pytest.raises(ValueError, match="min_replica_groups=3 must be between 1 and the 2 replica groups"):
+        group_settings(0, 2, 3)
+
+
+def test_an_unreachable_lighthouse_names_the_address_and_how_to_start_one(monkeypatch):
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", f"http://127.0.0.1:{port}")
+    with pytest.raises(ConnectionError, match=rf"lighthouse at http://127.0.0.1:{port} .* torchft_lighthouse --min"):
+        lighthouse_address(timeout=1.0)
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE")
+    with pytest.raises(ValueError, match="needs the lighthouse's address in TORCHFT_LIGHTHOUSE"):
+        lighthouse_address()
+
+
+def test_without_torchft_says_how_to_install_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchft", None)  # what an environment without it imports
+    with pytest.raises(ImportError, match=r"pip install 'lit-efficient\[fault-tolerance\]'"):
+        require_torchft()
+
+
+def test_one_device_is_refused_before_anything_trains():
+    strategy = PACIStrategy(pipeline_stages=2, fault_tolerance="torchft", local_sgd_steps=4, replica_group_id=0)
+    trainer = gpt_trainer(strategy, 1, 2)
+    with pytest.raises(ValueError, match="runs each replica group on processes"):
+        trainer.fit(gpt_model(), datamodule=text_data())
+
+
+def test_healing_from_a_group_with_another_pipeline_names_both():
+    strategy = SimpleNamespace(replica_group_id=1, layout=lambda: {"num_stages": 2, "sizes": [3, 3]})
+    theirs = {"pipeline": {"layout": {"num_stages": 2, "sizes": [2, 4]}}}
+    with pytest.raises(ValueError, match=r"theirs .*\[2, 4\].* this group's .*\[3, 3\]"):
+        heal(strategy, None, theirs)  # type: ignore[arg-type]
