@@ -67,6 +67,8 @@ class ReplicaAverager:
         outer_lr: Outer learning rate (DiLoCo only; reference 0.7).
         outer_momentum: Outer Nesterov momentum in [0, 1) (DiLoCo only; reference 0.9).
         average_buffers: Also average floating-point buffers (e.g. BatchNorm running stats).
+        offset: Steps by which this module's syncs are shifted after warm-up (`stream_offset`: Streaming DiLoCo,
+            each pipeline stage a fragment synced in its turn). 0: every module syncs at the same steps.
         mean: How the replicas' mean is taken; None: over ``group`` (`GroupMean`), after one broadcast of its
             first rank's weights. A changing replica set (`replicas.fault_tolerance`) passes its own and
             makes the replicas' weights agree by healing, so nothing is broadcast here.
@@ -91,6 +93,7 @@ class ReplicaAverager:
         outer_momentum: float = 0.9,
         average_buffers: bool = True,
         mean: ReplicaMean | None = None,
+        offset: int = 0,
     ) -> None:
         if sync_every < 1:
             raise ValueError(f"sync_every={sync_every} must be >= 1; use 1 to synchronize after every step.")
@@ -108,6 +111,7 @@ class ReplicaAverager:
         self.group = group
         self.sync_every = sync_every
         self.warmup_steps = warmup_steps
+        self.offset = offset
         self.outer_optimizer = outer_optimizer
         self.outer_lr = outer_lr
         self.outer_momentum = outer_momentum
@@ -165,12 +169,10 @@ class ReplicaAverager:
 
     def is_sync_step(self, step: int) -> bool:
         """Whether local step ``step`` (1-based) ends with a sync: every step during warm-up,
-        then every ``sync_every``-th step counted from the end of warm-up."""
+        then every ``sync_every``-th step counted from the end of warm-up (shifted by ``offset``)."""
         if step < 1:
             raise ValueError(f"step={step} must be >= 1; local steps are numbered from 1.")
-        if step <= self.warmup_steps:
-            return True
-        return (step - self.warmup_steps) % self.sync_every == 0
+        return sync_due(step, self.sync_every, self.warmup_steps, self.offset)
 
     def after_step(self) -> bool:
         """Count one local optimizer step and synchronize if the schedule says so.
@@ -316,9 +318,26 @@ class ReplicaAverager:
                 self._outer.state[a]["momentum_buffer"] = buf.detach().to(a).clone()
 
 
+def sync_due(step: int, sync_every: int, warmup_steps: int, offset: int) -> bool:
+    """Whether a module with this schedule syncs at its local step ``step`` (1-based; 0 never)."""
+    if step < 1:
+        return False
+    if step <= warmup_steps:
+        return True
+    after = step - warmup_steps
+    return after >= offset and (after - offset) % sync_every == 0
+
+
+def stream_offset(stage: int, num_stages: int, sync_every: int) -> int:
+    """Streaming DiLoCo's shift for ``stage``'s syncs (arXiv 2501.18512: the model's fragments synced in turn):
+    the stages spread evenly over the H steps between syncs, so at most ceil(S/H) stages' shares are on the
+    network at any step instead of the whole model every H steps."""
+    return stage * sync_every // num_stages
+
+
 class ReplicaMean(Protocol):
-    """The mean across a stage's replicas, in place: `GroupMean` over a fixed group, or
-    `replicas.fault_tolerance.TorchftReplicas.mean` over whichever replica groups are alive."""
+    """The mean across a stage's replicas, in place, returning the bytes sent: `GroupMean` over a fixed group, or
+    `replicas.fault_tolerance.TorchftReplicas` over whichever replica groups are alive."""
 
     alone: bool  # no other replica: nothing to reduce
 

@@ -20,6 +20,7 @@ Pure PyTorch and torchft (no Lightning): the strategy gives the state to send an
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from collections.abc import Callable, Sequence
@@ -127,6 +128,8 @@ class TorchftReplicas:
     ) -> None:
         torchft = require_torchft()
         lighthouse = lighthouse_address()
+        if device.type != "cuda":  # said at every reconfiguration, about a recorder only NCCL has
+            logging.getLogger("torchft.manager").addFilter(_NotAboutNcclFlightRecorder())
         pg_class = torchft.ProcessGroupNCCL if device.type == "cuda" else torchft.ProcessGroupGloo
         self.manager = torchft.Manager(
             pg=pg_class(timeout=timedelta(seconds=timeout)),
@@ -169,12 +172,15 @@ class TorchftReplicas:
             sent += flat.numel() * flat.element_size()
         return sent
 
-    def sync(self, averagers: Sequence[ReplicaAverager]) -> bool:
-        """One outer sync of this process's stages over the live groups: quorum (healing here if this rank is
-        behind), reduce every stage, commit, apply. Returns whether the group committed it; if not, every stage
-        keeps its local weights and the next sync covers both intervals."""
+    def sync(self, due: Callable[[], Sequence[ReplicaAverager]]) -> bool:
+        """One outer sync over the live groups, at a point every rank of the group takes it: quorum (healing here
+        if this rank is behind), reduce the stages ``due()`` names (asked after the quorum, which may have moved
+        this rank to the live groups' step; none on a rank whose stage is not due under streaming), commit,
+        apply. Returns whether the group committed it; if not, every stage keeps its local weights and its next
+        sync covers both intervals."""
         self.manager.start_quorum()
         self.participants = self.manager.num_participants()
+        averagers = list(due())
         reduced = [averager.reduce() for averager in averagers]
         committed = self.manager.should_commit()
         if committed:
@@ -200,6 +206,11 @@ class TorchftReplicas:
     def shutdown(self) -> None:
         """Leave: the lighthouse drops this group after its heartbeat timeout."""
         self.manager.shutdown(wait=False)
+
+
+class _NotAboutNcclFlightRecorder(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "NCCL flight recorder" not in record.getMessage()
 
 
 def fresh_store() -> tuple[Any, tuple[str, int]]:

@@ -314,10 +314,18 @@ def check_options(
         )
 
 
-def check_fault_tolerance(fault_tolerance: str | None, local_sgd_steps: int | None, min_replica_groups: int) -> None:
-    """Refuse a ``fault_tolerance`` setting that cannot work (what needs the launch is checked before it). A sharded
+def check_replica_groups(
+    fault_tolerance: str | None, local_sgd_steps: int | None, min_replica_groups: int, streaming_sync: bool
+) -> None:
+    """Refuse a ``fault_tolerance`` or ``streaming_sync`` setting that cannot work (what needs the launch is checked
+    before it). A sharded
     optimizer state is refused by its own check: it needs per-step gradient averaging, and this needs
     ``local_sgd_steps``."""
+    if streaming_sync and local_sgd_steps is None:
+        raise ValueError(
+            "streaming_sync=True staggers the stages' LocalSGD/DiLoCo syncs: set local_sgd_steps=H too, or leave "
+            "streaming_sync False (replicas then reduce gradients every step)."
+        )
     if fault_tolerance not in (None, "torchft"):
         raise ValueError(f"fault_tolerance={fault_tolerance!r} must be None or 'torchft'.")
     if fault_tolerance is None:

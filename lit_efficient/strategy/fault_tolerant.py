@@ -51,7 +51,8 @@ def state_for_peer(strategy: Any, trainer: Trainer) -> dict[str, Any]:
 
 def heal(strategy: Any, trainer: Trainer, checkpoint: dict[str, Any]) -> None:
     """Load a live peer rank's state. Joining (before the first batch): through Lightning's resume path, loops and
-    data position included. Later (a group that missed a commit): its stages' state only, its loop is in step."""
+    data position included. Later (a group that missed a commit): its stages' state only, its loop being at the
+    same step; a group at another step trained apart from the live ones and is ended, to rejoin by a restart."""
     theirs, mine = checkpoint["pipeline"]["layout"], strategy.layout()
     if theirs != mine:
         raise ValueError(
@@ -59,8 +60,8 @@ def heal(strategy: Any, trainer: Trainer, checkpoint: dict[str, Any]) -> None:
             f"theirs {theirs}, this group's {mine}. Every group must run the same pipeline_stages, balance and "
             "schedule on the same number of devices."
         )
-    connector = trainer._checkpoint_connector
     if strategy._ft_joining:
+        connector = trainer._checkpoint_connector
         rank_zero_info(f"replica group {strategy.replica_group_id} heals from a live group at step "
                        f"{checkpoint['global_step']}")  # fmt: skip
         connector._loaded_checkpoint = checkpoint
@@ -70,6 +71,17 @@ def heal(strategy: Any, trainer: Trainer, checkpoint: dict[str, Any]) -> None:
         strategy._ft_restore_training_state()
         connector._loaded_checkpoint = {}
         return
+    if checkpoint["global_step"] != trainer.global_step:
+        # A group that formed a quorum of its own (it joined while the live groups were further from their sync than
+        # the lighthouse's join timeout) trained apart; its loop cannot jump mid-epoch. Ending its processes lets
+        # its launcher restart it, and a restart joins through the resume path above.
+        raise RuntimeError(
+            f"replica group {strategy.replica_group_id} is at step {trainer.global_step} and the live groups at step "
+            f"{checkpoint['global_step']}: it trained apart from them, in a quorum of its own, which happens when it "
+            "joins while they are further from their next sync than the lighthouse's join timeout. Restarting the "
+            "group (torchrun --max-restarts) rejoins it at their step; to avoid it, start the lighthouse with "
+            "--join_timeout_ms above the time local_sgd_steps optimizer steps take."
+        )
     strategy.load_model_state_dict(checkpoint)
     strategy.load_optimizer_state_dict(checkpoint)
     for config, saved in zip(trainer.lr_scheduler_configs, checkpoint.get("lr_schedulers", []), strict=False):
@@ -88,7 +100,7 @@ def join_after_restore(strategy: Any, trainer: Trainer, replicas: TorchftReplica
             replicas.load_state_dict(loaded["torchft"])
         strategy._ft_joining = True
         try:
-            replicas.sync(strategy.averagers)
+            replicas.sync(lambda: due_averagers(strategy, trainer.global_step))
         finally:
             strategy._ft_joining = False
         connector.restore_training_state = restore  # once per fit
@@ -96,9 +108,15 @@ def join_after_restore(strategy: Any, trainer: Trainer, replicas: TorchftReplica
     connector.restore_training_state = restore_then_join
 
 
+def due_averagers(strategy: Any, step: int) -> list[Any]:
+    """This process's stages that sync at ``step`` (all of them, or under streaming those whose turn it is)."""
+    return [a for a in strategy.averagers if step >= 1 and a.is_sync_step(step)]
+
+
 class OuterSync(Callback):
-    """Drains the pipeline and syncs its stages over the live replica groups at every LocalSGD/DiLoCo sync step
-    (the strategy's own callback, inserted first). Logs ``fault_tolerance/live_groups`` and
+    """Drains the pipeline and syncs its stages over the live replica groups at every step where a stage of the
+    pipeline syncs (every LocalSGD/DiLoCo sync step; under streaming, every stage's turn), the strategy's own
+    callback, inserted first. Logs ``fault_tolerance/live_groups`` and
     ``fault_tolerance/committed`` (1 when the sync was committed, 0 when a fault dropped it)."""
 
     def __init__(self) -> None:
@@ -114,11 +132,10 @@ class OuterSync(Callback):
         if replicas is None or step == self._last_step or step < 1:
             return
         self._last_step = step
-        averagers = strategy.averagers
-        if not averagers or not averagers[0].is_sync_step(step):
+        if not strategy.outer_sync_at(step):
             return
         strategy.drain()
-        committed = replicas.sync(averagers)
+        committed = replicas.sync(lambda: due_averagers(strategy, step))
         log = dict(on_step=True, on_epoch=False, rank_zero_only=True)
         pl_module.log("fault_tolerance/live_groups", float(replicas.participants), **log)
         pl_module.log("fault_tolerance/committed", float(committed), **log)

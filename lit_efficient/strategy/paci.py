@@ -40,7 +40,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lit_efficient.checkpoint.async_write import AsyncCheckpointer
-from lit_efficient.replicas.averaging import ReplicaAverager
+from lit_efficient.replicas.averaging import ReplicaAverager, stream_offset, sync_due
 from lit_efficient.replicas.fault_tolerance import TorchftReplicas, group_settings, lighthouse_address, require_torchft
 from lit_efficient.replicas.sharded_optimizer import ShardedOptimizer
 from lit_efficient.runtime.host import StageHost
@@ -74,8 +74,8 @@ from lit_efficient.strategy.config import (
     _sharding_applies,
     _warn_single_replica,
     check_before_launch,
-    check_fault_tolerance,
     check_options,
+    check_replica_groups,
 )
 from lit_efficient.strategy.divergence import LossTrend
 from lit_efficient.strategy.fault_tolerant import start_replicas
@@ -168,6 +168,10 @@ class PACIStrategy(DDPStrategy):
         outer_lr: DiLoCo outer learning rate (needs ``outer_optimizer="nesterov"``).
         outer_momentum: DiLoCo outer Nesterov momentum (needs ``outer_optimizer="nesterov"``).
         average_buffers: Also average floating-point buffers (e.g. BatchNorm statistics) at each sync.
+        streaming_sync: Streaming DiLoCo (arXiv 2501.18512) with each stage a fragment: stage s syncs ``s * H // S``
+            steps after the others' turn, so one stage's share is on the network at a time instead of the whole
+            model every H steps (with ``fault_tolerance``, each turn is a quorum at a drained point). Measured in
+            BENCHMARKS.md, "Fault tolerance".
         shard_optimizer_state: ZeRO-1: split each stage's optimizer state by element over the stage's R
             data-parallel replicas, so each holds 1/R of it (AdamW: 8 bytes per weight become 8/R). Gradients are
             reduce-scattered instead of all-reduced and the updated weights all-gathered: the same bytes on the
@@ -241,6 +245,7 @@ class PACIStrategy(DDPStrategy):
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
         average_buffers: bool = True,
+        streaming_sync: bool = False,
         shard_optimizer_state: bool = False,
         staleness_correction: CorrectionName | None = None,
         staleness_anneal_steps: int = 100,
@@ -265,7 +270,7 @@ class PACIStrategy(DDPStrategy):
             outer_optimizer, outer_lr, outer_momentum, shard_optimizer_state, staleness_correction,
             staleness_anneal_steps, compile_layers, wire_dtype, checkpoint_format, async_checkpoint,
         )  # fmt: skip
-        check_fault_tolerance(fault_tolerance, local_sgd_steps, min_replica_groups)
+        check_replica_groups(fault_tolerance, local_sgd_steps, min_replica_groups, streaming_sync)
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
             precision_plugin=precision_plugin, process_group_backend=process_group_backend, timeout=timeout,
@@ -291,6 +296,7 @@ class PACIStrategy(DDPStrategy):
         self.outer_lr = outer_lr
         self.outer_momentum = outer_momentum
         self.average_buffers = average_buffers
+        self.streaming_sync = streaming_sync
         self.shard_optimizer_state = shard_optimizer_state
         self.fault_tolerance = fault_tolerance
         self.replica_group_id = replica_group_id
@@ -556,7 +562,7 @@ class PACIStrategy(DDPStrategy):
             if self.local_sgd_steps is not None:
                 averaging = Averaging(
                     self.local_sgd_steps, self.local_sgd_warmup_steps, self.outer_optimizer, self.outer_lr,
-                    self.outer_momentum, self.average_buffers,
+                    self.outer_momentum, self.average_buffers, self._sync_offset(index),
                 )  # fmt: skip
             averager = install_step_hooks(
                 stage, trainer, self._dp_groups.get(index), self.topology.num_replicas, averaging,  # type: ignore[union-attr]
@@ -943,6 +949,21 @@ class PACIStrategy(DDPStrategy):
             "sizes": self._split.sizes,
             "schedule": self.schedule,
         }
+
+    def _sync_offset(self, stage: int) -> int:
+        """How many steps ``stage``'s outer syncs are shifted by (streaming; 0 otherwise)."""
+        if not self.streaming_sync or self.local_sgd_steps is None:
+            return 0
+        return stream_offset(stage, self.pipeline_stages, self.local_sgd_steps)
+
+    def outer_sync_at(self, step: int) -> bool:
+        """Whether some stage of the pipeline takes its outer sync at ``step`` (the same answer on every rank)."""
+        if self.local_sgd_steps is None:
+            return False
+        return any(
+            sync_due(step, self.local_sgd_steps, self.local_sgd_warmup_steps, self._sync_offset(s))
+            for s in range(self.pipeline_stages)
+        )
 
     @property
     def averagers(self) -> list[ReplicaAverager]:

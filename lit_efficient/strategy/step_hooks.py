@@ -48,6 +48,7 @@ class Averaging:
     outer_lr: float
     outer_momentum: float
     average_buffers: bool
+    offset: int = 0  # this stage's shift of its syncs (streaming)
 
 
 def step_schedulers(configs: list[Any]) -> tuple[_SchedulerGroup | None, list[Any]]:
@@ -114,7 +115,7 @@ def install_step_hooks(
         averager = ReplicaAverager(
             torch.nn.ModuleList(stage.layers), None, averaging.steps, averaging.warmup_steps,
             averaging.outer_optimizer, averaging.outer_lr, averaging.outer_momentum, averaging.average_buffers,
-            mean=replicas,
+            mean=replicas, offset=averaging.offset,
         )  # fmt: skip
         stage.after_step = averager.count_step
     elif averaging is not None and num_replicas > 1:
@@ -124,6 +125,7 @@ def install_step_hooks(
         averager = ReplicaAverager(
             torch.nn.ModuleList(stage.layers), replica_group, averaging.steps, averaging.warmup_steps,
             averaging.outer_optimizer, averaging.outer_lr, averaging.outer_momentum, averaging.average_buffers,
+            offset=averaging.offset,
         )  # fmt: skip
         stage.after_step = lambda: averager.after_step() and None
     clip_val = trainer.gradient_clip_val

@@ -368,3 +368,21 @@ def test_single_replica_state_dict_round_trip() -> None:
 def test_bad_arguments_raise(kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         ReplicaAverager(_model(), None, **kwargs)
+
+
+def test_streaming_spreads_the_stages_syncs_over_the_interval():
+    """Streaming DiLoCo with stages as fragments: each stage syncs every H steps, stage s shifted by s*H//S, so
+    every step of the interval carries at most ceil(S/H) stages' shares, and warm-up still syncs every step."""
+    from lit_efficient.replicas.averaging import stream_offset, sync_due
+
+    stages, every, warmup = 4, 8, 2
+    offsets = [stream_offset(s, stages, every) for s in range(stages)]
+    assert offsets == [0, 2, 4, 6]
+    turns = {s: [t for t in range(1, 27) if sync_due(t, every, warmup, offsets[s])] for s in range(stages)}
+    assert turns[0] == [1, 2, 10, 18, 26] and turns[1] == [1, 2, 4, 12, 20] and turns[3] == [1, 2, 8, 16, 24]
+    after_warmup = [t for t in range(3, 27) if sum(t in turns[s] for s in range(stages)) > 1]
+    assert after_warmup == []  # one stage at a time
+    assert not sync_due(0, every, warmup, 0)
+    model = _model()
+    averager = ReplicaAverager(model, None, sync_every=every, warmup_steps=warmup, offset=offsets[2])
+    assert [t for t in range(1, 27) if averager.is_sync_step(t)] == turns[2]

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lit_efficient import PACIStrategy
 from tests.support.gpt_runs import gpt_model, gpt_trainer, max_diff, text_data
@@ -70,7 +70,12 @@ def _worker(out: str, group: int) -> None:
         pipeline_stages=2, local_sgd_steps=SYNC_EVERY, outer_optimizer="nesterov", fault_tolerance="torchft",
         replica_groups=2, p2p_timeout=60,
     )  # fmt: skip
-    trainer = gpt_trainer(strategy, 2, STEPS, callbacks=[_Timeline(Path(out), group)])
+    # Group 0 also checkpoints as a user would: the file records torchft's sync count for a whole-job restart.
+    saves = [ModelCheckpoint(dirpath=Path(out, "checkpoints"), save_last=True, every_n_train_steps=4)]
+    saves = saves if group == 0 else []
+    trainer = gpt_trainer(
+        strategy, 2, STEPS, callbacks=[_Timeline(Path(out), group), *saves], enable_checkpointing=group == 0
+    )
     model = gpt_model()
     trainer.fit(model, datamodule=text_data())
     if trainer.global_rank == 0:  # the whole model after fit
@@ -126,3 +131,6 @@ def test_a_killed_group_heals_from_the_live_one_which_never_stops(tmp_path):
         model.load_state_dict(torch.load(tmp_path / f"weights-{group}.pt", weights_only=True))
     assert max_diff(weights[0], gpt_model()) > 1e-3  # it trained
     assert max_diff(weights[0], weights[1]) == 0.0
+    last = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)
+    saved_at = STEPS // 4 * 4  # every_n_train_steps=4
+    assert last["global_step"] == saved_at and last["torchft"]["step"] >= saved_at // SYNC_EVERY

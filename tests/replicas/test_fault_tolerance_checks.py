@@ -25,6 +25,11 @@ def test_refuses_a_sharded_optimizer_state():
         PACIStrategy(fault_tolerance="torchft", local_sgd_steps=4, shard_optimizer_state=True)
 
 
+def test_streaming_needs_an_outer_sync():
+    with pytest.raises(ValueError, match="streaming_sync=True staggers the stages' LocalSGD/DiLoCo syncs"):
+        PACIStrategy(streaming_sync=True)
+
+
 def test_refuses_an_unknown_kind():
     with pytest.raises(ValueError, match="fault_tolerance='torchelastic' must be None or 'torchft'"):
         PACIStrategy(fault_tolerance="torchelastic", local_sgd_steps=4)
@@ -74,3 +79,12 @@ def test_healing_from_a_group_with_another_pipeline_names_both():
     theirs = {"pipeline": {"layout": {"num_stages": 2, "sizes": [2, 4]}}}
     with pytest.raises(ValueError, match=r"theirs .*\[2, 4\].* this group's .*\[3, 3\]"):
         heal(strategy, None, theirs)  # type: ignore[arg-type]
+
+
+def test_a_group_that_trained_apart_is_ended_to_rejoin_by_a_restart():
+    layout = {"num_stages": 2, "sizes": [3, 3]}
+    strategy = SimpleNamespace(replica_group_id=1, layout=lambda: layout, _ft_joining=False)
+    trainer = SimpleNamespace(global_step=30)
+    theirs = {"pipeline": {"layout": layout}, "global_step": 36}
+    with pytest.raises(RuntimeError, match="at step 30 and the live groups at step 36.*--join_timeout_ms"):
+        heal(strategy, trainer, theirs)  # type: ignore[arg-type]

@@ -158,10 +158,13 @@ def test_sync_every_step_with_sgd_equals_ddp():
 
 @pytest.mark.multiproc
 def test_pipeline_times_localsgd_syncs_each_stage_and_trains(tmp_path):
-    # 2 replicas x 2 stages, PACI, H=4: each stage's replicas are bit-identical right after each of
-    # their syncs and apart between, stage by stage; the logged numbers are the averager's; it learns.
+    # 2 replicas x 2 stages, PACI, H=4, streaming: each stage's replicas are bit-identical right after each of
+    # their syncs and apart between, stage by stage: stage 0 at steps 4, 8, ... (the plain schedule), stage 1
+    # two steps later (its turn); the logged numbers are the averager's; it learns.
     steps, h = 24, 4
-    strategy = PACIStrategy(pipeline_stages=2, schedule="paci", local_sgd_steps=h, start_method="forkserver")
+    strategy = PACIStrategy(
+        pipeline_stages=2, schedule="paci", local_sgd_steps=h, streaming_sync=True, start_method="forkserver"
+    )
     trainer = _trainer(
         strategy, 4, steps, callbacks=[RecordSteps(tmp_path)], limit_val_batches=4, val_check_interval=8 * 4
     )
@@ -173,7 +176,7 @@ def test_pipeline_times_localsgd_syncs_each_stage_and_trains(tmp_path):
         assert (a["stage"], a["replica"], b["stage"], b["replica"]) == (stage, 0, stage, 1)
         assert [s for s, _ in a["steps"]] == [s for s, _ in b["steps"]] == list(range(1, steps + 1))
         for (step, da), (_, db) in zip(a["steps"], b["steps"], strict=True):
-            assert (da == db) == (step % h == 0), f"stage {stage} after step {step}"
+            assert (da == db) == ((step - stage * h // 2) % h == 0), f"stage {stage} after step {step}"
     rank0 = ranks[0]
     assert rank0["stage"] == 1 and rank0["averager"]["steps"] == steps
     # Logged from rank 0: its stage's numbers; bytes per step = (syncs x one fp32 copy) / steps.
