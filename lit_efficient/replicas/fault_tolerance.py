@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import warnings
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -130,6 +131,9 @@ class TorchftReplicas:
         lighthouse = lighthouse_address()
         if device.type != "cuda":  # said at every reconfiguration, about a recorder only NCCL has
             logging.getLogger("torchft.manager").addFilter(_NotAboutNcclFlightRecorder())
+        # torch's streaming load of a received state warns that it reads tensors from the transfer's read-only
+        # buffer; they are copied into the stages' own tensors as they load.
+        warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning, "torch.distributed")
         pg_class = torchft.ProcessGroupNCCL if device.type == "cuda" else torchft.ProcessGroupGloo
         self.manager = torchft.Manager(
             pg=pg_class(timeout=timedelta(seconds=timeout)),

@@ -452,7 +452,8 @@ class PACIStrategy(DDPStrategy):
         self._signal_group = dist.new_group(backend="gloo")
         if self.topology.num_replicas == 1 and self._launch_streams is not None:
             keep_launch_random_streams(self._launch_streams, self._signal_group)
-        _warn_single_replica(self.local_sgd_steps, self.topology)
+        if self.fault_tolerance is None:  # with it, the replicas are the other groups, not this world's
+            _warn_single_replica(self.local_sgd_steps, self.topology)
 
     # -- setup / teardown: one path for k = 1 (processes) and k = S (one process) --------------------
 
