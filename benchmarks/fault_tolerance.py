@@ -186,11 +186,13 @@ def _groups(root: Path, mode: str, args: argparse.Namespace, kill_at: int, resta
 
 
 def _chaos(root: Path, seconds: float, start: float, kills: list[dict], stop: threading.Event) -> None:
-    """Every 20-40 s until ``seconds`` have passed: SIGKILL a random rank of a random group whose peer group is
-    stepping (a kill of the only live group would lose everything: that is a whole-job failure)."""
+    """Every 20-40 s until ``seconds`` have passed: SIGKILL a random rank of a group (the other one than last time,
+    3 times in 4) whose peer group is stepping (a kill of the only live group would lose everything: that is a
+    whole-job failure); a tick whose peer is down or healing kills nothing."""
     rng = random.Random(0)
+    group = 0
     while not stop.wait(rng.uniform(20, 40)) and time.time() - start < seconds:
-        group = rng.choice((0, 1))
+        group = 1 - group if rng.random() < 0.75 else group  # mostly the other group than last time: both get hit
         peer = _read_jsonl(root / f"steps-{1 - group}.jsonl")
         if not peer or time.time() - peer[-1]["at"] > 3:
             continue  # the peer is down or healing: wait for the next tick
@@ -231,15 +233,20 @@ def _summary(root: Path, run: dict, args: argparse.Namespace, name: str) -> dict
             # Group 1's local steps since its last sync are the work the kill threw away; the steps it skipped by
             # healing at group 0's step are the replica-steps its shard never contributed.
             row["group1_local_steps_discarded"] = kill["step"] - (kill["step"] // args.sync_every) * args.sync_every
-            row["group1_steps_missed"] = back["step"] - kill["step"]
+            if back["step"] < kill["step"]:  # group 0 had finished: nobody to heal from, group 1 started over alone
+                row["group1_started_over"] = True
+            else:
+                row["group1_steps_missed"] = back["step"] - kill["step"]
     row["sync_bytes_per_step"] = _bytes_per_step(root, 0)
     if run["kills"]:
         row["chaos_kills"] = run["kills"]
         missed = 0
         for kill in run["kills"]:  # each kill's group resumed at the first start after it
             back = next((s for s in starts[kill["group"]] if s["at"] > kill["at"] and s["attempt"] > 0), None)
-            if back is not None and kill["step"] is not None:
-                missed += max(0, back["step"] - kill["step"])
+            if back is not None and kill["step"] is not None and back["step"] >= kill["step"]:
+                missed += back["step"] - kill["step"]
+            elif back is not None:  # no live group to heal from: it started over alone
+                row["started_over"] = row.get("started_over", 0) + 1
         row["replica_steps_missed"] = missed
     missed = row.get("group1_steps_missed", row.get("replica_steps_missed", 0))
     # Goodput: replica-steps that made it into the final model (each group's steps, less those a group skipped
@@ -254,8 +261,9 @@ def _bytes_per_step(root: Path, group: int) -> dict[str, float] | None:
     per_step: dict[int, int] = {}
     for rank in (0, 1):
         rows = [r for r in _read_jsonl(root / f"bytes-{group}-{rank}.jsonl") if r["attempt"] == 0]
-        previous = 0
-        for row in rows:
+        # From the first step on: a group that healed at its start carries its peer's counter (checkpoint state).
+        previous = rows[0]["bytes"] if rows else 0
+        for row in rows[1:]:
             per_step[row["step"]] = per_step.get(row["step"], 0) + row["bytes"] - previous
             previous = row["bytes"]
     if not per_step:
@@ -319,9 +327,9 @@ def _plot(rows: list[dict], name: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=240)
+    parser.add_argument("--steps", type=int, default=480)
     parser.add_argument("--sync-every", type=int, default=10, help="DiLoCo's H")
-    parser.add_argument("--kill-at", type=int, default=60)
+    parser.add_argument("--kill-at", type=int, default=40)
     parser.add_argument("--chaos", type=float, default=0.0, help="seconds of random kills (a chaos run instead)")
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--quick", action="store_true", help="a short kill run (120 steps, kill at 20, H=4)")

@@ -49,7 +49,17 @@ RUNS = {  # name -> (schedule, staleness_correction)
     "paci": ("paci", None),
     "paci+lr_scale": ("paci", "lr_scale"),
     "paci+weight_prediction": ("paci", "weight_prediction"),
+    "paci+weight_prediction_damped": ("paci", "weight_prediction_damped"),
+    "paci+weight_prediction_shrunk": ("paci", "weight_prediction_shrunk"),
+    "paci+weight_prediction_momentum": ("paci", "weight_prediction_momentum"),
+    "paci+weight_prediction_first_step": ("paci", "weight_prediction_first_step"),
+    "paci+weight_prediction_first_step_shrunk": ("paci", "weight_prediction_first_step_shrunk"),
+    "paci+weight_prediction_first_step_inplace": ("paci", "weight_prediction_first_step_inplace"),
+    "paci+delay_compensation": ("paci", "delay_compensation"),
+    "paci_recompute": ("paci", None),
+    "paci_recompute+weight_prediction": ("paci", "weight_prediction"),
 }
+RECOMPUTE = {"paci_recompute", "paci_recompute+weight_prediction"}  # runs with recompute=True
 PAPER = {8: 1.69, 16: 1.41}  # PACI / flush time-to-accuracy, GPT-2 Medium, 8 stages (docs/DESIGN.md section 3)
 
 
@@ -100,7 +110,7 @@ def fit_one(config: dict[str, Any], stages: int, accumulate: int, lr: float, see
     record = Record()
     strategy = PACIStrategy(
         pipeline_stages=stages, schedule=schedule, balance="uniform", staleness_correction=correction,
-        staleness_anneal_steps=max(1, steps // 10),
+        staleness_anneal_steps=max(1, steps // 10), recompute=name in RECOMPUTE,
     )  # fmt: skip
     trainer = L.Trainer(
         accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, accumulate_grad_batches=accumulate,

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from lit_efficient.replicas.averaging import ReplicaAverager
+from lit_efficient.transport.collectives import flat_in_place
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # torchft's own variable: the lighthouse's address
 GROUP_ENV = "REPLICA_GROUP_ID"  # this group's index, as torchft's examples name it
@@ -161,20 +162,9 @@ class TorchftReplicas:
         self.alone = False  # `ReplicaMean`: even alone, a group reduces (others may join at any quorum)
 
     def __call__(self, tensors: list[Tensor]) -> int:
-        """The mean over the live groups' same rank, in place (`ReplicaMean`): one all-reduce per dtype."""
-        by_dtype: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
-        for t in tensors:
-            by_dtype.setdefault((t.dtype, t.device), []).append(t)
-        sent = 0
-        for bucket in by_dtype.values():
-            flat = torch.cat([t.reshape(-1) for t in bucket])
-            self.manager.allreduce(flat).wait()  # torchft divides by the participants; errors are kept for commit
-            offset = 0
-            for t in bucket:
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
-            sent += flat.numel() * flat.element_size()
-        return sent
+        """The mean over the live groups' same rank, in place (`ReplicaMean`): one all-reduce per dtype; torchft
+        divides by the participants and keeps any error for the commit."""
+        return flat_in_place(tensors, lambda flat: self.manager.allreduce(flat).wait())
 
     def sync(self, due: Callable[[], Sequence[ReplicaAverager]]) -> bool:
         """One outer sync over the live groups, at a point every rank of the group takes it: quorum (healing here

@@ -3,8 +3,8 @@
 Under PACI a micro-batch's forward on stage s may run on weights up to ceil((S-1-s)/N) optimizer
 steps older than those its gradient is applied to (schedules.py); the exact count for each
 micro-batch is known when its forward starts (the windows that close before its backward, which the
-runtime passes as ``pending_steps``). Two corrections use it; both are off by default, and with
-``1f1b_flush`` (no staleness) both are the identity.
+runtime passes as ``pending_steps``). The corrections below use it; all are off by default, and with
+``1f1b_flush`` (no staleness) all are the identity.
 
 - `LRScale` (PipeMare's learning-rate rescheduling, Yang et al. 2021): stage s steps with its learning
   rate multiplied by ``(1 + d_s) ** -(1 - min(1, k / K))``, where ``d_s = ceil((S-1-s)/N)`` is its
@@ -24,7 +24,20 @@ runtime passes as ``pending_steps``). Two corrections use it; both are off by de
   graph holds the forward's activations, the backward reads the real weights, as plain PACI's does;
   recompute: the backward recomputes on the real weights). Memory: one weight-sized buffer per stage
   (the real weights while the predicted ones are in place). Time: two copies and one update
-  evaluation of the stage's weights per stale forward.
+  evaluation of the stage's weights per stale forward. It predicts nothing before the optimizer has
+  state, i.e. for the stale forwards of the first window.
+- `FirstStepWeightPrediction`: `WeightPrediction` that also predicts the first step (zero moments, the
+  window's gradient so far folded in: Adam's first update, ~lr * sign(g) on every coordinate, the largest
+  relative step of a run). Issue 31: PACI with the exact weights for its stale forwards trains bit for bit
+  as flush (benchmarks/exp31_oracle.py), flush shrugs off random errors of 30% of a step on every forward,
+  but the run is decided in its first ~20-45 steps: leaving the first step unpredicted sent S=8 N=8 lr
+  2e-3 seed 0 to a plateau (+18.6% against flush), predicting it gave +2.9% (3 seeds: median +0.8%).
+  `InPlaceFirstStepWeightPrediction`: the same without the weight-sized buffer (the prediction inverted
+  in place, equal up to rounding).
+- Tried for issue 31 and not better (benchmarks/reports, exp31): `DampedWeightPrediction` (half the
+  extrapolation), `ShrunkWeightPrediction` (a young window's mean shrunk towards the momentum),
+  `MomentumLookAhead` (the last update, recomputed from Adam's moments: PipeNAG/SpecTrain) and
+  `DelayCompensation` (DC-ASGD's first-order gradient correction with a g*g Hessian).
 
 Pure PyTorch; a `PipelineStage` holds one correction (``stage.correction``) and calls `step_context`
 around its optimizer step and `forward_context` around a forward.
@@ -40,8 +53,37 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-CorrectionName = Literal["none", "lr_scale", "weight_prediction"]
-CORRECTIONS: tuple[CorrectionName, ...] = ("none", "lr_scale", "weight_prediction")
+_CHUNK = 1 << 16  # elements per update evaluation of the in-place prediction (bounds its temporaries)
+
+CorrectionName = Literal[
+    "none",
+    "lr_scale",
+    "weight_prediction",
+    "weight_prediction_damped",
+    "weight_prediction_shrunk",
+    "weight_prediction_momentum",
+    "delay_compensation",
+    "weight_prediction_first_step",
+    "weight_prediction_first_step_shrunk",
+    "weight_prediction_first_step_inplace",
+]
+CORRECTIONS: tuple[CorrectionName, ...] = (
+    "none",
+    "lr_scale",
+    "weight_prediction",
+    "weight_prediction_damped",
+    "weight_prediction_shrunk",
+    "weight_prediction_momentum",
+    "delay_compensation",
+    "weight_prediction_first_step",
+    "weight_prediction_first_step_shrunk",
+    "weight_prediction_first_step_inplace",
+)
+
+# Corrections that read every weight's optimizer moments (not possible with a sharded optimizer state) and
+# those of them that keep a weight-sized copy of the stage's weights during a stale forward.
+READS_MOMENTS = frozenset(c for c in CORRECTIONS if c.startswith("weight_prediction") or c == "delay_compensation")
+STASHES = frozenset(c for c in CORRECTIONS if c.startswith("weight_prediction") and not c.endswith("_inplace"))
 
 
 def delay_bound(schedule: str, stage: int, num_stages: int, accumulate: int) -> int:
@@ -100,8 +142,16 @@ class LRScale(StalenessCorrection):
 class WeightPrediction(StalenessCorrection):
     """Forward stale micro-batches on ``w - pending_steps * lr * u`` (the optimizer's pending update u)."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self, scale: float = 1.0, accumulate: int | None = None, fold: bool = True, first_step: bool = False,
+        stash: bool = True,
+    ) -> None:  # fmt: skip
         self._stash: list[Tensor] | None = None  # the real weights while predicted ones are in place
+        self.scale = scale  # steps predicted per pending step (1: the full extrapolation)
+        self.accumulate = accumulate  # set: the window's mean so far is shrunk towards the momentum
+        self.fold = fold  # False: the current moments alone (the last applied update, look-ahead)
+        self.first_step = first_step  # also predict the first step (zero moments), not only once state exists
+        self.stash = stash  # False: undo the prediction by inverting it in place (no weight-sized buffer)
 
     @contextmanager
     def forward_context(
@@ -110,18 +160,22 @@ class WeightPrediction(StalenessCorrection):
         if pending_steps <= 0 or optimizer is None:
             yield
             return
-        steps = predicted_steps(optimizer, window_weight)
+        steps = predicted_steps(optimizer, window_weight if self.fold else None, self.accumulate, self.first_step)
         if not steps:  # no optimizer state yet: nothing to extrapolate from
             yield
             return
         params = [p for p in params if id(p) in steps]
+        if not self.stash:
+            with self._in_place(params, steps, self.scale * float(pending_steps)):
+                yield
+            return
         if self._stash is None or len(self._stash) != len(params):
             self._stash = [torch.empty_like(p) for p in params]
         versions = tuple(p._version for p in params)
         with torch.no_grad():
             for p, buf in zip(params, self._stash, strict=True):
                 buf.copy_(p)
-                p.sub_(steps[id(p)](p), alpha=float(pending_steps))
+                p.sub_(steps[id(p)](p), alpha=self.scale * float(pending_steps))
         # Autograd saves a parameter with its version; put the counters back so a kept graph accepts the
         # restore below (the same device as the local step's, stage.py: keep-graph PACI).
         torch._C._autograd._unsafe_set_version_counter(tuple(params), versions)
@@ -133,8 +187,151 @@ class WeightPrediction(StalenessCorrection):
                     p.copy_(buf)
             torch._C._autograd._unsafe_set_version_counter(tuple(params), versions)
 
+    @staticmethod
+    @contextmanager
+    def _in_place(params: list[nn.Parameter], steps: dict[int, Any], c: float) -> Iterator[None]:
+        """``w -> w (1 - c k) - c D`` (D: the step without its decay term ``k w``) and back by the inverse
+        ``w = (w' + c D) / (1 - c k)``, D evaluated again on the same moments and gradient, ``_CHUNK`` elements
+        at a time: temporaries of a chunk's size instead of a copy of the stage's weights; the restored weights
+        equal the real ones up to rounding (a few ulp per stale forward)."""
+        versions = tuple(p._version for p in params)
+        with torch.no_grad():
+            for p in params:
+                step = steps[id(p)]
+                for piece, part in _pieces(p):
+                    piece.mul_(1 - c * step.decay).sub_(step(None, part), alpha=c)
+        torch._C._autograd._unsafe_set_version_counter(tuple(params), versions)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p in params:
+                    step = steps[id(p)]
+                    for piece, part in _pieces(p):
+                        piece.add_(step(None, part), alpha=c).div_(1 - c * step.decay)
+            torch._C._autograd._unsafe_set_version_counter(tuple(params), versions)
 
-def predicted_steps(optimizer: torch.optim.Optimizer, window_weight: Tensor | None = None) -> dict[int, Any]:
+
+def _pieces(p: Tensor) -> Iterator[tuple[Tensor, slice | None]]:
+    """A parameter as views of ``_CHUNK`` of its flattened elements (the whole of it if not contiguous)."""
+    if not p.is_contiguous():
+        yield p, None
+        return
+    flat = p.view(-1)
+    for start in range(0, flat.numel(), _CHUNK):
+        part = slice(start, start + _CHUNK)
+        yield flat[part], part
+
+
+class FirstStepWeightPrediction(WeightPrediction):
+    """`WeightPrediction` from the first window on: before the optimizer has state, the first step is predicted
+    from zero moments with the window's gradient so far folded in (AdamW's first update, ``~ lr * sign(g)``).
+
+    Plain `WeightPrediction` leaves the stale forwards of the first window (run before any step) on the
+    initial weights, though Adam's first step is the largest relative change of a run (every coordinate moves
+    by ~lr: 2-3% of the weights at lr 2e-3 in the benchmark's GPT). At S=8 N=8 lr 2e-3 that one unpredicted step
+    decided seed 0: +18.6% with it, +2.9% predicted (issue 31). Memory and time: `WeightPrediction`'s (one
+    weight-sized buffer per stale stage; per stale forward two copies and one update evaluation of the
+    stage's weights), plus zero moments for one parameter at a time during the first window.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(first_step=True)
+
+
+class InPlaceFirstStepWeightPrediction(WeightPrediction):
+    """`FirstStepWeightPrediction` without the weight-sized buffer: the prediction ``w -> w (1 - c k) - c D``
+    is undone by its inverse ``(w' + c D) / (1 - c k)`` with ``D`` evaluated again (see ``_in_place``).
+
+    Memory: the temporaries of ``_CHUNK`` elements (the folded moments and D, about 6 x 256 KB in fp32), no
+    copy of the stage's weights. Time: two
+    update evaluations per stale forward instead of one evaluation and two copies. The restored weights
+    equal the real ones up to rounding (a few ulp per stale forward), so a run is not bit-identical to
+    `FirstStepWeightPrediction`'s; Adam amplifies such differences in near-zero gradients.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(first_step=True, stash=False)
+
+
+class DampedWeightPrediction(WeightPrediction):
+    """`WeightPrediction` extrapolating half of each pending step: ``w - 0.5 * d * lr * u`` (issue 31, candidate
+    4: a prediction that overshoots would do better damped; it did not, 2.782 against 2.861 and plain 2.805 at
+    S=8 N=8 lr 2e-3 seed 0). Memory and time: `WeightPrediction`'s."""
+
+    def __init__(self, scale: float = 0.5) -> None:
+        super().__init__(scale=scale)
+
+
+class ShrunkWeightPrediction(WeightPrediction):
+    """`WeightPrediction` with the window's mean gradient so far shrunk towards the momentum, ``f * mean +
+    (1 - f) * m_hat`` (f: the share of the window accumulated), so a young window's one or two micro-batches
+    weigh less in the predicted step. Memory and time: `WeightPrediction`'s."""
+
+    def __init__(self, accumulate: int, first_step: bool = False) -> None:
+        super().__init__(accumulate=accumulate, first_step=first_step)
+
+
+class MomentumLookAhead(WeightPrediction):
+    """Look-ahead by the last applied update (PipeNAG-style, SpecTrain's first rule): ``w - d * lr * u`` with u
+    from the current moments alone, which is AdamW's last update recomputed from its state (at the next
+    step's learning rate), so no copy of the previous weights is kept. Memory and time: `WeightPrediction`'s."""
+
+    def __init__(self) -> None:
+        super().__init__(fold=False)
+
+
+class DelayCompensation(StalenessCorrection):
+    """DC-ASGD (Zheng et al. 2017) on the window's gradient: ``g + lam * f * g * g / sqrt(v_hat) * (w_now - w_fwd)``.
+
+    A stale micro-batch's gradient was taken on weights ``w_fwd`` older than the ``w_now`` it is applied
+    to; the first-order correction ``H (w_now - w_fwd)`` with the diagonal Hessian approximated by
+    ``lam * g * g`` (DC-ASGD-a: ``lam = lam0 / sqrt(v_hat)``, Adam's second moment as the mean square).
+    ``w_now - w_fwd`` is d times the last applied update, recomputed from AdamW's moments (no weight
+    buffer), and ``f`` the share of the window's micro-batches that ran stale (counted at their forwards),
+    weighted by their d. Memory: none beyond one parameter's temporaries. Time: a few element-wise passes
+    over the stage's weights per optimizer step.
+    """
+
+    def __init__(self, accumulate: int, lam0: float = 2.0) -> None:
+        self.accumulate = accumulate
+        self.lam0 = lam0
+        self._steps = 0  # optimizer steps taken
+        self._stale: dict[int, int] = {}  # target step -> sum of the pending steps of its stale forwards
+
+    def forward_context(
+        self, params: Sequence[nn.Parameter], optimizer: Any, pending_steps: int, window_weight: Any = None
+    ) -> Any:
+        if pending_steps > 0:
+            target = self._steps + pending_steps
+            self._stale[target] = self._stale.get(target, 0) + pending_steps
+        return nullcontext()
+
+    @contextmanager
+    def step_context(self, optimizer: torch.optim.Optimizer, step: int) -> Iterator[None]:
+        share = self._stale.pop(self._steps, 0) / self.accumulate
+        self._steps += 1
+        if share and optimizer.state:
+            with torch.no_grad():
+                for group in optimizer.param_groups:
+                    lr, wd = float(group["lr"]), float(group.get("weight_decay", 0.0))
+                    b1, b2 = group["betas"]
+                    for p in group["params"]:
+                        state = optimizer.state.get(p)
+                        if not state or p.grad is None:
+                            continue
+                        t = float(state["step"])
+                        v_hat = state["exp_avg_sq"] / (1 - b2**t)
+                        denom = v_hat.sqrt() + group["eps"]
+                        last = -lr * (state["exp_avg"] / (1 - b1**t) / denom + wd * p)  # ~ w_now - w_prev
+                        p.grad.add_(self.lam0 * share * p.grad * p.grad / denom * last)
+        yield
+
+
+def predicted_steps(
+    optimizer: torch.optim.Optimizer, window_weight: Tensor | None = None, accumulate: int | None = None,
+    first_step: bool = False,
+) -> dict[int, Any]:  # fmt: skip
     """Per parameter (by id) with optimizer state: ``w -> lr * u``, the change the next step would make.
 
     Args:
@@ -142,6 +339,9 @@ def predicted_steps(optimizer: torch.optim.Optimizer, window_weight: Tensor | No
         window_weight: The weight of the window accumulated so far (the stage's ``_window[0]``): each
             parameter's ``grad / window_weight`` is folded into the moments as the next step's gradient.
             None: the window has no gradient yet, the current moments alone.
+        accumulate: N, to shrink the window's mean so far towards the momentum: the pending step's gradient
+            is estimated as ``f * mean + (1 - f) * m_hat`` with ``f = window_weight / N`` the share of the
+            window accumulated (micro-batches counted as weight 1: ``normalize="mean"``). None: ``mean``.
 
     Raises for an optimizer whose update this module does not know.
     """
@@ -161,33 +361,54 @@ def predicted_steps(optimizer: torch.optim.Optimizer, window_weight: Tensor | No
         lr, wd = float(group["lr"]), float(group.get("weight_decay", 0.0))  # lr: the next step's (scheduled)
         for p in group["params"]:
             state = optimizer.state.get(p)
-            if not state:
-                continue
-            beta1, beta2 = group["betas"]
-            t = float(state["step"])
             # The window's mean gradient so far stands for the pending step's gradient.
             g = p.grad if weight is not None and p.grad is not None else None
+            if not state:
+                if not first_step or g is None:
+                    continue
+                state = {"step": 0.0, "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+            beta1, beta2 = group["betas"]
+            t = float(state["step"])
             out[id(p)] = _adam_step(
-                state["exp_avg"], state["exp_avg_sq"], g, weight, lr, wd, beta1, beta2, group["eps"], t, name == "AdamW"
+                state["exp_avg"],
+                state["exp_avg_sq"],
+                g,
+                weight,
+                lr,
+                wd,
+                beta1,
+                beta2,
+                group["eps"],
+                t,
+                name == "AdamW",
+                accumulate,
             )
     return out
 
 
 def _adam_step(
     m: Tensor, v: Tensor, g: Tensor | None, weight: Tensor | None, lr: float, wd: float, b1: float, b2: float,
-    eps: float, t: float, decoupled: bool,
+    eps: float, t: float, decoupled: bool, accumulate: int | None = None,
 ):  # fmt: skip
     # Evaluated parameter by parameter (forward_context), so the folded moments exist for one parameter at a time.
-    def step(w: Tensor) -> Tensor:
-        mt, vt, tt = m, v, t
-        if g is not None:
-            mean = g / weight
-            mt, vt, tt = b1 * m + (1 - b1) * mean, b2 * v + (1 - b2) * mean * mean, t + 1
+    def step(w: Tensor | None, part: slice | None = None) -> Tensor:
+        """``lr * u`` at weights ``w``; None: without the decoupled decay term (``step.decay * w``). ``part``: of
+        the flattened parameter's elements only (its temporaries are that part's size)."""
+        mt, vt, tt, gt = m, v, t, g
+        if part is not None:
+            mt, vt, gt = (None if x is None else x.reshape(-1)[part] for x in (m, v, g))
+        if gt is not None:
+            mean = gt / weight
+            if accumulate and t > 0:  # shrink a young window's mean towards the momentum (the expected gradient)
+                f = (weight / accumulate).clamp(max=1.0)
+                mean = f * mean + (1 - f) * (mt / (1 - b1**t))
+            mt, vt, tt = b1 * mt + (1 - b1) * mean, b2 * vt + (1 - b2) * mean * mean, t + 1
         u = (mt / (1 - b1**tt)) / ((vt / (1 - b2**tt)).sqrt() + eps)
-        if wd and decoupled:
+        if wd and decoupled and w is not None:
             u = u + wd * w
         return lr * u
 
+    step.decay = lr * wd if decoupled else 0.0  # type: ignore[attr-defined]
     return step
 
 
@@ -202,4 +423,15 @@ def make_correction(
     delay = delay_bound(schedule, stage, num_stages, accumulate)
     if delay == 0:
         return None
-    return LRScale(delay, anneal_steps) if name == "lr_scale" else WeightPrediction()
+    factories: dict[str, Any] = {
+        "lr_scale": lambda: LRScale(delay, anneal_steps),
+        "weight_prediction": WeightPrediction,
+        "weight_prediction_first_step": FirstStepWeightPrediction,
+        "weight_prediction_first_step_inplace": InPlaceFirstStepWeightPrediction,
+        "weight_prediction_damped": DampedWeightPrediction,
+        "weight_prediction_shrunk": lambda: ShrunkWeightPrediction(accumulate),
+        "weight_prediction_first_step_shrunk": lambda: ShrunkWeightPrediction(accumulate, first_step=True),
+        "weight_prediction_momentum": MomentumLookAhead,
+        "delay_compensation": lambda: DelayCompensation(accumulate),
+    }
+    return factories[name]()

@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lit_efficient.protocol import PIPELINE_METHODS, missing_pipeline_methods
 from lit_efficient.runtime.schedules import SCHEDULES
-from lit_efficient.runtime.staleness import CORRECTIONS
+from lit_efficient.runtime.staleness import CORRECTIONS, READS_MOMENTS
 from lit_efficient.runtime.topology import Topology
 
 _PRECISIONS = ("32-true", "bf16-mixed")
@@ -222,9 +222,9 @@ def _check_sharding(shard: bool, local_sgd_steps: int | None, correction: str | 
             "steps its own weights between averages and needs its own whole optimizer state, so there is nothing to "
             "split. Drop one of the two (sharding keeps DDP semantics: gradients reduced every step)."
         )
-    if correction == "weight_prediction":
+    if correction in READS_MOMENTS:
         raise ValueError(
-            "shard_optimizer_state=True with staleness_correction='weight_prediction': the prediction extrapolates "
+            f"shard_optimizer_state=True with staleness_correction={correction!r}: the prediction extrapolates "
             "every weight of a stage by its AdamW moments before each stale forward, and a replica holds the moments "
             "of 1/R of them. Use staleness_correction='lr_scale' or None with sharding, or shard_optimizer_state=False."
         )

@@ -185,9 +185,13 @@ class PACIStrategy(DDPStrategy):
             by ``(1 + d_s) ** -(1 - min(1, k / staleness_anneal_steps))`` with d_s = ceil((S-1-s)/N) and k its
             step (PipeMare); ``"weight_prediction"`` runs each stale forward on weights extrapolated by the
             optimizer's pending update (the window's gradient so far folded into AdamW's moments) times its
-            delay, the backward on the real ones (one weight-sized buffer per stage). Measured (BENCHMARKS.md
-            "PACI at depth"): weight prediction brings S=4 and S=8 within 1% of flush at lr 5e-4 and 1e-3,
-            not at 2e-3 with a short warmup; lr_scale helps at S=2. See `lit_efficient.runtime.staleness`.
+            delay, the backward on the real ones (one weight-sized buffer per stage);
+            ``"weight_prediction_first_step"`` also predicts AdamW's first step (from zero moments), where plain
+            weight prediction predicts nothing, and ``"weight_prediction_first_step_inplace"`` does the same with
+            no weight-sized buffer (the prediction inverted in place). Measured (BENCHMARKS.md, "PACI at lr
+            2e-3"): the first-step prediction is within 1% of flush at S=8 N=8 lr 2e-3 (median of 3 seeds
+            +0.81%, none above +2.9%) and at S=8 N=16, not at S=8 N=4 (+16%); lr_scale helps at S=2; the other
+            names are the candidates measured there. See `lit_efficient.runtime.staleness`.
         staleness_anneal_steps: Optimizer steps over which ``"lr_scale"`` returns to the plain learning rate.
         fault_tolerance: None: a dead rank ends the job (torchrun restarts all of it from the last checkpoint).
             ``"torchft"``: replica groups on torchft (``pip install 'lit-efficient[fault-tolerance]'``): each

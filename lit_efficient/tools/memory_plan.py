@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from lit_efficient.runtime.schedules import SCHEDULES, ScheduleName, stage_actions
-from lit_efficient.runtime.staleness import delay_bound
+from lit_efficient.runtime.staleness import STASHES, delay_bound
 
 Verdict = Literal["fits", "tight", "does not fit", "unknown"]
 TIGHT = 0.10  # headroom under this fraction of the device: allocator fragmentation, CUDA context, NCCL buffers
@@ -367,7 +367,7 @@ def _extras(
     outer_optimizer: str,
 ) -> dict[str, int]:
     extra = {}
-    if staleness_correction == "weight_prediction" and delay_bound(schedule, stage, num_stages, accumulate) > 0:
+    if staleness_correction in STASHES and delay_bound(schedule, stage, num_stages, accumulate) > 0:
         extra["weight prediction stash"] = m.parameter_bytes  # staleness.py: empty_like of every predicted weight
     if local_sgd_steps is not None and replicas > 1 and outer_optimizer == "nesterov":
         extra["DiLoCo anchor + momentum"] = 2 * 4 * m.parameters  # averaging.py: two fp32 copies

@@ -26,7 +26,7 @@ def all_reduce_flat(tensors: Sequence[Tensor], group: dist.ProcessGroup | None =
         trace_wait(work)
         work.wait()
 
-    return _flat_in_place(tensors, all_reduce)
+    return flat_in_place(tensors, all_reduce)
 
 
 def sum_in_order(parts: Sequence[Tensor]) -> Tensor:
@@ -62,12 +62,12 @@ def broadcast_flat(tensors: Sequence[Tensor], group: dist.ProcessGroup | None = 
     # Global rank of group rank 0; `group_src=` would do this but needs torch >= 2.6.
     src = dist.get_global_rank(group if group is not None else dist.group.WORLD, 0)
     with torch.no_grad():
-        return _flat_in_place(tensors, lambda flat: dist.broadcast(flat, src=src, group=group))
+        return flat_in_place(tensors, lambda flat: dist.broadcast(flat, src=src, group=group))
 
 
-def _flat_in_place(tensors: Sequence[Tensor], collective: Callable[[Tensor], object]) -> int:
+def flat_in_place(tensors: Sequence[Tensor], collective: Callable[[Tensor], object]) -> int:
     """Run ``collective`` on one packed buffer per (dtype, device) of ``tensors`` and copy the result back
-    into them; the bytes handed to it."""
+    into them; the bytes handed to it. Also how `replicas.fault_tolerance` packs torchft's all-reduce."""
     by_dtype: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault((t.dtype, t.device), []).append(t)

@@ -55,19 +55,23 @@ def _run(layers, correction, stages, accumulate, data, recompute=True, record=No
     return built
 
 
-def _predicted(layers_now, opt_state, delay, partial):
+def _predicted(layers_now, opt_state, delay, partial, first_step=False):
     """The documented rule for AdamW: w - d * lr * (m'_hat / (sqrt(v'_hat) + eps) + wd * w), per parameter, the
     moments m' and v' (and the step count) advanced by one step on ``partial``, the mean gradient of the window
-    accumulated so far (None: the moments as they are)."""
+    accumulated so far (None: the moments as they are). ``first_step``: a parameter without optimizer state yet
+    is predicted too, from zero moments at step count 0."""
     out = copy.deepcopy(layers_now)
     params = [p for layer in out for p in layer.parameters()]
     state = opt_state["state"]
     decayed = {i for g in opt_state["param_groups"] for i in g["params"] if g["weight_decay"]}
     with torch.no_grad():
         for i, p in enumerate(params):
-            if i not in state:
+            if i in state:
+                t, m, v = float(state[i]["step"]), state[i]["exp_avg"], state[i]["exp_avg_sq"]
+            elif first_step and partial is not None and partial[i] is not None:
+                t, m, v = 0.0, torch.zeros_like(p), torch.zeros_like(p)
+            else:
                 continue
-            t, m, v = float(state[i]["step"]), state[i]["exp_avg"], state[i]["exp_avg_sq"]
             if partial is not None and partial[i] is not None:
                 g = partial[i]
                 t, m, v = t + 1, BETAS[0] * m + (1 - BETAS[0]) * g, BETAS[1] * v + (1 - BETAS[1]) * g * g
@@ -97,8 +101,9 @@ def _emulate(data, stages, accumulate, correction):
                 v = _forward_version(s, stages, j, accumulate)
                 weights, opt_state = versions[s][v]
                 delay = j // accumulate - v
-                if correction == "weight_prediction" and delay > 0:
-                    weights = _predicted(weights, opt_state, delay, partial[s].get(j - (stages - s)))
+                if correction and correction.startswith("weight_prediction") and delay > 0:
+                    first = correction != "weight_prediction"  # the first_step variants
+                    weights = _predicted(weights, opt_state, delay, partial[s].get(j - (stages - s)), first)
                 x = run(weights, x)
         backward_from_inputs(stage_layers, inputs, batch, accumulate)
         done = j % accumulate + 1  # backwards of this window so far; the emulation's grads hold their sum / N
@@ -130,7 +135,10 @@ def _max_diff(a, b):
     return max((x - y).abs().max().item() for x, y in zip(pa, pb, strict=True))
 
 
-@pytest.mark.parametrize("correction", ["lr_scale", "weight_prediction"])
+@pytest.mark.parametrize(
+    "correction",
+    ["lr_scale", "weight_prediction", "weight_prediction_first_step"],
+)
 @pytest.mark.parametrize(("stages", "accumulate"), [(4, 2), (2, 1)])
 def test_correction_equals_its_definition(correction, stages, accumulate):
     data = _data(accumulate * 6)
@@ -169,6 +177,54 @@ def test_weight_prediction_with_keep_graph_restores_the_weights():
     real = [p.detach().clone() for p in stages[0].parameters()]
     assert stages[0].correction is not None and stages[0].correction._stash is not None  # it ran
     assert all(torch.equal(p, r) for p, r in zip(stages[0].parameters(), real, strict=True))
+
+
+def test_in_place_prediction_equals_the_stashed_one_up_to_rounding(monkeypatch):
+    """``stash=False`` predicts the same weights and puts the real ones back by inverting the prediction, a
+    chunk of elements at a time: equal to the stashed rule up to rounding, one forward at a time (over a run,
+    Adam amplifies the rounding of near-zero gradients, so trajectories are not compared)."""
+    from lit_efficient.runtime import staleness
+    from lit_efficient.runtime.staleness import WeightPrediction
+
+    monkeypatch.setattr(staleness, "_CHUNK", 7)  # chunks that split the parameters unevenly
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(16, 16)
+    opt = torch.optim.AdamW(layer.parameters(), lr=LR, weight_decay=0.1, betas=BETAS)
+    for _ in range(2):  # one step taken, a second window accumulated
+        layer(torch.randn(4, 16)).sum().backward()
+        if opt.state == {}:
+            opt.step()
+            opt.zero_grad()
+    real = [p.detach().clone() for p in layer.parameters()]
+    seen = []
+    for stash in (True, False):
+        with WeightPrediction(first_step=True, stash=stash).forward_context(
+            list(layer.parameters()), opt, 2, torch.tensor(1.0)
+        ):
+            seen.append([p.detach().clone() for p in layer.parameters()])
+        assert all(torch.allclose(p, r, rtol=0, atol=1e-6) for p, r in zip(layer.parameters(), real, strict=True))
+    assert all(torch.allclose(a, b, rtol=0, atol=1e-6) for a, b in zip(*seen, strict=True))
+    assert max((a - r).abs().max().item() for a, r in zip(seen[1], real, strict=True)) > 1e-3  # it moved
+
+
+def test_first_step_prediction_is_adams_first_step():
+    """Before the optimizer has state, ``first_step`` predicts the first update from zero moments: with the
+    whole window accumulated it is the update AdamW then applies."""
+    from lit_efficient.runtime.staleness import WeightPrediction
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(8, 8)
+    opt = torch.optim.AdamW(layer.parameters(), lr=LR, weight_decay=0.1, betas=BETAS)
+    layer(torch.randn(4, 8)).sum().backward()
+    with WeightPrediction().forward_context(list(layer.parameters()), opt, 1, torch.tensor(1.0)):
+        unchanged = [p.detach().clone() for p in layer.parameters()]
+    with WeightPrediction(first_step=True).forward_context(list(layer.parameters()), opt, 1, torch.tensor(1.0)):
+        predicted = [p.detach().clone() for p in layer.parameters()]
+    before = [p.detach().clone() for p in layer.parameters()]
+    opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(unchanged, before, strict=True))  # no state: no prediction
+    assert all(torch.allclose(a, p, rtol=0, atol=1e-6) for a, p in zip(predicted, layer.parameters(), strict=True))
 
 
 def test_lr_scale_factor_and_where_corrections_apply():

@@ -1,0 +1,40 @@
+"""Issue 31 diagnosis: weight prediction on a subset of the stages only (the others plain PACI).
+
+PYTHONPATH=. python -m benchmarks.exp31_subset --only 0          # stage 0 predicted, the rest plain
+PYTHONPATH=. python -m benchmarks.exp31_subset --only 1 2 3 4 5 6
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from benchmarks import paci_at_depth as depth
+from benchmarks.harness import write_json
+from lit_efficient.strategy import paci
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--stages", type=int, default=8)
+    p.add_argument("--accumulate", type=int, default=8)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--only", type=int, nargs="+", required=True)
+    p.add_argument("--run", default="paci+weight_prediction")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    config = vars(depth.parse_args(["--block", "32", "--micro-batches", "1200", "--layers", "6", "--dim", "64"]))
+    make = paci.make_correction
+
+    def make_subset(name, schedule, stage, *rest):
+        return make(name, schedule, stage, *rest) if stage in args.only else None
+
+    paci.make_correction = make_subset
+    result = depth.fit_one(config, args.stages, args.accumulate, args.lr, args.seed, args.run)
+    print("final", args.only, result["final_val_loss"], [round(v, 3) for _, v in result["val"]])
+    if args.out:
+        write_json(args.out, {"args": vars(args), "result": result})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""Issue 31: one table from the exp31_*.json grid results: final validation loss and gap against flush per
+candidate and grid line (flush does not depend on S: the in-process pipeline is bit-identical to flush's
+unsplit order, so one flush run per (N, lr, seed) serves every S), with the median over seeds where 3 ran.
+
+    python -m benchmarks.exp31_table
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def main() -> None:
+    runs = {}
+    for path in sorted(RESULTS.glob("exp31_*.json")):
+        payload = json.loads(path.read_text())
+        # exp31_diag_*: a grid run observed, not changed (its wrappers only read weights and moments); the
+        # other diagnosis files (perturb, oracle, subset) changed their runs and are not grid results.
+        found = payload.get("runs") or ([payload["result"]] if path.name.startswith("exp31_diag_") else [])
+        for r in found:
+            runs[(r["S"], r["N"], r["lr"], r["seed"], r["run"])] = r["final_val_loss"]
+    flush = {(n, lr, seed): v for (s, n, lr, seed, run), v in runs.items() if run == "flush"}
+    lines = sorted({(s, n, lr) for (s, n, lr, seed, run) in runs if run != "flush"})
+    names = sorted({run for *_, run in runs if run != "flush"})
+    print("| candidate | S | N | lr | warmup | seeds: final (gap vs flush) | median gap |")
+    print("|---|---|---|---|---|---|---|")
+    for name in names:
+        for s, n, lr in lines:
+            cells, gaps = [], []
+            for seed in (0, 1, 2):
+                v = runs.get((s, n, lr, seed, name))
+                f = flush.get((n, lr, seed))
+                if v is None or f is None:
+                    continue
+                gaps.append((v - f) / f)
+                cells.append(f"s{seed} {v:.4f} ({gaps[-1]:+.2%})")
+            if cells:
+                med = f"{statistics.median(gaps):+.2%}" if len(gaps) == 3 else "-"
+                print(f"| {name} | {s} | {n} | {lr:g} | 1% | " + "; ".join(cells) + f" | {med} |")
+    print()
+    print("flush:", "; ".join(f"N={n} lr={lr:g} s{seed}: {v:.4f}" for (n, lr, seed), v in sorted(flush.items())))
+
+
+if __name__ == "__main__":
+    main()
