@@ -63,7 +63,12 @@ def group_settings(group_id: int | None, groups: int | None, min_groups: int) ->
             )
         group_id = int(os.environ[GROUP_ENV])
     if groups is None:
-        groups = int(os.environ.get(GROUPS_ENV, max(group_id + 1, min_groups)))
+        if GROUPS_ENV not in os.environ:  # a guess would differ between groups, and so would their data shards
+            raise ValueError(
+                f"fault_tolerance='torchft' needs the number of replica groups launched (each reads its own shard of "
+                f"the data): set {GROUPS_ENV} for every group's launcher, or pass replica_groups=."
+            )
+        groups = int(os.environ[GROUPS_ENV])
     if not 0 <= group_id < groups:
         raise ValueError(
             f"replica_group_id={group_id} is not one of the {groups} replica groups launched (0..{groups - 1}); "
@@ -157,8 +162,6 @@ class TorchftReplicas:
         )
         self.group_id = group_id
         self.participants = 0  # live groups in the latest quorum
-        self.committed_syncs = 0
-        self.dropped_syncs = 0
         self.alone = False  # `ReplicaMean`: even alone, a group reduces (others may join at any quorum)
 
     def __call__(self, tensors: list[Tensor]) -> int:
@@ -180,9 +183,6 @@ class TorchftReplicas:
         if committed:
             for averager, means in zip(averagers, reduced, strict=True):
                 averager.apply(means)
-            self.committed_syncs += 1
-        else:
-            self.dropped_syncs += 1
         return committed
 
     @property

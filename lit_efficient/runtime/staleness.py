@@ -48,7 +48,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 from torch import Tensor, nn
@@ -67,18 +67,7 @@ CorrectionName = Literal[
     "weight_prediction_first_step_shrunk",
     "weight_prediction_first_step_inplace",
 ]
-CORRECTIONS: tuple[CorrectionName, ...] = (
-    "none",
-    "lr_scale",
-    "weight_prediction",
-    "weight_prediction_damped",
-    "weight_prediction_shrunk",
-    "weight_prediction_momentum",
-    "delay_compensation",
-    "weight_prediction_first_step",
-    "weight_prediction_first_step_shrunk",
-    "weight_prediction_first_step_inplace",
-)
+CORRECTIONS: tuple[CorrectionName, ...] = get_args(CorrectionName)
 
 # Corrections that read every weight's optimizer moments (not possible with a sharded optimizer state) and
 # those of them that keep a weight-sized copy of the stage's weights during a stale forward.

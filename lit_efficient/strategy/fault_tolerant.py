@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
@@ -29,12 +31,13 @@ def start_replicas(strategy: Any, trainer: Trainer) -> TorchftReplicas:
     box = [address]
     dist.broadcast_object_list(box, src=0, group=strategy.cpu_group)
     strategy._ft_store = server  # kept alive for the group's managers while training
+    joining = Joining()
     replicas = TorchftReplicas(
         strategy.replica_group_id, strategy.global_rank, strategy.world_size, strategy.min_replica_groups, box[0],
-        state=lambda: state_for_peer(strategy, trainer), load=lambda ckpt: heal(strategy, trainer, ckpt),
+        state=lambda: state_for_peer(strategy, trainer), load=lambda ckpt: heal(strategy, trainer, ckpt, joining),
         device=strategy.root_device, quorum_timeout=strategy.p2p_timeout,
     )  # fmt: skip
-    join_after_restore(strategy, trainer, replicas)
+    join_after_restore(strategy, trainer, replicas, joining)
     if not any(isinstance(cb, OuterSync) for cb in trainer.callbacks):
         trainer.callbacks.insert(0, OuterSync())  # first: a checkpoint at a sync step holds the synced weights
     return replicas
@@ -49,7 +52,15 @@ def state_for_peer(strategy: Any, trainer: Trainer) -> dict[str, Any]:
     return checkpoint
 
 
-def heal(strategy: Any, trainer: Trainer, checkpoint: dict[str, Any]) -> None:
+@dataclass
+class Joining:
+    """Set while this rank takes its first quorum: Lightning's own ``restore_training_state``, which a heal then
+    runs on the peer's state (the loops can still take it there); None afterwards."""
+
+    restore_training_state: Callable[[], None] | None = None
+
+
+def heal(strategy: Any, trainer: Trainer, checkpoint: dict[str, Any], joining: Joining) -> None:
     """Load a live peer rank's state. Joining (before the first batch): through Lightning's resume path, loops and
     data position included. Later (a group that missed a commit): its stages' state only, its loop being at the
     same step; a group at another step trained apart from the live ones and is ended, to rejoin by a restart."""
@@ -60,15 +71,15 @@ def heal(strategy: Any, trainer: Trainer, checkpoint: dict[str, Any]) -> None:
             f"theirs {theirs}, this group's {mine}. Every group must run the same pipeline_stages, balance and "
             "schedule on the same number of devices."
         )
-    if strategy._ft_joining:
-        connector = trainer._checkpoint_connector
+    connector = trainer._checkpoint_connector
+    if joining.restore_training_state is not None:
         rank_zero_info(f"replica group {strategy.replica_group_id} heals from a live group at step "
                        f"{checkpoint['global_step']}")  # fmt: skip
         connector._loaded_checkpoint = checkpoint
         connector.restore_model()
         connector.restore_datamodule()
         connector.restore_callbacks()
-        strategy._ft_restore_training_state()
+        joining.restore_training_state()
         connector._loaded_checkpoint = {}
         return
     if checkpoint["global_step"] != trainer.global_step:
@@ -82,27 +93,28 @@ def heal(strategy: Any, trainer: Trainer, checkpoint: dict[str, Any]) -> None:
             "group (torchrun --max-restarts) rejoins it at their step; to avoid it, start the lighthouse with "
             "--join_timeout_ms above the time local_sgd_steps optimizer steps take."
         )
-    strategy.load_model_state_dict(checkpoint)
-    strategy.load_optimizer_state_dict(checkpoint)
-    for config, saved in zip(trainer.lr_scheduler_configs, checkpoint.get("lr_schedulers", []), strict=False):
-        config.scheduler.load_state_dict(saved)
+    # The stages' part of Lightning's resume path: weights, then optimizers and schedulers (loops stay).
+    connector._loaded_checkpoint = checkpoint
+    connector.restore_model()
+    connector.restore_optimizers_and_schedulers()
+    connector._loaded_checkpoint = {}
 
 
-def join_after_restore(strategy: Any, trainer: Trainer, replicas: TorchftReplicas) -> None:
+def join_after_restore(strategy: Any, trainer: Trainer, replicas: TorchftReplicas, joining: Joining) -> None:
     """Take the first quorum right after Lightning's restore, where a healed state can still become the loops'."""
     connector = trainer._checkpoint_connector
-    restore = strategy._ft_restore_training_state = connector.restore_training_state
+    restore = connector.restore_training_state
 
     def restore_then_join() -> None:
         restore()
         loaded = connector._loaded_checkpoint
         if loaded and "torchft" in loaded:  # a whole-job restart: the groups' sync count resumes too
             replicas.load_state_dict(loaded["torchft"])
-        strategy._ft_joining = True
+        joining.restore_training_state = restore
         try:
             replicas.sync(lambda: due_averagers(strategy, trainer.global_step))
         finally:
-            strategy._ft_joining = False
+            joining.restore_training_state = None
         connector.restore_training_state = restore  # once per fit
 
     connector.restore_training_state = restore_then_join

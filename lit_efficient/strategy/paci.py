@@ -201,7 +201,7 @@ class PACIStrategy(DDPStrategy):
             lighthouse's address in ``TORCHFT_LIGHTHOUSE``, and processes. See docs/fault-tolerance.md.
         replica_group_id: This replica group's index (0, 1, ...); None reads ``REPLICA_GROUP_ID``.
         replica_groups: Replica groups launched (each reads its own shard of the data); None reads
-            ``NUM_REPLICA_GROUPS``.
+            ``NUM_REPLICA_GROUPS``, and one of the two is required.
         min_replica_groups: Live groups a sync needs to commit; fewer, and the groups keep training locally
             until enough are back.
         compile_layers: ``torch.compile`` each stage's layers: True with torch's defaults, or a dict of
@@ -308,7 +308,6 @@ class PACIStrategy(DDPStrategy):
         self.min_replica_groups = min_replica_groups
         self.replicas: TorchftReplicas | None = None  # this rank's torchft membership (fault_tolerance="torchft")
         self._ft_store: Any = None
-        self._ft_joining = False
         self.topology: Topology | None = None
         # The stages this process hosts (one on a rank, every stage with devices=1) and their driver.
         self.hosted: list[HostedStage] = []

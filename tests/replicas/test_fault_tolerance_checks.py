@@ -10,7 +10,7 @@ import pytest
 
 from lit_efficient import PACIStrategy
 from lit_efficient.replicas.fault_tolerance import group_settings, lighthouse_address, require_torchft
-from lit_efficient.strategy.fault_tolerant import heal
+from lit_efficient.strategy.fault_tolerant import Joining, heal
 from tests.support.gpt_runs import gpt_model, gpt_trainer, text_data
 
 
@@ -43,6 +43,9 @@ def test_group_index_and_count(monkeypatch):
     monkeypatch.setenv("REPLICA_GROUP_ID", "1")
     monkeypatch.setenv("NUM_REPLICA_GROUPS", "3")
     assert group_settings(None, None, 2) == (1, 3)
+    monkeypatch.delenv("NUM_REPLICA_GROUPS")
+    with pytest.raises(ValueError, match="needs the number of replica groups launched"):
+        group_settings(None, None, 1)  # a guess would give the groups different shards
     with pytest.raises(ValueError, match="replica_group_id=2 is not one of the 2 replica groups"):
         group_settings(2, 2, 1)
     with pytest.raises(ValueError, match="min_replica_groups=3 must be between 1 and the 2 replica groups"):
@@ -78,13 +81,13 @@ def test_healing_from_a_group_with_another_pipeline_names_both():
     strategy = SimpleNamespace(replica_group_id=1, layout=lambda: {"num_stages": 2, "sizes": [3, 3]})
     theirs = {"pipeline": {"layout": {"num_stages": 2, "sizes": [2, 4]}}}
     with pytest.raises(ValueError, match=r"theirs .*\[2, 4\].* this group's .*\[3, 3\]"):
-        heal(strategy, None, theirs)  # type: ignore[arg-type]
+        heal(strategy, None, theirs, Joining())  # type: ignore[arg-type]
 
 
 def test_a_group_that_trained_apart_is_ended_to_rejoin_by_a_restart():
     layout = {"num_stages": 2, "sizes": [3, 3]}
-    strategy = SimpleNamespace(replica_group_id=1, layout=lambda: layout, _ft_joining=False)
-    trainer = SimpleNamespace(global_step=30)
+    strategy = SimpleNamespace(replica_group_id=1, layout=lambda: layout)
+    trainer = SimpleNamespace(global_step=30, _checkpoint_connector=None)
     theirs = {"pipeline": {"layout": layout}, "global_step": 36}
     with pytest.raises(RuntimeError, match="at step 30 and the live groups at step 36.*--join_timeout_ms"):
-        heal(strategy, trainer, theirs)  # type: ignore[arg-type]
+        heal(strategy, trainer, theirs, Joining())  # type: ignore[arg-type]
