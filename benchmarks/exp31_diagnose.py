@@ -17,7 +17,6 @@ cosine, and the norm ratio ``|pred| / |actual|`` (> 1: overshoot), per stage and
 
 from __future__ import annotations
 
-import argparse
 import statistics
 
 import torch
@@ -33,15 +32,9 @@ def _flat(params) -> torch.Tensor:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--stages", type=int, default=8)
-    p.add_argument("--accumulate", type=int, default=8)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--run", default="paci+weight_prediction")
-    p.add_argument("--out", default=None)
+    p = depth.line_options("paci+weight_prediction")
     args = p.parse_args()
-    config = vars(depth.parse_args(["--block", "32", "--micro-batches", "1200", "--layers", "6", "--dim", "64"]))
+    config = depth.grid_line_config()
 
     snaps: dict[tuple[int, int], torch.Tensor] = {}  # (stage, version) -> flat weights
     pending: list[dict] = []  # predictions waiting for their target version

@@ -12,8 +12,6 @@ differed from flush only by its stale forwards, the two trajectories would stay 
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 
 from benchmarks import paci_at_depth as depth
@@ -26,19 +24,14 @@ def _flat(params) -> torch.Tensor:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = depth.line_options()
     p.add_argument("--mode", choices=["record", "replay"], required=True)
-    p.add_argument("--stages", type=int, default=8)
-    p.add_argument("--accumulate", type=int, default=8)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only-stale", action="store_true", help="replay: replace the weights of stale forwards only")
     p.add_argument("--until", type=int, default=10**9, help="replay: oracle for target versions <= this, then --after")
     p.add_argument("--after", default="paci", help="replay: the run (correction) once the oracle stops")
     p.add_argument("--file", default="/tmp/exp31_flush_weights.pt")
-    p.add_argument("--out", default=None)
     args = p.parse_args()
-    config = vars(depth.parse_args(["--block", "32", "--micro-batches", "1200", "--layers", "6", "--dim", "64"]))
+    config = depth.grid_line_config()
     orig_forward, orig_step = stage_mod.PipelineStage.forward, stage_mod.PipelineStage.step
     snaps: dict[tuple[int, int], torch.Tensor] = {}
     diffs: list[tuple[int, int, float]] = []

@@ -10,8 +10,6 @@ learning rate depends on errors of that size, whatever their source.
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 
 from benchmarks import paci_at_depth as depth
@@ -20,18 +18,12 @@ from lit_efficient.runtime import stage as stage_mod
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--stages", type=int, default=8)
-    p.add_argument("--accumulate", type=int, default=8)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--seed", type=int, default=0)
+    p = depth.line_options("flush")
     p.add_argument("--rel", type=float, default=0.05)
     p.add_argument("--noise-seed", type=int, default=1234)
     p.add_argument("--coherent", action="store_true", help="e = rel * (last update) instead of Gaussian noise")
-    p.add_argument("--run", default="flush")
-    p.add_argument("--out", default=None)
     args = p.parse_args()
-    config = vars(depth.parse_args(["--block", "32", "--micro-batches", "1200", "--layers", "6", "--dim", "64"]))
+    config = depth.grid_line_config()
     gen = torch.Generator().manual_seed(args.noise_seed)
     last: dict[int, list[torch.Tensor]] = {}
     orig_forward, orig_step = stage_mod.PipelineStage.forward, stage_mod.PipelineStage.step

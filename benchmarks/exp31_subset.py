@@ -6,24 +6,16 @@ PYTHONPATH=. python -m benchmarks.exp31_subset --only 1 2 3 4 5 6
 
 from __future__ import annotations
 
-import argparse
-
 from benchmarks import paci_at_depth as depth
 from benchmarks.harness import write_json
 from lit_efficient.strategy import paci
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--stages", type=int, default=8)
-    p.add_argument("--accumulate", type=int, default=8)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--seed", type=int, default=0)
+    p = depth.line_options("paci+weight_prediction")
     p.add_argument("--only", type=int, nargs="+", required=True)
-    p.add_argument("--run", default="paci+weight_prediction")
-    p.add_argument("--out", default=None)
     args = p.parse_args()
-    config = vars(depth.parse_args(["--block", "32", "--micro-batches", "1200", "--layers", "6", "--dim", "64"]))
+    config = depth.grid_line_config()
     make = paci.make_correction
 
     def make_subset(name, schedule, stage, *rest):

@@ -300,6 +300,28 @@ def plot(runs: list[dict[str, Any]], path: Path, title: str) -> None:
     save_figure(fig, path, 100)
 
 
+GRID_LINE = ["--block", "32", "--micro-batches", "1200", "--layers", "6", "--dim", "64"]  # the grid's model, run
+
+
+def line_options(run: str | None = None) -> argparse.ArgumentParser:
+    """The options of a script that studies one line of the grid (the exp31_* diagnosis scripts): S, N, lr, seed,
+    the run (one of RUNS; None: the script names its own) and the output file; add the script's own to it."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--stages", type=int, default=8)
+    p.add_argument("--accumulate", type=int, default=8)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--seed", type=int, default=0)
+    if run is not None:
+        p.add_argument("--run", default=run)
+    p.add_argument("--out", default=None)
+    return p
+
+
+def grid_line_config() -> dict[str, Any]:
+    """The configuration `fit_one` takes for a line of the grid."""
+    return vars(parse_args(GRID_LINE))
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="smoke run: S=4, N=4, 2 runs, a few steps")
