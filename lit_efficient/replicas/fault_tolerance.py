@@ -118,6 +118,7 @@ class TorchftReplicas:
         quorum_timeout: Longest wait for a quorum, in seconds: a restarted group waits at start for the live
             groups' next sync, up to ``local_sgd_steps`` windows away.
         timeout: Longest wait for a collective, a commit or a checkpoint transfer, in seconds.
+        store_server: The group's TCPStore server on its rank 0 (`fresh_store`), kept alive as long as this is.
     """
 
     def __init__(
@@ -132,6 +133,7 @@ class TorchftReplicas:
         device: torch.device,
         quorum_timeout: float,
         timeout: float = 60.0,
+        store_server: Any = None,
     ) -> None:
         torchft = require_torchft()
         lighthouse = lighthouse_address()
@@ -161,6 +163,7 @@ class TorchftReplicas:
             hostname=socket.gethostname(),
         )
         self.group_id = group_id
+        self._store_server = store_server
         self.participants = 0  # live groups in the latest quorum
         self.alone = False  # `ReplicaMean`: even alone, a group reduces (others may join at any quorum)
 

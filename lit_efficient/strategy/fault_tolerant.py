@@ -30,12 +30,11 @@ def start_replicas(strategy: Any, trainer: Trainer) -> TorchftReplicas:
     server, address = fresh_store() if strategy.global_rank == 0 else (None, None)
     box = [address]
     dist.broadcast_object_list(box, src=0, group=strategy.cpu_group)
-    strategy._ft_store = server  # kept alive for the group's managers while training
     joining = Joining()
     replicas = TorchftReplicas(
         strategy.replica_group_id, strategy.global_rank, strategy.world_size, strategy.min_replica_groups, box[0],
         state=lambda: state_for_peer(strategy, trainer), load=lambda ckpt: heal(strategy, trainer, ckpt, joining),
-        device=strategy.root_device, quorum_timeout=strategy.p2p_timeout,
+        device=strategy.root_device, quorum_timeout=strategy.p2p_timeout, store_server=server,
     )  # fmt: skip
     join_after_restore(strategy, trainer, replicas, joining)
     if not any(isinstance(cb, OuterSync) for cb in trainer.callbacks):

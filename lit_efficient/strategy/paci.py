@@ -307,7 +307,6 @@ class PACIStrategy(DDPStrategy):
         self.replica_groups = replica_groups
         self.min_replica_groups = min_replica_groups
         self.replicas: TorchftReplicas | None = None  # this rank's torchft membership (fault_tolerance="torchft")
-        self._ft_store: Any = None
         self.topology: Topology | None = None
         # The stages this process hosts (one on a rank, every stage with devices=1) and their driver.
         self.hosted: list[HostedStage] = []
@@ -695,7 +694,7 @@ class PACIStrategy(DDPStrategy):
         self.runtime = None
         if self.replicas is not None:
             self.replicas.shutdown()
-            self.replicas = self._ft_store = None
+            self.replicas = None
         self._destroy_groups()
         super().teardown()
         if healthy and isinstance(self.launcher, _MultiProcessingLauncher) and dist.is_initialized():
