@@ -56,6 +56,7 @@ from torch import Tensor, nn
 _CHUNK = 1 << 16  # elements per update evaluation of the in-place prediction (bounds its temporaries)
 
 CorrectionName = Literal[
+    "auto",
     "none",
     "lr_scale",
     "weight_prediction",
@@ -154,7 +155,8 @@ class WeightPrediction(StalenessCorrection):
             yield
             return
         params = [p for p in params if id(p) in steps]
-        if not self.stash:
+        # In place only on fp32/fp64 weights: a bf16 or fp16 weight would lose bits to every inversion.
+        if not self.stash and all(p.dtype in (torch.float32, torch.float64) for p in params):
             with self._in_place(params, steps, self.scale * float(pending_steps)):
                 yield
             return
@@ -317,6 +319,13 @@ class DelayCompensation(StalenessCorrection):
         yield
 
 
+def predictable(optimizer: Any) -> bool:
+    """Whether weight prediction knows ``optimizer``'s update: AdamW or Adam, without amsgrad or maximize (a sharded
+    optimizer, `ShardedOptimizer`, holds 1/R of the moments and is not)."""
+    unusual = any(g.get("amsgrad") or g.get("maximize") for g in getattr(optimizer, "param_groups", ()))
+    return type(optimizer).__name__ in ("AdamW", "Adam") and not unusual
+
+
 def predicted_steps(
     optimizer: torch.optim.Optimizer, window_weight: Tensor | None = None, accumulate: int | None = None,
     first_step: bool = False,
@@ -335,8 +344,7 @@ def predicted_steps(
     Raises for an optimizer whose update this module does not know.
     """
     name = type(optimizer).__name__
-    unusual = any(g.get("amsgrad") or g.get("maximize") for g in optimizer.param_groups)
-    if name not in ("AdamW", "Adam") or unusual:
+    if not predictable(optimizer):
         raise ValueError(
             f"staleness_correction='weight_prediction' knows the updates of AdamW and Adam (without amsgrad or "
             f"maximize), not this {name}; "
@@ -402,9 +410,13 @@ def _adam_step(
 
 
 def make_correction(
-    name: str | None, schedule: str, stage: int, num_stages: int, accumulate: int, anneal_steps: int
-) -> StalenessCorrection | None:
-    """The correction ``name`` for ``stage``, or None when it would change nothing (off, flush, last stage)."""
+    name: str | None, schedule: str, stage: int, num_stages: int, accumulate: int, anneal_steps: int,
+    optimizer: Any = None,
+) -> StalenessCorrection | None:  # fmt: skip
+    """The correction ``name`` for ``stage``, or None when it would change nothing (off, flush, last stage).
+
+    ``"auto"`` (the strategy's default) is `InPlaceFirstStepWeightPrediction` where the stage's ``optimizer`` is
+    one whose update it predicts (`predictable`: AdamW, Adam), and off with any other (SGD, a sharded state)."""
     if name is None or name == "none":
         return None
     if name not in CORRECTIONS:
@@ -412,6 +424,8 @@ def make_correction(
     delay = delay_bound(schedule, stage, num_stages, accumulate)
     if delay == 0:
         return None
+    if name == "auto":
+        return InPlaceFirstStepWeightPrediction() if predictable(optimizer) else None
     factories: dict[str, Any] = {
         "lr_scale": lambda: LRScale(delay, anneal_steps),
         "weight_prediction": WeightPrediction,

@@ -181,17 +181,19 @@ class PACIStrategy(DDPStrategy):
             ``staleness_correction="weight_prediction"`` (it reads every weight's moments), and with tied
             weights; with one replica (and in one process) nothing is split. See
             `lit_efficient.replicas.sharded_optimizer`.
-        staleness_correction: PACI only, default off: ``"lr_scale"`` scales each stale stage's learning rate
-            by ``(1 + d_s) ** -(1 - min(1, k / staleness_anneal_steps))`` with d_s = ceil((S-1-s)/N) and k its
-            step (PipeMare); ``"weight_prediction"`` runs each stale forward on weights extrapolated by the
-            optimizer's pending update (the window's gradient so far folded into AdamW's moments) times its
-            delay, the backward on the real ones (one weight-sized buffer per stage);
-            ``"weight_prediction_first_step"`` also predicts AdamW's first step (from zero moments), where plain
-            weight prediction predicts nothing, and ``"weight_prediction_first_step_inplace"`` does the same with
-            no weight-sized buffer (the prediction inverted in place). Measured (BENCHMARKS.md, "PACI at lr
-            2e-3"): the first-step prediction is within 1% of flush at S=8 N=8 lr 2e-3 (median of 3 seeds
-            +0.81%, none above +2.9%) and at S=8 N=16, not at S=8 N=4 (+16%); lr_scale helps at S=2; the other
-            names are the candidates measured there. See `lit_efficient.runtime.staleness`.
+        staleness_correction: PACI only (under flush nothing is stale and every value is the identity). Default
+            ``"auto"``: with AdamW or Adam, each stale forward (a stage's micro-batch whose backward comes after
+            the stage's next step) runs on weights extrapolated by the optimizer's own pending update, AdamW's
+            first step included, the window's gradient so far folded into its moments, and the backward and the
+            step on the real weights; the prediction is undone by its exact inverse, so no copy of the weights
+            is kept (``"weight_prediction_first_step_inplace"``); with any other optimizer, or a sharded optimizer
+            state, off. Measured (BENCHMARKS.md, "PACI at depth"): plain PACI ends 13-21% above flush's loss at
+            S=8 N=8 lr 2e-3, the default within 1% (median of 3 seeds). None (or ``"none"``): plain PACI, the
+            rule of docs/DESIGN.md section 3. ``"lr_scale"`` scales each stale stage's learning rate by
+            ``(1 + d_s) ** -(1 - min(1, k / staleness_anneal_steps))`` with d_s = ceil((S-1-s)/N) and k its step
+            (PipeMare). ``"weight_prediction"`` predicts from the second step on (one weight-sized buffer per stage),
+            ``"weight_prediction_first_step"`` is the default's rule with that buffer; the other names are the
+            candidates measured in BENCHMARKS.md. See `lit_efficient.runtime.staleness`.
         staleness_anneal_steps: Optimizer steps over which ``"lr_scale"`` returns to the plain learning rate.
         fault_tolerance: None: a dead rank ends the job (torchrun restarts all of it from the last checkpoint).
             ``"torchft"``: replica groups on torchft (``pip install 'lit-efficient[fault-tolerance]'``): each
@@ -251,7 +253,7 @@ class PACIStrategy(DDPStrategy):
         average_buffers: bool = True,
         streaming_sync: bool = False,
         shard_optimizer_state: bool = False,
-        staleness_correction: CorrectionName | None = None,
+        staleness_correction: CorrectionName | None = "auto",
         staleness_anneal_steps: int = 100,
         fault_tolerance: Literal["torchft"] | None = None,
         replica_group_id: int | None = None,
@@ -572,7 +574,7 @@ class PACIStrategy(DDPStrategy):
                 links.stage_sum, exact_norm, warn_per_stage_clipping=index == self.hosted_stages[0],
                 replicas=self.replicas,
             )  # fmt: skip
-            stage.correction = self.correction_for(index, trainer)
+            stage.correction = self.correction_for(index, trainer, optimizer)
             if self._split.ties and index in (0, self.pipeline_stages - 1):
                 delay = tie_delay(self.pipeline_stages, max(1, trainer.accumulate_grad_batches))
                 tied = tie_stage(stage, self._split, self.schedule, delay, links.tied(index, delay))
@@ -580,12 +582,12 @@ class PACIStrategy(DDPStrategy):
                     post_norm_before_tied_exchange(stage, links.stage_sum)  # else its step and stage 0's wait
         return _BuiltStage(stage, (optimizer, configs, epoch_wise, tied, averager))
 
-    def correction_for(self, stage: int, trainer: Trainer) -> StalenessCorrection | None:
-        """The staleness correction of ``stage`` (None: off, or nothing to correct there)."""
+    def correction_for(self, stage: int, trainer: Trainer, optimizer: Any) -> StalenessCorrection | None:
+        """The staleness correction of ``stage`` with its ``optimizer`` (None: off, or nothing to correct there)."""
         accumulate = max(1, trainer.accumulate_grad_batches)
         return make_correction(
             self.staleness_correction, self.schedule, stage, self.pipeline_stages, accumulate,
-            self.staleness_anneal_steps,
+            self.staleness_anneal_steps, optimizer,
         )  # fmt: skip
 
     def _join_lightning(self, trainer: Trainer, fitting: bool) -> None:

@@ -238,3 +238,34 @@ def test_lr_scale_factor_and_where_corrections_apply():
     assert delay_bound("paci", 0, 8, 4) == 2
     with pytest.raises(ValueError, match="staleness_correction='bogus'"):
         PACIStrategy(staleness_correction="bogus")  # type: ignore[arg-type]
+
+
+def test_auto_is_the_in_place_first_step_prediction_where_the_optimizer_is_predictable():
+    """The strategy's default: the in-place first-step prediction on a stale stage with AdamW or Adam, off with an
+    optimizer whose update it does not know (SGD, amsgrad), on the last stage and under flush."""
+    from lit_efficient.runtime.staleness import InPlaceFirstStepWeightPrediction
+
+    params = list(torch.nn.Linear(2, 2).parameters())
+    adamw, adam = torch.optim.AdamW(params), torch.optim.Adam(params)
+    for opt in (adamw, adam):
+        assert type(make_correction("auto", "paci", 0, 4, 4, 10, opt)) is InPlaceFirstStepWeightPrediction
+    assert make_correction("auto", "paci", 0, 4, 4, 10, torch.optim.SGD(params, lr=0.1)) is None
+    assert make_correction("auto", "paci", 0, 4, 4, 10, torch.optim.AdamW(params, amsgrad=True)) is None
+    assert make_correction("auto", "paci", 3, 4, 4, 10, adamw) is None  # the last stage is never stale
+    assert make_correction("auto", "1f1b_flush", 0, 4, 4, 10, adamw) is None
+    assert PACIStrategy().staleness_correction == "auto"
+
+
+def test_in_place_prediction_keeps_low_precision_weights_exact():
+    """bf16 weights would lose bits to every in-place inversion: the in-place rule predicts them with a stash, so
+    they come back bit for bit."""
+    from lit_efficient.runtime.staleness import InPlaceFirstStepWeightPrediction
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(8, 8).to(torch.bfloat16)
+    opt = torch.optim.AdamW(layer.parameters(), lr=1e-2)
+    layer(torch.randn(4, 8, dtype=torch.bfloat16)).float().sum().backward()
+    real = [p.detach().clone() for p in layer.parameters()]
+    with InPlaceFirstStepWeightPrediction().forward_context(list(layer.parameters()), opt, 1, torch.tensor(1.0)):
+        moved = any(not torch.equal(p, r) for p, r in zip(layer.parameters(), real, strict=True))
+    assert moved and all(torch.equal(p, r) for p, r in zip(layer.parameters(), real, strict=True))

@@ -37,7 +37,7 @@ def test_a_climb_is_flagged_once_with_the_numbers_and_the_options():
     step, text = flagged[0]
     assert 28 < step < 45  # a few steps into the climb: the moving average lags the raw loss
     assert re.search(rf"moving average is [\d.]+ at step {step}, up from [\d.]+ at step \d+", text), text
-    assert "staleness_correction='weight_prediction'" in text and "schedule='1f1b_flush'" in text
+    assert "staleness_correction='auto'" in text and "schedule='1f1b_flush'" in text
 
 
 def _fit(schedule: str) -> list[str]:
