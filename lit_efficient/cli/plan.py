@@ -44,6 +44,7 @@ from lit_efficient.tools.fake_memory import (
     measure_stages,
 )
 from lit_efficient.tools.memory_plan import MemoryPlan, StageMeasure, parse_bytes, plan_memory
+from lit_efficient.tools.window import advise_window, flush_bubble
 
 _GPU = ("gpu", "cuda")
 
@@ -241,7 +242,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         rest, device_memory=own.device_memory, shard_optimizer_state=own.shard_optimizer_state, replicas=own.replicas
     )
     if own.json:
-        print(json.dumps(result.to_dict(), indent=2))
+        window = advise_window(len(result.stages), result.accumulate).to_dict()
+        print(json.dumps({**result.to_dict(), "window": window}, indent=2))
     else:
         print(describe(result))
     return 0
@@ -264,7 +266,19 @@ def describe(result: MemoryPlan) -> str:
         "of one micro-batch's forward/backward temporaries and the local step's. Not counted: the CUDA context, "
         "NCCL buffers, kernel workspaces and allocator fragmentation."
     )
-    return f"{head}\n\n{result.table()}\n\n{note}"
+    return f"{head}\n\n{result.table()}\n\n{note}\n\n{window_text(result)}"
+
+
+def window_text(result: MemoryPlan) -> str:
+    """The accumulation-window advice for the plan's layout (`lit_efficient.tools.window`)."""
+    advice = advise_window(len(result.stages), result.accumulate)
+    if result.schedule == "paci":
+        return advice.text()
+    bubble = flush_bubble(len(result.stages), result.accumulate)
+    return (
+        f"Accumulation window: 1F1B-flush has no drift; its bubble is {bubble:.0%} of each window at N="
+        f"{result.accumulate}. PACI has none; under it N={advice.recommended} would have drift bound 1."
+    )
 
 
 # -- internals -------------------------------------------------------------------------------------

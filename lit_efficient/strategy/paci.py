@@ -78,6 +78,7 @@ from lit_efficient.strategy.config import (
     check_replica_groups,
 )
 from lit_efficient.strategy.divergence import LossTrend
+from lit_efficient.tools.window import advise_window
 from lit_efficient.strategy.fault_tolerant import start_replicas
 from lit_efficient.strategy.hosting import HostedStage, gather_model_on_rank_zero
 from lit_efficient.strategy.module_hooks import drain_before, undo_drain_before, warn_uncalled_hooks
@@ -503,6 +504,8 @@ class PACIStrategy(DDPStrategy):
         if fitting and not self.in_process:
             self._sigterm_pending = replace_sigterm_barrier(trainer, self.pipeline_stages, self._signal_group)
         accumulate = max(1, trainer.accumulate_grad_batches)
+        if fitting and self.schedule == "paci" and (advice := advise_window(self.pipeline_stages, accumulate)).too_stale:
+            rank_zero_warn(f"PACIStrategy: {advice.text()}")
         runtimes = []
         for part in stages:
             stage = part.stage
