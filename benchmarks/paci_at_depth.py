@@ -6,7 +6,9 @@ What is measured, and how:
 - Convergence grid: ``Trainer(devices=1, strategy=PACIStrategy(pipeline_stages=S))`` (the whole
   pipeline in one process, bit-identical to S processes: tests/strategy/test_one_process.py) trains the same
   `GPT` (same seed, init and data order: `TextDataModule()`'s embedded standard-library text) with
-  1F1B-flush, PACI, PACI + ``lr_scale`` and PACI + ``weight_prediction``, for every S, N, learning
+  1F1B-flush, plain PACI (``staleness_correction=None, sync_start_steps=0``), ``paci_default`` (PACIStrategy's
+  defaults: the in-place first-step weight prediction and the synchronous start) and the candidate corrections
+  (``RUNS``), for every S, N, learning
   rate and seed asked. The paper's recipe scaled down: AdamW betas (0.9, 0.95), weight decay 0.1,
   1% linear warmup, cosine to 10% of the peak, per-stage schedulers stepping with their stage.
   Equal tokens: every run sees ``--micro-batches`` micro-batches, so ``steps = micro_batches / N``.
@@ -20,7 +22,8 @@ What is measured, and how:
   the paper's 1.69x (N=8) and 1.41x (N=16). Simulated, not measured: one CPU cannot time 8 devices.
 - In-process cost: optimizer steps per second of ``devices=1, pipeline_stages=S`` against the unsplit
   model under Lightning's single-device strategy, same model, data and N, in one run, one after the other;
-  and of the same pipeline with ``weight_prediction`` against plain PACI (its time cost).
+  and of the same pipeline with the default's weight prediction (no synchronous start) against plain PACI (its
+  time cost).
 - Weight prediction's cost: its extra buffer (the bytes of the largest stage's parameters); its time,
   side by side in the in-process cost step above.
 
@@ -44,20 +47,28 @@ import torch
 
 from benchmarks.harness import PLOTS, envelope, machine, pyplot, save_figure, write_json
 
-RUNS = {  # name -> (schedule, staleness_correction)
-    "flush": ("1f1b_flush", None),
-    "paci": ("paci", None),
-    "paci+lr_scale": ("paci", "lr_scale"),
-    "paci+weight_prediction": ("paci", "weight_prediction"),
-    "paci+weight_prediction_damped": ("paci", "weight_prediction_damped"),
-    "paci+weight_prediction_shrunk": ("paci", "weight_prediction_shrunk"),
-    "paci+weight_prediction_momentum": ("paci", "weight_prediction_momentum"),
-    "paci+weight_prediction_first_step": ("paci", "weight_prediction_first_step"),
-    "paci+weight_prediction_first_step_shrunk": ("paci", "weight_prediction_first_step_shrunk"),
-    "paci+weight_prediction_first_step_inplace": ("paci", "weight_prediction_first_step_inplace"),
-    "paci+delay_compensation": ("paci", "delay_compensation"),
-    "paci_recompute": ("paci", None),
-    "paci_recompute+weight_prediction": ("paci", "weight_prediction"),
+_PLAIN = {"staleness_correction": None, "sync_start_steps": 0}  # the runs measured before the default existed
+RUNS: dict[str, dict[str, Any]] = {  # name -> PACIStrategy's options (beyond S; balance="uniform")
+    "flush": {"schedule": "1f1b_flush", **_PLAIN},
+    "paci": {"schedule": "paci", **_PLAIN},
+    **{
+        f"paci+{c}": {"schedule": "paci", **_PLAIN, "staleness_correction": c}
+        for c in (
+            "lr_scale",
+            "weight_prediction",
+            "weight_prediction_damped",
+            "weight_prediction_shrunk",
+            "weight_prediction_momentum",
+            "weight_prediction_first_step",
+            "weight_prediction_first_step_shrunk",
+            "weight_prediction_first_step_inplace",
+            "delay_compensation",
+        )
+    },  # fmt: skip
+    "paci+sync_start": {"schedule": "paci", **_PLAIN, "sync_start_steps": "auto"},
+    "paci_default": {"schedule": "paci"},  # PACIStrategy(schedule="paci") as a user writes it
+    "paci_recompute": {"schedule": "paci", **_PLAIN},
+    "paci_recompute+weight_prediction": {"schedule": "paci", **_PLAIN, "staleness_correction": "weight_prediction"},
 }
 RECOMPUTE = {"paci_recompute", "paci_recompute+weight_prediction"}  # runs with recompute=True
 PAPER = {8: 1.69, 16: 1.41}  # PACI / flush time-to-accuracy, GPT-2 Medium, 8 stages (docs/DESIGN.md section 3)
@@ -89,7 +100,7 @@ def fit_one(config: dict[str, Any], stages: int, accumulate: int, lr: float, see
     from lit_efficient import PACIStrategy
 
     torch.set_num_threads(1)
-    schedule, correction = RUNS[name]
+    options = RUNS[name]
     steps = config["micro_batches"] // accumulate
     eval_every = max(1, steps // config["evals"])
 
@@ -97,10 +108,14 @@ def fit_one(config: dict[str, Any], stages: int, accumulate: int, lr: float, see
         def __init__(self) -> None:
             self.val: list[tuple[int, float]] = []
             self.stats: list[dict[str, float]] = []
+            self.sync_start = 0
 
         def on_validation_end(self, trainer, pl_module) -> None:
             if "val_loss" in trainer.callback_metrics:
                 self.val.append((trainer.global_step, trainer.callback_metrics["val_loss"].item()))
+
+        def on_train_start(self, trainer, pl_module) -> None:
+            self.sync_start = trainer.strategy.sync_start
 
         def on_train_end(self, trainer, pl_module) -> None:
             self.stats = trainer.strategy.runtime.stage_stats()
@@ -109,8 +124,8 @@ def fit_one(config: dict[str, Any], stages: int, accumulate: int, lr: float, see
     model = _model(config, lr, steps)
     record = Record()
     strategy = PACIStrategy(
-        pipeline_stages=stages, schedule=schedule, balance="uniform", staleness_correction=correction,
-        staleness_anneal_steps=max(1, steps // 10), recompute=name in RECOMPUTE,
+        pipeline_stages=stages, balance="uniform", staleness_anneal_steps=max(1, steps // 10),
+        recompute=name in RECOMPUTE, **options,
     )  # fmt: skip
     trainer = L.Trainer(
         accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, accumulate_grad_batches=accumulate,
@@ -128,7 +143,7 @@ def fit_one(config: dict[str, Any], stages: int, accumulate: int, lr: float, see
     return {
         "S": stages, "N": accumulate, "lr": lr, "seed": seed, "run": name, "steps": steps,
         "tokens_per_step": accumulate * config["batch_size"] * config["block"], "val": record.val,
-        "final_val_loss": record.val[-1][1], "seconds": seconds,
+        "final_val_loss": record.val[-1][1], "seconds": seconds, "sync_start_steps": record.sync_start,
         "drift": [{k: st[k] for k in ("stage", "drift_max", "drift_mean")} for st in record.stats],
         "loadavg": os.getloadavg(),
     }  # fmt: skip
@@ -204,9 +219,11 @@ def time_to_accuracy(runs: list[dict[str, Any]], costs: dict[str, list[float]]) 
             if name == "flush":
                 continue
             row = {"S": stages, "N": accumulate, "lr": lr, "seed": seed, "run": name, "paper": PAPER.get(accumulate)}
+            sync = run.get("sync_start_steps", 0)  # its first steps run in flush's order, at flush's pace
             for label, target in targets.items():
                 t_flush = steps_to(flush, target) * per_step["1f1b_flush"]
-                t_paci = steps_to(run["val"], target) * per_step["paci"]
+                steps = steps_to(run["val"], target)
+                t_paci = min(steps, sync) * per_step["1f1b_flush"] + max(0.0, steps - sync) * per_step["paci"]
                 row[label] = {"target": target, "flush_s": t_flush, "paci_s": t_paci, "ratio": t_flush / t_paci}
             row["throughput_ratio"] = per_step["1f1b_flush"] / per_step["paci"]
             rows.append(row)
@@ -221,10 +238,11 @@ def in_process_cost(config: dict[str, Any], stages: int, accumulate: int, steps:
 
     torch.set_num_threads(1)
     out = {}
-    predicted = PACIStrategy(pipeline_stages=stages, staleness_correction="weight_prediction")
+    # The default's prediction without its synchronous start (whose flush steps are the schedule's, not its cost).
+    predicted = PACIStrategy(pipeline_stages=stages, sync_start_steps=0)
     runs = (
         ("unsplit", "auto"),
-        (f"in-process S={stages}", PACIStrategy(pipeline_stages=stages)),
+        (f"in-process S={stages}", PACIStrategy(pipeline_stages=stages, **_PLAIN)),
         (f"in-process S={stages} weight_prediction", predicted),
     )
     for name, strategy in runs:

@@ -326,6 +326,17 @@ def predictable(optimizer: Any) -> bool:
     return type(optimizer).__name__ in ("AdamW", "Adam") and not unusual
 
 
+def adam_horizon(optimizer: Any) -> int:
+    """``ceil(2 / (1 - beta2))`` of an Adam or AdamW (0 for any other optimizer, or beta2 = 0): the steps after
+    which the bias correction of its second moment, ``1 - beta2**t``, has passed ``1 - e**-2`` (86%). Before it
+    the moments rest on few gradients and each update is close to ``lr * sign(g)``, the largest relative change
+    of a run: PACI's synchronous start covers them (`PACIStrategy(sync_start_steps="auto")`)."""
+    if type(optimizer).__name__ not in ("AdamW", "Adam") or not optimizer.param_groups:
+        return 0
+    beta2 = max(float(g["betas"][1]) for g in optimizer.param_groups)
+    return math.ceil(2 / (1 - beta2) - 1e-9) if beta2 > 0 else 0
+
+
 def predicted_steps(
     optimizer: torch.optim.Optimizer, window_weight: Tensor | None = None, accumulate: int | None = None,
     first_step: bool = False,

@@ -314,6 +314,17 @@ def check_options(
         )
 
 
+def check_sync_start(sync_start_steps: Any) -> None:
+    """``sync_start_steps`` is ``"auto"`` or a count of optimizer steps >= 0."""
+    if sync_start_steps == "auto":
+        return
+    if isinstance(sync_start_steps, bool) or not isinstance(sync_start_steps, int) or sync_start_steps < 0:
+        raise ValueError(
+            f"sync_start_steps={sync_start_steps!r} must be 'auto' or an int >= 0 (optimizer steps run in 1F1B-flush "
+            "order before PACI; 0: PACI from the first step)"
+        )
+
+
 def check_replica_groups(
     fault_tolerance: str | None, local_sgd_steps: int | None, min_replica_groups: int, streaming_sync: bool
 ) -> None:

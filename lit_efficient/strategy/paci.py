@@ -61,7 +61,7 @@ from lit_efficient.runtime.split import (
     whole_model_parameters,
 )
 from lit_efficient.runtime.stage import PipelineStage
-from lit_efficient.runtime.staleness import CorrectionName, StalenessCorrection, make_correction
+from lit_efficient.runtime.staleness import CorrectionName, StalenessCorrection, adam_horizon, make_correction
 from lit_efficient.runtime.tied import finish_tied, tie_delay, tie_stage, untag
 from lit_efficient.runtime.topology import Topology
 from lit_efficient.strategy import evaluation, stage_checkpoints
@@ -76,9 +76,9 @@ from lit_efficient.strategy.config import (
     check_before_launch,
     check_options,
     check_replica_groups,
+    check_sync_start,
 )
 from lit_efficient.strategy.divergence import LossTrend
-from lit_efficient.tools.window import advise_window
 from lit_efficient.strategy.fault_tolerant import start_replicas
 from lit_efficient.strategy.hosting import HostedStage, gather_model_on_rank_zero
 from lit_efficient.strategy.module_hooks import drain_before, undo_drain_before, warn_uncalled_hooks
@@ -106,6 +106,7 @@ from lit_efficient.strategy.trainer_glue import (
     normalize_mode,
     point_metrics_at,
 )
+from lit_efficient.tools.window import advise_window
 from lit_efficient.transport.collectives import broadcast_flat
 from lit_efficient.transport.failures import report_failure
 from lit_efficient.transport.local import LocalLinks
@@ -196,6 +197,14 @@ class PACIStrategy(DDPStrategy):
             ``"weight_prediction_first_step"`` is the default's rule with that buffer; the other names are the
             candidates measured in BENCHMARKS.md. See `lit_efficient.runtime.staleness`.
         staleness_anneal_steps: Optimizer steps over which ``"lr_scale"`` returns to the plain learning rate.
+        sync_start_steps: PACI only: the first K optimizer steps of a fit run in 1F1B-flush order (each window
+            drained before the next: nothing stale, the flush bubble), then PACI. ``"auto"`` (default):
+            ``ceil(2 / (1 - beta2))`` of the stages' Adam or AdamW, the steps its second moment needs to pass 86% of
+            its bias correction (40 at beta2 = 0.95, 2,000 at torch's default 0.999), 0 with other optimizers.
+            Early on Adam moves every weight by about lr a step and a run's outcome is set there: on the benchmark
+            grid (BENCHMARKS.md, "PACI at depth") 40 synchronous steps took S=4 N=4 lr 2e-3 from +5.7% to +0.1% of
+            flush's loss and S=8 N=4 from +16% to +2.7%; 20 were not enough. Costs the flush bubble on K steps
+            (the setup log says what share of ``max_steps`` that is). 0: PACI from the first step.
         fault_tolerance: None: a dead rank ends the job (torchrun restarts all of it from the last checkpoint).
             ``"torchft"``: replica groups on torchft (``pip install 'lit-efficient[fault-tolerance]'``): each
             group is one whole pipeline under its own launcher; a group whose rank dies restarts alone and
@@ -256,6 +265,7 @@ class PACIStrategy(DDPStrategy):
         shard_optimizer_state: bool = False,
         staleness_correction: CorrectionName | None = "auto",
         staleness_anneal_steps: int = 100,
+        sync_start_steps: int | Literal["auto"] = "auto",
         fault_tolerance: Literal["torchft"] | None = None,
         replica_group_id: int | None = None,
         replica_groups: int | None = None,
@@ -278,6 +288,7 @@ class PACIStrategy(DDPStrategy):
             staleness_anneal_steps, compile_layers, wire_dtype, checkpoint_format, async_checkpoint,
         )  # fmt: skip
         check_replica_groups(fault_tolerance, local_sgd_steps, min_replica_groups, streaming_sync)
+        check_sync_start(sync_start_steps)
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
             precision_plugin=precision_plugin, process_group_backend=process_group_backend, timeout=timeout,
@@ -285,6 +296,9 @@ class PACIStrategy(DDPStrategy):
         )  # fmt: skip
         self.staleness_correction = staleness_correction
         self.staleness_anneal_steps = staleness_anneal_steps
+        self.sync_start_steps = sync_start_steps
+        self.sync_start = 0  # this fit's synchronous start (resolved at setup): steps run in flush order before PACI
+        self._in_sync_start = False  # the runtimes run flush's order now
         self.pipeline_stages = pipeline_stages
         self.schedule: ScheduleName = schedule
         self.recompute = recompute
@@ -504,14 +518,18 @@ class PACIStrategy(DDPStrategy):
         if fitting and not self.in_process:
             self._sigterm_pending = replace_sigterm_barrier(trainer, self.pipeline_stages, self._signal_group)
         accumulate = max(1, trainer.accumulate_grad_batches)
-        if fitting and self.schedule == "paci" and (advice := advise_window(self.pipeline_stages, accumulate)).too_stale:
+        advice = advise_window(self.pipeline_stages, accumulate)
+        if fitting and self.schedule == "paci" and advice.too_stale:
             rank_zero_warn(f"PACIStrategy: {advice.text()}")
+        self.sync_start = self._resolve_sync_start(trainer, [part.lightning[0] for part in stages]) if fitting else 0
+        self._in_sync_start = self.sync_start > 0
+        order: ScheduleName = "1f1b_flush" if self._in_sync_start else self.schedule
         runtimes = []
         for part in stages:
             stage = part.stage
             prev_rank, next_rank = self.topology.neighbours(links.rank_of(stage.stage))
             input_fn = module.pipeline_input if stage.is_first else None
-            runtime = PipelineRuntime(stage, self.schedule, accumulate, input_fn, links.p2p(stage.stage), prev_rank,
+            runtime = PipelineRuntime(stage, order, accumulate, input_fn, links.p2p(stage.stage), prev_rank,
                                       next_rank)  # fmt: skip
             runtimes.append(runtime)
         self.runtime = StageHost(runtimes)
@@ -584,6 +602,37 @@ class PACIStrategy(DDPStrategy):
                 if exact_norm and links.stage_sum.can_post and stage.is_last:
                     post_norm_before_tied_exchange(stage, links.stage_sum)  # else its step and stage 0's wait
         return _BuiltStage(stage, (optimizer, configs, epoch_wise, tied, averager))
+
+    def _resolve_sync_start(self, trainer: Trainer, optimizers: list[Any]) -> int:
+        """Optimizer steps of this fit's synchronous start: ``sync_start_steps``, or for ``"auto"`` 2 / (1 - beta2)
+        of the hosted stages' Adam/AdamW (the largest; every rank agrees on the largest of all), 0 otherwise."""
+        if self.schedule != "paci":
+            return 0
+        if self.sync_start_steps != "auto":
+            return int(self.sync_start_steps)
+        # A sharded state (ShardedOptimizer) steps the user's optimizer underneath: its betas count.
+        steps = max((adam_horizon(getattr(opt, "optimizer", opt)) for opt in optimizers), default=0)
+        if not self.in_process:
+            box = torch.tensor([steps], dtype=torch.int64)
+            dist.all_reduce(box, op=dist.ReduceOp.MAX, group=self.cpu_group)
+            steps = int(box.item())
+        if steps:
+            total = trainer.max_steps
+            share = f", {steps / total:.0%} of max_steps={total}" if total > 0 else ""
+            rank_zero_info(
+                f"PACIStrategy: the first {steps} optimizer steps run in 1F1B-flush order (sync_start_steps='auto': "
+                f"2 / (1 - beta2) of Adam's second moment{share}), then PACI. Set sync_start_steps to change it."
+            )
+        return steps
+
+    def _end_sync_start(self) -> None:
+        """The synchronous start is over: every hosted stage runs PACI's order from the next micro-batch (called
+        between windows, with nothing in flight; every rank at the same step)."""
+        assert self.runtime is not None
+        self.runtime.drain()  # closes the flush segment on every transport, as a validation's drain does
+        for runtime in self.runtime.runtimes:
+            runtime.schedule = self.schedule
+        self._in_sync_start = False
 
     def correction_for(self, stage: int, trainer: Trainer, optimizer: Any) -> StalenessCorrection | None:
         """The staleness correction of ``stage`` with its ``optimizer`` (None: off, or nothing to correct there)."""
@@ -777,6 +826,8 @@ class PACIStrategy(DDPStrategy):
         loop = trainer.fit_loop.epoch_loop
         log_once_per_optimizer_step(trainer)  # rows as one device writes them under accumulation
         self._update_accumulation(trainer, batch_idx)
+        if self._in_sync_start and trainer.global_step >= self.sync_start and self.runtime.drained:
+            self._end_sync_start()
         loss = self.runtime.feed(batch, batch_idx)
         epoch_end = loop._num_ready_batches_reached()
         if epoch_end:

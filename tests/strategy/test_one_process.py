@@ -138,7 +138,12 @@ class Record(Callback):
 def _fit(tmp: Path, devices: int, stages: int, schedule: str, recompute: bool, normalize: str, **kw):
     tmp.mkdir(parents=True, exist_ok=True)
     model = _model(n_layer=2, dropout=0.1)
-    strategy = PACIStrategy(pipeline_stages=stages, schedule=schedule, recompute=recompute, start_method="forkserver")
+    # PACI's defaults (AdamW: the first-step weight prediction and a synchronous start), the start shortened to 2
+    # of the 6 steps so both orders and the switch between them run in both hostings.
+    sync = {"sync_start_steps": 2} if schedule == "paci" else {}
+    strategy = PACIStrategy(
+        pipeline_stages=stages, schedule=schedule, recompute=recompute, start_method="forkserver", **sync
+    )
     ckpt = ModelCheckpoint(dirpath=tmp / "ckpt", every_n_train_steps=6, filename="end", save_last=False)
     callbacks = [GradientAccumulation(steps=4, normalize=normalize), ValHistory(), Record(tmp), ckpt]  # type: ignore[arg-type]
     trainer = _trainer(

@@ -1,0 +1,81 @@
+"""PACI's synchronous start (``PACIStrategy(sync_start_steps=K)``): the first K optimizer steps run in 1F1B-flush
+order, bit for bit flush's, then PACI's; "auto" is 2 / (1 - beta2) of Adam; a checkpoint taken inside the start
+resumes exactly. In one process (bit-identical to processes: the switch also runs on processes in
+tests/strategy/test_one_process.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+from lit_efficient import PACIStrategy
+from lit_efficient.models import GPT
+from lit_efficient.runtime.staleness import adam_horizon
+from tests.support.gpt_runs import gpt_model, gpt_trainer, max_diff, ordered_data
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class _Seen(Callback):
+    """The runtimes' order and the stages' stats at the end of training (the runtime is gone after fit)."""
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        runtime = trainer.strategy.runtime
+        self.orders = [rt.schedule for rt in runtime.runtimes]
+        self.stats = runtime.stage_stats()
+        self.sync_start = trainer.strategy.sync_start
+
+
+def _fit(strategy: PACIStrategy, steps: int, model: GPT | None = None, **kw) -> tuple[GPT, _Seen]:
+    model = model or gpt_model()
+    ckpt_path = kw.pop("ckpt_path", None)
+    seen = _Seen()
+    kw["callbacks"] = [*kw.get("callbacks", []), seen]
+    gpt_trainer(strategy, 1, steps, **kw).fit(model, datamodule=ordered_data(), ckpt_path=ckpt_path)
+    return model, seen
+
+
+def test_the_start_is_flush_bit_for_bit_then_paci():
+    synced, _ = _fit(PACIStrategy(pipeline_stages=2, sync_start_steps=3), 3)  # one epoch: 3 windows of 4
+    flush, _ = _fit(PACIStrategy(pipeline_stages=2, schedule="1f1b_flush"), 3)
+    assert max_diff(synced, gpt_model()) > 1e-3 and max_diff(synced, flush) == 0.0
+    longer, seen = _fit(PACIStrategy(pipeline_stages=2, sync_start_steps=3), 6)
+    flush6, _ = _fit(PACIStrategy(pipeline_stages=2, schedule="1f1b_flush"), 6)
+    assert seen.sync_start == 3 and seen.orders == ["paci", "paci"]
+    assert seen.stats[0]["drift_max"] == 1  # stale forwards after the switch
+    assert max_diff(longer, flush6) > 0.0
+
+
+def test_a_checkpoint_inside_the_start_resumes_exactly(tmp_path):
+    whole, _ = _fit(PACIStrategy(pipeline_stages=2, sync_start_steps=4), 6)
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, filename="{step}")
+    _fit(PACIStrategy(pipeline_stages=2, sync_start_steps=4), 3, callbacks=[ckpt], enable_checkpointing=True)
+    resumed, seen = _fit(
+        PACIStrategy(pipeline_stages=2, sync_start_steps=4), 6, ckpt_path=str(tmp_path / "step=3.ckpt")
+    )
+    assert seen.orders == ["paci", "paci"]
+    assert max_diff(resumed, whole) == 0.0
+
+
+class _SGDModel(GPT):
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-2)
+
+
+def test_auto_is_two_over_one_minus_beta2_of_adam_and_off_otherwise():
+    params = [torch.nn.Parameter(torch.zeros(1))]
+    assert adam_horizon(torch.optim.AdamW(params, betas=(0.9, 0.95))) == 40
+    assert adam_horizon(torch.optim.Adam(params)) == 2000 and adam_horizon(torch.optim.SGD(params, lr=0.1)) == 0
+    _, seen = _fit(PACIStrategy(pipeline_stages=2), 1)  # GPT's AdamW, betas (0.9, 0.95)
+    assert seen.sync_start == 40 and seen.orders == ["1f1b_flush", "1f1b_flush"]
+    _, flush = _fit(PACIStrategy(pipeline_stages=2, schedule="1f1b_flush"), 1)
+    assert flush.sync_start == 0
+    _, sgd = _fit(PACIStrategy(pipeline_stages=2), 1, model=_SGDModel(n_layer=2, n_head=2, n_embd=32, block_size=32))
+    assert sgd.sync_start == 0 and sgd.orders == ["paci", "paci"]
+
+
+@pytest.mark.parametrize("value", [-1, 2.5, "always", True])
+def test_a_bad_value_is_refused_with_what_is_allowed(value):
+    with pytest.raises(ValueError, match=r"sync_start_steps=.* must be 'auto' or an int >= 0"):
+        PACIStrategy(sync_start_steps=value)  # type: ignore[arg-type]
