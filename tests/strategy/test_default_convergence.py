@@ -1,0 +1,41 @@
+"""The guard of PACI's defaults against regressions (issue 31): in seconds, in one process, a setting where PACI's
+staleness costs loss. The benchmark grid (benchmarks/paci_at_depth.py, BENCHMARKS.md "PACI at depth") is the
+measurement; this is its smoke alarm.
+
+A 4-stage GPT at lr 1e-2 (2 warmup steps), N=4, 60 steps, AdamW with beta2 = 0.8 so that the default's synchronous
+start ("auto": 2 / (1 - beta2) = 10 steps) leaves PACI 50 of them: plain PACI ends about 5% above 1F1B-flush's
+validation loss; the default (weight prediction and synchronous start), and its prediction alone, within 1%.
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+
+from lit_efficient import PACIStrategy
+from tests.support.gpt_runs import gpt_model, text_data
+
+STEPS = 60
+
+
+def _val_loss(**options) -> float:
+    model = gpt_model(learning_rate=1e-2, warmup_steps=2, max_steps=STEPS, betas=(0.9, 0.8))
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, strategy=PACIStrategy(pipeline_stages=4, **options), max_steps=STEPS,
+        accumulate_grad_batches=4, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, limit_val_batches=4, val_check_interval=4 * STEPS, check_val_every_n_epoch=None,
+        num_sanity_val_steps=0,
+    )  # fmt: skip
+    trainer.fit(model, datamodule=text_data())
+    return trainer.callback_metrics["val_loss"].item()
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_the_default_stays_within_1_percent_of_flush_where_plain_paci_does_not():
+    flush = _val_loss(schedule="1f1b_flush")
+    plain = _val_loss(staleness_correction=None, sync_start_steps=0)
+    predicted = _val_loss(sync_start_steps=0)
+    default = _val_loss()
+    assert plain > 1.03 * flush, (plain, flush)  # the premise: staleness costs loss here
+    assert predicted < 1.01 * flush, (predicted, flush)
+    assert default < 1.01 * flush, (default, flush)
