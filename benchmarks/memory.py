@@ -16,6 +16,11 @@ What is measured, and how (on CPU there is no allocator peak counter, so two hon
   state, gloo buffers and glibc's allocator caching. A fresh process pair per configuration, so
   one configuration's peak cannot hide another's.
 
+- PACI's default staleness correction (``"auto"``: the in-place first-step weight prediction) and its stashing
+  form (``"weight_prediction_first_step"``) run as plain PACI keep-graph with the correction on the stage;
+  the stash they keep between stale forwards is counted in the tracked bytes, and the in-place form's chunk
+  temporaries show in the RSS growth only.
+
     python -m benchmarks.memory            # full run, ~1-2 minutes on 2 cores
     python -m benchmarks.memory --quick    # smoke run, small model
 """
@@ -35,10 +40,16 @@ from benchmarks.runtime_throughput import SavedTensorMeter
 from benchmarks.trainer_vs_torch_pipelining import build_data, build_model, spawn_pair, stage_layers
 from lit_efficient.runtime.interpreter import PipelineRuntime
 from lit_efficient.runtime.stage import PipelineStage
+from lit_efficient.runtime.staleness import make_correction
 from lit_efficient.runtime.topology import Topology
 from lit_efficient.transport.process import PointToPoint
 
-CONFIGS = [("1f1b_flush", False), ("paci", False), ("1f1b_flush", True), ("paci", True)]
+# (schedule, recompute, staleness correction): plain PACI, and PACI's default correction ("auto": the in-place
+# first-step weight prediction) against its stashing form (a copy of the stage's weights during stale forwards).
+CONFIGS = [
+    ("1f1b_flush", False, None), ("paci", False, None), ("1f1b_flush", True, None), ("paci", True, None),
+    ("paci", False, "auto"), ("paci", False, "weight_prediction_first_step"),
+]  # fmt: skip
 
 
 def _bytes(tensors: Any) -> int:
@@ -56,6 +67,9 @@ def _worker(rank: int, world: int, config: dict[str, Any]) -> dict[str, Any]:
     params = [p for layer in layers for p in layer.parameters()]
     optimizer = torch.optim.AdamW(params, lr=3e-4, weight_decay=0.0)
     stage = PipelineStage(layers, s, world, optimizer, loss_fn=model.pipeline_loss, recompute=config["recompute"])
+    stage.correction = make_correction(
+        config["correction"], config["schedule"], s, world, config["accumulate"], 100, optimizer
+    )
     comm = PointToPoint(s, topo.stage_of, torch.device("cpu"), timeout=300.0)
     prev_rank, next_rank = topo.neighbours(rank)
     runtime = PipelineRuntime(
@@ -82,6 +96,8 @@ def _worker(rank: int, world: int, config: dict[str, Any]) -> dict[str, Any]:
         "saved_peak_bytes": saved_peak,
         "held_inputs_peak_bytes": held_peak,
         "max_in_flight": stage.stats.max_in_flight,
+        # The correction's persistent buffer (the stashing prediction's copy of the weights; None in place).
+        "prediction_stash_bytes": _bytes(getattr(stage.correction, "_stash", None) or ()),
         "rss_growth_bytes": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_base) * 1024,
     }
 
@@ -114,21 +130,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     start = time.perf_counter()
     before = machine()
     rows = []
-    for schedule, recompute in CONFIGS:
-        config = {**vars(args), "schedule": schedule, "recompute": recompute}
+    for schedule, recompute, correction in CONFIGS:
+        config = {**vars(args), "schedule": schedule, "recompute": recompute, "correction": correction}
         ranks = sorted(spawn_pair(_worker, config, timeout=600), key=lambda r: r["stage"])
         for r in ranks:
             r["tracked_bytes"] = (
                 r["param_bytes"] + r["grad_bytes"] + r["optimizer_bytes"] + r["saved_peak_bytes"]
-                + r["held_inputs_peak_bytes"]
+                + r["held_inputs_peak_bytes"] + r["prediction_stash_bytes"]
             )  # fmt: skip
-        rows.append({"schedule": schedule, "recompute": recompute, "stages": ranks})
-        print(f"{schedule} recompute={recompute}: " + ", ".join(f"{r['tracked_bytes'] / 2**20:.1f} MiB" for r in ranks))
-    by = {(r["schedule"], r["recompute"]): r for r in rows}
+        rows.append({"schedule": schedule, "recompute": recompute, "correction": correction, "stages": ranks})
+        print(f"{schedule} recompute={recompute} correction={correction}: "
+              + ", ".join(f"{r['tracked_bytes'] / 2**20:.1f} MiB" for r in ranks))  # fmt: skip
+    by = {(r["schedule"], r["recompute"], r["correction"]): r for r in rows}
     ratios = {}
-    for recompute in (False, True):
-        p, f = by[("paci", recompute)]["stages"], by[("1f1b_flush", recompute)]["stages"]
-        key = "recompute" if recompute else "keep_graph"
+    for key, paci in (
+        ("keep_graph", ("paci", False, None)), ("recompute", ("paci", True, None)),
+        ("default", ("paci", False, "auto")), ("stashing_prediction", ("paci", False, "weight_prediction_first_step")),
+    ):  # fmt: skip
+        p, f = by[paci]["stages"], by[("1f1b_flush", paci[1], None)]["stages"]
         ratios[key] = {
             "tracked": [a["tracked_bytes"] / b["tracked_bytes"] for a, b in zip(p, f, strict=True)],
             "rss_growth": [a["rss_growth_bytes"] / max(b["rss_growth_bytes"], 1) for a, b in zip(p, f, strict=True)],
@@ -143,16 +162,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def table(payload: dict[str, Any]) -> str:
     mib = 2**20
     lines = [
-        "| schedule | recompute | stage | params+grads+AdamW, MiB | saved-for-backward peak, MiB "
-        "| held inputs peak, MiB | tracked total, MiB | peak RSS growth, MiB | max in flight |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| schedule | recompute | correction | stage | params+grads+AdamW, MiB | saved-for-backward peak, MiB "
+        "| held inputs peak, MiB | prediction stash, MiB | tracked total, MiB | peak RSS growth, MiB | max in flight |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in payload["rows"]:
         for r in row["stages"]:
             static = r["param_bytes"] + r["grad_bytes"] + r["optimizer_bytes"]
             lines.append(
-                f"| {row['schedule']} | {row['recompute']} | {r['stage']} | {static / mib:.1f} | "
-                f"{r['saved_peak_bytes'] / mib:.1f} | {r['held_inputs_peak_bytes'] / mib:.2f} | "
+                f"| {row['schedule']} | {row['recompute']} | {row.get('correction')} | {r['stage']} | "
+                f"{static / mib:.1f} | {r['saved_peak_bytes'] / mib:.1f} | {r['held_inputs_peak_bytes'] / mib:.2f} | "
+                f"{r.get('prediction_stash_bytes', 0) / mib:.1f} | "
                 f"{r['tracked_bytes'] / mib:.1f} | {r['rss_growth_bytes'] / mib:.1f} | {r['max_in_flight']} |"
             )
     for key, ratio in payload["paci_over_flush"].items():
