@@ -43,6 +43,32 @@ def main() -> None:
                 print(f"| {name} | {s} | {n} | {lr:g} | 1% | " + "; ".join(cells) + f" | {med} |")
     print()
     print("flush:", "; ".join(f"N={n} lr={lr:g} s{seed}: {v:.4f}" for (n, lr, seed), v in sorted(flush.items())))
+    print()
+    print(time_to_accuracy_table("paci_default"))
+
+
+def time_to_accuracy_table(name: str) -> str:
+    """Simulated time to flush's targets at S=8 for run ``name`` (`paci_at_depth.time_to_accuracy`: the layer costs
+    measured with the run's file, a synchronous start's steps at flush's pace), against flush's runs of any file
+    (flush does not depend on S)."""
+    from benchmarks.paci_at_depth import time_to_accuracy
+
+    runs, flush, costs = [], {}, None
+    for path in sorted(RESULTS.glob("exp31_*.json")):
+        payload = json.loads(path.read_text())
+        for r in payload.get("runs") or []:
+            if r["run"] == "flush":
+                flush[(r["N"], r["lr"], r["seed"])] = r
+            elif r["run"] == name and r["S"] == 8:
+                runs.append(r)
+                costs = costs or payload.get("layer_costs")
+    rows = time_to_accuracy(runs + [{**flush[(r["N"], r["lr"], r["seed"])], "S": 8} for r in runs], costs or {})
+    lines = ["| S | N | lr | seed | run | throughput | to 80% | to 95% | to final |", "|" + "---|" * 9]
+    for r in rows:
+        cells = [f"{r[k]['ratio']:.2f}" if r[k]["ratio"] == r[k]["ratio"] else "never" for k in ("80%", "95%", "final")]
+        lines.append(f"| 8 | {r['N']} | {r['lr']:g} | {r['seed']} | {r['run']} | {r['throughput_ratio']:.2f} | "
+                     + " | ".join(cells) + " |")  # fmt: skip
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

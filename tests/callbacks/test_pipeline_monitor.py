@@ -197,7 +197,8 @@ def test_pipeline_run_logs_every_key_matches_simulator_and_draws_timeline(tmp_pa
     L.seed_everything(0)
     model = GPT(vocab_size=256, block_size=BLOCK, n_layer=4, n_head=4, n_embd=256, max_steps=100)
     logger = CSVLogger(tmp_path, name="paci")
-    strategy = PACIStrategy(pipeline_stages=2, schedule="paci", start_method="forkserver")
+    # PACI from the first step (no synchronous start): the monitor against the simulator's PACI.
+    strategy = PACIStrategy(pipeline_stages=2, schedule="paci", sync_start_steps=0, start_method="forkserver")
     monitor = PipelineMonitor(logging_interval=MICRO_BATCHES // N, timeline=True)
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, logger=logger, enable_checkpointing=False,

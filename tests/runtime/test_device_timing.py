@@ -266,7 +266,8 @@ def test_monitor_in_one_process_logs_and_draws_every_stage(tmp_path):
     logger = CSVLogger(tmp_path, name="local")
     monitor = PipelineMonitor(logging_interval=2, timeline=True)
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, strategy=PACIStrategy(pipeline_stages=2), max_steps=6, logger=logger,
+        accelerator="cpu", devices=1, strategy=PACIStrategy(pipeline_stages=2, sync_start_steps=0), max_steps=6,
+        logger=logger,
         accumulate_grad_batches=2, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, callbacks=[monitor],
     )  # fmt: skip

@@ -210,7 +210,10 @@ def _fit(tmp: Path, module: HFCausalLM, strategy, devices: int, epoch: int = 7) 
 
 
 def _pipeline(stages: int, schedule: str) -> PACIStrategy:
-    return PACIStrategy(pipeline_stages=stages, schedule=schedule, start_method="forkserver")
+    # PACI's defaults with AdamW (weight prediction, a synchronous start) with the start shortened to 2 steps: the
+    # switch from flush's order, a tied weight's PACI rule across it, in both hostings.
+    sync = {"sync_start_steps": 2} if schedule == "paci" else {}
+    return PACIStrategy(pipeline_stages=stages, schedule=schedule, start_method="forkserver", **sync)
 
 
 def _views(path: Path) -> dict:

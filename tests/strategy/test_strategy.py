@@ -92,7 +92,10 @@ def test_pipeline_times_data_parallel_equals_ddp():
 def test_paci_trains_on_real_text_with_drift_in_bound(tmp_path):
     model = _model()
     # balance="profile" times every layer on rank 0 and broadcasts the split: exercised here too.
-    strategy = PACIStrategy(pipeline_stages=2, schedule="paci", balance="profile", start_method="forkserver")
+    # A synchronous start of 4 of the 24 steps (the default's 40 would cover them all): flush's order, then PACI's.
+    strategy = PACIStrategy(
+        pipeline_stages=2, schedule="paci", balance="profile", sync_start_steps=4, start_method="forkserver"
+    )
     trainer = _trainer(
         strategy, 2, 24, callbacks=[ValHistory(), RecordStats(tmp_path)], limit_val_batches=4, val_check_interval=32
     )
