@@ -43,8 +43,8 @@ from lit_efficient.tools.fake_memory import (
     fake_module,
     measure_stages,
 )
-from lit_efficient.tools.memory_plan import MemoryPlan, StageMeasure, parse_bytes, plan_memory
-from lit_efficient.tools.window import advise_window, flush_bubble
+from lit_efficient.tools.memory_plan import MemoryPlan, StageMeasure, format_bytes, parse_bytes, plan_memory
+from lit_efficient.tools.window import WindowAdvice, advise_window, flush_bubble
 
 _GPU = ("gpu", "cuda")
 
@@ -242,7 +242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rest, device_memory=own.device_memory, shard_optimizer_state=own.shard_optimizer_state, replicas=own.replicas
     )
     if own.json:
-        window = advise_window(len(result.stages), result.accumulate).to_dict()
+        window = window_advice(result).to_dict()
         print(json.dumps({**result.to_dict(), "window": window}, indent=2))
     else:
         print(describe(result))
@@ -270,14 +270,41 @@ def describe(result: MemoryPlan) -> str:
 
 
 def window_text(result: MemoryPlan) -> str:
-    """The accumulation-window advice for the plan's layout (`lit_efficient.tools.window`)."""
-    advice = advise_window(len(result.stages), result.accumulate)
-    if result.schedule == "paci":
-        return advice.text()
-    bubble = flush_bubble(len(result.stages), result.accumulate)
-    return (
-        f"Accumulation window: 1F1B-flush has no drift; its bubble is {bubble:.0%} of each window at N="
-        f"{result.accumulate}. PACI has none; under it N={advice.recommended} would have drift bound 1."
+    """The accumulation-window advice for the plan's layout (`lit_efficient.tools.window`), with each candidate
+    cut of the same global batch: its micro-batch, drift bound, flush's bubble and estimated peak."""
+    advice = window_advice(result)
+    if result.schedule != "paci":
+        bubble = flush_bubble(len(result.stages), result.accumulate)
+        return (
+            f"Accumulation window: 1F1B-flush has no drift; its bubble is {bubble:.0%} of each window at N="
+            f"{result.accumulate}. PACI has none; under it N={advice.recommended} would have drift bound 1."
+        )
+    rows = ["N | micro-batch | drift bound | flush bubble | peak (estimate) | fits", "---|---|---|---|---|---"]
+    for c in advice.choices:
+        peak = "-" if c.peak is None else format_bytes(c.peak)
+        fits = "-" if c.fits is None else ("yes" if c.fits else "no")
+        mark = " (configured)" if c.accumulate == result.accumulate else ""
+        rows.append(
+            f"{c.accumulate}{mark} | {c.micro_batch} | {c.drift_bound} | {c.flush_bubble:.0%} | {peak} | {fits}"
+        )
+    note = (
+        "Peaks at other micro-batch sizes scale the activations and the transient linearly from the measured one "
+        "(plan again with that --data.batch_size for the exact figure)."
+    )
+    return "\n".join([advice.text(), "", *rows, "", note])
+
+
+def window_advice(result: MemoryPlan) -> WindowAdvice:
+    """`advise_window` for a plan: the global batch of its micro-batch and N, peaks scaled from the measured ones."""
+    shapes = result.context.get("micro_batch") or []
+    measured = shapes[0][0] if shapes and shapes[0] else None
+
+    def peak_at(size: int) -> int:
+        r = size / measured
+        return max(int(s.state + s.activations * r + s.transient * max(1.0, r)) for s in result.stages)
+
+    return advise_window(
+        len(result.stages), result.accumulate, measured, peak_at if measured else None, result.device_memory
     )
 
 

@@ -4,7 +4,6 @@ and the strategy's warning at setup, and the rule checked against the benchmark 
 from __future__ import annotations
 
 import json
-import statistics
 import warnings
 from pathlib import Path
 
@@ -20,46 +19,61 @@ REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "configs" / "quickstart.yaml"
 
 
-def test_the_smallest_window_with_drift_bound_one_is_recommended():
+def test_the_smallest_window_of_at_least_s_micro_batches_is_recommended():
     assert [drift_bound(8, n) for n in (4, 7, 8, 16)] == [2, 1, 1, 1]
     assert flush_bubble(8, 8) == pytest.approx(7 / 15)
     assert advise_window(8, 4).recommended == 8 and advise_window(8, 4).too_stale
     assert advise_window(8, 16).recommended == 8 and not advise_window(8, 16).too_stale
-    assert advise_window(8, 7).recommended == 7  # the configured N counts when it is the smallest with bound 1
-    assert advise_window(4, 8).recommended == 4 and advise_window(2, 4).recommended == 1
+    assert advise_window(8, 7).recommended == 8  # drift bound 1, but every forward of stage 0 stale: unmeasured
+    assert advise_window(4, 8).recommended == 4 and advise_window(2, 4).recommended == 2
     text = advise_window(8, 4).text()
-    assert "up to 2 optimizer steps behind" in text and "accumulate_grad_batches=8" in text
-    assert "N=8 also has drift bound 1 and takes 2x the optimizer steps per token" in advise_window(8, 16).text()
-    with pytest.raises(ValueError, match="accumulate=0 must be >= 1"):
+    assert "up to 2 optimizer steps behind" in text and "accumulate_grad_batches=8 (N >= S: drift bound 1)" in text
+    assert "micro-batch divided by 2 to keep the global batch" in text
+    assert "micro-batch multiplied by 2" in advise_window(8, 16).text()
+    with pytest.raises(ValueError, match="accumulate=0 and micro_batch=None must be >= 1"):
         advise_window(8, 0)
 
 
-def _finals(pattern: str, run: str) -> dict[tuple[int, int], float]:
-    """Median over seeds of the final validation loss of ``run`` per (S, N) at lr 2e-3 in the committed results."""
-    by: dict[tuple[int, int], list[float]] = {}
+def test_at_a_known_micro_batch_the_global_batch_is_kept_and_the_budget_counts():
+    """Global batch 64 at S=8: the cuts are the divisors of 64; the largest micro-batch that fits with N >= S."""
+    advice = advise_window(8, 4, micro_batch=16)
+    assert [c.accumulate for c in advice.choices] == [1, 2, 4, 8, 16, 32, 64]
+    assert [c.micro_batch for c in advice.choices] == [64, 32, 16, 8, 4, 2, 1]
+    assert advice.recommended == 8 and "accumulate_grad_batches=8 with micro-batch 8" in advice.text()
+    tight = advise_window(8, 4, micro_batch=16, peak_at=lambda b: 100 + 10 * b, device_memory=150)
+    assert tight.recommended == 16 and [c.fits for c in tight.choices][3:5] == [False, True]
+    none = advise_window(8, 4, micro_batch=16, peak_at=lambda b: 100 + 10 * b, device_memory=100)
+    assert none.recommended is None and "No window N >= S fits" in none.text()
+    small = advise_window(4, 2, micro_batch=1)
+    assert small.recommended is None and "fewer than S=4 micro-batches" in small.text()
+
+
+def _finals(pattern: str, run: str) -> dict[int, float]:
+    """Final validation loss of ``run`` per N in the committed results matching ``pattern``."""
+    out = {}
     for path in sorted((REPO / "benchmarks" / "results").glob(pattern)):
-        data = json.loads(path.read_text())
-        for r in data.get("runs", data):
-            if r["run"] == run and r["lr"] == 2e-3:
-                by.setdefault((r["S"], r["N"]), []).append(r["final_val_loss"])
-    return {k: statistics.median(v) for k, v in by.items()}
+        for r in json.loads(path.read_text())["runs"]:
+            if r["run"] == run:
+                out[r["N"]] = r["final_val_loss"]
+    return out
 
 
 def test_the_recommendation_picks_within_5_percent_of_the_best_window_on_the_grid():
-    """The grid (benchmarks/reports/paci-at-depth.md) at lr 2e-3, equal tokens, PACI with the first-step weight
-    prediction (the default's rule): per S, the recommended N's final loss against the best N's."""
-    finals = _finals("exp31_s*n*_lr2e-3_*.json", "paci+weight_prediction_first_step")
-    for stages in (4, 8):
-        measured = {n: loss for (s, n), loss in finals.items() if s == stages}
-        assert len(measured) >= 2, measured
-        pick = advise_window(stages, max(measured)).recommended
-        assert measured[pick] <= 1.05 * min(measured.values()), (stages, pick, measured)
+    """benchmarks/reports/exp31-staleness.md, "The window": S=8, global batch 64, lr 2e-3, 150 steps, cut as N=4, 8
+    and 16 (micro-batches 16, 8, 4): PACI's defaults' final loss at the recommended N against the best N's; flush
+    computes the same steps at every N (to float rounding)."""
+    paci, flush = _finals("window_b64_s8n*.json", "paci_default"), _finals("window_b64_s8n*.json", "flush")
+    assert sorted(paci) == sorted(flush) == [4, 8, 16]
+    assert max(flush.values()) <= 1.001 * min(flush.values())
+    pick = advise_window(8, 4, micro_batch=16).recommended
+    assert paci[pick] <= 1.05 * min(paci.values()), (pick, paci)
 
 
 def test_plan_prints_the_window_advice(capsys):
     assert plan_main(["--config", str(QUICKSTART), "--trainer.accumulate_grad_batches=1"]) == 0
     text = capsys.readouterr().out
-    assert "Accumulation window: N=1 with S=2" in text and "drift bound" in text
+    assert "Accumulation window: N=1 x micro-batch 16 (global batch 16) with S=2" in text and "drift bound" in text
+    assert "2 | 8 | 1 | 33% |" in text  # the candidates: N=2 cuts it into micro-batches of 8
     assert plan_main(["--config", str(QUICKSTART), "--json"]) == 0
     window = json.loads(capsys.readouterr().out)["window"]
     assert window["num_stages"] == 2 and window["accumulate"] == 4 and window["too_stale"] is False
