@@ -67,6 +67,7 @@ RUNS: dict[str, dict[str, Any]] = {  # name -> PACIStrategy's options (beyond S;
     },  # fmt: skip
     "paci+sync_start": {"schedule": "paci", **_PLAIN, "sync_start_steps": "auto"},
     "paci_default": {"schedule": "paci"},  # PACIStrategy(schedule="paci") as a user writes it
+    "paci_default_sync20": {"schedule": "paci", "sync_start_steps": 20},  # a synchronous start half as long
     "paci_recompute": {"schedule": "paci", **_PLAIN},
     "paci_recompute+weight_prediction": {"schedule": "paci", **_PLAIN, "staleness_correction": "weight_prediction"},
 }
