@@ -12,6 +12,7 @@ import statistics
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
+GRID_STEPS = 1200  # micro-batches per run of the grid (equal tokens for every N)
 
 
 def main() -> None:
@@ -22,6 +23,8 @@ def main() -> None:
         # other diagnosis files (perturb, oracle, subset) changed their runs and are not grid results.
         found = payload.get("runs") or ([payload["result"]] if path.name.startswith("exp31_diag_") else [])
         for r in found:
+            if r.get("steps", GRID_STEPS // r["N"]) * r["N"] != GRID_STEPS:
+                continue  # a longer run (exp31_default_long_*): its own file's numbers, not this table's
             runs[(r["S"], r["N"], r["lr"], r["seed"], r["run"])] = r["final_val_loss"]
     flush = {(n, lr, seed): v for (s, n, lr, seed, run), v in runs.items() if run == "flush"}
     lines = sorted({(s, n, lr) for (s, n, lr, seed, run) in runs if run != "flush"})
@@ -53,15 +56,18 @@ def time_to_accuracy_table(name: str) -> str:
     (flush does not depend on S)."""
     from benchmarks.paci_at_depth import time_to_accuracy
 
-    runs, flush, costs = [], {}, None
+    found, flush, costs = {}, {}, None
     for path in sorted(RESULTS.glob("exp31_*.json")):
         payload = json.loads(path.read_text())
         for r in payload.get("runs") or []:
+            if r["steps"] * r["N"] != GRID_STEPS:
+                continue
             if r["run"] == "flush":
                 flush[(r["N"], r["lr"], r["seed"])] = r
             elif r["run"] == name and r["S"] == 8:
-                runs.append(r)
+                found[(r["N"], r["lr"], r["seed"])] = r
                 costs = costs or payload.get("layer_costs")
+    runs = list(found.values())
     rows = time_to_accuracy(runs + [{**flush[(r["N"], r["lr"], r["seed"])], "S": 8} for r in runs], costs or {})
     lines = ["| S | N | lr | seed | run | throughput | to 80% | to 95% | to final |", "|" + "---|" * 9]
     for r in rows:
