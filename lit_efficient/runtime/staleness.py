@@ -190,7 +190,8 @@ class WeightPrediction(StalenessCorrection):
             for p in params:
                 step = steps[id(p)]
                 for piece, part in _pieces(p):
-                    piece.mul_(1 - c * step.decay).sub_(step(None, part), alpha=c)
+                    num, denom, scale = step.direction(part)
+                    piece.mul_(1 - c * step.decay).addcdiv_(num, denom, value=-c * scale)
         torch._C._autograd._unsafe_set_version_counter(tuple(params), versions)
         try:
             yield
@@ -199,7 +200,8 @@ class WeightPrediction(StalenessCorrection):
                 for p in params:
                     step = steps[id(p)]
                     for piece, part in _pieces(p):
-                        piece.add_(step(None, part), alpha=c).div_(1 - c * step.decay)
+                        num, denom, scale = step.direction(part)
+                        piece.addcdiv_(num, denom, value=c * scale).div_(1 - c * step.decay)
             torch._C._autograd._unsafe_set_version_counter(tuple(params), versions)
 
 
@@ -374,7 +376,7 @@ def predicted_steps(
             if not state:
                 if not first_step or g is None:
                     continue
-                state = {"step": 0.0, "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+                state = {"step": 0.0, "exp_avg": None, "exp_avg_sq": None}  # zero moments, never allocated
             beta1, beta2 = group["betas"]
             t = float(state["step"])
             out[id(p)] = _adam_step(
@@ -395,28 +397,55 @@ def predicted_steps(
 
 
 def _adam_step(
-    m: Tensor, v: Tensor, g: Tensor | None, weight: Tensor | None, lr: float, wd: float, b1: float, b2: float,
-    eps: float, t: float, decoupled: bool, accumulate: int | None = None,
+    m: Tensor | None, v: Tensor | None, g: Tensor | None, weight: Tensor | None, lr: float, wd: float, b1: float,
+    b2: float, eps: float, t: float, decoupled: bool, accumulate: int | None = None,
 ):  # fmt: skip
     # Evaluated parameter by parameter (forward_context), so the folded moments exist for one parameter at a time.
+    # m and v None: zero moments (the first step, before the optimizer has state); then g is not None.
+    def sliced(part: slice | None) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        if part is None:
+            return m, v, g
+        return tuple(None if x is None else x.reshape(-1)[part] for x in (m, v, g))  # type: ignore[return-value]
+
     def step(w: Tensor | None, part: slice | None = None) -> Tensor:
         """``lr * u`` at weights ``w``; None: without the decoupled decay term (``step.decay * w``). ``part``: of
         the flattened parameter's elements only (its temporaries are that part's size)."""
-        mt, vt, tt, gt = m, v, t, g
-        if part is not None:
-            mt, vt, gt = (None if x is None else x.reshape(-1)[part] for x in (m, v, g))
+        mt, vt, gt = sliced(part)
+        tt = t
         if gt is not None:
             mean = gt / weight
             if accumulate and t > 0:  # shrink a young window's mean towards the momentum (the expected gradient)
                 f = (weight / accumulate).clamp(max=1.0)
                 mean = f * mean + (1 - f) * (mt / (1 - b1**t))
-            mt, vt, tt = b1 * mt + (1 - b1) * mean, b2 * vt + (1 - b2) * mean * mean, t + 1
+            if mt is None:  # zero moments: b1 * 0 + ... adds nothing
+                mt, vt = (1 - b1) * mean, (1 - b2) * mean * mean
+            else:
+                mt, vt = b1 * mt + (1 - b1) * mean, b2 * vt + (1 - b2) * mean * mean
+            tt = t + 1
         u = (mt / (1 - b1**tt)) / ((vt / (1 - b2**tt)).sqrt() + eps)
         if wd and decoupled and w is not None:
             u = u + wd * w
         return lr * u
 
+    def direction(part: slice | None = None) -> tuple[Tensor, Tensor, float]:
+        """``(num, denom, scale)`` with ``scale * num / denom`` the step without its decay term, in fused operations
+        (lerp, addcdiv: about half the passes over memory of ``step``): what the in-place prediction applies and
+        undoes. The window's mean is not shrunk (``accumulate`` is for ``step`` only)."""
+        mt, vt, gt = sliced(part)
+        tt = t
+        if gt is not None:
+            mean = gt / weight
+            num = mean.mul(1 - b1) if mt is None else torch.lerp(mt, mean, 1 - b1)
+            square = mean.square_()
+            vt = square.mul_(1 - b2) if vt is None else torch.lerp(vt, square, 1 - b2)
+            tt = t + 1
+            denom = vt.div_(1 - b2**tt)
+        else:
+            num, denom = mt, vt.div(1 - b2**tt)  # type: ignore[union-attr]
+        return num, denom.sqrt_().add_(eps), lr / (1 - b1**tt)  # type: ignore[return-value]
+
     step.decay = lr * wd if decoupled else 0.0  # type: ignore[attr-defined]
+    step.direction = direction  # type: ignore[attr-defined]
     return step
 
 
