@@ -190,8 +190,8 @@ class PACIStrategy(DDPStrategy):
             step on the real weights; the prediction is undone by its exact inverse, so no copy of the weights
             is kept (``"weight_prediction_first_step_inplace"``); with any other optimizer, or a sharded optimizer
             state, off. Measured (BENCHMARKS.md, "PACI at depth"): plain PACI ends 13-21% above flush's loss at
-            S=8 N=8 lr 2e-3, the default within 1% (median of 3 seeds). None (or ``"none"``): plain PACI, the
-            rule of docs/DESIGN.md section 3. ``"lr_scale"`` scales each stale stage's learning rate by
+            S=8 N=8 lr 2e-3, the default with ``sync_start_steps`` below within 0.3% (3 seeds). None (or
+            ``"none"``): plain PACI, the rule of docs/DESIGN.md section 3. ``"lr_scale"`` scales each stale stage's learning rate by
             ``(1 + d_s) ** -(1 - min(1, k / staleness_anneal_steps))`` with d_s = ceil((S-1-s)/N) and k its step
             (PipeMare). ``"weight_prediction"`` predicts from the second step on (one weight-sized buffer per stage),
             ``"weight_prediction_first_step"`` is the default's rule with that buffer; the other names are the
@@ -203,8 +203,9 @@ class PACIStrategy(DDPStrategy):
             its bias correction (40 at beta2 = 0.95, 2,000 at torch's default 0.999), 0 with other optimizers.
             Early on Adam moves every weight by about lr a step and a run's outcome is set there: on the benchmark
             grid (BENCHMARKS.md, "PACI at depth") 40 synchronous steps took S=4 N=4 lr 2e-3 from +5.7% to +0.1% of
-            flush's loss and S=8 N=4 from +16% to +2.7%; 20 were not enough. Costs the flush bubble on K steps
-            (the setup log says what share of ``max_steps`` that is). 0: PACI from the first step.
+            flush's loss and S=8 N=4 from +16% to +2.7%; 20 were not enough; the start without the prediction
+            left 1.5-5%. Costs the flush bubble on K steps (the setup log says what share of ``max_steps`` that
+            is, and warns when it is a quarter or more). 0: PACI from the first step.
         fault_tolerance: None: a dead rank ends the job (torchrun restarts all of it from the last checkpoint).
             ``"torchft"``: replica groups on torchft (``pip install 'lit-efficient[fault-tolerance]'``): each
             group is one whole pipeline under its own launcher; a group whose rank dies restarts alone and
@@ -619,10 +620,17 @@ class PACIStrategy(DDPStrategy):
         if steps:
             total = trainer.max_steps
             share = f", {steps / total:.0%} of max_steps={total}" if total > 0 else ""
-            rank_zero_info(
+            text = (
                 f"PACIStrategy: the first {steps} optimizer steps run in 1F1B-flush order (sync_start_steps='auto': "
-                f"2 / (1 - beta2) of Adam's second moment{share}), then PACI. Set sync_start_steps to change it."
+                f"2 / (1 - beta2) of Adam's second moment{share}), then PACI."
             )
+            if total > 0 and steps >= total / 4:  # a short run: PACI's speed-up would apply to little of it
+                rank_zero_warn(
+                    f"{text} PACI is bubble-free only after it. A lower sync_start_steps trades it for staleness in "
+                    "Adam's first steps (on the benchmark grid 20 of 40 steps cost up to 10% of final loss at lr 2e-3)."
+                )
+            else:
+                rank_zero_info(f"{text} Set sync_start_steps to change it.")
         return steps
 
     def _end_sync_start(self) -> None:
