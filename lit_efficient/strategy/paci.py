@@ -191,8 +191,8 @@ class PACIStrategy(DDPStrategy):
             is kept (``"weight_prediction_first_step_inplace"``); with any other optimizer, or a sharded optimizer
             state, off. Measured (BENCHMARKS.md, "PACI at depth"): plain PACI ends 13-21% above flush's loss at
             S=8 N=8 lr 2e-3, the default with ``sync_start_steps`` below within 0.3% (3 seeds). None (or
-            ``"none"``): plain PACI, the rule of docs/DESIGN.md section 3. ``"lr_scale"`` scales each stale stage's learning rate by
-            ``(1 + d_s) ** -(1 - min(1, k / staleness_anneal_steps))`` with d_s = ceil((S-1-s)/N) and k its step
+            ``"none"``): plain PACI, the rule of docs/DESIGN.md section 3. ``"lr_scale"`` scales each stale
+            stage's learning rate by ``(1 + d_s) ** -(1 - min(1, k / staleness_anneal_steps))`` with d_s = ceil((S-1-s)/N) and k its step
             (PipeMare). ``"weight_prediction"`` predicts from the second step on (one weight-sized buffer per stage),
             ``"weight_prediction_first_step"`` is the default's rule with that buffer; the other names are the
             candidates measured in BENCHMARKS.md. See `lit_efficient.runtime.staleness`.
