@@ -192,10 +192,11 @@ class PACIStrategy(DDPStrategy):
             state, off. Measured (BENCHMARKS.md, "PACI at depth"): plain PACI ends 13-21% above flush's loss at
             S=8 N=8 lr 2e-3, the default with ``sync_start_steps`` below within 0.3% (3 seeds). None (or
             ``"none"``): plain PACI, the rule of docs/DESIGN.md section 3. ``"lr_scale"`` scales each stale
-            stage's learning rate by ``(1 + d_s) ** -(1 - min(1, k / staleness_anneal_steps))`` with d_s = ceil((S-1-s)/N) and k its step
-            (PipeMare). ``"weight_prediction"`` predicts from the second step on (one weight-sized buffer per stage),
-            ``"weight_prediction_first_step"`` is the default's rule with that buffer; the other names are the
-            candidates measured in BENCHMARKS.md. See `lit_efficient.runtime.staleness`.
+            stage's learning rate by ``(1 + d_s) ** -(1 - min(1, k / staleness_anneal_steps))`` with
+            d_s = ceil((S-1-s)/N) and k its step (PipeMare). ``"weight_prediction"`` predicts from the second step
+            on (one weight-sized buffer per stage), ``"weight_prediction_first_step"`` is the default's rule with
+            that buffer; the other names are the candidates measured in BENCHMARKS.md. See
+            `lit_efficient.runtime.staleness`.
         staleness_anneal_steps: Optimizer steps over which ``"lr_scale"`` returns to the plain learning rate.
         sync_start_steps: PACI only: the first K optimizer steps of a fit run in 1F1B-flush order (each window
             drained before the next: nothing stale, the flush bubble), then PACI. ``"auto"`` (default):
