@@ -47,14 +47,17 @@ def test_the_start_is_flush_bit_for_bit_then_paci():
     assert max_diff(longer, flush6) > 0.0
 
 
-def test_a_checkpoint_inside_the_start_resumes_exactly(tmp_path):
-    whole, _ = _fit(PACIStrategy(pipeline_stages=2, sync_start_steps=4), 6)
+@pytest.mark.parametrize("sync", [4, 2], ids=["inside the start", "after it"])
+def test_a_checkpoint_resumes_exactly_inside_the_start_and_after_it(tmp_path, sync):
+    """A step-3 checkpoint (an epoch's end) resumed to step 6 equals the uninterrupted run: with a 4-step start the
+    resumed run continues in flush's order to step 4, with a 2-step one it switches at its first batch."""
+    whole, _ = _fit(PACIStrategy(pipeline_stages=2, sync_start_steps=sync), 6)
     ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, filename="{step}")
-    _fit(PACIStrategy(pipeline_stages=2, sync_start_steps=4), 3, callbacks=[ckpt], enable_checkpointing=True)
+    _fit(PACIStrategy(pipeline_stages=2, sync_start_steps=sync), 3, callbacks=[ckpt], enable_checkpointing=True)
     resumed, seen = _fit(
-        PACIStrategy(pipeline_stages=2, sync_start_steps=4), 6, ckpt_path=str(tmp_path / "step=3.ckpt")
+        PACIStrategy(pipeline_stages=2, sync_start_steps=sync), 6, ckpt_path=str(tmp_path / "step=3.ckpt")
     )
-    assert seen.orders == ["paci", "paci"]
+    assert seen.orders == ["paci", "paci"] and seen.stats[0]["drift_max"] == 1
     assert max_diff(resumed, whole) == 0.0
 
 
