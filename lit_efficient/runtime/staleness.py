@@ -3,8 +3,14 @@
 Under PACI a micro-batch's forward on stage s may run on weights up to ceil((S-1-s)/N) optimizer
 steps older than those its gradient is applied to (schedules.py); the exact count for each
 micro-batch is known when its forward starts (the windows that close before its backward, which the
-runtime passes as ``pending_steps``). The corrections below use it; all are off by default, and with
-``1f1b_flush`` (no staleness) all are the identity.
+runtime passes as ``pending_steps``). The corrections below use it; with ``1f1b_flush`` (no staleness) all are
+the identity.
+
+The strategy's default (``staleness_correction="auto"``, `make_correction`) is `InPlaceFirstStepWeightPrediction`
+with Adam or AdamW (`predictable`) and nothing with other optimizers. It goes with the strategy's synchronous start
+(``sync_start_steps="auto"``: the first `adam_horizon` steps in 1F1B-flush order, while Adam's moments are young):
+together they ended within 0.3% of flush's loss on the benchmark grid, each alone 1.5-5% above it at lr 2e-3
+(benchmarks/reports/exp31-staleness.md).
 
 - `LRScale` (PipeMare's learning-rate rescheduling, Yang et al. 2021): stage s steps with its learning
   rate multiplied by ``(1 + d_s) ** -(1 - min(1, k / K))``, where ``d_s = ceil((S-1-s)/N)`` is its
@@ -33,7 +39,8 @@ runtime passes as ``pending_steps``). The corrections below use it; all are off 
   but the run is decided in its first ~20-45 steps: leaving the first step unpredicted sent S=8 N=8 lr
   2e-3 seed 0 to a plateau (+18.6% against flush), predicting it gave +2.9% (3 seeds: median +0.8%).
   `InPlaceFirstStepWeightPrediction`: the same without the weight-sized buffer (the prediction inverted
-  in place, equal up to rounding).
+  in place, equal up to rounding), in fused operations (``direction``: lerp and addcdiv, about half the passes
+  over memory of the stashing forms' ``step``).
 - Tried for issue 31 and not better (benchmarks/reports, exp31): `DampedWeightPrediction` (half the
   extrapolation), `ShrunkWeightPrediction` (a young window's mean shrunk towards the momentum),
   `MomentumLookAhead` (the last update, recomputed from Adam's moments: PipeNAG/SpecTrain) and
