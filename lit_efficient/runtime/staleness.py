@@ -9,8 +9,8 @@ the identity.
 The strategy's default (``staleness_correction="auto"``, `make_correction`) is `InPlaceFirstStepWeightPrediction`
 with Adam or AdamW (`predictable`) and nothing with other optimizers. It goes with the strategy's synchronous start
 (``sync_start_steps="auto"``: the first `adam_horizon` steps in 1F1B-flush order, while Adam's moments are young):
-together they ended within 0.3% of flush's loss on the benchmark grid, each alone 1.5-5% above it at lr 2e-3
-(benchmarks/reports/exp31-staleness.md).
+together they ended within 0.3% of flush's loss on the benchmark grid at lr 2e-3, where the prediction alone left
+runs up to 5.7% above it and the start alone up to 5.1% (benchmarks/reports/exp31-staleness.md).
 
 - `LRScale` (PipeMare's learning-rate rescheduling, Yang et al. 2021): stage s steps with its learning
   rate multiplied by ``(1 + d_s) ** -(1 - min(1, k / K))``, where ``d_s = ceil((S-1-s)/N)`` is its
