@@ -48,6 +48,62 @@ def main() -> None:
     print("flush:", "; ".join(f"N={n} lr={lr:g} s{seed}: {v:.4f}" for (n, lr, seed), v in sorted(flush.items())))
     print()
     print(time_to_accuracy_table("paci_default"))
+    print("wrote", plot_curves())
+
+
+def _grid_runs() -> tuple[dict[tuple, dict], dict[str, list[float]] | None]:
+    """The grid-length runs of every exp31 file by (S, N, lr, seed, run) (flush under S=8: it does not depend on S),
+    and the per-layer costs of the first file of PACI's defaults."""
+    runs, costs = {}, None
+    for path in sorted(RESULTS.glob("exp31_*.json")):
+        payload = json.loads(path.read_text())
+        for r in payload.get("runs") or []:
+            if r["steps"] * r["N"] == GRID_STEPS:
+                runs[(8 if r["run"] == "flush" else r["S"], r["N"], r["lr"], r["seed"], r["run"])] = r
+                if r["run"] == "paci_default":
+                    costs = costs or payload.get("layer_costs")
+    return runs, costs
+
+
+def plot_curves(seed: int = 0) -> Path:
+    """S=8 N=8, one column per learning rate: validation loss of flush, plain PACI and PACI's defaults against
+    training tokens (top) and against simulated time (bottom: steps x each schedule's simulated step time, a
+    synchronous start's steps at flush's)."""
+    from benchmarks.harness import PLOTS, pyplot, save_figure
+    from benchmarks.paci_at_depth import simulated_step_seconds
+
+    runs, costs = _grid_runs()
+    per_step = simulated_step_seconds(costs, 8, 8) if costs else {"1f1b_flush": 1.0, "paci": 1.0}
+    plt = pyplot()
+    lrs = (5e-4, 1e-3, 2e-3)
+    fig, axes = plt.subplots(2, len(lrs), figsize=(4.4 * len(lrs), 6.4), squeeze=False)
+    for col, lr in enumerate(lrs):
+        for name, style in (("flush", "k-"), ("paci", "r--"), ("paci_default", "b-")):
+            r = runs.get((8, 8, lr, seed, name))
+            if r is None:
+                continue
+            steps, losses = zip(*r["val"][1:], strict=True)
+            sync = r.get("sync_start_steps", 0)
+            pace = per_step["1f1b_flush"] if name == "flush" else per_step["paci"]
+            seconds = [
+                pace * s if name == "flush" else min(s, sync) * per_step["1f1b_flush"] + max(0, s - sync) * pace
+                for s in steps
+            ]
+            label = {"paci": "plain PACI", "paci_default": "PACI's defaults"}.get(name, name)
+            axes[0][col].plot([s * r["tokens_per_step"] / 1e3 for s in steps], losses, style, marker=".", label=label)
+            axes[1][col].plot(seconds, losses, style, marker=".", label=label)
+        axes[0][col].set_title(f"S=8, N=8, lr={lr:g}, seed {seed}", fontsize=9)
+        axes[0][col].set_xlabel("training tokens (thousands)")
+        axes[1][col].set_xlabel("simulated time (s, from measured per-layer costs)")
+        for ax in (axes[0][col], axes[1][col]):
+            ax.set_ylabel("validation loss")
+            ax.set_ylim(top=3.6)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+    fig.suptitle("PACI at S=8: flush, plain PACI and PACI's defaults (benchmarks/exp31_table.py)", fontsize=9)
+    path = PLOTS / "exp31_default_curves.png"
+    save_figure(fig, path, 100)
+    return path
 
 
 def time_to_accuracy_table(name: str) -> str:
