@@ -35,6 +35,7 @@ from typing import Any
 from torch import Tensor
 
 from lit_efficient.runtime.interpreter import PipelineRuntime
+from lit_efficient.runtime.schedules import ScheduleName
 from lit_efficient.runtime.stage import Payload, PipelineStage
 
 
@@ -98,6 +99,14 @@ class StageHost:
         for rt in self.runtimes:  # stage s's activations are in its mailbox before stage s+1 asks
             out = rt.evaluate(batch, index)
         return out
+
+    def switch_schedule(self, schedule: ScheduleName) -> None:
+        """Run ``schedule`` from the next feed on, on every hosted stage: drains first (closing the segment on every
+        transport, as a validation's drain does), so the next micro-batch starts the new schedule's stream. Every
+        rank must switch at the same micro-batch (PACIStrategy's synchronous start: between two windows)."""
+        self.drain()
+        for rt in self.runtimes:
+            rt.schedule = schedule
 
     def start_epoch(self) -> None:
         """Number micro-batches from 0 again on every stage."""

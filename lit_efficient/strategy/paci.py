@@ -520,8 +520,11 @@ class PACIStrategy(DDPStrategy):
         if fitting and not self.in_process:
             self._sigterm_pending = replace_sigterm_barrier(trainer, self.pipeline_stages, self._signal_group)
         accumulate = max(1, trainer.accumulate_grad_batches)
-        advice = advise_window(self.pipeline_stages, accumulate)
-        if fitting and self.schedule == "paci" and advice.too_stale:
+        if (
+            fitting
+            and self.schedule == "paci"
+            and (advice := advise_window(self.pipeline_stages, accumulate)).too_stale
+        ):
             rank_zero_warn(f"PACIStrategy: {advice.text()}")
         self.sync_start = self._resolve_sync_start(trainer, [part.lightning[0] for part in stages]) if fitting else 0
         self._in_sync_start = self.sync_start > 0
@@ -638,9 +641,7 @@ class PACIStrategy(DDPStrategy):
         """The synchronous start is over: every hosted stage runs PACI's order from the next micro-batch (called
         between windows, with nothing in flight; every rank at the same step)."""
         assert self.runtime is not None
-        self.runtime.drain()  # closes the flush segment on every transport, as a validation's drain does
-        for runtime in self.runtime.runtimes:
-            runtime.schedule = self.schedule
+        self.runtime.switch_schedule(self.schedule)
         self._in_sync_start = False
 
     def correction_for(self, stage: int, trainer: Trainer, optimizer: Any) -> StalenessCorrection | None:

@@ -24,22 +24,24 @@ warns at setup when PACI's configured N leaves stage 0 two or more steps behind.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from lit_efficient.runtime.partition import predicted_utilization
+from lit_efficient.runtime.staleness import delay_bound
 
 MAX_DRIFT = 1  # the drift bound the defaults hold within 0.3% of flush on the grid (module docstring)
 
 
 def drift_bound(num_stages: int, accumulate: int) -> int:
     """Optimizer steps stage 0's forwards can be behind their backwards under PACI: ``ceil((S-1)/N)``."""
-    return math.ceil((num_stages - 1) / accumulate)
+    return delay_bound("paci", 0, num_stages, accumulate)
 
 
 def flush_bubble(num_stages: int, accumulate: int) -> float:
     """Idle share of each 1F1B-flush window with balanced stages: ``(S-1)/(N+S-1)`` (PACI's is 0)."""
-    return (num_stages - 1) / (accumulate + num_stages - 1)
+    return 1.0 - predicted_utilization([1.0] * num_stages, accumulate, "1f1b_flush")
 
 
 @dataclass(frozen=True)
