@@ -53,6 +53,7 @@ around its optimizer step and `forward_context` around a forward.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from typing import Any, Literal, get_args
@@ -346,6 +347,21 @@ def adam_horizon(optimizer: Any) -> int:
     return math.ceil(2 / (1 - beta2) - 1e-9) if beta2 > 0 else 0
 
 
+# id of a device step tensor -> (a weak reference to it, its version, its value); the reference tells a reused id.
+_STEP_COUNTS: dict[int, tuple[weakref.ref, int, float]] = {}
+
+
+def step_count(step: Tensor | float) -> float:
+    """Adam's step count as a float, without a host sync per stale forward: a step kept on a device (fused or
+    capturable Adam) is read once per value, the in-place increment of each optimizer step bumping its version."""
+    if not isinstance(step, Tensor) or step.device.type == "cpu":
+        return float(step)
+    seen = _STEP_COUNTS.get(id(step))
+    if seen is None or seen[0]() is not step or seen[1] != step._version:
+        seen = _STEP_COUNTS[id(step)] = (weakref.ref(step), step._version, float(step))
+    return seen[2]
+
+
 def predicted_steps(
     optimizer: torch.optim.Optimizer, window_weight: Tensor | None = None, accumulate: int | None = None,
     first_step: bool = False,
@@ -385,7 +401,7 @@ def predicted_steps(
                     continue
                 state = {"step": 0.0, "exp_avg": None, "exp_avg_sq": None}  # zero moments, never allocated
             beta1, beta2 = group["betas"]
-            t = float(state["step"])
+            t = step_count(state["step"])
             out[id(p)] = _adam_step(
                 state["exp_avg"],
                 state["exp_avg_sq"],

@@ -269,3 +269,27 @@ def test_in_place_prediction_keeps_low_precision_weights_exact():
     with InPlaceFirstStepWeightPrediction().forward_context(list(layer.parameters()), opt, 1, torch.tensor(1.0)):
         moved = any(not torch.equal(p, r) for p, r in zip(layer.parameters(), real, strict=True))
     assert moved and all(torch.equal(p, r) for p, r in zip(layer.parameters(), real, strict=True))
+
+
+def test_step_count_reads_a_device_step_once_per_value(monkeypatch):
+    """A step tensor off the CPU (fused or capturable Adam) is read once per value: the prediction needs it at every
+    stale forward, and each read would be a host sync. Emulated on CPU by a tensor whose device
+    reports non-CPU and whose reads are counted."""
+    from lit_efficient.runtime import staleness
+
+    class DeviceStep(torch.Tensor):
+        reads = 0
+
+        @property
+        def device(self):  # type: ignore[override]
+            return torch.device("cuda", 0)
+
+        def __float__(self):
+            DeviceStep.reads += 1
+            return super().__float__()
+
+    step = torch.tensor(3.0).as_subclass(DeviceStep)
+    assert staleness.step_count(step) == staleness.step_count(step) == 3.0 and DeviceStep.reads == 1
+    step.add_(1.0)  # the optimizer's in-place increment bumps the version
+    assert staleness.step_count(step) == 4.0 and DeviceStep.reads == 2
+    assert staleness.step_count(torch.tensor(7.0)) == 7.0  # a CPU step: read directly
