@@ -12,7 +12,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lit_efficient import PACIStrategy
 from lit_efficient.models import GPT
 from lit_efficient.runtime.staleness import adam_horizon
-from tests.support.gpt_runs import gpt_model, gpt_trainer, max_diff, ordered_data
+from tests.support.gpt_runs import gpt_model, gpt_trainer, max_diff, ordered_data, text_data
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -27,13 +27,21 @@ class _Seen(Callback):
         self.sync_start = trainer.strategy.sync_start
 
 
-def _fit(strategy: PACIStrategy, steps: int, model: GPT | None = None, **kw) -> tuple[GPT, _Seen]:
+def _fit(strategy: PACIStrategy, steps: int, model: GPT | None = None, data=None, **kw) -> tuple[GPT, _Seen]:
     model = model or gpt_model()
     ckpt_path = kw.pop("ckpt_path", None)
     seen = _Seen()
     kw["callbacks"] = [*kw.get("callbacks", []), seen]
-    gpt_trainer(strategy, 1, steps, **kw).fit(model, datamodule=ordered_data(), ckpt_path=ckpt_path)
+    gpt_trainer(strategy, 1, steps, **kw).fit(model, datamodule=data or ordered_data(), ckpt_path=ckpt_path)
     return model, seen
+
+
+def test_with_the_default_loader_and_validation_the_start_is_flush_bit_for_bit():
+    """The defaults a user has: TextDataModule's shuffled loader, validation inside fit in the middle of a window."""
+    val = {"limit_val_batches": 2, "val_check_interval": 6, "num_sanity_val_steps": 1}
+    synced, _ = _fit(PACIStrategy(pipeline_stages=2, sync_start_steps=4), 4, data=text_data(), **val)
+    flush, _ = _fit(PACIStrategy(pipeline_stages=2, schedule="1f1b_flush"), 4, data=text_data(), **val)
+    assert max_diff(synced, gpt_model()) > 1e-3 and max_diff(synced, flush) == 0.0
 
 
 def test_the_start_is_flush_bit_for_bit_then_paci():
