@@ -68,6 +68,7 @@ RUNS: dict[str, dict[str, Any]] = {  # name -> PACIStrategy's options (beyond S;
     "paci+sync_start": {"schedule": "paci", **_PLAIN, "sync_start_steps": "auto"},
     "paci_default": {"schedule": "paci"},  # PACIStrategy(schedule="paci") as a user writes it
     "paci_default_sync20": {"schedule": "paci", "sync_start_steps": 20},  # a synchronous start half as long
+    "paci_default_sync40": {"schedule": "paci", "sync_start_steps": 40},  # "auto"'s 40 at any beta2
     "paci_recompute": {"schedule": "paci", **_PLAIN},
     "paci_recompute+weight_prediction": {"schedule": "paci", **_PLAIN, "staleness_correction": "weight_prediction"},
 }
@@ -80,7 +81,7 @@ def _model(config: dict[str, Any], lr: float, steps: int):
 
     return GPT(
         n_layer=config["layers"], n_head=config["heads"], n_embd=config["dim"], block_size=config["block"],
-        dropout=0.0, learning_rate=lr, weight_decay=0.1, betas=(0.9, 0.95),
+        dropout=0.0, learning_rate=lr, weight_decay=0.1, betas=(0.9, config.get("beta2", 0.95)),
         warmup_steps=max(1, round(config["warmup"] * steps)), max_steps=steps, min_lr_ratio=0.1,
     )  # fmt: skip
 
@@ -350,6 +351,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
     p.add_argument("--warmup", type=float, default=0.01, help="linear warmup, fraction of the run's steps")
+    p.add_argument("--beta2", type=float, default=0.95, help="AdamW's beta2 (torch's default: 0.999)")
     p.add_argument(
         "--report",
         nargs="+",
