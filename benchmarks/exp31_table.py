@@ -2,20 +2,46 @@
 candidate and grid line (flush does not depend on S: the in-process pipeline is bit-identical to flush's
 unsplit order, so one flush run per (N, lr, seed) serves every S), with the median over seeds where 3 ran.
 
-    python -m benchmarks.exp31_table
+    python -m benchmarks.exp31_table                  # the table, the time to accuracy, the curves
+    python -m benchmarks.exp31_table --measure-costs  # first, on a quiet machine: results/exp31_layer_costs.json
+
+The time to accuracy takes its per-layer costs (forward, backward and the default prediction's apply + undo) from
+results/exp31_layer_costs.json, measured in one quiet process, so that every row uses one set; without that file,
+from the first grid file of PACI's defaults (no prediction cost: those rows then leave it out, and say so).
 """
 
 from __future__ import annotations
 
 import json
 import statistics
+import sys
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
 GRID_STEPS = 1200  # micro-batches per run of the grid (equal tokens for every N)
+COSTS = RESULTS / "exp31_layer_costs.json"
+
+
+def measure_costs() -> Path:
+    """The grid model's per-layer forward, backward and prediction seconds on this machine (one thread)."""
+    import time
+
+    from benchmarks.harness import envelope, machine, write_json
+    from benchmarks.paci_at_depth import grid_line_config, layer_costs
+
+    config, start, before = grid_line_config(), time.perf_counter(), machine()
+    costs = layer_costs(config, repeats=21)
+    return write_json(COSTS.name, envelope("exp31_layer_costs", False, before, config, start, layer_costs=costs))
+
+
+def _costs(found: dict | None) -> dict | None:
+    return json.loads(COSTS.read_text())["layer_costs"] if COSTS.exists() else found
 
 
 def main() -> None:
+    if "--measure-costs" in sys.argv[1:]:
+        print("wrote", measure_costs())
+        return
     runs = {}
     for path in sorted(RESULTS.glob("exp31_*.json")):
         payload = json.loads(path.read_text())
@@ -62,7 +88,7 @@ def _grid_runs() -> tuple[dict[tuple, dict], dict[str, list[float]] | None]:
                 runs[(8 if r["run"] == "flush" else r["S"], r["N"], r["lr"], r["seed"], r["run"])] = r
                 if r["run"] == "paci_default":
                     costs = costs or payload.get("layer_costs")
-    return runs, costs
+    return runs, _costs(costs)
 
 
 def plot_curves(seed: int = 0) -> Path:
@@ -70,10 +96,11 @@ def plot_curves(seed: int = 0) -> Path:
     training tokens (top) and against simulated time (bottom: steps x each schedule's simulated step time, a
     synchronous start's steps at flush's)."""
     from benchmarks.harness import PLOTS, pyplot, save_figure
-    from benchmarks.paci_at_depth import simulated_step_seconds
+    from benchmarks.paci_at_depth import predicts, simulated_step_seconds
 
     runs, costs = _grid_runs()
-    per_step = simulated_step_seconds(costs, 8, 8) if costs else {"1f1b_flush": 1.0, "paci": 1.0}
+    plain = simulated_step_seconds(costs, 8, 8) if costs else {"1f1b_flush": 1.0, "paci": 1.0}
+    predicted = simulated_step_seconds(costs, 8, 8, prediction=True) if costs and "predict" in costs else plain
     plt = pyplot()
     lrs = (5e-4, 1e-3, 2e-3)
     fig, axes = plt.subplots(2, len(lrs), figsize=(4.4 * len(lrs), 6.4), squeeze=False)
@@ -84,6 +111,7 @@ def plot_curves(seed: int = 0) -> Path:
                 continue
             steps, losses = zip(*r["val"][1:], strict=True)
             sync = r.get("sync_start_steps", 0)
+            per_step = predicted if predicts(name) else plain
             pace = per_step["1f1b_flush"] if name == "flush" else per_step["paci"]
             seconds = [
                 pace * s if name == "flush" else min(s, sync) * per_step["1f1b_flush"] + max(0, s - sync) * pace
@@ -124,12 +152,15 @@ def time_to_accuracy_table(name: str) -> str:
                 found[(r["N"], r["lr"], r["seed"])] = r
                 costs = costs or payload.get("layer_costs")
     runs = list(found.values())
+    costs = _costs(costs)
     rows = time_to_accuracy(runs + [{**flush[(r["N"], r["lr"], r["seed"])], "S": 8} for r in runs], costs or {})
     lines = ["| S | N | lr | seed | run | throughput | to 80% | to 95% | to final |", "|" + "---|" * 9]
     for r in rows:
         cells = [f"{r[k]['ratio']:.2f}" if r[k]["ratio"] == r[k]["ratio"] else "never" for k in ("80%", "95%", "final")]
         lines.append(f"| 8 | {r['N']} | {r['lr']:g} | {r['seed']} | {r['run']} | {r['throughput_ratio']:.2f} | "
                      + " | ".join(cells) + " |")  # fmt: skip
+    costed = all(r["prediction_costed"] for r in rows)
+    lines.append(f"(the prediction's apply + undo {'included in' if costed else 'NOT included in'} PACI's step time)")
     return "\n".join(lines)
 
 

@@ -156,7 +156,8 @@ def _worker(job: tuple[dict[str, Any], int, int, float, int, str]) -> dict[str, 
 
 
 def layer_costs(config: dict[str, Any], repeats: int = 5) -> dict[str, list[float]]:
-    """Forward and backward seconds of every pipeline layer on one micro-batch of the benchmark's size."""
+    """Forward and backward seconds of every pipeline layer on one micro-batch of the benchmark's size, and
+    ``predict``: one apply + undo of PACI's default prediction on the layer's weights (`prediction_seconds`)."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = _model(config, 1e-3, 100)
@@ -177,11 +178,68 @@ def layer_costs(config: dict[str, Any], repeats: int = 5) -> dict[str, list[floa
         forward.append(statistics.median(f_times[1:]))
         backward.append(statistics.median(b_times[1:]))
         inputs = (out.detach(),)
-    return {"forward": forward, "backward": backward}
+    predict = [prediction_seconds(list(layer.parameters()), config, repeats) for layer in model.pipeline_layers()]
+    return {"forward": forward, "backward": backward, "predict": predict}
 
 
-def simulated_step_seconds(costs: dict[str, list[float]], stages: int, accumulate: int) -> dict[str, float]:
-    """Steady-state seconds per optimizer step of each schedule, from per-layer costs (uniform split)."""
+def prediction_seconds(params: list[torch.nn.Parameter], config: dict[str, Any], repeats: int = 5) -> float:
+    """Seconds of one stale forward's prediction around an empty forward (apply, then undo) on ``params``: PACI's
+    default (`InPlaceFirstStepWeightPrediction`) with AdamW state and a window's gradient, as at a stale forward."""
+    from lit_efficient.runtime.staleness import InPlaceFirstStepWeightPrediction
+
+    if not params:
+        return 0.0
+    optimizer = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, config.get("beta2", 0.95)), weight_decay=0.1)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer.step()  # moments exist, as after the first window
+    correction, weight, times = InPlaceFirstStepWeightPrediction(), torch.tensor(3.0), []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        with correction.forward_context(params, optimizer, 1, window_weight=weight):
+            pass
+        times.append(time.perf_counter() - t0)
+    for p in params:
+        p.grad = None
+    return statistics.median(times[1:])
+
+
+def stale_forward_share(stages: int, accumulate: int) -> list[float]:
+    """Per stage, the steady-state share of PACI's forwards that a step of the stage separates from their backward
+    (the forwards a weight prediction runs on: (S-1-s)/N once N >= S-1), counted on the schedule's action streams:
+    32 windows against 16, so the fill and the drain cancel."""
+    from lit_efficient.tools.simulate import stage_actions
+
+    def stale(stage: int, windows: int) -> int:
+        steps, seen, count = 0, {}, 0
+        for action in stage_actions("paci", stage, stages, accumulate, 0, windows * accumulate, True):
+            if action.kind == "F":
+                seen[action.index] = steps
+            elif action.kind == "B":
+                count += steps > seen[action.index]
+            elif action.kind == "STEP":
+                steps += 1
+        return count
+
+    return [(stale(s, 32) - stale(s, 16)) / (16 * accumulate) for s in range(stages)]
+
+
+def predicts(name: str) -> bool:
+    """Whether run ``name`` (AdamW) runs a weight prediction at its stale forwards: its correction is "auto" (the
+    default) or one of the weight_prediction candidates."""
+    options = RUNS.get(name, {})
+    correction = options.get("staleness_correction", "auto")
+    if options.get("schedule") != "paci" or correction is None:
+        return False
+    return correction == "auto" or "weight_prediction" in correction
+
+
+def simulated_step_seconds(
+    costs: dict[str, list[float]], stages: int, accumulate: int, prediction: bool = False
+) -> dict[str, float]:
+    """Steady-state seconds per optimizer step of each schedule, from per-layer costs (uniform split). ``prediction``:
+    PACI's stale forwards also pay the measured apply + undo of the weight prediction (``costs["predict"]``, spread
+    over each stage's forwards by `stale_forward_share`); flush has no stale forward."""
     from lit_efficient.runtime.partition import partition_uniform, stage_bounds
     from lit_efficient.tools.simulate import simulate
 
@@ -190,8 +248,15 @@ def simulated_step_seconds(costs: dict[str, list[float]], stages: int, accumulat
     bwd = [sum(costs["backward"][lo:hi]) for lo, hi in bounds]
     out = {}
     for schedule in ("1f1b_flush", "paci"):
-        short = simulate(schedule, stages, accumulate, 8 * accumulate, fwd, bwd).makespan
-        long = simulate(schedule, stages, accumulate, 16 * accumulate, fwd, bwd).makespan
+        forward = fwd
+        if schedule == "paci" and prediction:
+            if "predict" not in costs:
+                raise ValueError("these layer costs have no 'predict' times: measure them again (layer_costs)")
+            shares = stale_forward_share(stages, accumulate)
+            extra = [share * sum(costs["predict"][lo:hi]) for share, (lo, hi) in zip(shares, bounds, strict=True)]
+            forward = [f + e for f, e in zip(fwd, extra, strict=True)]
+        short = simulate(schedule, stages, accumulate, 8 * accumulate, forward, bwd).makespan
+        long = simulate(schedule, stages, accumulate, 16 * accumulate, forward, bwd).makespan
         out[schedule] = (long - short) / 8
     return out
 
@@ -213,7 +278,8 @@ def time_to_accuracy(runs: list[dict[str, Any]], costs: dict[str, list[float]]) 
     for (stages, accumulate, lr, seed), by_name in sorted(groups.items()):
         if stages != 8 or "flush" not in by_name:
             continue
-        per_step = simulated_step_seconds(costs, stages, accumulate)
+        plain = simulated_step_seconds(costs, stages, accumulate)
+        predicted = simulated_step_seconds(costs, stages, accumulate, prediction=True) if "predict" in costs else None
         flush = by_name["flush"]["val"]
         initial, final = flush[0][1], flush[-1][1]
         targets = {"80%": initial - 0.8 * (initial - final), "95%": initial - 0.95 * (initial - final), "final": final}
@@ -222,12 +288,15 @@ def time_to_accuracy(runs: list[dict[str, Any]], costs: dict[str, list[float]]) 
                 continue
             row = {"S": stages, "N": accumulate, "lr": lr, "seed": seed, "run": name, "paper": PAPER.get(accumulate)}
             sync = run.get("sync_start_steps", 0)  # its first steps run in flush's order, at flush's pace
+            # A weight prediction's apply + undo at each stale forward is PACI's time too (older cost files lack it).
+            per_step = predicted if predicts(name) and predicted is not None else plain
             for label, target in targets.items():
                 t_flush = steps_to(flush, target) * per_step["1f1b_flush"]
                 steps = steps_to(run["val"], target)
                 t_paci = min(steps, sync) * per_step["1f1b_flush"] + max(0.0, steps - sync) * per_step["paci"]
                 row[label] = {"target": target, "flush_s": t_flush, "paci_s": t_paci, "ratio": t_flush / t_paci}
             row["throughput_ratio"] = per_step["1f1b_flush"] / per_step["paci"]
+            row["prediction_costed"] = per_step is predicted
             rows.append(row)
     return rows
 

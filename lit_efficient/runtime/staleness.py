@@ -39,8 +39,8 @@ runs up to 5.7% above it and the start alone up to 5.1% (benchmarks/reports/exp3
   but the run is decided in its first ~20-45 steps: leaving the first step unpredicted sent S=8 N=8 lr
   2e-3 seed 0 to a plateau (+18.6% against flush), predicting it gave +2.9% (3 seeds: median +0.8%).
   `InPlaceFirstStepWeightPrediction`: the same without the weight-sized buffer (the prediction inverted
-  in place, equal up to rounding), in fused operations (``direction``: lerp and addcdiv, about half the passes
-  over memory of the stashing forms' ``step``).
+  in place, equal up to rounding), in fused multi-tensor operations (`_direction`: lerp and addcdiv, about
+  half the passes over memory of the stashing forms' ``step``, a bounded number of operators per stage).
 - Tried for issue 31 and not better (benchmarks/reports, exp31): `DampedWeightPrediction` (half the
   extrapolation), `ShrunkWeightPrediction` (a young window's mean shrunk towards the momentum),
   `MomentumLookAhead` (the last update, recomputed from Adam's moments: PipeNAG/SpecTrain) and
@@ -61,7 +61,12 @@ from typing import Any, Literal, get_args
 import torch
 from torch import Tensor, nn
 
-_CHUNK = 1 << 16  # elements per update evaluation of the in-place prediction (bounds its temporaries)
+# The in-place prediction evaluates the update over batches of parameter pieces in multi-tensor (foreach) operations:
+# one batch holds at least _CHUNK elements and at most 1/_BATCHES of the stage's, so its temporaries (three of a
+# batch's size) stay a small fraction of the weights, and a stage costs ~_BATCHES x 9 kernels per apply or undo
+# rather than a handful of kernels (or Python operations) per parameter and per 65,536 elements.
+_CHUNK = 1 << 16
+_BATCHES = 16
 
 CorrectionName = Literal[
     "auto",
@@ -190,38 +195,57 @@ class WeightPrediction(StalenessCorrection):
     @contextmanager
     def _in_place(params: list[nn.Parameter], steps: dict[int, Any], c: float) -> Iterator[None]:
         """``w -> w (1 - c k) - c D`` (D: the step without its decay term ``k w``) and back by the inverse
-        ``w = (w' + c D) / (1 - c k)``, D evaluated again on the same moments and gradient, ``_CHUNK`` elements
-        at a time: temporaries of a chunk's size instead of a copy of the stage's weights; the restored weights
-        equal the real ones up to rounding (a few ulp per stale forward)."""
+        ``w = (w' + c D) / (1 - c k)``, D evaluated again on the same moments and gradient, a batch of pieces at
+        a time (`_batches`): temporaries of a batch's size instead of a copy of the stage's weights; the restored
+        weights equal the real ones up to rounding (a few ulp per stale forward)."""
+        batches = _batches(params, steps)
         versions = tuple(p._version for p in params)
         with torch.no_grad():
-            for p in params:
-                step = steps[id(p)]
-                for piece, part in _pieces(p):
-                    num, denom, scale = step.direction(part)
-                    piece.mul_(1 - c * step.decay).addcdiv_(num, denom, value=-c * scale)
+            for pieces, items in batches:
+                num, denom, scale = _direction(items)
+                torch._foreach_mul_(pieces, 1 - c * items[0][0].decay)
+                torch._foreach_addcdiv_(pieces, num, denom, value=-c * scale)
         torch._C._autograd._unsafe_set_version_counter(tuple(params), versions)
         try:
             yield
         finally:
             with torch.no_grad():
-                for p in params:
-                    step = steps[id(p)]
-                    for piece, part in _pieces(p):
-                        num, denom, scale = step.direction(part)
-                        piece.addcdiv_(num, denom, value=c * scale).div_(1 - c * step.decay)
+                for pieces, items in batches:
+                    num, denom, scale = _direction(items)
+                    torch._foreach_addcdiv_(pieces, num, denom, value=c * scale)
+                    torch._foreach_div_(pieces, 1 - c * items[0][0].decay)
             torch._C._autograd._unsafe_set_version_counter(tuple(params), versions)
 
 
-def _pieces(p: Tensor) -> Iterator[tuple[Tensor, slice | None]]:
-    """A parameter as views of ``_CHUNK`` of its flattened elements (the whole of it if not contiguous)."""
+def _pieces(p: Tensor, size: int = _CHUNK) -> Iterator[tuple[Tensor, slice | None]]:
+    """A parameter as views of ``size`` of its flattened elements (the whole of it if not contiguous)."""
     if not p.is_contiguous():
         yield p, None
         return
     flat = p.view(-1)
-    for start in range(0, flat.numel(), _CHUNK):
-        part = slice(start, start + _CHUNK)
+    for start in range(0, flat.numel(), size):
+        part = slice(start, start + size)
         yield flat[part], part
+
+
+def _batches(params: list[nn.Parameter], steps: dict[int, Any]) -> list[tuple[list[Tensor], list[tuple[Any, Any]]]]:
+    """The stage's weights as batches for `_direction`: ``(pieces, [(step, part), ...])``, each of one update key
+    (the same hyper-parameters, step count and kind of moments) and at most ``max(_CHUNK, 1/_BATCHES of the stage's
+    elements)`` elements, a larger parameter cut into pieces of that size."""
+    budget = max(_CHUNK, math.ceil(sum(p.numel() for p in params) / _BATCHES))
+    done: list[tuple[list[Tensor], list[tuple[Any, Any]]]] = []
+    filling: dict[tuple, tuple[list[Tensor], list[tuple[Any, Any]], list[int]]] = {}
+    for p in params:
+        step = steps[id(p)]
+        for piece, part in _pieces(p, budget):
+            pieces, items, size = filling.setdefault(step.key, ([], [], [0]))
+            if pieces and size[0] + piece.numel() > budget:
+                done.append((pieces, items))
+                pieces, items, size = filling[step.key] = ([], [], [0])
+            pieces.append(piece)
+            items.append((step, part))
+            size[0] += piece.numel()
+    return done + [(pieces, items) for pieces, items, _ in filling.values() if pieces]
 
 
 class FirstStepWeightPrediction(WeightPrediction):
@@ -244,9 +268,11 @@ class InPlaceFirstStepWeightPrediction(WeightPrediction):
     """`FirstStepWeightPrediction` without the weight-sized buffer: the prediction ``w -> w (1 - c k) - c D``
     is undone by its inverse ``(w' + c D) / (1 - c k)`` with ``D`` evaluated again (see ``_in_place``).
 
-    Memory: the temporaries of ``_CHUNK`` elements (the folded moments and D, about 6 x 256 KB in fp32), no
-    copy of the stage's weights. Time: two
-    update evaluations per stale forward instead of one evaluation and two copies. The restored weights
+    Memory: the temporaries of one batch of pieces (`_batches`: three of at most max(65,536, 1/16 of the stage's)
+    elements, so at most 3/16 of the stage's weights, for the length of the apply or of the undo), no copy of the
+    stage's weights. Time: two update evaluations per stale forward instead of one evaluation and two copies, in
+    multi-tensor operations: about 2 x 9 per batch, ~380 operator calls (GPU kernels) for a stage of three GPT-2
+    Medium blocks where a loop over parameters and 65,536-element chunks ran ~10,800. The restored weights
     equal the real ones up to rounding (a few ulp per stale forward), so a run is not bit-identical to
     `FirstStepWeightPrediction`'s; Adam amplifies such differences in near-zero gradients.
     """
@@ -450,26 +476,39 @@ def _adam_step(
             u = u + wd * w
         return lr * u
 
-    def direction(part: slice | None = None) -> tuple[Tensor, Tensor, float]:
-        """``(num, denom, scale)`` with ``scale * num / denom`` the step without its decay term, in fused operations
-        (lerp, addcdiv: about half the passes over memory of ``step``): what the in-place prediction applies and
-        undoes. The window's mean is not shrunk (``accumulate`` is for ``step`` only)."""
-        mt, vt, gt = sliced(part)
-        tt = t
-        if gt is not None:
-            mean = gt / weight
-            num = mean.mul(1 - b1) if mt is None else torch.lerp(mt, mean, 1 - b1)
-            square = mean.square_()
-            vt = square.mul_(1 - b2) if vt is None else torch.lerp(vt, square, 1 - b2)
-            tt = t + 1
-            denom = vt.div_(1 - b2**tt)
-        else:
-            num, denom = mt, vt.div(1 - b2**tt)  # type: ignore[union-attr]
-        return num, denom.sqrt_().add_(eps), lr / (1 - b1**tt)  # type: ignore[return-value]
-
     step.decay = lr * wd if decoupled else 0.0  # type: ignore[attr-defined]
-    step.direction = direction  # type: ignore[attr-defined]
+    # What `_direction` batches pieces of parameters by: pieces with one key share every scalar of the update.
+    step.key = (lr, step.decay, b1, b2, eps, t, m is None, g is None)  # type: ignore[attr-defined]
+    step.sliced = sliced  # type: ignore[attr-defined]
+    step.weight = weight  # type: ignore[attr-defined]
     return step
+
+
+def _direction(items: list[tuple[Any, slice | None]]) -> tuple[list[Tensor], list[Tensor], float]:
+    """``(nums, denoms, scale)`` of a batch of parameter pieces of one update key (`_batches`), with ``scale * num /
+    denom`` each piece's step without its decay term: what the in-place prediction applies and undoes, in fused
+    multi-tensor operations (lerp, addcdiv: about half the passes over memory of ``step``, and a handful of kernels
+    per batch). The window's mean is not shrunk (``accumulate`` is for ``step`` only)."""
+    first = items[0][0]
+    lr, _, b1, b2, eps, t, _, _ = first.key
+    ms, vs, gs = (list(x) for x in zip(*(step.sliced(part) for step, part in items), strict=True))
+    tt = t
+    if gs[0] is not None:
+        mean = torch._foreach_div(gs, first.weight)
+        num = torch._foreach_mul(mean, 1 - b1) if ms[0] is None else torch._foreach_lerp(ms, mean, 1 - b1)
+        torch._foreach_mul_(mean, mean)
+        if vs[0] is None:
+            torch._foreach_mul_(mean, 1 - b2)
+            denom = mean
+        else:
+            denom = torch._foreach_lerp(vs, mean, 1 - b2)
+        tt = t + 1
+        torch._foreach_div_(denom, 1 - b2**tt)
+    else:
+        num, denom = ms, torch._foreach_div(vs, 1 - b2**tt)
+    torch._foreach_sqrt_(denom)
+    torch._foreach_add_(denom, eps)
+    return num, denom, lr / (1 - b1**tt)
 
 
 def make_correction(
