@@ -200,8 +200,8 @@ class PACIStrategy(DDPStrategy):
         staleness_anneal_steps: Optimizer steps over which ``"lr_scale"`` returns to the plain learning rate.
         sync_start_steps: PACI only: the first K optimizer steps of a fit run in 1F1B-flush order (each window
             drained before the next: nothing stale, the flush bubble), then PACI. ``"auto"`` (default):
-            ``ceil(2 / (1 - beta2))`` of the stages' Adam or AdamW, the steps its second moment needs to pass 86% of
-            its bias correction (40 at beta2 = 0.95, 2,000 at torch's default 0.999), 0 with other optimizers.
+            ``ceil(min(2 / (1 - beta2), 40))`` of the stages' Adam or AdamW, the steps while its moments average
+            few gradients (40 at beta2 = 0.95 and at torch's default 0.999, 20 at 0.9), 0 with other optimizers.
             Early on Adam moves every weight by about lr a step and a run's outcome is set there: on the benchmark
             grid (BENCHMARKS.md, "PACI at depth") 40 synchronous steps took S=4 N=4 lr 2e-3 from +5.7% to +0.1% of
             flush's loss and S=8 N=4 from +16% to +2.7%; 20 were not enough; the start without the prediction
@@ -609,7 +609,7 @@ class PACIStrategy(DDPStrategy):
         return _BuiltStage(stage, (optimizer, configs, epoch_wise, tied, averager))
 
     def _resolve_sync_start(self, trainer: Trainer, optimizers: list[Any]) -> int:
-        """Optimizer steps of this fit's synchronous start: ``sync_start_steps``, or for ``"auto"`` 2 / (1 - beta2)
+        """Optimizer steps of this fit's synchronous start: ``sync_start_steps``, or for ``"auto"`` `adam_horizon`
         of the hosted stages' Adam/AdamW (the largest; every rank agrees on the largest of all), 0 otherwise."""
         if self.schedule != "paci":
             return 0
@@ -626,7 +626,7 @@ class PACIStrategy(DDPStrategy):
             share = f", {steps / total:.0%} of max_steps={total}" if total > 0 else ""
             text = (
                 f"PACIStrategy: the first {steps} optimizer steps run in 1F1B-flush order (sync_start_steps='auto': "
-                f"2 / (1 - beta2) of Adam's second moment{share}), then PACI."
+                f"the steps while Adam's moments are young{share}), then PACI."
             )
             if total > 0 and steps >= total / 4:  # a short run: PACI's speed-up would apply to little of it
                 rank_zero_warn(
