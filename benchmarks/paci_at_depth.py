@@ -301,34 +301,47 @@ def time_to_accuracy(runs: list[dict[str, Any]], costs: dict[str, list[float]]) 
     return rows
 
 
-def in_process_cost(config: dict[str, Any], stages: int, accumulate: int, steps: int) -> dict[str, Any]:
-    """Steps/s of the in-process S-stage pipeline against the unsplit model on one device, one run each."""
+def in_process_cost(
+    config: dict[str, Any], stages: int, accumulate: int, steps: int, rounds: int = 1
+) -> dict[str, Any]:  # fmt: skip
+    """Steps/s of the in-process S-stage pipeline against the unsplit model on one device, and of the pipeline
+    with the default's weight prediction against plain PACI: ``rounds`` rounds of one run each, in one process,
+    the ratios the medians of each round's (this VM's speed drifts by 1.5x between minutes: a ratio of runs far
+    apart in time measures the drift). Wall time and the process's CPU time both."""
     import lightning as L
 
     from lit_efficient import PACIStrategy
 
     torch.set_num_threads(1)
-    out = {}
-    # The default's prediction without its synchronous start (whose flush steps are the schedule's, not its cost).
-    predicted = PACIStrategy(pipeline_stages=stages, sync_start_steps=0)
-    runs = (
-        ("unsplit", "auto"),
-        (f"in-process S={stages}", PACIStrategy(pipeline_stages=stages, **_PLAIN)),
-        (f"in-process S={stages} weight_prediction", predicted),
-    )
-    for name, strategy in runs:
-        L.seed_everything(0, verbose=False)
-        model = _model(config, 1e-3, steps)
-        trainer = L.Trainer(
-            accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, accumulate_grad_batches=accumulate,
-            logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            limit_val_batches=0, num_sanity_val_steps=0,
-        )  # fmt: skip
-        start = time.perf_counter()
-        trainer.fit(model, datamodule=_datamodule(config, 0))
-        out[name] = steps / (time.perf_counter() - start)
-    out["ratio"] = out[f"in-process S={stages}"] / out["unsplit"]
-    out["weight_prediction_ratio"] = out[f"in-process S={stages} weight_prediction"] / out[f"in-process S={stages}"]
+    names = ("unsplit", f"in-process S={stages}", f"in-process S={stages} weight_prediction")
+    wall: dict[str, list[float]] = {n: [] for n in names}
+    cpu: dict[str, list[float]] = {n: [] for n in names}
+    for _ in range(rounds):
+        # The default's prediction without its synchronous start (whose flush steps are the schedule's, not its cost).
+        strategies = ("auto", PACIStrategy(pipeline_stages=stages, **_PLAIN), PACIStrategy(pipeline_stages=stages,
+                      sync_start_steps=0))  # fmt: skip
+        for name, strategy in zip(names, strategies, strict=True):
+            L.seed_everything(0, verbose=False)
+            model = _model(config, 1e-3, steps)
+            trainer = L.Trainer(
+                accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, accumulate_grad_batches=accumulate,
+                logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                limit_val_batches=0, num_sanity_val_steps=0,
+            )  # fmt: skip
+            start, start_cpu = time.perf_counter(), time.process_time()
+            trainer.fit(model, datamodule=_datamodule(config, 0))
+            wall[name].append(steps / (time.perf_counter() - start))
+            cpu[name].append(steps / (time.process_time() - start_cpu))
+
+    def ratio(rates: dict[str, list[float]], a: str, b: str) -> float:
+        return statistics.median(x / y for x, y in zip(rates[a], rates[b], strict=True))
+
+    out: dict[str, Any] = {n: statistics.median(wall[n]) for n in names}
+    out["ratio"] = ratio(wall, names[1], names[0])
+    out["weight_prediction_ratio"] = ratio(wall, names[2], names[1])
+    out["weight_prediction_ratio_cpu"] = ratio(cpu, names[2], names[1])
+    out["rounds"] = rounds
+    out["weight_prediction_ratios"] = [x / y for x, y in zip(wall[names[2]], wall[names[1]], strict=True)]
     return out
 
 
@@ -438,6 +451,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-bytes", type=int, default=2_000_000)
     p.add_argument("--workers", type=int, default=2, help="runs in parallel, one thread each")
     p.add_argument("--cost-steps", type=int, default=40, help="optimizer steps of the in-process cost runs (0: skip)")
+    p.add_argument("--cost-rounds", type=int, default=1, help="rounds of the in-process cost runs (ratios: medians)")
     p.add_argument("--out", default="paci_at_depth.json", help="file name under benchmarks/results/")
     p.add_argument("--plot", default="paci_at_depth.png", help="file name under benchmarks/plots/")
     args = p.parse_args(argv)
@@ -506,7 +520,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         runs = [_worker(job) for job in jobs]
     costs = layer_costs(config)
     tta = time_to_accuracy(runs, costs)
-    cost = in_process_cost(config, max(args.stages), args.accumulate[0], args.cost_steps) if args.cost_steps else {}
+    cost = (
+        in_process_cost(config, max(args.stages), args.accumulate[0], args.cost_steps, args.cost_rounds)
+        if args.cost_steps
+        else {}
+    )
     prediction = _prediction_cost(config)
     rows = [{**row, "warmup": args.warmup} for row in summarize(runs)]
     payload = envelope(
