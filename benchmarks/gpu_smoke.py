@@ -497,13 +497,28 @@ def check_host_syncs(device: str) -> Check:
                  numbers)  # fmt: skip
 
 
+def operator_calls(fn: Callable[[], Any]) -> int:
+    """Operators ``fn`` dispatches that compute (each a kernel launch on a GPU): views and allocations not counted."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not any(k in func.__name__ for k in ("view", "slice", "alias", "detach", "lift", "empty")):
+                Count.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.calls
+
+
 def check_weight_prediction(device: str) -> Check:
     """PACI's default prediction (`InPlaceFirstStepWeightPrediction`) on three blocks with fp32 weights and AdamW
     state (bf16-mixed's master weights): a stale forward's weights moved, the real ones restored up to rounding
     after it; its time (apply + undo) against the blocks' forward + backward of one bf16 micro-batch, and its
     operator calls (each a kernel launch). On CUDA at GPT-2 Medium's width (d=1024, 1,024 tokens x 8)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from lit_efficient.models import GPT
     from lit_efficient.runtime.staleness import InPlaceFirstStepWeightPrediction
 
@@ -542,30 +557,21 @@ def check_weight_prediction(device: str) -> Check:
             times.append(time.perf_counter() - start)
         return sorted(times[1:])[repeats // 2]
 
-    class Calls(TorchDispatchMode):
-        count = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if not any(k in func.__name__ for k in ("view", "slice", "alias", "detach", "lift", "empty")):
-                Calls.count += 1
-            return func(*args, **(kwargs or {}))
-
     real = [p.detach().clone() for p in params]
     with correction.forward_context(params, optimizer, 1, window_weight=weight):
         moved = max((p - r).abs().max().item() for p, r in zip(params, real, strict=True))
     restored = max((p - r).abs().max().item() for p, r in zip(params, real, strict=True))
-    with Calls():
-        predict()
+    calls = operator_calls(predict)
     seconds, compute = timed(predict), timed(forward_backward)
     elements = sum(p.numel() for p in params)
     ok = moved > 1e-6 and restored <= 1e-5
     numbers = {"elements": elements, "predict_seconds": seconds, "forward_backward_seconds": compute,
-               "ratio": seconds / compute, "operator_calls": Calls.count, "moved": moved, "restored_error": restored,
+               "ratio": seconds / compute, "operator_calls": calls, "moved": moved, "restored_error": restored,
                "tokens_per_micro_batch": size["batch_size"] * size["block_size"]}  # fmt: skip
     return Check("weight_prediction", "pass" if ok else "fail",
                  f"{elements:,} fp32 weights: moved {moved:.2e}, restored within {restored:.1e}; apply + undo "
                  f"{seconds * 1e3:.2f} ms = {seconds / compute:.2f}x a bf16 forward + backward of "
-                 f"{numbers['tokens_per_micro_batch']} tokens; {Calls.count} operator calls", numbers)  # fmt: skip
+                 f"{numbers['tokens_per_micro_batch']} tokens; {calls} operator calls", numbers)  # fmt: skip
 
 
 CHECKS: dict[str, Callable[[str], Check]] = {
