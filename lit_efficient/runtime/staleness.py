@@ -62,9 +62,9 @@ import torch
 from torch import Tensor, nn
 
 # The in-place prediction evaluates the update over batches of parameter pieces in multi-tensor (foreach) operations:
-# one batch holds at least _CHUNK elements and at most 1/_BATCHES of the stage's, so its temporaries (three of a
-# batch's size) stay a small fraction of the weights, and a stage costs ~_BATCHES x 9 kernels per apply or undo
-# rather than a handful of kernels (or Python operations) per parameter and per 65,536 elements.
+# a batch holds up to max(_CHUNK, 1/_BATCHES of the stage's elements), so its temporaries (three of a batch's size)
+# stay a small fraction of the weights, and a stage costs ~_BATCHES x 9 kernels per apply or undo rather than a
+# handful of kernels (or Python operations) per parameter and per 65,536 elements.
 _CHUNK = 1 << 16
 _BATCHES = 16
 
