@@ -4,6 +4,7 @@ unsplit order, so one flush run per (N, lr, seed) serves every S), with the medi
 
     python -m benchmarks.exp31_table                  # the table, the time to accuracy, the curves
     python -m benchmarks.exp31_table --measure-costs  # first, on a quiet machine: results/exp31_layer_costs.json
+    python -m benchmarks.exp31_table --by-size        # the prediction's share against micro-batch size
 
 The time to accuracy takes its per-layer costs (forward, backward and the default prediction's apply + undo) from
 results/exp31_layer_costs.json, measured in one quiet process, so that every row uses one set; without that file,
@@ -31,7 +32,46 @@ def measure_costs() -> Path:
 
     config, start, before = grid_line_config(), time.perf_counter(), machine()
     costs = layer_costs(config, repeats=21)
-    return write_json(COSTS.name, envelope("exp31_layer_costs", False, before, config, start, layer_costs=costs))
+    payload = envelope("exp31_table", False, before, config, start, layer_costs=costs)
+    payload["command"] = "python -m benchmarks.exp31_table --measure-costs"
+    return write_json(COSTS.name, payload)
+
+
+SIZES = {  # name -> benchmark options: the grid's micro-batch, 4x its tokens, and a 4x wider model at 1,024 tokens
+    "grid: GPT 6x64, 8 x 32 tokens": ["--block", "32", "--dim", "64"],
+    "GPT 6x64, 32 x 32 tokens": ["--block", "32", "--dim", "64", "--batch-size", "32"],
+    "GPT 6x256, 8 x 128 tokens": ["--block", "128", "--dim", "256"],
+}
+
+
+def by_size() -> Path:
+    """Per model size: a block's forward, backward and prediction (apply + undo) times, and the simulated S=8 N=8
+    throughput over flush of PACI without and with the prediction's time."""
+    import time
+
+    from benchmarks.harness import envelope, machine, write_json
+    from benchmarks.paci_at_depth import layer_costs, parse_args, simulated_step_seconds
+
+    start, before, rows = time.perf_counter(), machine(), []
+    for name, argv in SIZES.items():
+        config = vars(parse_args(argv))
+        costs = layer_costs(config, repeats=9)
+        plain = simulated_step_seconds(costs, 8, 8)
+        predicted = simulated_step_seconds(costs, 8, 8, prediction=True)
+        rows.append({
+            "model": name, "tokens_per_micro_batch": config["batch_size"] * config["block"],
+            "block_forward_ms": costs["forward"][1] * 1e3, "block_backward_ms": costs["backward"][1] * 1e3,
+            "block_predict_ms": costs["predict"][1] * 1e3,
+            "throughput_plain": plain["1f1b_flush"] / plain["paci"],
+            "throughput_with_prediction": predicted["1f1b_flush"] / predicted["paci"],
+        })  # fmt: skip
+        r = rows[-1]
+        times = f"{r['block_forward_ms']:.2f} / {r['block_backward_ms']:.2f} | {r['block_predict_ms']:.2f}"
+        ratios = f"{r['throughput_plain']:.2f}x | {r['throughput_with_prediction']:.2f}x"
+        print(f"| {name} | {r['tokens_per_micro_batch']} | {times} | {ratios} |")
+    payload = envelope("exp31_table", False, before, {}, start, rows=rows)
+    payload["command"] = "python -m benchmarks.exp31_table --by-size"
+    return write_json("exp31_prediction_by_size.json", payload)
 
 
 def _costs(found: dict | None) -> dict | None:
@@ -41,6 +81,13 @@ def _costs(found: dict | None) -> dict | None:
 def main() -> None:
     if "--measure-costs" in sys.argv[1:]:
         print("wrote", measure_costs())
+        return
+    if "--by-size" in sys.argv[1:]:
+        print(
+            "| model | tokens per micro-batch | block forward / backward, ms | prediction, ms | S=8 N=8 throughput "
+            "over flush, plain | with the prediction |\n|---|---|---|---|---|---|"
+        )
+        print("wrote", by_size())
         return
     runs = {}
     for path in sorted(RESULTS.glob("exp31_*.json")):
