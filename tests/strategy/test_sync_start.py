@@ -86,6 +86,10 @@ def test_auto_is_two_over_one_minus_beta2_of_adam_at_most_40_and_off_otherwise()
     assert flush.sync_start == 0
     _, sgd = _fit(PACIStrategy(pipeline_stages=2), 1, model=_SGDModel(n_layer=2, n_head=2, n_embd=32, block_size=32))
     assert sgd.sync_start == 0 and sgd.orders == ["paci", "paci"]
+    # A user's AdamW with torch's default betas: 40 steps through the strategy too, not 2 / (1 - 0.999) = 2,000.
+    default_betas = GPT(n_layer=2, n_head=2, n_embd=32, block_size=32, betas=(0.9, 0.999))
+    _, torch_default = _fit(PACIStrategy(pipeline_stages=2), 1, model=default_betas)
+    assert torch_default.sync_start == 40
 
 
 @pytest.mark.parametrize("value", [-1, 2.5, "always", True])
