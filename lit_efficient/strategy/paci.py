@@ -200,8 +200,8 @@ class PACIStrategy(DDPStrategy):
         staleness_anneal_steps: Optimizer steps over which ``"lr_scale"`` returns to the plain learning rate.
         sync_start_steps: PACI only: the first K optimizer steps of a fit run in 1F1B-flush order (each window
             drained before the next: nothing stale, the flush bubble), then PACI. ``"auto"`` (default):
-            ``ceil(min(2 / (1 - beta2), 40))`` of the stages' Adam or AdamW, the steps while its moments average
-            few gradients (40 at beta2 = 0.95 and at torch's default 0.999, 20 at 0.9), 0 with other optimizers.
+            40 with Adam or AdamW whatever their betas (measured enough at beta2 0.9, 0.95 and torch's default
+            0.999; 20 were not), 0 with other optimizers.
             Early on Adam moves every weight by about lr a step and a run's outcome is set there: on the benchmark
             grid (BENCHMARKS.md, "PACI at depth") 40 synchronous steps took S=4 N=4 lr 2e-3 from +5.7% to +0.1% of
             flush's loss and S=8 N=4 from +16% to +2.7%; 20 were not enough; the start without the prediction

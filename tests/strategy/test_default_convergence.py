@@ -2,9 +2,9 @@
 staleness costs loss. The benchmark grid (benchmarks/paci_at_depth.py, BENCHMARKS.md "PACI at depth") is the
 measurement; this is its smoke alarm.
 
-A 4-stage GPT at lr 1e-2 (2 warmup steps), N=4, 60 steps, AdamW with beta2 = 0.8 so that the default's synchronous
-start ("auto": 2 / (1 - beta2) = 10 steps) leaves PACI 50 of them: plain PACI ends about 5% above 1F1B-flush's
-validation loss; the default (weight prediction and synchronous start), and its prediction alone, within 1%.
+A 4-stage GPT at lr 1e-2 (2 warmup steps), N=4, 60 steps, AdamW with beta2 = 0.8: plain PACI ends about 5% above
+1F1B-flush's validation loss; the default (weight prediction and its 40-step synchronous start) and the prediction
+alone, PACI from the first step, within 1%.
 """
 
 from __future__ import annotations
