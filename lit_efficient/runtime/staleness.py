@@ -8,9 +8,9 @@ the identity.
 
 The strategy's default (``staleness_correction="auto"``, `make_correction`) is `InPlaceFirstStepWeightPrediction`
 with Adam or AdamW (`predictable`) and nothing with other optimizers. It goes with the strategy's synchronous start
-(``sync_start_steps="auto"``: the first `adam_horizon` steps in 1F1B-flush order, while Adam's moments are young):
-together they ended within 0.3% of flush's loss on the benchmark grid at lr 2e-3, where the prediction alone left
-runs up to 5.7% above it and the start alone up to 5.1% (benchmarks/reports/exp31-staleness.md).
+(``sync_start_steps="auto"``: the first `auto_sync_start_steps` steps in 1F1B-flush order, while Adam's moments are
+young): together they ended within 0.3% of flush's loss on the benchmark grid at lr 2e-3, where the prediction
+alone left runs up to 5.7% above it and the start alone up to 5.1% (benchmarks/reports/exp31-staleness.md).
 
 - `LRScale` (PipeMare's learning-rate rescheduling, Yang et al. 2021): stage s steps with its learning
   rate multiplied by ``(1 + d_s) ** -(1 - min(1, k / K))``, where ``d_s = ceil((S-1-s)/N)`` is its
@@ -367,7 +367,7 @@ def predictable(optimizer: Any) -> bool:
 YOUNG_MOMENT_STEPS = 40
 
 
-def adam_horizon(optimizer: Any) -> int:
+def auto_sync_start_steps(optimizer: Any) -> int:
     """The steps of PACI's synchronous start for ``optimizer`` (`PACIStrategy(sync_start_steps="auto")`): 40 for an
     Adam or AdamW, whatever its betas, 0 for any other optimizer. Early on the moments rest on few gradients, each
     update is close to ``lr * sign(g)`` (the largest relative change of a run), a prediction from a partial window

@@ -61,7 +61,7 @@ from lit_efficient.runtime.split import (
     whole_model_parameters,
 )
 from lit_efficient.runtime.stage import PipelineStage
-from lit_efficient.runtime.staleness import CorrectionName, StalenessCorrection, adam_horizon, make_correction
+from lit_efficient.runtime.staleness import CorrectionName, StalenessCorrection, auto_sync_start_steps, make_correction
 from lit_efficient.runtime.tied import finish_tied, tie_delay, tie_stage, untag
 from lit_efficient.runtime.topology import Topology
 from lit_efficient.strategy import evaluation, stage_checkpoints
@@ -609,14 +609,14 @@ class PACIStrategy(DDPStrategy):
         return _BuiltStage(stage, (optimizer, configs, epoch_wise, tied, averager))
 
     def _resolve_sync_start(self, trainer: Trainer, optimizers: list[Any]) -> int:
-        """Optimizer steps of this fit's synchronous start: ``sync_start_steps``, or for ``"auto"`` `adam_horizon`
-        of the hosted stages' Adam/AdamW (the largest; every rank agrees on the largest of all), 0 otherwise."""
+        """Optimizer steps of this fit's synchronous start: ``sync_start_steps``, or for ``"auto"`` the largest
+        `auto_sync_start_steps` of the hosted stages' optimizers (every rank agrees on the largest of all)."""
         if self.schedule != "paci":
             return 0
         if self.sync_start_steps != "auto":
             return int(self.sync_start_steps)
         # A sharded state (ShardedOptimizer) steps the user's optimizer underneath: its betas count.
-        steps = max((adam_horizon(getattr(opt, "optimizer", opt)) for opt in optimizers), default=0)
+        steps = max((auto_sync_start_steps(getattr(opt, "optimizer", opt)) for opt in optimizers), default=0)
         if not self.in_process:
             box = torch.tensor([steps], dtype=torch.int64)
             dist.all_reduce(box, op=dist.ReduceOp.MAX, group=self.cpu_group)

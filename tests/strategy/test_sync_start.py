@@ -11,7 +11,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lit_efficient import PACIStrategy
 from lit_efficient.models import GPT
-from lit_efficient.runtime.staleness import adam_horizon
+from lit_efficient.runtime.staleness import auto_sync_start_steps
 from tests.support.gpt_runs import gpt_model, gpt_trainer, max_diff, ordered_data, text_data
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -77,8 +77,9 @@ class _SGDModel(GPT):
 def test_auto_is_40_steps_of_adam_whatever_its_betas_and_off_otherwise():
     params = [torch.nn.Parameter(torch.zeros(1))]
     # Measured enough at beta2 0.9, 0.95 and 0.999 (20 were not at 0.9 nor 0.95; 2 / (1 - 0.999) would be 2,000).
-    assert all(adam_horizon(torch.optim.AdamW(params, betas=(0.9, b2))) == 40 for b2 in (0.8, 0.9, 0.95, 0.999))
-    assert adam_horizon(torch.optim.Adam(params)) == 40 and adam_horizon(torch.optim.SGD(params, lr=0.1)) == 0
+    auto = auto_sync_start_steps
+    assert all(auto(torch.optim.AdamW(params, betas=(0.9, b2))) == 40 for b2 in (0.8, 0.9, 0.95, 0.999))
+    assert auto(torch.optim.Adam(params)) == 40 and auto(torch.optim.SGD(params, lr=0.1)) == 0
     _, seen = _fit(PACIStrategy(pipeline_stages=2), 1)  # GPT's AdamW, betas (0.9, 0.95)
     assert seen.sync_start == 40 and seen.orders == ["1f1b_flush", "1f1b_flush"]
     _, flush = _fit(PACIStrategy(pipeline_stages=2, schedule="1f1b_flush"), 1)
