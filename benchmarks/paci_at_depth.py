@@ -225,13 +225,16 @@ def stale_forward_share(stages: int, accumulate: int) -> list[float]:
 
 
 def predicts(name: str) -> bool:
-    """Whether run ``name`` (AdamW) runs a weight prediction at its stale forwards: its correction is "auto" (the
-    default) or one of the weight_prediction candidates."""
+    """Whether run ``name`` runs a weight prediction at its stale forwards with the grid's AdamW: its correction as
+    the strategy resolves it (`make_correction`, "auto" included) on stage 0 of S=8 N=8."""
+    from lit_efficient.runtime.staleness import WeightPrediction, make_correction
+
     options = RUNS.get(name, {})
-    correction = options.get("staleness_correction", "auto")
-    if options.get("schedule") != "paci" or correction is None:
+    if options.get("schedule") != "paci":
         return False
-    return correction == "auto" or "weight_prediction" in correction
+    adamw = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
+    correction = make_correction(options.get("staleness_correction", "auto"), "paci", 0, 8, 8, 1, adamw)
+    return isinstance(correction, WeightPrediction)
 
 
 def simulated_step_seconds(
