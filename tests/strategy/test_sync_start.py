@@ -5,6 +5,9 @@ tests/strategy/test_one_process.py)."""
 
 from __future__ import annotations
 
+import json
+
+import lightning.pytorch as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
@@ -25,6 +28,19 @@ class _Seen(Callback):
         self.orders = [rt.schedule for rt in runtime.runtimes]
         self.stats = runtime.stage_stats()
         self.sync_start = trainer.strategy.sync_start
+
+
+class _Written(_Seen):
+    """`_Seen`, written per rank to ``folder`` (on processes the ranks are not the test's process)."""
+
+    def __init__(self, folder) -> None:
+        self.folder = folder
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        super().on_train_end(trainer, pl_module)
+        stats = [{k: st[k] for k in ("stage", "drift_max")} for st in self.stats]
+        seen = {"step": trainer.global_step, "sync_start": self.sync_start, "orders": self.orders, "stats": stats}
+        (self.folder / f"rank{trainer.global_rank}.json").write_text(json.dumps(seen))
 
 
 def _fit(strategy: PACIStrategy, steps: int, model: GPT | None = None, data=None, **kw) -> tuple[GPT, _Seen]:
@@ -96,3 +112,37 @@ def test_auto_is_40_steps_of_adam_whatever_its_betas_and_off_otherwise():
 def test_a_bad_value_is_refused_with_what_is_allowed(value):
     with pytest.raises(ValueError, match=r"sync_start_steps=.* must be 'auto' or an int >= 0"):
         PACIStrategy(sync_start_steps=value)  # type: ignore[arg-type]
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("devices", [1, 2], ids=["one process", "2 processes"])
+def test_auto_start_with_a_foreign_model_switches_at_40_in_one_process_and_on_processes(tmp_path, devices):
+    """PACI's defaults as a user writes them, a Hugging Face model (tiny Llama config, AdamW with torch's default
+    beta2 0.999), the default loader: "auto" resolves to 40 (every rank agrees: a rank switching at another step
+    would desynchronise the order and stall the pipeline), the first 40 steps run in flush's order, then PACI's
+    with stale forwards on stage 0, in one process and on 2 processes alike."""
+    transformers = pytest.importorskip("transformers")
+    from transformers import AutoModelForCausalLM
+
+    from lit_efficient.data import TextDataModule
+    from lit_efficient.models import HFCausalLM
+
+    L.seed_everything(0)
+    config = transformers.AutoConfig.for_model(
+        model_type="llama", num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=16, vocab_size=256, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    module = HFCausalLM(AutoModelForCausalLM.from_config(config), learning_rate=3e-3, warmup_steps=2, max_steps=42,
+                        betas=(0.9, 0.999))  # fmt: skip
+    trainer = L.Trainer(
+        accelerator="cpu", devices=devices, strategy=PACIStrategy(pipeline_stages=2, start_method="forkserver"),
+        max_steps=42, accumulate_grad_batches=2, callbacks=[_Written(tmp_path)], logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=1,
+        val_check_interval=40,
+    )  # fmt: skip
+    trainer.fit(module, datamodule=TextDataModule(block_size=16, batch_size=2, max_bytes=60_000, seed=1))
+    ranks = [json.loads(path.read_text()) for path in sorted(tmp_path.glob("rank*.json"))]
+    assert len(ranks) == devices
+    assert all(r["step"] == 42 and r["sync_start"] == 40 and set(r["orders"]) == {"paci"} for r in ranks), ranks
+    drift = {st["stage"]: st["drift_max"] for r in ranks for st in r["stats"]}
+    assert drift == {0: 1, 1: 0}, drift  # stage 0 ran stale forwards after the switch, the last stage none
