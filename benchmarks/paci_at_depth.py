@@ -183,8 +183,9 @@ def layer_costs(config: dict[str, Any], repeats: int = 5) -> dict[str, list[floa
 
 
 def prediction_seconds(params: list[torch.nn.Parameter], config: dict[str, Any], repeats: int = 5) -> float:
-    """Seconds of one stale forward's prediction around an empty forward (apply, then undo) on ``params``: PACI's
-    default (`InPlaceFirstStepWeightPrediction`) with AdamW state and a window's gradient, as at a stale forward."""
+    """Seconds of one stale forward's prediction around an empty forward (apply, then undo) on ``params`` (on CPU:
+    gpu_smoke's ``weight_prediction`` check times it on a GPU): PACI's default (`InPlaceFirstStepWeightPrediction`)
+    with AdamW state and a window's gradient, as at a stale forward."""
     from lit_efficient.runtime.staleness import InPlaceFirstStepWeightPrediction
 
     if not params:
@@ -321,8 +322,8 @@ def in_process_cost(
     cpu: dict[str, list[float]] = {n: [] for n in names}
     for _ in range(rounds):
         # The default's prediction without its synchronous start (whose flush steps are the schedule's, not its cost).
-        strategies = ("auto", PACIStrategy(pipeline_stages=stages, **_PLAIN), PACIStrategy(pipeline_stages=stages,
-                      sync_start_steps=0))  # fmt: skip
+        plain = PACIStrategy(pipeline_stages=stages, **_PLAIN)
+        strategies = ("auto", plain, PACIStrategy(pipeline_stages=stages, sync_start_steps=0))
         for name, strategy in zip(names, strategies, strict=True):
             L.seed_everything(0, verbose=False)
             model = _model(config, 1e-3, steps)
