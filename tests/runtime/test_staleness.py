@@ -340,3 +340,95 @@ def test_step_count_reads_a_device_step_once_per_value(monkeypatch):
     step.add_(1.0)  # the optimizer's in-place increment bumps the version
     assert staleness.step_count(step) == 4.0 and DeviceStep.reads == 2
     assert staleness.step_count(torch.tensor(7.0)) == 7.0  # a CPU step: read directly
+
+
+def _stage_with_a_window(seed: int = 0):
+    """A stage's parameters (two AdamW groups: decayed weights, undecayed biases, and a frozen-gradient one), after
+    one step and with a second window's gradient accumulated: a stale forward's state."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16))
+    weights = [model[0].weight, model[2].weight]
+    biases = [model[0].bias, model[2].bias]
+    opt = torch.optim.AdamW([{"params": weights}, {"params": biases, "weight_decay": 0.0}], lr=LR, weight_decay=0.1)
+    for _ in range(2):
+        model(torch.randn(8, 16)).square().mean().backward()
+        if not opt.state:
+            opt.step()
+            opt.zero_grad()
+    model[2].bias.grad = None  # a parameter without a gradient in this window: the eager form's case
+    return list(model.parameters()), opt
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_compiled_prediction_equals_the_eager_one_up_to_rounding():
+    """The compiled apply and undo (one pass per weight, `_fused_prediction`) predict the eager form's weights and
+    put the real ones back up to rounding, per update key (two AdamW groups) and with the eager form for what it
+    does not cover (a parameter without a gradient in the window); the autograd versions are left as they were."""
+    from lit_efficient.runtime.staleness import CompiledFirstStepWeightPrediction, InPlaceFirstStepWeightPrediction
+
+    params, opt = _stage_with_a_window()
+    real = [p.detach().clone() for p in params]
+    versions = [p._version for p in params]
+    seen = []
+    for correction in (InPlaceFirstStepWeightPrediction(), CompiledFirstStepWeightPrediction()):
+        for pending in (1, 2):
+            with correction.forward_context(params, opt, pending, torch.tensor(1.0)):
+                seen.append([p.detach().clone() for p in params])
+            assert all(torch.allclose(p, r, rtol=1e-6, atol=1e-7) for p, r in zip(params, real, strict=True))
+    assert [p._version for p in params] == versions
+    for eager, compiled in zip(seen[:2], seen[2:], strict=True):
+        for e, c, r in zip(eager, compiled, real, strict=True):
+            step = (e - r).abs().max().item()
+            assert step > 1e-3  # it moved, by about a learning rate
+            assert (c - e).abs().max().item() < 1e-3 * step
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_compiler_failure_warns_once_and_leaves_the_eager_form(monkeypatch):
+    """No C++ compiler, no Triton: the first compilation fails, the process warns once (naming the eager option)
+    and predicts with the eager form, the weights of an update key compiled before the failure put back first."""
+    from lit_efficient.runtime import staleness
+
+    calls, compiled_prediction = [], staleness._compiled_prediction
+
+    def second_key_fails():
+        fn = compiled_prediction()
+
+        def run(*args):
+            calls.append(len(args[0]))
+            if len(calls) == 2:
+                raise RuntimeError("no C++ compiler")
+            return fn(*args)
+
+        return run
+
+    monkeypatch.setattr(staleness, "_compiled_prediction", second_key_fails)
+    monkeypatch.setitem(staleness._COMPILER_WORKS, "ok", True)
+    params, opt = _stage_with_a_window()
+    with staleness.InPlaceFirstStepWeightPrediction().forward_context(params, opt, 1, torch.tensor(1.0)):
+        eager = [p.detach().clone() for p in params]
+    correction = staleness.CompiledFirstStepWeightPrediction()
+    failed = "failed to compile.*no C.. compiler.*weight_prediction_first_step_inplace"
+    with pytest.warns(UserWarning, match=failed), correction.forward_context(params, opt, 1, torch.tensor(1.0)):
+        fell_back = [p.detach().clone() for p in params]
+    # The eager prediction, once (the key compiled before the failure was put back, up to rounding).
+    assert all(torch.allclose(a, b, rtol=0, atol=1e-6) for a, b in zip(fell_back, eager, strict=True))
+    assert staleness._COMPILER_WORKS["ok"] is False
+    calls.clear()
+    with correction.forward_context(params, opt, 1, torch.tensor(1.0)):
+        pass
+    assert calls == []  # the process does not try again
+
+
+def test_auto_compiles_the_prediction_on_cuda_weights(monkeypatch):
+    """``"auto"`` is the compiled form where the weights are on CUDA (one pass over memory per apply or undo instead
+    of ~9) and the eager in-place form elsewhere; the compiled form is asked for by name on any device."""
+    from lit_efficient.runtime.staleness import CompiledFirstStepWeightPrediction, InPlaceFirstStepWeightPrediction
+
+    params = list(torch.nn.Linear(2, 2).parameters())
+    adamw = torch.optim.AdamW(params)
+    assert type(make_correction("auto", "paci", 0, 4, 4, 10, adamw)) is InPlaceFirstStepWeightPrediction
+    named = make_correction("weight_prediction_first_step_compiled", "paci", 0, 4, 4, 10, adamw)
+    assert type(named) is CompiledFirstStepWeightPrediction
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    assert type(make_correction("auto", "paci", 0, 4, 4, 10, adamw)) is CompiledFirstStepWeightPrediction

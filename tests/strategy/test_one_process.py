@@ -16,6 +16,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lit_efficient import GradientAccumulation, PACIStrategy
+from lit_efficient.runtime import staleness
 from lit_efficient.runtime.host import PipelineDeadlockError, StageHost
 from lit_efficient.runtime.interpreter import PipelineRuntime
 from lit_efficient.runtime.stage import PipelineStage
@@ -127,23 +128,30 @@ class Record(Callback):
     def on_train_end(self, trainer, pl_module) -> None:
         runtime = trainer.strategy.runtime
         stats = runtime.stage_stats() if hasattr(runtime, "stage_stats") else [runtime.stats()]
-        for st in stats:
+        corrections = [rt.stage.correction for rt in getattr(runtime, "runtimes", [runtime])]
+        for st, correction in zip(stats, corrections, strict=True):
             keep = ("forwards", "backwards", "steps", "max_in_flight", "drift_max", "drift_mean")
-            Path(self.path, f"stage{st['stage']}.json").write_text(json.dumps({k: st[k] for k in keep}))
+            # Whether the stage predicted in compiled passes (a compiled form that fell back to eager: False).
+            compiled = getattr(correction, "_fn", None) is not None and staleness._COMPILER_WORKS["ok"]
+            record = {**{k: st[k] for k in keep}, "compiled": compiled}
+            Path(self.path, f"stage{st['stage']}.json").write_text(json.dumps(record))
         if trainer.global_rank == 0:
             val = getattr(pl_module, "_val_history", [])
             Path(self.path, "losses.json").write_text(json.dumps({"train": self.losses, "val": val}))
 
 
-def _fit(tmp: Path, devices: int, stages: int, schedule: str, recompute: bool, normalize: str, **kw):
+def _fit(
+    tmp: Path, devices: int, stages: int, schedule: str, recompute: bool, normalize: str, correction: str, **kw
+):  # fmt: skip
     tmp.mkdir(parents=True, exist_ok=True)
     model = _model(n_layer=2, dropout=0.1)
     # PACI's defaults (AdamW: the first-step weight prediction and a synchronous start), the start shortened to 2
     # of the 6 steps so both orders and the switch between them run in both hostings.
     sync = {"sync_start_steps": 2} if schedule == "paci" else {}
     strategy = PACIStrategy(
-        pipeline_stages=stages, schedule=schedule, recompute=recompute, start_method="forkserver", **sync
-    )
+        pipeline_stages=stages, schedule=schedule, recompute=recompute, start_method="forkserver",
+        staleness_correction=correction, **sync,
+    )  # fmt: skip
     ckpt = ModelCheckpoint(dirpath=tmp / "ckpt", every_n_train_steps=6, filename="end", save_last=False)
     callbacks = [GradientAccumulation(steps=4, normalize=normalize), ValHistory(), Record(tmp), ckpt]  # type: ignore[arg-type]
     trainer = _trainer(
@@ -162,16 +170,21 @@ def _saved(path: Path) -> dict:
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize(
-    ("stages", "schedule", "recompute", "normalize"),
+    ("stages", "schedule", "recompute", "normalize", "correction"),
     # Two Trainer runs per case on S spawned processes are slow on 2 cores; the runtime test above covers the
-    # remaining combinations (paci + recompute, every configuration at S=2 and S=4).
-    [(2, "paci", False, "tokens"), (4, "1f1b_flush", True, "mean")],
+    # remaining combinations (paci + recompute, every configuration at S=2 and S=4). The third case: the compiled
+    # prediction ("auto" on CUDA), compiled in each rank and in the one process.
+    [
+        (2, "paci", False, "tokens", "auto"),
+        (4, "1f1b_flush", True, "mean", "auto"),
+        (2, "paci", False, "mean", "weight_prediction_first_step_compiled"),
+    ],
 )
-def test_trainer_on_one_device_equals_processes(tmp_path, stages, schedule, recompute, normalize):
+def test_trainer_on_one_device_equals_processes(tmp_path, stages, schedule, recompute, normalize, correction):
     """Through the real Trainer, with dropout, validation in the middle of a window (after micro-batch 10 of
     windows of 4) and a checkpoint: weights, the checkpoint file (every stage's optimizer, schedulers,
     accumulation and random stream), training and validation losses and per-stage drift are identical to S processes."""
-    args = (stages, schedule, recompute, normalize)
+    args = (stages, schedule, recompute, normalize, correction)
     procs = _fit(tmp_path / "procs", stages, *args)
     local = _fit(tmp_path / "local", 1, *args)
     assert _max_diff(local, _model(n_layer=2)) > 1e-3  # training moved the weights
@@ -187,6 +200,8 @@ def test_trainer_on_one_device_equals_processes(tmp_path, stages, schedule, reco
     assert local_losses == proc_losses and len(local_losses["train"]) == 24 and len(local_losses["val"]) >= 3
     if schedule == "paci":
         assert json.loads(Path(tmp_path, "local/stage0.json").read_text())["drift_max"] == 1
+    compiled = correction == "weight_prediction_first_step_compiled"
+    assert json.loads(Path(tmp_path, "procs/stage0.json").read_text())["compiled"] is compiled
 
 
 def test_resume_across_layouts(tmp_path):
