@@ -57,17 +57,26 @@ def by_size() -> Path:
         config = vars(parse_args(argv))
         costs = layer_costs(config, repeats=9)
         plain = simulated_step_seconds(costs, 8, 8)
-        predicted = simulated_step_seconds(costs, 8, 8, prediction=True)
+        predicted = simulated_step_seconds(costs, 8, 8, "predict")
+        compiled = simulated_step_seconds(costs, 8, 8, "predict_compiled")
         rows.append({
             "model": name, "tokens_per_micro_batch": config["batch_size"] * config["block"],
             "block_forward_ms": costs["forward"][1] * 1e3, "block_backward_ms": costs["backward"][1] * 1e3,
             "block_predict_ms": costs["predict"][1] * 1e3,
+            "block_predict_compiled_ms": costs["predict_compiled"][1] * 1e3,
             "throughput_plain": plain["1f1b_flush"] / plain["paci"],
             "throughput_with_prediction": predicted["1f1b_flush"] / predicted["paci"],
+            "throughput_with_compiled_prediction": compiled["1f1b_flush"] / compiled["paci"],
         })  # fmt: skip
         r = rows[-1]
-        times = f"{r['block_forward_ms']:.2f} / {r['block_backward_ms']:.2f} | {r['block_predict_ms']:.2f}"
-        ratios = f"{r['throughput_plain']:.2f}x | {r['throughput_with_prediction']:.2f}x"
+        times = (
+            f"{r['block_forward_ms']:.2f} / {r['block_backward_ms']:.2f} | {r['block_predict_ms']:.2f} / "
+            f"{r['block_predict_compiled_ms']:.2f}"
+        )
+        ratios = (
+            f"{r['throughput_plain']:.2f}x | {r['throughput_with_prediction']:.2f}x / "
+            f"{r['throughput_with_compiled_prediction']:.2f}x"
+        )
         print(f"| {name} | {r['tokens_per_micro_batch']} | {times} | {ratios} |")
     payload = envelope("exp31_table", False, before, {}, start, rows=rows)
     payload["command"] = "python -m benchmarks.exp31_table --by-size"
@@ -84,8 +93,8 @@ def main() -> None:
         return
     if "--by-size" in sys.argv[1:]:
         print(
-            "| model | tokens per micro-batch | block forward / backward, ms | prediction, ms | S=8 N=8 throughput "
-            "over flush, plain | with the prediction |\n|---|---|---|---|---|---|"
+            "| model | tokens per micro-batch | block forward / backward, ms | prediction eager / compiled, ms | S=8 "
+            "N=8 throughput over flush, plain | with the prediction, eager / compiled |\n|---|---|---|---|---|---|"
         )
         print("wrote", by_size())
         return
@@ -121,6 +130,8 @@ def main() -> None:
     print("flush:", "; ".join(f"N={n} lr={lr:g} s{seed}: {v:.4f}" for (n, lr, seed), v in sorted(flush.items())))
     print()
     print(time_to_accuracy_table("paci_default"))
+    print()
+    print(time_to_accuracy_table("paci_default_compiled"))
     print("wrote", plot_curves())
 
 
@@ -143,28 +154,32 @@ def plot_curves(seed: int = 0) -> Path:
     training tokens (top) and against simulated time (bottom: steps x each schedule's simulated step time, a
     synchronous start's steps at flush's)."""
     from benchmarks.harness import PLOTS, pyplot, save_figure
-    from benchmarks.paci_at_depth import predicts, simulated_step_seconds
+    from benchmarks.paci_at_depth import prediction_cost, simulated_step_seconds
 
     runs, costs = _grid_runs()
     plain = simulated_step_seconds(costs, 8, 8) if costs else {"1f1b_flush": 1.0, "paci": 1.0}
-    predicted = simulated_step_seconds(costs, 8, 8, prediction=True) if costs and "predict" in costs else plain
     plt = pyplot()
     lrs = (5e-4, 1e-3, 2e-3)
     fig, axes = plt.subplots(2, len(lrs), figsize=(4.4 * len(lrs), 6.4), squeeze=False)
     for col, lr in enumerate(lrs):
-        for name, style in (("flush", "k-"), ("paci", "r--"), ("paci_default", "b-")):
+        runs_drawn = (("flush", "k-"), ("paci", "r--"), ("paci_default", "b-"), ("paci_default_compiled", "g:"))
+        for name, style in runs_drawn:
             r = runs.get((8, 8, lr, seed, name))
             if r is None:
                 continue
             steps, losses = zip(*r["val"][1:], strict=True)
             sync = r.get("sync_start_steps", 0)
-            per_step = predicted if predicts(name) else plain
+            key = prediction_cost(name)
+            per_step = simulated_step_seconds(costs, 8, 8, key) if costs and key in costs else plain
             pace = per_step["1f1b_flush"] if name == "flush" else per_step["paci"]
             seconds = [
                 pace * s if name == "flush" else min(s, sync) * per_step["1f1b_flush"] + max(0, s - sync) * pace
                 for s in steps
             ]
-            label = {"paci": "plain PACI", "paci_default": "PACI's defaults"}.get(name, name)
+            label = {
+                "paci": "plain PACI", "paci_default": "PACI's defaults",
+                "paci_default_compiled": "the defaults, prediction compiled (CUDA's)",
+            }.get(name, name)  # fmt: skip
             axes[0][col].plot([s * r["tokens_per_step"] / 1e3 for s in steps], losses, style, marker=".", label=label)
             axes[1][col].plot(seconds, losses, style, marker=".", label=label)
         axes[0][col].set_title(f"S=8, N=8, lr={lr:g}, seed {seed}", fontsize=9)

@@ -69,6 +69,8 @@ RUNS: dict[str, dict[str, Any]] = {  # name -> PACIStrategy's options (beyond S;
     "paci_default": {"schedule": "paci"},  # PACIStrategy(schedule="paci") as a user writes it
     "paci_default_sync20": {"schedule": "paci", "sync_start_steps": 20},  # a synchronous start half as long
     "paci_default_sync40": {"schedule": "paci", "sync_start_steps": 40},  # "auto"'s 40 at any beta2
+    # The defaults as on CUDA ("auto" there: the prediction in compiled passes; on CPU it is asked for by name).
+    "paci_default_compiled": {"schedule": "paci", "staleness_correction": "weight_prediction_first_step_compiled"},
     "paci_recompute": {"schedule": "paci", **_PLAIN},
     "paci_recompute+weight_prediction": {"schedule": "paci", **_PLAIN, "staleness_correction": "weight_prediction"},
 }
@@ -157,7 +159,9 @@ def _worker(job: tuple[dict[str, Any], int, int, float, int, str]) -> dict[str, 
 
 def layer_costs(config: dict[str, Any], repeats: int = 5) -> dict[str, list[float]]:
     """Forward and backward seconds of every pipeline layer on one micro-batch of the benchmark's size, and
-    ``predict``: one apply + undo of PACI's default prediction on the layer's weights (`prediction_seconds`)."""
+    ``predict``: one apply + undo of PACI's default prediction on the layer's weights (`prediction_seconds`), eager
+    (the default on CPU), ``predict_compiled``: the same in compiled passes (the default on CUDA), measured in turns
+    with it."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = _model(config, 1e-3, 100)
@@ -178,15 +182,22 @@ def layer_costs(config: dict[str, Any], repeats: int = 5) -> dict[str, list[floa
         forward.append(statistics.median(f_times[1:]))
         backward.append(statistics.median(b_times[1:]))
         inputs = (out.detach(),)
-    predict = [prediction_seconds(list(layer.parameters()), config, repeats) for layer in model.pipeline_layers()]
-    return {"forward": forward, "backward": backward, "predict": predict}
+    predict, compiled = [], []
+    for layer in model.pipeline_layers():
+        params = list(layer.parameters())
+        predict.append(prediction_seconds(params, config, repeats))
+        compiled.append(prediction_seconds(params, config, repeats, compiled=True))
+    return {"forward": forward, "backward": backward, "predict": predict, "predict_compiled": compiled}
 
 
-def prediction_seconds(params: list[torch.nn.Parameter], config: dict[str, Any], repeats: int = 5) -> float:
+def prediction_seconds(
+    params: list[torch.nn.Parameter], config: dict[str, Any], repeats: int = 5, compiled: bool = False
+) -> float:  # fmt: skip
     """Seconds of one stale forward's prediction around an empty forward (apply, then undo) on ``params`` (on CPU:
-    gpu_smoke's ``weight_prediction`` check times it on a GPU): PACI's default (`InPlaceFirstStepWeightPrediction`)
-    with AdamW state and a window's gradient, as at a stale forward."""
-    from lit_efficient.runtime.staleness import InPlaceFirstStepWeightPrediction
+    gpu_smoke's ``weight_prediction`` check times it on a GPU): PACI's default (`InPlaceFirstStepWeightPrediction`;
+    ``compiled``: `CompiledFirstStepWeightPrediction`, compiled in the first, untimed, repeat) with AdamW state and a
+    window's gradient, as at a stale forward."""
+    from lit_efficient.runtime.staleness import CompiledFirstStepWeightPrediction, InPlaceFirstStepWeightPrediction
 
     if not params:
         return 0.0
@@ -194,7 +205,8 @@ def prediction_seconds(params: list[torch.nn.Parameter], config: dict[str, Any],
     for p in params:
         p.grad = torch.randn_like(p)
     optimizer.step()  # moments exist, as after the first window
-    correction, weight, times = InPlaceFirstStepWeightPrediction(), torch.tensor(3.0), []
+    kind = CompiledFirstStepWeightPrediction if compiled else InPlaceFirstStepWeightPrediction
+    correction, weight, times = kind(), torch.tensor(3.0), []
     for _ in range(repeats + 1):
         t0 = time.perf_counter()
         with correction.forward_context(params, optimizer, 1, window_weight=weight):
@@ -225,25 +237,28 @@ def stale_forward_share(stages: int, accumulate: int) -> list[float]:
     return [(stale(s, 32) - stale(s, 16)) / (16 * accumulate) for s in range(stages)]
 
 
-def predicts(name: str) -> bool:
-    """Whether run ``name`` runs a weight prediction at its stale forwards with the grid's AdamW: its correction as
-    the strategy resolves it (`make_correction`, "auto" included) on stage 0 of S=8 N=8."""
-    from lit_efficient.runtime.staleness import WeightPrediction, make_correction
+def prediction_cost(name: str) -> str | None:
+    """The per-layer cost (`layer_costs` key) of the weight prediction run ``name`` makes at its stale forwards with
+    the grid's AdamW on CPU: its correction as the strategy resolves it (`make_correction`, "auto" included) on stage 0
+    of S=8 N=8; None if it predicts nothing."""
+    from lit_efficient.runtime.staleness import CompiledFirstStepWeightPrediction, WeightPrediction, make_correction
 
     options = RUNS.get(name, {})
     if options.get("schedule") != "paci":
-        return False
+        return None
     adamw = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
     correction = make_correction(options.get("staleness_correction", "auto"), "paci", 0, 8, 8, 1, adamw)
-    return isinstance(correction, WeightPrediction)
+    if isinstance(correction, CompiledFirstStepWeightPrediction):
+        return "predict_compiled"
+    return "predict" if isinstance(correction, WeightPrediction) else None
 
 
 def simulated_step_seconds(
-    costs: dict[str, list[float]], stages: int, accumulate: int, prediction: bool = False
+    costs: dict[str, list[float]], stages: int, accumulate: int, prediction: str | None = None
 ) -> dict[str, float]:
-    """Steady-state seconds per optimizer step of each schedule, from per-layer costs (uniform split). ``prediction``:
-    PACI's stale forwards also pay the measured apply + undo of the weight prediction (``costs["predict"]``, spread
-    over each stage's forwards by `stale_forward_share`); flush has no stale forward."""
+    """Steady-state seconds per optimizer step of each schedule, from per-layer costs (uniform split). ``prediction``
+    (a cost key, `prediction_cost`): PACI's stale forwards also pay that measured apply + undo of the weight
+    prediction, spread over each stage's forwards by `stale_forward_share`; flush has no stale forward."""
     from lit_efficient.runtime.partition import partition_uniform, stage_bounds
     from lit_efficient.tools.simulate import simulate
 
@@ -254,10 +269,10 @@ def simulated_step_seconds(
     for schedule in ("1f1b_flush", "paci"):
         forward = fwd
         if schedule == "paci" and prediction:
-            if "predict" not in costs:
-                raise ValueError("these layer costs have no 'predict' times: measure them again (layer_costs)")
+            if prediction not in costs:
+                raise ValueError(f"these layer costs have no {prediction!r} times: measure them again (layer_costs)")
             shares = stale_forward_share(stages, accumulate)
-            extra = [share * sum(costs["predict"][lo:hi]) for share, (lo, hi) in zip(shares, bounds, strict=True)]
+            extra = [share * sum(costs[prediction][lo:hi]) for share, (lo, hi) in zip(shares, bounds, strict=True)]
             forward = [f + e for f, e in zip(fwd, extra, strict=True)]
         short = simulate(schedule, stages, accumulate, 8 * accumulate, forward, bwd).makespan
         long = simulate(schedule, stages, accumulate, 16 * accumulate, forward, bwd).makespan
@@ -283,7 +298,6 @@ def time_to_accuracy(runs: list[dict[str, Any]], costs: dict[str, list[float]]) 
         if stages != 8 or "flush" not in by_name:
             continue
         plain = simulated_step_seconds(costs, stages, accumulate)
-        predicted = simulated_step_seconds(costs, stages, accumulate, prediction=True) if "predict" in costs else None
         flush = by_name["flush"]["val"]
         initial, final = flush[0][1], flush[-1][1]
         targets = {"80%": initial - 0.8 * (initial - final), "95%": initial - 0.95 * (initial - final), "final": final}
@@ -293,14 +307,16 @@ def time_to_accuracy(runs: list[dict[str, Any]], costs: dict[str, list[float]]) 
             row = {"S": stages, "N": accumulate, "lr": lr, "seed": seed, "run": name, "paper": PAPER.get(accumulate)}
             sync = run.get("sync_start_steps", 0)  # its first steps run in flush's order, at flush's pace
             # A weight prediction's apply + undo at each stale forward is PACI's time too (older cost files lack it).
-            per_step = predicted if predicts(name) and predicted is not None else plain
+            key = prediction_cost(name)
+            costed = key is not None and key in costs
+            per_step = simulated_step_seconds(costs, stages, accumulate, key) if costed else plain
             for label, target in targets.items():
                 t_flush = steps_to(flush, target) * per_step["1f1b_flush"]
                 steps = steps_to(run["val"], target)
                 t_paci = min(steps, sync) * per_step["1f1b_flush"] + max(0.0, steps - sync) * per_step["paci"]
                 row[label] = {"target": target, "flush_s": t_flush, "paci_s": t_paci, "ratio": t_flush / t_paci}
             row["throughput_ratio"] = per_step["1f1b_flush"] / per_step["paci"]
-            row["prediction_costed"] = per_step is predicted
+            row["prediction_costed"] = costed or key is None
             rows.append(row)
     return rows
 
