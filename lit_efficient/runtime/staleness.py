@@ -246,7 +246,9 @@ def _compiled_prediction() -> Any:
     """A compiled `_fused_prediction` of its own (a fresh code object): torch.compile keeps its graphs per code object
     and at most ``recompile_limit`` (8) of them, and each stage needs one per update key (a stage, its own shapes)."""
     fn = types.FunctionType(_fused_prediction.__code__.replace(), _fused_prediction.__globals__, "_fused_prediction")
-    return torch.compile(fn, dynamic=False, fullgraph=True)
+    # No size asserts in the compiled code: the graph's guards check every input's sizes and strides already, and
+    # the asserts cost a quarter of a small stage's call on CPU (~50 of ~200 us for 48 tensors).
+    return torch.compile(fn, dynamic=False, fullgraph=True, options={"size_asserts": False})
 
 
 def _fused_groups(params: list[nn.Parameter], steps: dict[int, Any]) -> dict[tuple, list[nn.Parameter]]:
