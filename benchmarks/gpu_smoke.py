@@ -34,9 +34,10 @@ tests/test_gpu.py calls too:
   ``torch.cuda.set_sync_debug_mode("warn")``; on CPU by counting the reads of tensor values into Python
   made from lit_efficient's code (the same calls, free there).
 
-- ``weight_prediction``: PACI's default staleness correction on three blocks with fp32 weights and AdamW state:
-  the stale forward's weights moved, the real ones restored within 1e-5 after it; its apply + undo time against
-  the blocks' bf16 forward + backward of one micro-batch (GPT-2 Medium's width on CUDA), and its operator calls.
+- ``weight_prediction``: PACI's default staleness correction on three blocks with fp32 weights and AdamW state,
+  eager and compiled ("auto" on CUDA): the stale forward's weights moved, the real ones restored within 1e-5 after
+  it, the forms equal up to rounding; their apply + undo times against the blocks' bf16 forward + backward of one
+  micro-batch (GPT-2 Medium's width on CUDA), and the eager form's operator calls.
 
 Not covered here: NCCL between processes needs two GPUs. The strict-order transport tests cover it on
 CPU instead (a replay of the traced point-to-point operations under NCCL's ordering rules: per-communicator
@@ -515,12 +516,18 @@ def operator_calls(fn: Callable[[], Any]) -> int:
 
 
 def check_weight_prediction(device: str) -> Check:
-    """PACI's default prediction (`InPlaceFirstStepWeightPrediction`) on three blocks with fp32 weights and AdamW
-    state (bf16-mixed's master weights): a stale forward's weights moved, the real ones restored up to rounding
-    after it; its time (apply + undo) against the blocks' forward + backward of one bf16 micro-batch, and its
+    """PACI's default prediction on three blocks with fp32 weights and AdamW state (bf16-mixed's master weights), in
+    both forms: eager (`InPlaceFirstStepWeightPrediction`, "auto" off CUDA) and compiled
+    (`CompiledFirstStepWeightPrediction`, "auto" on CUDA; compiled before timing). Each: a stale forward's weights
+    moved, the real ones restored up to rounding after it; the two forms predict the same weights up to rounding;
+    their times (apply + undo) against the blocks' forward + backward of one bf16 micro-batch, and the eager form's
     operator calls (each a kernel launch). On CUDA at GPT-2 Medium's width (d=1024, 1,024 tokens x 8)."""
     from lit_efficient.models import GPT
-    from lit_efficient.runtime.staleness import InPlaceFirstStepWeightPrediction
+    from lit_efficient.runtime.staleness import (
+        CompiledFirstStepWeightPrediction,
+        InPlaceFirstStepWeightPrediction,
+        make_correction,
+    )
 
     dev = _device(device)
     size = dict(n_embd=1024, n_head=16, block_size=1024, batch_size=8) if dev.type == "cuda" else SIZES["cpu"]
@@ -539,11 +546,15 @@ def check_weight_prediction(device: str) -> Check:
     forward_backward()
     optimizer.step()  # moments exist, as after the first window
     forward_backward()  # the window's gradient so far
-    correction, weight = InPlaceFirstStepWeightPrediction(), torch.tensor(2.0, device=dev)
+    weight = torch.tensor(2.0, device=dev)
+    forms = {"eager": InPlaceFirstStepWeightPrediction(), "compiled": CompiledFirstStepWeightPrediction()}
 
-    def predict() -> None:
-        with correction.forward_context(params, optimizer, 1, window_weight=weight):
-            pass
+    def predict(form: str) -> Callable[[], None]:
+        def run() -> None:
+            with forms[form].forward_context(params, optimizer, 1, window_weight=weight):
+                pass
+
+        return run
 
     def timed(fn: Callable[[], None], repeats: int = 5) -> float:
         times = []
@@ -558,20 +569,34 @@ def check_weight_prediction(device: str) -> Check:
         return sorted(times[1:])[repeats // 2]
 
     real = [p.detach().clone() for p in params]
-    with correction.forward_context(params, optimizer, 1, window_weight=weight):
-        moved = max((p - r).abs().max().item() for p, r in zip(params, real, strict=True))
-    restored = max((p - r).abs().max().item() for p, r in zip(params, real, strict=True))
-    calls = operator_calls(predict)
-    seconds, compute = timed(predict), timed(forward_backward)
+    predicted, moved, restored = {}, {}, {}
+    for form, correction in forms.items():
+        with correction.forward_context(params, optimizer, 1, window_weight=weight):  # compiles the compiled form
+            predicted[form] = [p.detach().clone() for p in params]
+        moved[form] = max((q - r).abs().max().item() for q, r in zip(predicted[form], real, strict=True))
+        restored[form] = max((p - r).abs().max().item() for p, r in zip(params, real, strict=True))
+    apart = max((a - b).abs().max().item() for a, b in zip(*predicted.values(), strict=True))
+    calls = operator_calls(predict("eager"))
+    seconds = {form: timed(predict(form)) for form in forms}
+    compute = timed(forward_backward)
     elements = sum(p.numel() for p in params)
-    ok = moved > 1e-6 and restored <= 1e-5
-    numbers = {"elements": elements, "predict_seconds": seconds, "forward_backward_seconds": compute,
-               "ratio": seconds / compute, "operator_calls": calls, "moved": moved, "restored_error": restored,
+    default = type(make_correction("auto", "paci", 0, 8, 8, 1, optimizer)).__name__
+    ok = (
+        min(moved.values()) > 1e-6 and max(restored.values()) <= 1e-5 and apart <= 1e-3 * min(moved.values())
+    )  # fmt: skip
+    numbers = {"elements": elements, "predict_seconds": seconds["eager"], "compiled_seconds": seconds["compiled"],
+               "forward_backward_seconds": compute, "ratio": seconds["eager"] / compute,
+               "compiled_ratio": seconds["compiled"] / compute, "operator_calls": calls, "moved": moved["eager"],
+               "restored_error": restored["eager"], "compiled_restored_error": restored["compiled"],
+               "forms_apart": apart, "default_here": default,
                "tokens_per_micro_batch": size["batch_size"] * size["block_size"]}  # fmt: skip
     return Check("weight_prediction", "pass" if ok else "fail",
-                 f"{elements:,} fp32 weights: moved {moved:.2e}, restored within {restored:.1e}; apply + undo "
-                 f"{seconds * 1e3:.2f} ms = {seconds / compute:.2f}x a bf16 forward + backward of "
-                 f"{numbers['tokens_per_micro_batch']} tokens; {calls} operator calls", numbers)  # fmt: skip
+                 f"{elements:,} fp32 weights: moved {moved['eager']:.2e}, restored within "
+                 f"{max(restored.values()):.1e}, forms {apart:.1e} apart; apply + undo eager "
+                 f"{seconds['eager'] * 1e3:.2f} ms = {seconds['eager'] / compute:.2f}x, compiled "
+                 f"{seconds['compiled'] * 1e3:.2f} ms = {seconds['compiled'] / compute:.2f}x a bf16 forward + "
+                 f"backward of {numbers['tokens_per_micro_batch']} tokens; eager {calls} operator calls; "
+                 f"'auto' here: {default}", numbers)  # fmt: skip
 
 
 CHECKS: dict[str, Callable[[str], Check]] = {
