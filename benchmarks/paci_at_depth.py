@@ -159,62 +159,60 @@ def _worker(job: tuple[dict[str, Any], int, int, float, int, str]) -> dict[str, 
 
 def layer_costs(config: dict[str, Any], repeats: int = 5) -> dict[str, list[float]]:
     """Forward and backward seconds of every pipeline layer on one micro-batch of the benchmark's size, and
-    ``predict``: one apply + undo of PACI's default prediction on the layer's weights (`prediction_seconds`), eager
-    (the default on CPU), ``predict_compiled``: the same in compiled passes (the default on CUDA), measured in turns
-    with it."""
+    ``predict``: one apply + undo of PACI's default prediction on the layer's weights, eager (the default on CPU),
+    ``predict_compiled``: the same in compiled passes (the default on CUDA) (`prediction_timer`). Medians of
+    ``repeats`` rounds (after one untimed round, which compiles), each round timing every layer in turn: this VM's
+    speed drifts by 1.5x between minutes, and rounds make the drift move every layer alike, so the stage balance
+    the simulator reads stays true."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = _model(config, 1e-3, 100)
-    x = torch.randint(0, 256, (config["batch_size"], config["block"]))
-    forward, backward = [], []
-    inputs: tuple = (x,)
-    for layer in model.pipeline_layers():
-        f_times, b_times = [], []
-        for _ in range(repeats + 1):
-            leaf = tuple(t.detach().requires_grad_() if t.is_floating_point() else t for t in inputs)
+    layers = list(model.pipeline_layers())
+    inputs: list[tuple] = [(torch.randint(0, 256, (config["batch_size"], config["block"])),)]
+    with torch.no_grad():
+        for layer in layers[:-1]:
+            inputs.append((layer(*inputs[-1]),))
+    timers = [prediction_timer(list(layer.parameters()), config) for layer in layers]
+    keys = ("forward", "backward", "predict", "predict_compiled")
+    times: dict[str, list[list[float]]] = {k: [[] for _ in layers] for k in keys}
+    for _ in range(repeats + 1):
+        for i, layer in enumerate(layers):
+            leaf = tuple(t.detach().requires_grad_() if t.is_floating_point() else t for t in inputs[i])
             t0 = time.perf_counter()
             out = layer(*leaf)
             t1 = time.perf_counter()
             out.backward(torch.ones_like(out))
             t2 = time.perf_counter()
-            f_times.append(t1 - t0)
-            b_times.append(t2 - t1)
-        forward.append(statistics.median(f_times[1:]))
-        backward.append(statistics.median(b_times[1:]))
-        inputs = (out.detach(),)
-    predict, compiled = [], []
-    for layer in model.pipeline_layers():
-        params = list(layer.parameters())
-        predict.append(prediction_seconds(params, config, repeats))
-        compiled.append(prediction_seconds(params, config, repeats, compiled=True))
-    return {"forward": forward, "backward": backward, "predict": predict, "predict_compiled": compiled}
+            times["forward"][i].append(t1 - t0)
+            times["backward"][i].append(t2 - t1)
+            times["predict"][i].append(timers[i](False))
+            times["predict_compiled"][i].append(timers[i](True))
+    return {k: [statistics.median(t[1:]) for t in per_layer] for k, per_layer in times.items()}
 
 
-def prediction_seconds(
-    params: list[torch.nn.Parameter], config: dict[str, Any], repeats: int = 5, compiled: bool = False
-) -> float:  # fmt: skip
-    """Seconds of one stale forward's prediction around an empty forward (apply, then undo) on ``params`` (on CPU:
-    gpu_smoke's ``weight_prediction`` check times it on a GPU): PACI's default (`InPlaceFirstStepWeightPrediction`;
-    ``compiled``: `CompiledFirstStepWeightPrediction`, compiled in the first, untimed, repeat) with AdamW state and a
-    window's gradient, as at a stale forward."""
+def prediction_timer(params: list[torch.nn.Parameter], config: dict[str, Any]) -> Any:
+    """A timer of one stale forward's prediction around an empty forward (apply, then undo) on ``params``, with AdamW
+    state and a window's gradient, as at a stale forward: ``timer(compiled)`` returns the seconds of one, PACI's
+    default on CPU (`InPlaceFirstStepWeightPrediction`) or on CUDA (``compiled``: `CompiledFirstStepWeightPrediction`,
+    compiled at its first call). On CPU; gpu_smoke's ``weight_prediction`` check times both on a GPU."""
     from lit_efficient.runtime.staleness import CompiledFirstStepWeightPrediction, InPlaceFirstStepWeightPrediction
 
     if not params:
-        return 0.0
+        return lambda compiled: 0.0
     optimizer = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, config.get("beta2", 0.95)), weight_decay=0.1)
     for p in params:
         p.grad = torch.randn_like(p)
-    optimizer.step()  # moments exist, as after the first window
-    kind = CompiledFirstStepWeightPrediction if compiled else InPlaceFirstStepWeightPrediction
-    correction, weight, times = kind(), torch.tensor(3.0), []
-    for _ in range(repeats + 1):
+    optimizer.step()  # moments exist, as after the first window; the gradient stands for the window's so far
+    forms = {False: InPlaceFirstStepWeightPrediction(), True: CompiledFirstStepWeightPrediction()}
+    weight = torch.tensor(3.0)
+
+    def timer(compiled: bool) -> float:
         t0 = time.perf_counter()
-        with correction.forward_context(params, optimizer, 1, window_weight=weight):
+        with forms[compiled].forward_context(params, optimizer, 1, window_weight=weight):
             pass
-        times.append(time.perf_counter() - t0)
-    for p in params:
-        p.grad = None
-    return statistics.median(times[1:])
+        return time.perf_counter() - t0
+
+    return timer
 
 
 def stale_forward_share(stages: int, accumulate: int) -> list[float]:

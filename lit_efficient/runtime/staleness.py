@@ -7,7 +7,8 @@ runtime passes as ``pending_steps``). The corrections below use it; with ``1f1b_
 the identity.
 
 The strategy's default (``staleness_correction="auto"``, `make_correction`) is `InPlaceFirstStepWeightPrediction`
-with Adam or AdamW (`predictable`) and nothing with other optimizers. It goes with the strategy's synchronous start
+with Adam or AdamW (`predictable`), its compiled form `CompiledFirstStepWeightPrediction` on CUDA weights, and
+nothing with other optimizers. It goes with the strategy's synchronous start
 (``sync_start_steps="auto"``: the first `auto_sync_start_steps` steps in 1F1B-flush order, while Adam's moments are
 young): together they ended within 0.3% of flush's loss on the benchmark grid at lr 2e-3, where the prediction
 alone left runs up to 5.7% above it and the start alone up to 5.1% (benchmarks/reports/exp31-staleness.md).
@@ -41,6 +42,7 @@ alone left runs up to 5.7% above it and the start alone up to 5.1% (benchmarks/r
   `InPlaceFirstStepWeightPrediction`: the same without the weight-sized buffer (the prediction inverted
   in place, equal up to rounding), in fused multi-tensor operations (`_direction`: lerp and addcdiv, about
   half the passes over memory of the stashing forms' ``step``, a bounded number of operators per stage).
+  `CompiledFirstStepWeightPrediction`: `InPlaceFirstStepWeightPrediction` in compiled passes (one per weight).
 - Tried for issue 31 and not better (benchmarks/reports, exp31): `DampedWeightPrediction` (half the
   extrapolation), `ShrunkWeightPrediction` (a young window's mean shrunk towards the momentum),
   `MomentumLookAhead` (the last update, recomputed from Adam's moments: PipeNAG/SpecTrain) and

@@ -184,19 +184,21 @@ class PACIStrategy(DDPStrategy):
             weights; with one replica (and in one process) nothing is split. See
             `lit_efficient.replicas.sharded_optimizer`.
         staleness_correction: PACI only (under flush nothing is stale and every value is the identity). Default
-            ``"auto"``: with AdamW or Adam, each stale forward (a stage's micro-batch whose backward comes after
-            the stage's next step) runs on weights extrapolated by the optimizer's own pending update, AdamW's
-            first step included, the window's gradient so far folded into its moments, and the backward and the
-            step on the real weights; the prediction is undone by its exact inverse, so no copy of the weights
-            is kept (``"weight_prediction_first_step_inplace"``); with any other optimizer, or a sharded optimizer
-            state, off. Measured (BENCHMARKS.md, "PACI at depth"): plain PACI ends 13-21% above flush's loss at
-            S=8 N=8 lr 2e-3, the default with ``sync_start_steps`` below within 0.3% (3 seeds). None (or
-            ``"none"``): plain PACI, the rule of docs/DESIGN.md section 3. ``"lr_scale"`` scales each stale
-            stage's learning rate by ``(1 + d_s) ** -(1 - min(1, k / staleness_anneal_steps))`` with
-            d_s = ceil((S-1-s)/N) and k its step (PipeMare). ``"weight_prediction"`` predicts from the second step
-            on (one weight-sized buffer per stage), ``"weight_prediction_first_step"`` is the default's rule with
-            that buffer; the other names are the candidates measured in BENCHMARKS.md. See
-            `lit_efficient.runtime.staleness`.
+            ``"auto"``: with AdamW or Adam, each stale forward (a stage's micro-batch whose backward comes after the
+            stage's next step) runs on weights extrapolated by the optimizer's own pending update, AdamW's first step
+            included, the window's gradient so far folded into its moments, and the backward and the step on the real
+            weights; the prediction is undone by its exact inverse, so no copy of the weights is kept
+            (``"weight_prediction_first_step_inplace"``; on CUDA weights its compiled form, one pass over memory per
+            apply or undo instead of ~9, ``"weight_prediction_first_step_compiled"``, compiled at each stage's first
+            stale forward, eager with a warning if compiling fails); with any other optimizer, or a sharded optimizer
+            state, off. Measured (BENCHMARKS.md, "PACI at depth"): plain PACI ends 13-21% above flush's loss at S=8 N=8
+            lr 2e-3, the default with ``sync_start_steps`` below within 0.3% (3 seeds). None (or ``"none"``): plain
+            PACI, the rule of docs/DESIGN.md section 3. ``"lr_scale"`` scales each stale stage's learning rate by
+            ``(1 + d_s) ** -(1 - min(1, k / staleness_anneal_steps))`` with d_s = ceil((S-1-s)/N) and k its step
+            (PipeMare).
+            ``"weight_prediction"`` predicts from the second step on (one weight-sized buffer per stage),
+            ``"weight_prediction_first_step"`` is the default's rule with that buffer; the other names are the
+            candidates measured in BENCHMARKS.md. See `lit_efficient.runtime.staleness`.
         staleness_anneal_steps: Optimizer steps over which ``"lr_scale"`` returns to the plain learning rate.
         sync_start_steps: PACI only: the first K optimizer steps of a fit run in 1F1B-flush order (each window
             drained before the next: nothing stale, the flush bubble), then PACI. ``"auto"`` (default):
