@@ -391,8 +391,10 @@ class CompiledFirstStepWeightPrediction(InPlaceFirstStepWeightPrediction):
     """`InPlaceFirstStepWeightPrediction` whose apply and undo are one compiled pass over each parameter
     (`torch.compile` of `_fused_prediction`: reads w, m, v and g once, writes w, no temporaries). The eager form
     makes ~9 passes over memory per apply or undo (`_direction`, then the update: ~88 bytes moved per fp32 weight
-    against 20) and, on CPU, one dispatch per tensor and operator. Measured on one CPU thread
-    (benchmarks/reports/exp31-staleness.md, "The compiled prediction"): apply + undo ~4x faster than the eager form.
+    against 20) and, on CPU, one dispatch per tensor and operator; Inductor makes one kernel per update key, writing
+    the weights in place, no allocation (its output code on CPU). Measured on one CPU thread
+    (benchmarks/reports/exp31-staleness.md, "The compiled prediction"): apply + undo 2.1x faster than the eager form
+    for a block of 50K weights (where the compiled call's guards over 48 tensors dominate), 3.4x for 790K.
 
     ``"auto"`` is this form on CUDA weights; elsewhere ``"weight_prediction_first_step_compiled"`` asks for it (on CPU
     it needs a C++ compiler). What it does not cover (the first step's zero moments, a window without a gradient yet,
