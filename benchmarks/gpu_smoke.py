@@ -36,8 +36,9 @@ tests/test_gpu.py calls too:
 
 - ``weight_prediction``: PACI's default staleness correction on three blocks with fp32 weights and AdamW state,
   eager and compiled ("auto" on CUDA): the stale forward's weights moved, the real ones restored within 1e-5 after
-  it, the forms equal up to rounding; their apply + undo times against the blocks' bf16 forward + backward of one
-  micro-batch (GPT-2 Medium's width on CUDA), and the eager form's operator calls.
+  it, the forms equal up to rounding, no host sync in either (CUDA); their apply + undo times against the
+  blocks' bf16 forward + backward of one micro-batch (GPT-2 Medium's width on CUDA), and the eager form's operator
+  calls.
 
 Not covered here: NCCL between processes needs two GPUs. The strict-order transport tests cover it on
 CPU instead (a replay of the traced point-to-point operations under NCCL's ordering rules: per-communicator
@@ -577,18 +578,24 @@ def check_weight_prediction(device: str) -> Check:
         restored[form] = max((p - r).abs().max().item() for p, r in zip(params, real, strict=True))
     apart = max((a - b).abs().max().item() for a, b in zip(*predicted.values(), strict=True))
     calls = operator_calls(predict("eager"))
+    syncs: list[str] = []
+    if dev.type == "cuda":  # on CPU `_count_host_syncs` counts reads of CPU values (Adam's step), not waits
+        with _count_host_syncs(dev) as syncs:
+            for form in forms:
+                predict(form)()
     seconds = {form: timed(predict(form)) for form in forms}
     compute = timed(forward_backward)
     elements = sum(p.numel() for p in params)
     default = type(make_correction("auto", "paci", 0, 8, 8, 1, optimizer)).__name__
     ok = (
         min(moved.values()) > 1e-6 and max(restored.values()) <= 1e-5 and apart <= 1e-3 * min(moved.values())
+        and not syncs
     )  # fmt: skip
     numbers = {"elements": elements, "predict_seconds": seconds["eager"], "compiled_seconds": seconds["compiled"],
                "forward_backward_seconds": compute, "ratio": seconds["eager"] / compute,
                "compiled_ratio": seconds["compiled"] / compute, "operator_calls": calls, "moved": moved["eager"],
                "restored_error": restored["eager"], "compiled_restored_error": restored["compiled"],
-               "forms_apart": apart, "default_here": default,
+               "forms_apart": apart, "default_here": default, "host_syncs": syncs,
                "tokens_per_micro_batch": size["batch_size"] * size["block_size"]}  # fmt: skip
     return Check("weight_prediction", "pass" if ok else "fail",
                  f"{elements:,} fp32 weights: moved {moved['eager']:.2e}, restored within "
@@ -596,7 +603,8 @@ def check_weight_prediction(device: str) -> Check:
                  f"{seconds['eager'] * 1e3:.2f} ms = {seconds['eager'] / compute:.2f}x, compiled "
                  f"{seconds['compiled'] * 1e3:.2f} ms = {seconds['compiled'] / compute:.2f}x a bf16 forward + "
                  f"backward of {numbers['tokens_per_micro_batch']} tokens; eager {calls} operator calls; "
-                 f"'auto' here: {default}", numbers)  # fmt: skip
+                 f"host syncs {len(syncs) if dev.type == 'cuda' else 'n/a (CPU)'}; 'auto' here: {default}",
+                 numbers)  # fmt: skip
 
 
 CHECKS: dict[str, Callable[[str], Check]] = {

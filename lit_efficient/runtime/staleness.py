@@ -225,14 +225,14 @@ class WeightPrediction(StalenessCorrection):
 
 
 def _fused_prediction(
-    ws: list[Tensor], ms: list[Tensor], vs: list[Tensor], gs: list[Tensor], weight: Tensor, coef: Tensor, b1: float,
-    b2: float, eps: float,
+    ws: list[Tensor], ms: list[Tensor], vs: list[Tensor], gs: list[Tensor], weight: Tensor, a: Tensor, s: Tensor,
+    bc2: Tensor, b1: float, b2: float, eps: float,
 ) -> None:  # fmt: skip
     """``w <- a w + s m' / (sqrt(v' / bc2) + eps)`` for every weight, ``m'``, ``v'`` Adam's moments with the window's
-    mean ``g / weight`` folded in and ``coef = (a, s, bc2)``: the in-place prediction's apply (``a = 1 - c k``,
-    ``s = -c lr / bc1``) and its undo (``a = 1 / (1 - c k)``, ``s = c lr / bc1 / (1 - c k)``), which evaluates the same
-    ``m' / (...)`` on the same inputs. Written for `torch.compile` (one pass per weight); run eagerly it is slow."""
-    a, s, bc2 = coef[0], coef[1], coef[2]
+    mean ``g / weight`` folded in: the in-place prediction's apply (``a = 1 - c k``, ``s = -c lr / bc1``) and its undo
+    (``a = 1 / (1 - c k)``, ``s = c lr / bc1 / (1 - c k)``), which evaluates the same ``m' / (...)`` on the same
+    inputs. ``a``, ``s`` and ``bc2`` are 0-dim tensors on the weights' device, so a new learning rate or step count
+    is not a recompilation. Written for `torch.compile` (one pass per weight); run eagerly it is slow."""
     for w, m, v, g in zip(ws, ms, vs, gs, strict=True):
         mean = g / weight
         num = torch.lerp(m, mean, 1 - b1)
@@ -295,10 +295,13 @@ def _fused_call(fn: Any, key: tuple, params: list[nn.Parameter], steps: dict[int
     lr, decay, b1, b2, eps, t, _, _ = key
     tt = t + 1  # the window's gradient folded in: the bias corrections of the pending step
     a, s = 1 - c * decay, c * lr / (1 - b1**tt)
-    coef = (1 / a, s / a) if undo else (a, -s)
-    coef_t = torch.tensor([*coef, 1 - b2**tt], dtype=torch.float32, device=params[0].device)
+    coef = (1 / a, s / a, 1 - b2**tt) if undo else (a, -s, 1 - b2**tt)
+    # Filled on the device (a kernel argument each): a tensor built from host values would be a blocking host-to-
+    # device copy, a host sync per apply and per undo on CUDA.
+    device = params[0].device
+    a_t, s_t, bc2_t = (torch.full((), x, dtype=torch.float32, device=device) for x in coef)
     ms, vs, gs = (list(x) for x in zip(*(steps[id(p)].sliced(None) for p in params), strict=True))
-    fn([p.detach() for p in params], ms, vs, gs, steps[id(params[0])].weight, coef_t, b1, b2, eps)
+    fn([p.detach() for p in params], ms, vs, gs, steps[id(params[0])].weight, a_t, s_t, bc2_t, b1, b2, eps)
 
 
 @contextmanager

@@ -432,3 +432,29 @@ def test_auto_compiles_the_prediction_on_cuda_weights(monkeypatch):
     assert type(named) is CompiledFirstStepWeightPrediction
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     assert type(make_correction("auto", "paci", 0, 4, 4, 10, adamw)) is CompiledFirstStepWeightPrediction
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_compiled_prediction_builds_no_tensor_from_host_values(monkeypatch):
+    """The compiled form's coefficients (learning rate, bias corrections: host floats that change every step) are
+    filled on the weights' device: a tensor built from host values is a blocking host-to-device copy on CUDA, a host
+    sync per apply and per undo, which a pipeline must not make per micro-batch (gpu_smoke's ``weight_prediction``
+    counts them on a GPU)."""
+    from lit_efficient.runtime import staleness
+
+    monkeypatch.setitem(staleness._COMPILER_WORKS, "ok", True)
+    params, opt = _stage_with_a_window()
+    correction = staleness.CompiledFirstStepWeightPrediction()
+    with correction.forward_context(params, opt, 1, torch.tensor(1.0)):  # compiles
+        pass
+
+    def from_host(*args, **kwargs):
+        raise AssertionError("a tensor built from host values at a stale forward")
+
+    for name in ("tensor", "as_tensor"):
+        monkeypatch.setattr(torch, name, from_host)
+    real = [p.detach().clone() for p in params]
+    with correction.forward_context(params, opt, 1, torch.ones(())):
+        moved = max((p - r).abs().max().item() for p, r in zip(params, real, strict=True))
+    # Predicted, and in compiled passes: the eager fallback (taken on any error in the compiled call) did not run.
+    assert moved > 1e-3 and staleness._COMPILER_WORKS["ok"]
