@@ -61,7 +61,13 @@ from lit_efficient.runtime.split import (
     whole_model_parameters,
 )
 from lit_efficient.runtime.stage import PipelineStage
-from lit_efficient.runtime.staleness import CorrectionName, StalenessCorrection, auto_sync_start_steps, make_correction
+from lit_efficient.runtime.staleness import (
+    CompiledFirstStepWeightPrediction,
+    CorrectionName,
+    StalenessCorrection,
+    auto_sync_start_steps,
+    make_correction,
+)
 from lit_efficient.runtime.tied import finish_tied, tie_delay, tie_stage, untag
 from lit_efficient.runtime.topology import Topology
 from lit_efficient.strategy import evaluation, stage_checkpoints
@@ -603,6 +609,13 @@ class PACIStrategy(DDPStrategy):
                 replicas=self.replicas,
             )  # fmt: skip
             stage.correction = self.correction_for(index, trainer, optimizer)
+            if isinstance(stage.correction, CompiledFirstStepWeightPrediction) and index == self.hosted_stages[0]:
+                rank_zero_info(
+                    "PACIStrategy: stale forwards run on weights predicted in compiled passes (staleness_correction="
+                    f"{self.staleness_correction!r}): each stage compiles its prediction once, at its first stale "
+                    "forward (seconds, up to a minute); staleness_correction='weight_prediction_first_step_inplace' "
+                    "runs the eager form instead."
+                )
             if self._split.ties and index in (0, self.pipeline_stages - 1):
                 delay = tie_delay(self.pipeline_stages, max(1, trainer.accumulate_grad_batches))
                 tied = tie_stage(stage, self._split, self.schedule, delay, links.tied(index, delay))
