@@ -248,8 +248,8 @@ def _compiled_prediction() -> Any:
     """A compiled `_fused_prediction` of its own (a fresh code object): torch.compile keeps its graphs per code object
     and at most ``recompile_limit`` (8) of them, and each stage needs one per update key (a stage, its own shapes)."""
     fn = types.FunctionType(_fused_prediction.__code__.replace(), _fused_prediction.__globals__, "_fused_prediction")
-    # No size asserts in the compiled code: the graph's guards check every input's sizes and strides already, and
-    # the asserts cost a quarter of a small stage's call on CPU (~50 of ~200 us for 48 tensors).
+    # No size asserts in the compiled code: the graph's guards check every input's sizes and strides already (the
+    # asserts re-check each of the 4 x n tensors at every call).
     return torch.compile(fn, dynamic=False, fullgraph=True, options={"size_asserts": False})
 
 
@@ -292,10 +292,10 @@ def _run_fused(
 
 def _fused_call(fn: Any, key: tuple, params: list[nn.Parameter], steps: dict[int, Any], c: float, undo: bool) -> None:
     """One update key's apply (``w -> w (1 - c k) - c D``) or undo (its inverse) through ``fn``."""
-    lr, decay, b1, b2, eps, t, _, _ = key
-    tt = t + 1  # the window's gradient folded in: the bias corrections of the pending step
-    a, s = 1 - c * decay, c * lr / (1 - b1**tt)
-    coef = (1 / a, s / a, 1 - b2**tt) if undo else (a, -s, 1 - b2**tt)
+    lr, decay, b1, b2, eps, _, _, _ = key
+    bc1, bc2 = _bias_corrections(key)
+    a, s = 1 - c * decay, c * lr / bc1
+    coef = (1 / a, s / a, bc2) if undo else (a, -s, bc2)
     # Filled on the device (a kernel argument each): a tensor built from host values would be a blocking host-to-
     # device copy, a host sync per apply and per undo on CUDA.
     device = params[0].device
@@ -636,9 +636,9 @@ def _direction(items: list[tuple[Any, slice | None]]) -> tuple[list[Tensor], lis
     multi-tensor operations (lerp, addcdiv: about half the passes over memory of ``step``, and a handful of kernels
     per batch). The window's mean is not shrunk (``accumulate`` is for ``step`` only)."""
     first = items[0][0]
-    lr, _, b1, b2, eps, t, _, _ = first.key
+    lr, _, b1, b2, eps, _, _, _ = first.key
+    bc1, bc2 = _bias_corrections(first.key)
     ms, vs, gs = (list(x) for x in zip(*(step.sliced(part) for step, part in items), strict=True))
-    tt = t
     if gs[0] is not None:
         mean = torch._foreach_div(gs, first.weight)
         num = torch._foreach_mul(mean, 1 - b1) if ms[0] is None else torch._foreach_lerp(ms, mean, 1 - b1)
@@ -648,13 +648,21 @@ def _direction(items: list[tuple[Any, slice | None]]) -> tuple[list[Tensor], lis
             denom = mean
         else:
             denom = torch._foreach_lerp(vs, mean, 1 - b2)
-        tt = t + 1
-        torch._foreach_div_(denom, 1 - b2**tt)
+        torch._foreach_div_(denom, bc2)
     else:
-        num, denom = ms, torch._foreach_div(vs, 1 - b2**tt)
+        num, denom = ms, torch._foreach_div(vs, bc2)
     torch._foreach_sqrt_(denom)
     torch._foreach_add_(denom, eps)
-    return num, denom, lr / (1 - b1**tt)
+    return num, denom, lr / bc1
+
+
+def _bias_corrections(key: tuple) -> tuple[float, float]:
+    """Adam's bias corrections ``(1 - b1 ** t', 1 - b2 ** t')`` of the pending step for an update key (`_adam_step`'s
+    ``key``), as the eager (`_direction`) and the compiled (`_fused_call`) prediction use them: t' = t + 1 with the
+    window's gradient folded into the moments, t (the current moments alone) when the window has none yet."""
+    _, _, b1, b2, _, t, _, no_gradient = key
+    tt = t if no_gradient else t + 1
+    return 1 - b1**tt, 1 - b2**tt
 
 
 def make_correction(
