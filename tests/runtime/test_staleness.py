@@ -458,3 +458,34 @@ def test_compiled_prediction_builds_no_tensor_from_host_values(monkeypatch):
         moved = max((p - r).abs().max().item() for p, r in zip(params, real, strict=True))
     # Predicted, and in compiled passes: the eager fallback (taken on any error in the compiled call) did not run.
     assert moved > 1e-3 and staleness._COMPILER_WORKS["ok"]
+
+
+def test_each_stage_compiles_its_prediction_into_its_own_cache(monkeypatch):
+    """torch.compile keeps at most ``recompile_limit`` (8) graphs per code object, a hard error beyond under
+    ``fullgraph``, and a stage needs one per update key and shape set: an in-process pipeline of 8 stages with 2
+    parameter groups needs 14. `_compiled_prediction` gives each stage's correction a fresh code object: with the
+    limit lowered to 2, two of them take 2 shape sets each, twice what one cache holds (Dynamo's eager backend:
+    the caches are the question, not Inductor's code); one shared function fails there."""
+    import torch._dynamo.config as dynamo_config
+    import torch._dynamo.exc
+
+    from lit_efficient.runtime import staleness
+
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, backend="eager", dynamic=False, fullgraph=True))
+    monkeypatch.setattr(dynamo_config, "recompile_limit", 2)
+    torch._dynamo.reset()
+    one = torch.ones(())
+
+    def call(fn, n: int) -> None:
+        with torch.no_grad():
+            fn([torch.ones(n)], [torch.zeros(n)], [torch.ones(n)], [torch.ones(n)], one, one, -one, one, 0.9, 0.95, 0.1)
+
+    for fn in (staleness._compiled_prediction(), staleness._compiled_prediction()):
+        for n in (1, 2):
+            call(fn, n)
+    shared = staleness._compiled_prediction()
+    for n in (1, 2):
+        call(shared, n)
+    with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
+        call(shared, 3)  # the premise: one code object holds no more
