@@ -10,6 +10,7 @@ intra-op thread, as the spawned ranks do, since the thread count can change floa
 from __future__ import annotations
 
 import pickle
+from functools import partial
 from pathlib import Path
 
 import lightning as L
@@ -20,6 +21,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lit_efficient import PACIStrategy
 from lit_efficient.data import TextDataModule
 from lit_efficient.models import HFCausalLM
+from lit_efficient.runtime import staleness
 from lit_efficient.runtime.host import PipelineDeadlockError
 from lit_efficient.runtime.partition import partition_uniform, stage_bounds
 from lit_efficient.runtime.stage import PipelineStage
@@ -185,7 +187,15 @@ class Views(Callback):
 
     def on_train_end(self, trainer, pl_module):
         self._see("train_end", trainer, pl_module)
-        out = {"views": self.views, "losses": self.losses}
+        runtime = getattr(trainer.strategy, "runtime", None)  # None: plain one-device Lightning
+        # Per hosted stage: whether it predicted in compiled passes (a compiled form that fell back: False).
+        runtimes = getattr(runtime, "runtimes", [runtime]) if runtime is not None else []
+        compiled = {
+            rt.stage.stage: getattr(rt.stage.correction, "_fn", None) is not None and staleness._COMPILER_WORKS["ok"]
+            for rt in runtimes
+        }
+        drift = {rt.stage.stage: rt.stats()["drift_max"] for rt in runtimes}  # > 0: stale forwards ran
+        out = {"views": self.views, "losses": self.losses, "compiled": compiled, "drift": drift}
         Path(self.path, f"rank{trainer.global_rank}.pkl").write_bytes(pickle.dumps(out))
 
 
@@ -193,27 +203,32 @@ def _value(x) -> float | None:
     return None if x is None else float(x)
 
 
-def _fit(tmp: Path, module: HFCausalLM, strategy, devices: int, epoch: int = 7) -> HFCausalLM:
-    """3 optimizer steps over epochs of ``epoch`` micro-batches (windows of 4: with 7, the first epoch ends with
-    a partial window, the run with max_steps in the middle of the second), a validation every 3 micro-batches
-    (in the middle of a window), a checkpoint every 2 steps, the default (shuffling) loader."""
+def _fit(
+    tmp: Path, module: HFCausalLM, strategy, devices: int, epoch: int = 7, steps: int = 3, val_every: int = 3
+) -> HFCausalLM:
+    """``steps`` optimizer steps over epochs of ``epoch`` micro-batches (windows of 4: with 7, the first epoch ends
+    with a partial window, the run with max_steps in the middle of the second), a validation every ``val_every``
+    micro-batches (3 or 5: in the middle of windows), a checkpoint every 2 steps, the default (shuffling) loader."""
     tmp.mkdir(parents=True, exist_ok=True)
     views = Views(tmp)
     ckpt = ModelCheckpoint(dirpath=tmp / "ckpt", every_n_train_steps=2, filename="{step}", save_top_k=-1)
     trainer = L.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, max_steps=3, accumulate_grad_batches=4,
-        limit_train_batches=epoch, val_check_interval=3, limit_val_batches=2, callbacks=[views, ckpt], logger=False,
-        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp,
+        accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, accumulate_grad_batches=4,
+        limit_train_batches=epoch, val_check_interval=val_every, limit_val_batches=2, callbacks=[views, ckpt],
+        logger=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp,
     )  # fmt: skip
     trainer.fit(module, datamodule=_data())
     return module
 
 
-def _pipeline(stages: int, schedule: str) -> PACIStrategy:
-    # PACI's defaults with AdamW (weight prediction, a synchronous start) with the start shortened to 2 steps: the
-    # switch from flush's order, a tied weight's PACI rule across it, in both hostings.
-    sync = {"sync_start_steps": 2} if schedule == "paci" else {}
-    return PACIStrategy(pipeline_stages=stages, schedule=schedule, start_method="forkserver", **sync)
+def _pipeline(stages: int, schedule: str, correction: str = "auto") -> PACIStrategy:
+    # PACI's defaults with AdamW (weight prediction, a synchronous start) with the start shortened to 1 step: the
+    # switch from flush's order, a tied weight's PACI rule across it, and stale forwards (predicted) in the 3-step
+    # fit's last window, in both hostings.
+    sync = {"sync_start_steps": 1} if schedule == "paci" else {}
+    return PACIStrategy(
+        pipeline_stages=stages, schedule=schedule, start_method="forkserver", staleness_correction=correction, **sync
+    )
 
 
 def _views(path: Path) -> dict:
@@ -249,22 +264,37 @@ def _compare_views(mine: list[dict], theirs: list[dict], grads: bool, lr_pairs: 
     return worst
 
 
-# (architecture, stages, schedule): tied and untied embeddings, S=2 and S=4, both schedules.
-CASES = [("gpt2", 4, "paci"), ("llama", 2, "paci"), ("qwen2", 4, "1f1b_flush"), ("gpt_neox", 2, "1f1b_flush")]
+# (architecture, stages, schedule, staleness correction, micro-batches per epoch): tied and untied embeddings, S=2
+# and S=4, both schedules. Epochs of 7 end in a partial window (3 steps, a validation every 3 micro-batches). A
+# drain (a validation, a checkpoint, an epoch's end) at a window's end leaves nothing stale, and with those the
+# PACI runs would never forward on predicted weights: epochs of 16 run 4 steps with a validation every 5
+# micro-batches, so step 3's window end is not a drain and window 4's first forward on stage 0 is stale (predicted)
+# after the 1-step synchronous start: the eager prediction on llama, the compiled one ("auto" on CUDA) on a tied
+# qwen2.
+COMPILED = "weight_prediction_first_step_compiled"
+CASES = [
+    ("gpt2", 4, "paci", "auto", 7), ("llama", 2, "paci", "auto", 16), ("qwen2", 4, "1f1b_flush", "auto", 7),
+    ("gpt_neox", 2, "1f1b_flush", "auto", 7), ("qwen2", 2, "paci", COMPILED, 16),
+]  # fmt: skip
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize(("arch", "stages", "schedule"), CASES, ids=[f"{a}-S{s}-{k}" for a, s, k in CASES])
-def test_hf_models_in_one_process_equal_processes(tmp_path, arch, stages, schedule):
-    """HFCausalLM in one process against S processes, through the real Trainer (default loader, validation
-    inside fit in the middle of windows, an epoch ending in a partial window, max_steps in the middle of the
-    next, checkpoints): what every callback hook sees (weights, gradients, learning rates of every stage,
-    steps, validation losses), the training losses, the checkpoint files and the weights after fit are
-    identical; a tied weight is one parameter again afterwards. Under flush both also equal plain
-    one-device Lightning with accumulate_grad_batches=4 (to float reassociation)."""
+@pytest.mark.parametrize(
+    ("arch", "stages", "schedule", "correction", "epoch"), CASES,
+    ids=[f"{a}-S{s}-{k}-{e}" + ("-compiled" if c == COMPILED else "") for a, s, k, c, e in CASES],
+)  # fmt: skip
+def test_hf_models_in_one_process_equal_processes(tmp_path, arch, stages, schedule, correction, epoch):
+    """HFCausalLM in one process against S processes, through the real Trainer (default loader, validation inside fit in
+    the middle of windows, an epoch ending in a partial window and max_steps in the middle of the next, or 4 windows in
+    one epoch where PACI's stale forwards run on predicted weights; checkpoints): what every callback hook sees
+    (weights, gradients, learning rates of every stage, steps, validation losses), the training losses, the checkpoint
+    files and the weights after fit are identical; a tied weight is one parameter again afterwards. Under flush both
+    also equal plain one-device Lightning with accumulate_grad_batches=4 (to float reassociation)."""
     flush = schedule == "1f1b_flush"
-    local = _fit(tmp_path / "local", _model(arch, sgd=flush), _pipeline(stages, schedule), 1)
-    procs = _fit(tmp_path / "procs", _model(arch, sgd=flush), _pipeline(stages, schedule), stages)
+    steps, val_every = (3, 3) if epoch == 7 else (4, 5)
+    pipeline = partial(_pipeline, stages, schedule, correction)
+    local = _fit(tmp_path / "local", _model(arch, sgd=flush), pipeline(), 1, epoch, steps, val_every)
+    procs = _fit(tmp_path / "procs", _model(arch, sgd=flush), pipeline(), stages, epoch, steps, val_every)
     start = _model(arch, sgd=flush).state_dict()
     after = local.state_dict()
     assert max(_diff(after[k], start[k]) for k in start) > 1e-3  # training moved the weights
@@ -284,7 +314,18 @@ def test_hf_models_in_one_process_equal_processes(tmp_path, arch, stages, schedu
         theirs = _views(tmp_path / f"procs/rank{rank}.pkl")
         (stage,) = theirs["views"][0]["lr"]
         assert _compare_views(one["views"], theirs["views"], grads=True, lr_pairs=[(stage, stage)]) == 0.0, rank
-    assert one["losses"] == _views(tmp_path / "procs/rank0.pkl")["losses"] and len(one["losses"]) == 11
+    # Windows of 4, less the partial window's missing micro-batch with epochs of 7.
+    assert one["losses"] == _views(tmp_path / "procs/rank0.pkl")["losses"]
+    assert len(one["losses"]) == 4 * steps - (epoch == 7)
+    compiled, drift = {}, {}
+    for rank in range(stages):
+        theirs = _views(tmp_path / f"procs/rank{rank}.pkl")
+        compiled.update(theirs["compiled"])
+        drift.update(theirs["drift"])
+    # Stage 0's stale forwards ran (on predicted weights) in both hostings where the epoch holds the windows, and
+    # in compiled passes in both, or in neither.
+    assert one["drift"][0] == drift[0] == (1 if schedule == "paci" and epoch == 16 else 0)
+    assert one["compiled"][0] == compiled[0] == (correction == COMPILED)
     saved = [torch.load(tmp_path / d / "ckpt/step=2.ckpt", weights_only=False) for d in ("local", "procs")]
     for key in ("state_dict", "optimizer_states", "lr_schedulers", "pipeline", "global_step", "loops"):
         _assert_same(saved[0][key], saved[1][key], key)
