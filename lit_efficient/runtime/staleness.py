@@ -402,7 +402,8 @@ class CompiledFirstStepWeightPrediction(InPlaceFirstStepWeightPrediction):
     ``"auto"`` is this form on CUDA weights; elsewhere ``"weight_prediction_first_step_compiled"`` asks for it (on CPU
     it needs a C++ compiler). What it does not cover (the first step's zero moments, a window without a gradient yet,
     bf16 weights) takes the eager form. Cost: a compilation per stage and update key in each process, at the first
-    stale forward (~10-15 s on CPU). A failed compilation warns once and leaves the eager form for the rest of the
+    stale forward (three blocks on one CPU thread: 46 s with Inductor's cache empty, 7 s with it warm; gpu_smoke's
+    ``weight_prediction`` check). A failed compilation warns once and leaves the eager form for the rest of the
     process. The result equals the eager form's up to rounding, not bit for bit (another order of operations).
     """
 

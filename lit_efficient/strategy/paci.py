@@ -613,8 +613,8 @@ class PACIStrategy(DDPStrategy):
                 rank_zero_info(
                     "PACIStrategy: stale forwards run on weights predicted in compiled passes (staleness_correction="
                     f"{self.staleness_correction!r}): each stage compiles its prediction once, at its first stale "
-                    "forward (seconds, up to a minute); staleness_correction='weight_prediction_first_step_inplace' "
-                    "runs the eager form instead."
+                    "forward (seconds; up to a minute the first time on a machine); "
+                    "staleness_correction='weight_prediction_first_step_inplace' runs the eager form instead."
                 )
             if self._split.ties and index in (0, self.pipeline_stages - 1):
                 delay = tie_delay(self.pipeline_stages, max(1, trainer.accumulate_grad_batches))
