@@ -411,6 +411,11 @@ class CompiledFirstStepWeightPrediction(InPlaceFirstStepWeightPrediction):
         super().__init__()
         self._fn: Any = None  # this stage's `_compiled_prediction`, made at its first stale forward
 
+    @property
+    def compiled(self) -> bool:
+        """Whether this stage predicts in compiled passes: it has compiled, and no compilation in the process failed."""
+        return self._fn is not None and _COMPILER_WORKS["ok"]
+
     def _in_place(self, params: list[nn.Parameter], steps: dict[int, Any], c: float) -> Any:  # type: ignore[override]
         fused = _fused_groups(params, steps) if _COMPILER_WORKS["ok"] else {}
         if not fused:

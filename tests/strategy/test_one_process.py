@@ -16,7 +16,6 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lit_efficient import GradientAccumulation, PACIStrategy
-from lit_efficient.runtime import staleness
 from lit_efficient.runtime.host import PipelineDeadlockError, StageHost
 from lit_efficient.runtime.interpreter import PipelineRuntime
 from lit_efficient.runtime.stage import PipelineStage
@@ -132,7 +131,7 @@ class Record(Callback):
         for st, correction in zip(stats, corrections, strict=True):
             keep = ("forwards", "backwards", "steps", "max_in_flight", "drift_max", "drift_mean")
             # Whether the stage predicted in compiled passes (a compiled form that fell back to eager: False).
-            compiled = getattr(correction, "_fn", None) is not None and staleness._COMPILER_WORKS["ok"]
+            compiled = getattr(correction, "compiled", False)
             record = {**{k: st[k] for k in keep}, "compiled": compiled}
             Path(self.path, f"stage{st['stage']}.json").write_text(json.dumps(record))
         if trainer.global_rank == 0:

@@ -21,7 +21,6 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lit_efficient import PACIStrategy
 from lit_efficient.data import TextDataModule
 from lit_efficient.models import HFCausalLM
-from lit_efficient.runtime import staleness
 from lit_efficient.runtime.host import PipelineDeadlockError
 from lit_efficient.runtime.partition import partition_uniform, stage_bounds
 from lit_efficient.runtime.stage import PipelineStage
@@ -190,10 +189,7 @@ class Views(Callback):
         runtime = getattr(trainer.strategy, "runtime", None)  # None: plain one-device Lightning
         # Per hosted stage: whether it predicted in compiled passes (a compiled form that fell back: False).
         runtimes = getattr(runtime, "runtimes", [runtime]) if runtime is not None else []
-        compiled = {
-            rt.stage.stage: getattr(rt.stage.correction, "_fn", None) is not None and staleness._COMPILER_WORKS["ok"]
-            for rt in runtimes
-        }
+        compiled = {rt.stage.stage: getattr(rt.stage.correction, "compiled", False) for rt in runtimes}
         drift = {rt.stage.stage: rt.stats()["drift_max"] for rt in runtimes}  # > 0: stale forwards ran
         out = {"views": self.views, "losses": self.losses, "compiled": compiled, "drift": drift}
         Path(self.path, f"rank{trainer.global_rank}.pkl").write_bytes(pickle.dumps(out))
