@@ -23,3 +23,22 @@ def test_quick_run_writes_every_section(tmp_path):
     assert result["summary"][0]["warmup"] == 0.01
     assert "| 4 | 4 | 0.003 | 1% | 0 |" in paci_at_depth.report([str(out)])  # --report reads the same file
     assert len(result["layer_costs"]["forward"]) == 4  # embed, 2 blocks, head
+
+
+def test_time_to_the_lowest_loss_both_reach():
+    """The paper's target is the lowest loss both runs reach: PACI's own lowest where it ends above flush (flush's
+    final loss is then never reached), flush's final where PACI gets below it."""
+    costs = {"forward": [1.0] * 8, "backward": [2.0] * 8}  # balanced: PACI's step (N + S - 1) / N = 15/8 faster
+    flush = {"S": 8, "N": 8, "lr": 1e-3, "seed": 0, "run": "flush", "val": [[0, 4.0], [50, 3.0], [100, 2.0]]}
+    above = {**flush, "run": "paci", "val": [[0, 4.0], [50, 3.0], [100, 2.5]]}
+    below = {**flush, "run": "paci_recompute", "val": [[0, 4.0], [50, 2.0], [100, 1.5]]}
+    rows = {r["run"]: r for r in paci_at_depth.time_to_accuracy([flush, above, below], costs)}
+    ratio = rows["paci"]["throughput_ratio"]
+    assert abs(ratio - 15 / 8) < 1e-9
+    assert rows["paci"]["final"]["ratio"] != rows["paci"]["final"]["ratio"]  # NaN: never
+    # both reach 2.5: flush at step 75, PACI at its step 100
+    assert rows["paci"]["both"]["target"] == 2.5 and abs(rows["paci"]["both"]["ratio"] - 0.75 * ratio) < 1e-9
+    # PACI below flush: the target is flush's final loss, reached at flush's step 100 and PACI's step 50
+    assert rows["paci_recompute"]["both"]["target"] == 2.0
+    assert abs(rows["paci_recompute"]["both"]["ratio"] - 2 * ratio) < 1e-9
+    assert rows["paci_recompute"]["both"]["ratio"] == rows["paci_recompute"]["final"]["ratio"]
