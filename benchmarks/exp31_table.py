@@ -5,6 +5,7 @@ unsplit order, so one flush run per (N, lr, seed) serves every S), with the medi
     python -m benchmarks.exp31_table                  # the table, the time to accuracy, the curves
     python -m benchmarks.exp31_table --measure-costs  # first, on a quiet machine: results/exp31_layer_costs.json
     python -m benchmarks.exp31_table --by-size        # the prediction's share against micro-batch size
+    python -m benchmarks.exp31_table --measure-paper-shape  # the paper's model: exp31_layer_costs_paper_shape.json
 
 The time to accuracy takes its per-layer costs (forward, backward and the default prediction's apply + undo) from
 results/exp31_layer_costs.json, measured in one quiet process, so that every row uses one set; without that file,
@@ -42,6 +43,82 @@ SIZES = {  # name -> benchmark options: the grid's micro-batch, 4x its tokens, a
     "GPT 6x64, 32 x 32 tokens": ["--block", "32", "--dim", "64", "--batch-size", "32"],
     "GPT 6x256, 8 x 128 tokens": ["--block", "128", "--dim", "256"],
 }
+
+
+# The paper's model and micro-batch (GPT-2 Medium: 24 blocks of width 1024, 16 heads, GPT-2's 50,257 token ids
+# padded to 50,304; global batch 128 = N 8 x 16 sequences of 1,024 tokens). Its blocks are alike, so one is timed.
+# Costs only, no pipeline is built: hence one stage.
+# fmt: off
+PAPER_SHAPE = ["--layers", "1", "--dim", "1024", "--heads", "16", "--block", "1024", "--batch-size", "16",
+               "--vocab", "50304", "--stages", "1"]
+# fmt: on
+PAPER_BLOCKS = 24
+PAPER_COSTS = RESULTS / "exp31_layer_costs_paper_shape.json"
+
+
+def measure_paper_shape(repeats: int = 3) -> Path:
+    """Per-layer costs (forward, backward, the prediction's apply + undo, eager and compiled) of the paper's model
+    at its micro-batch on this machine, one thread: the embedding, one block, the head."""
+    import time
+
+    from benchmarks.harness import envelope, machine, write_json
+    from benchmarks.paci_at_depth import layer_costs, parse_args
+
+    config, start, before = vars(parse_args(PAPER_SHAPE)), time.perf_counter(), machine()
+    costs = layer_costs(config, repeats=repeats)
+    payload = envelope("exp31_table", False, before, config, start, layer_costs=costs)
+    payload["command"] = "python -m benchmarks.exp31_table --measure-paper-shape"
+    return write_json(PAPER_COSTS.name, payload)
+
+
+def paper_shape_table() -> str:
+    """The paper's model on S=8 (its blocks split by time, as its partitioner and ``balance="profile"`` do), each
+    step timed from the measured costs of `measure_paper_shape`: the throughput over flush of plain PACI and of
+    the defaults with each prediction; then every S=8 N=8 run of PACI's defaults timed so, to the lowest loss
+    both runs reach (its curve is the small model's: the step times are the paper model's)."""
+    from benchmarks.paci_at_depth import simulated_step_seconds, steps_to
+    from lit_efficient.runtime.partition import partition_balanced
+
+    measured = json.loads(PAPER_COSTS.read_text())["layer_costs"]
+    costs = {k: [v[0]] + [v[1]] * PAPER_BLOCKS + [v[2]] for k, v in measured.items()}
+    split = partition_balanced([f + b for f, b in zip(costs["forward"], costs["backward"], strict=True)], 8)
+    per_step = {key: simulated_step_seconds(costs, 8, 8, key, split) for key in (None, "predict", "predict_compiled")}
+    ratio = {key: v["1f1b_flush"] / v["paci"] for key, v in per_step.items()}
+    ms = {k: f"{v[1] * 1e3:,.0f}" for k, v in measured.items()}
+    lines = [
+        f"paper's shape, one CPU thread: a block's forward / backward {ms['forward']} / {ms['backward']} ms, its "
+        f"prediction eager / compiled {ms['predict']} / {ms['predict_compiled']} ms; head forward / backward "
+        f"{measured['forward'][2] * 1e3:,.0f} / {measured['backward'][2] * 1e3:,.0f} ms; split {split}; S=8 N=8 "
+        f"throughput over flush: plain {ratio[None]:.2f}x, eager {ratio['predict']:.2f}x, compiled "
+        f"{ratio['predict_compiled']:.2f}x (ideal {15 / 8:.3f}x)",
+        "",
+        "| layers | steps | lr | seed | to the lowest both reach, eager | compiled |",
+        "|" + "---|" * 6,
+    ]
+    flush, found = {}, {}
+    for path in sorted(RESULTS.glob("exp31_*.json")):
+        payload = json.loads(path.read_text())
+        for r in payload.get("runs") or []:
+            if r["N"] != 8 or (r["run"] != "flush" and (r["S"] != 8 or not r["run"].startswith("paci_default"))):
+                continue
+            if r["run"] not in ("flush", "paci_default", "paci_default_compiled"):
+                continue
+            key = (payload.get("config", {}).get("layers", 6), r["steps"], r["lr"], r["seed"])
+            (flush if r["run"] == "flush" else found).setdefault(key, r)
+    for key in sorted(found, key=lambda k: (k[0], k[1], -k[2], k[3])):
+        if key not in flush:
+            continue
+        f, r = flush[key], found[key]
+        both = max(min(loss for _, loss in f["val"]), min(loss for _, loss in r["val"]))
+        to_flush, to_paci, sync = steps_to(f["val"], both), steps_to(r["val"], both), r.get("sync_start_steps", 0)
+        cells = []
+        for form in ("predict", "predict_compiled"):
+            flush_step, paci_step = per_step[form]["1f1b_flush"], per_step[form]["paci"]
+            t_paci = min(to_paci, sync) * flush_step + max(0.0, to_paci - sync) * paci_step
+            cells.append(f"{to_flush * flush_step / t_paci:.2f}")
+        layers, steps, lr, seed = key
+        lines.append(f"| {layers} | {steps} | {lr:g} | {seed} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def by_size() -> Path:
@@ -91,6 +168,10 @@ def main() -> None:
     if "--measure-costs" in sys.argv[1:]:
         print("wrote", measure_costs())
         return
+    if "--measure-paper-shape" in sys.argv[1:]:
+        print("wrote", measure_paper_shape())
+        print(paper_shape_table())
+        return
     if "--by-size" in sys.argv[1:]:
         print(
             "| model | tokens per micro-batch | block forward / backward, ms | prediction eager / compiled, ms | S=8 "
@@ -134,6 +215,9 @@ def main() -> None:
     print(time_to_accuracy_table("paci_default_compiled"))
     print()
     print(ideal_throughput_table())
+    if PAPER_COSTS.exists():
+        print()
+        print(paper_shape_table())
     print("wrote", plot_curves())
 
 

@@ -83,7 +83,8 @@ def _model(config: dict[str, Any], lr: float, steps: int):
     from lit_efficient.models import GPT
 
     return GPT(
-        n_layer=config["layers"], n_head=config["heads"], n_embd=config["dim"], block_size=config["block"],
+        vocab_size=config.get("vocab", 256), n_layer=config["layers"], n_head=config["heads"], n_embd=config["dim"],
+        block_size=config["block"],
         dropout=0.0, learning_rate=lr, weight_decay=0.1, betas=(0.9, config.get("beta2", 0.95)),
         warmup_steps=max(1, round(config["warmup"] * steps)), max_steps=steps, min_lr_ratio=0.1,
     )  # fmt: skip
@@ -169,7 +170,7 @@ def layer_costs(config: dict[str, Any], repeats: int = 5) -> dict[str, list[floa
     torch.manual_seed(0)
     model = _model(config, 1e-3, 100)
     layers = list(model.pipeline_layers())
-    inputs: list[tuple] = [(torch.randint(0, 256, (config["batch_size"], config["block"])),)]
+    inputs: list[tuple] = [(torch.randint(0, config.get("vocab", 256), (config["batch_size"], config["block"])),)]
     with torch.no_grad():
         for layer in layers[:-1]:
             inputs.append((layer(*inputs[-1]),))
@@ -253,15 +254,20 @@ def prediction_cost(name: str) -> str | None:
 
 
 def simulated_step_seconds(
-    costs: dict[str, list[float]], stages: int, accumulate: int, prediction: str | None = None
+    costs: dict[str, list[float]],
+    stages: int,
+    accumulate: int,
+    prediction: str | None = None,
+    split: list[int] | None = None,
 ) -> dict[str, float]:
-    """Steady-state seconds per optimizer step of each schedule, from per-layer costs (uniform split). ``prediction``
-    (a cost key, `prediction_cost`): PACI's stale forwards also pay that measured apply + undo of the weight
-    prediction, spread over each stage's forwards by `stale_forward_share`; flush has no stale forward."""
+    """Steady-state seconds per optimizer step of each schedule, from per-layer costs (``split``: layers per stage;
+    by default the uniform split). ``prediction`` (a cost key, `prediction_cost`): PACI's stale forwards also pay
+    that measured apply + undo of the weight prediction, spread over each stage's forwards by
+    `stale_forward_share`; flush has no stale forward."""
     from lit_efficient.runtime.partition import partition_uniform, stage_bounds
     from lit_efficient.tools.simulate import simulate
 
-    bounds = stage_bounds(partition_uniform(len(costs["forward"]), stages))
+    bounds = stage_bounds(split or partition_uniform(len(costs["forward"]), stages))
     fwd = [sum(costs["forward"][lo:hi]) for lo, hi in bounds]
     bwd = [sum(costs["backward"][lo:hi]) for lo, hi in bounds]
     out = {}
@@ -472,6 +478,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=8, help="micro-batch size")
     p.add_argument("--max-bytes", type=int, default=2_000_000)
+    p.add_argument("--vocab", type=int, default=256, help="token ids (256: the byte-level corpus; more: costs only)")
     p.add_argument("--workers", type=int, default=2, help="runs in parallel, one thread each")
     p.add_argument("--cost-steps", type=int, default=40, help="optimizer steps of the in-process cost runs (0: skip)")
     p.add_argument("--cost-rounds", type=int, default=1, help="rounds of the in-process cost runs (ratios: medians)")

@@ -42,3 +42,23 @@ def test_time_to_the_lowest_loss_both_reach():
     assert rows["paci_recompute"]["both"]["target"] == 2.0
     assert abs(rows["paci_recompute"]["both"]["ratio"] - 2 * ratio) < 1e-9
     assert rows["paci_recompute"]["both"]["ratio"] == rows["paci_recompute"]["final"]["ratio"]
+
+
+def test_paper_shape_timing_with_balanced_free_costs_is_the_ideal(tmp_path, monkeypatch):
+    """`paper_shape_table` times the committed curves with measured layer costs; with costs whose stages balance
+    and whose prediction is free it must give the schedule's ideal throughput and the ideal table's ratios."""
+    from benchmarks import exp31_table
+
+    free = {"forward": [1e-9, 1.0, 1e-9], "backward": [1e-9, 2.0, 1e-9], "predict": [0.0] * 3}
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps({"layer_costs": {**free, "predict_compiled": [0.0] * 3}}))
+    monkeypatch.setattr(exp31_table, "PAPER_COSTS", costs)
+    table = exp31_table.paper_shape_table()
+    assert "split [4, 3, 3, 3, 3, 3, 3, 4]" in table  # the embedding and the head weigh nothing here
+    ideal = {}
+    for line in exp31_table.ideal_throughput_table().splitlines()[2:]:
+        layers, steps, n, lr, seed, *_, ratio = (c.strip() for c in line.strip("|").split("|"))
+        if n == "8":
+            ideal[(layers, steps, lr, seed)] = ratio
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()[4:]]
+    assert len(rows) >= 9 and all(ideal[tuple(r[:4])] == r[4] == r[5] for r in rows)
