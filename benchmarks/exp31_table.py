@@ -6,6 +6,7 @@ unsplit order, so one flush run per (N, lr, seed) serves every S), with the medi
     python -m benchmarks.exp31_table --measure-costs  # first, on a quiet machine: results/exp31_layer_costs.json
     python -m benchmarks.exp31_table --by-size        # the prediction's share against micro-batch size
     python -m benchmarks.exp31_table --measure-paper-shape  # the paper's model: exp31_layer_costs_paper_shape.json
+    python -m benchmarks.exp31_table --measure-paper-shape --device cuda  # the same on a GPU (bf16): ..._cuda.json
 
 The time to accuracy takes its per-layer costs (forward, backward and the default prediction's apply + undo) from
 results/exp31_layer_costs.json, measured in one quiet process, so that every row uses one set; without that file,
@@ -53,40 +54,54 @@ PAPER_SHAPE = ["--layers", "1", "--dim", "1024", "--heads", "16", "--block", "10
                "--vocab", "50304", "--stages", "1"]
 # fmt: on
 PAPER_BLOCKS = 24
-PAPER_COSTS = RESULTS / "exp31_layer_costs_paper_shape.json"
+PAPER_COSTS = RESULTS / "exp31_layer_costs_paper_shape.json"  # this CPU's; on a GPU: ..._cuda.json
 
 
-def measure_paper_shape(repeats: int = 3) -> Path:
+def _paper_costs_file(device: str) -> Path:
+    return PAPER_COSTS if device == "cpu" else PAPER_COSTS.with_name(f"{PAPER_COSTS.stem}_{device}.json")
+
+
+def measure_paper_shape(device: str = "cpu") -> Path:
     """Per-layer costs (forward, backward, the prediction's apply + undo, eager and compiled) of the paper's model
-    at its micro-batch on this machine, one thread: the embedding, one block, the head."""
+    at its micro-batch: the embedding, one block, the head. On CPU one thread, medians of 3 rounds (~6 minutes);
+    on CUDA under bf16 autocast, 21 rounds (`paci_at_depth.layer_costs`)."""
     import time
 
     from benchmarks.harness import envelope, machine, write_json
     from benchmarks.paci_at_depth import layer_costs, parse_args
 
-    config, start, before = vars(parse_args(PAPER_SHAPE)), time.perf_counter(), machine()
-    costs = layer_costs(config, repeats=repeats)
+    config = vars(parse_args([*PAPER_SHAPE, "--cost-device", device]))
+    start, before = time.perf_counter(), machine()
+    costs = layer_costs(config, repeats=3 if device == "cpu" else 21)
     payload = envelope("exp31_table", False, before, config, start, layer_costs=costs)
-    payload["command"] = "python -m benchmarks.exp31_table --measure-paper-shape"
-    return write_json(PAPER_COSTS.name, payload)
+    payload["command"] = "python -m benchmarks.exp31_table --measure-paper-shape" + (
+        f" --device {device}" if device != "cpu" else ""
+    )
+    if device == "cuda":
+        import torch
+
+        payload["gpu"] = torch.cuda.get_device_name()
+    return write_json(_paper_costs_file(device).name, payload)
 
 
-def paper_shape_table() -> str:
+def paper_shape_table(path: Path | None = None) -> str:
     """The paper's model on S=8 (its blocks split by time, as its partitioner and ``balance="profile"`` do), each
-    step timed from the measured costs of `measure_paper_shape`: the throughput over flush of plain PACI and of
-    the defaults with each prediction; then every S=8 N=8 run of PACI's defaults timed so, to the lowest loss
-    both runs reach (its curve is the small model's: the step times are the paper model's)."""
+    step timed from the measured costs of `measure_paper_shape` (``path``: its file; this CPU's by default): the
+    throughput over flush of plain PACI and of the defaults with each prediction; then every S=8 N=8 run of PACI's
+    defaults timed so, to the lowest loss both runs reach (its curve is the small model's: the step times are the
+    paper model's)."""
     from benchmarks.paci_at_depth import simulated_step_seconds, steps_to
     from lit_efficient.runtime.partition import partition_balanced
 
-    measured = json.loads(PAPER_COSTS.read_text())["layer_costs"]
+    payload = json.loads((path or PAPER_COSTS).read_text())
+    measured, device = payload["layer_costs"], payload.get("gpu", "one CPU thread")
     costs = {k: [v[0]] + [v[1]] * PAPER_BLOCKS + [v[2]] for k, v in measured.items()}
     split = partition_balanced([f + b for f, b in zip(costs["forward"], costs["backward"], strict=True)], 8)
     per_step = {key: simulated_step_seconds(costs, 8, 8, key, split) for key in (None, "predict", "predict_compiled")}
     ratio = {key: v["1f1b_flush"] / v["paci"] for key, v in per_step.items()}
     ms = {k: f"{v[1] * 1e3:,.0f}" for k, v in measured.items()}
     lines = [
-        f"paper's shape, one CPU thread: a block's forward / backward {ms['forward']} / {ms['backward']} ms, its "
+        f"paper's shape, {device}: a block's forward / backward {ms['forward']} / {ms['backward']} ms, its "
         f"prediction eager / compiled {ms['predict']} / {ms['predict_compiled']} ms; head forward / backward "
         f"{measured['forward'][2] * 1e3:,.0f} / {measured['backward'][2] * 1e3:,.0f} ms; split {split}; S=8 N=8 "
         f"throughput over flush: plain {ratio[None]:.2f}x, eager {ratio['predict']:.2f}x, compiled "
@@ -169,8 +184,10 @@ def main() -> None:
         print("wrote", measure_costs())
         return
     if "--measure-paper-shape" in sys.argv[1:]:
-        print("wrote", measure_paper_shape())
-        print(paper_shape_table())
+        device = sys.argv[sys.argv.index("--device") + 1] if "--device" in sys.argv else "cpu"
+        path = measure_paper_shape(device)
+        print("wrote", path)
+        print(paper_shape_table(path))
         return
     if "--by-size" in sys.argv[1:]:
         print(
@@ -215,9 +232,10 @@ def main() -> None:
     print(time_to_accuracy_table("paci_default_compiled"))
     print()
     print(ideal_throughput_table())
-    if PAPER_COSTS.exists():
-        print()
-        print(paper_shape_table())
+    for path in (PAPER_COSTS, _paper_costs_file("cuda")):
+        if path.exists():
+            print()
+            print(paper_shape_table(path))
     print("wrote", plot_curves())
 
 

@@ -165,13 +165,17 @@ def layer_costs(config: dict[str, Any], repeats: int = 5) -> dict[str, list[floa
     ``predict_compiled``: the same in compiled passes (the default on CUDA) (`prediction_timer`). Medians of
     ``repeats`` rounds (after one untimed round, which compiles), each round timing every layer in turn: this VM's
     speed drifts by 1.5x between minutes, and rounds make the drift move every layer alike, so the stage balance
-    the simulator reads stays true."""
+    the simulator reads stays true. ``config["cost_device"]`` "cuda": on the GPU, the forward under bf16 autocast
+    (the weights and the optimizer state fp32, as under ``precision="bf16-mixed"``), every time taken between
+    synchronizations."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = _model(config, 1e-3, 100)
+    device = torch.device(config.get("cost_device", "cpu"))
+    model = _model(config, 1e-3, 100).to(device)
     layers = list(model.pipeline_layers())
-    inputs: list[tuple] = [(torch.randint(0, config.get("vocab", 256), (config["batch_size"], config["block"])),)]
-    with torch.no_grad():
+    ids = torch.randint(0, config.get("vocab", 256), (config["batch_size"], config["block"]), device=device)
+    inputs: list[tuple] = [(ids,)]
+    with torch.no_grad(), _autocast(device):
         for layer in layers[:-1]:
             inputs.append((layer(*inputs[-1]),))
     timers = [prediction_timer(list(layer.parameters()), config) for layer in layers]
@@ -180,10 +184,14 @@ def layer_costs(config: dict[str, Any], repeats: int = 5) -> dict[str, list[floa
     for _ in range(repeats + 1):
         for i, layer in enumerate(layers):
             leaf = tuple(t.detach().requires_grad_() if t.is_floating_point() else t for t in inputs[i])
+            _synchronize(device)
             t0 = time.perf_counter()
-            out = layer(*leaf)
+            with _autocast(device):
+                out = layer(*leaf)
+            _synchronize(device)
             t1 = time.perf_counter()
             out.backward(torch.ones_like(out))
+            _synchronize(device)
             t2 = time.perf_counter()
             times["forward"][i].append(t1 - t0)
             times["backward"][i].append(t2 - t1)
@@ -192,11 +200,21 @@ def layer_costs(config: dict[str, Any], repeats: int = 5) -> dict[str, list[floa
     return {k: [statistics.median(t[1:]) for t in per_layer] for k, per_layer in times.items()}
 
 
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _autocast(device: torch.device) -> Any:
+    """bf16 autocast on a GPU (the paper's precision), nothing on CPU (the grid's fp32)."""
+    return torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda")
+
+
 def prediction_timer(params: list[torch.nn.Parameter], config: dict[str, Any]) -> Any:
     """A timer of one stale forward's prediction around an empty forward (apply, then undo) on ``params``, with AdamW
     state and a window's gradient, as at a stale forward: ``timer(compiled)`` returns the seconds of one, PACI's
     default on CPU (`InPlaceFirstStepWeightPrediction`) or on CUDA (``compiled``: `CompiledFirstStepWeightPrediction`,
-    compiled at its first call). On CPU; gpu_smoke's ``weight_prediction`` check times both on a GPU."""
+    compiled at its first call), on the parameters' device (a GPU's between synchronizations)."""
     from lit_efficient.runtime.staleness import CompiledFirstStepWeightPrediction, InPlaceFirstStepWeightPrediction
 
     if not params:
@@ -206,12 +224,15 @@ def prediction_timer(params: list[torch.nn.Parameter], config: dict[str, Any]) -
         p.grad = torch.randn_like(p)
     optimizer.step()  # moments exist, as after the first window; the gradient stands for the window's so far
     forms = {False: InPlaceFirstStepWeightPrediction(), True: CompiledFirstStepWeightPrediction()}
-    weight = torch.tensor(3.0)
+    device = params[0].device
+    weight = torch.tensor(3.0, device=device)  # a stage's window weight lives on its device
 
     def timer(compiled: bool) -> float:
+        _synchronize(device)
         t0 = time.perf_counter()
         with forms[compiled].forward_context(params, optimizer, 1, window_weight=weight):
             pass
+        _synchronize(device)
         return time.perf_counter() - t0
 
     return timer
@@ -479,6 +500,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=8, help="micro-batch size")
     p.add_argument("--max-bytes", type=int, default=2_000_000)
     p.add_argument("--vocab", type=int, default=256, help="token ids (256: the byte-level corpus; more: costs only)")
+    p.add_argument("--cost-device", default="cpu", help="where per-layer costs are timed (cuda: bf16 autocast)")
     p.add_argument("--workers", type=int, default=2, help="runs in parallel, one thread each")
     p.add_argument("--cost-steps", type=int, default=40, help="optimizer steps of the in-process cost runs (0: skip)")
     p.add_argument("--cost-rounds", type=int, default=1, help="rounds of the in-process cost runs (ratios: medians)")
