@@ -70,3 +70,17 @@ def test_smoke_script_runs_on_cpu_and_writes_its_table_and_json(tmp_path, capsys
     saved = json.loads(out.read_text())
     assert [c["name"] for c in saved["checks"]] == ["host_syncs"] and saved["checks"][0]["status"] == "pass"
     assert saved["checks"][0]["numbers"]["syncs"] == saved["checks"][0]["numbers"]["optimizer_steps"]
+
+
+@pytest.mark.gpu
+@cuda_only
+@pytest.mark.timeout(240)
+def test_layer_costs_on_cuda_time_every_layer_and_both_predictions():
+    """benchmarks/exp31_table.py --measure-paper-shape --device cuda's measurement, at a small shape: every layer's
+    forward and backward and both predictions timed on the GPU (positive, finite)."""
+    from benchmarks.paci_at_depth import layer_costs, parse_args
+
+    config = vars(parse_args(["--layers", "1", "--dim", "256", "--block", "128", "--stages", "1"]))
+    costs = layer_costs({**config, "cost_device": "cuda"}, repeats=2)
+    assert set(costs) == {"forward", "backward", "predict", "predict_compiled"}
+    assert all(len(v) == 3 and all(0 < t < 60 for t in v) for v in costs.values()), costs
