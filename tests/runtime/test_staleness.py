@@ -473,19 +473,25 @@ def test_each_stage_compiles_its_prediction_into_its_own_cache(monkeypatch):
 
     compile_ = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, backend="eager", dynamic=False, fullgraph=True))
-    monkeypatch.setattr(dynamo_config, "recompile_limit", 2)
-    torch._dynamo.reset()
     one = torch.ones(())
 
     def call(fn, n: int) -> None:
         with torch.no_grad():
             fn([torch.ones(n)], [torch.zeros(n)], [torch.ones(n)], [torch.ones(n)], one, one, -one, one, 0.9, 0.95, 0.1)
 
-    for fn in (staleness._compiled_prediction(), staleness._compiled_prediction()):
+    # Dynamo's own patch, not monkeypatch: pytest 9.2's monkeypatch undoes an attribute missing from the module's
+    # __dict__ (Dynamo's config keeps its entries elsewhere) by deleting it, which removed `recompile_limit` for
+    # every later test of the session and failed each torch.compile test after this one.
+    before = dynamo_config.recompile_limit
+    with dynamo_config.patch(recompile_limit=2):
+        torch._dynamo.reset()
+        for fn in (staleness._compiled_prediction(), staleness._compiled_prediction()):
+            for n in (1, 2):
+                call(fn, n)
+        shared = staleness._compiled_prediction()
         for n in (1, 2):
-            call(fn, n)
-    shared = staleness._compiled_prediction()
-    for n in (1, 2):
-        call(shared, n)
-    with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
-        call(shared, 3)  # the premise: one code object holds no more
+            call(shared, n)
+        with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
+            call(shared, 3)  # the premise: one code object holds no more
+    torch._dynamo.reset()
+    assert dynamo_config.recompile_limit == before  # back as it was for the tests after this one
