@@ -90,7 +90,7 @@ def paper_shape_table(path: Path | None = None) -> str:
     throughput over flush of plain PACI and of the defaults with each prediction; then every S=8 N=8 run of PACI's
     defaults timed so, to the lowest loss both runs reach (its curve is the small model's: the step times are the
     paper model's)."""
-    from benchmarks.paci_at_depth import simulated_step_seconds, steps_to
+    from benchmarks.paci_at_depth import lowest_both_reach, paci_seconds, simulated_step_seconds, steps_to
     from lit_efficient.runtime.partition import partition_balanced
 
     payload = json.loads((path or PAPER_COSTS).read_text())
@@ -124,13 +124,12 @@ def paper_shape_table(path: Path | None = None) -> str:
         if key not in flush:
             continue
         f, r = flush[key], found[key]
-        both = max(min(loss for _, loss in f["val"]), min(loss for _, loss in r["val"]))
+        both = lowest_both_reach(f["val"], r["val"])
         to_flush, to_paci, sync = steps_to(f["val"], both), steps_to(r["val"], both), r.get("sync_start_steps", 0)
         cells = []
         for form in ("predict", "predict_compiled"):
             flush_step, paci_step = per_step[form]["1f1b_flush"], per_step[form]["paci"]
-            t_paci = min(to_paci, sync) * flush_step + max(0.0, to_paci - sync) * paci_step
-            cells.append(f"{to_flush * flush_step / t_paci:.2f}")
+            cells.append(f"{to_flush * flush_step / paci_seconds(to_paci, sync, flush_step, paci_step):.2f}")
         layers, steps, lr, seed = key
         lines.append(f"| {layers} | {steps} | {lr:g} | {seed} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -258,7 +257,7 @@ def plot_curves(seed: int = 0) -> Path:
     training tokens (top) and against simulated time (bottom: steps x each schedule's simulated step time, a
     synchronous start's steps at flush's)."""
     from benchmarks.harness import PLOTS, pyplot, save_figure
-    from benchmarks.paci_at_depth import prediction_cost, simulated_step_seconds
+    from benchmarks.paci_at_depth import paci_seconds, prediction_cost, simulated_step_seconds
 
     runs, costs = _grid_runs()
     plain = simulated_step_seconds(costs, 8, 8) if costs else {"1f1b_flush": 1.0, "paci": 1.0}
@@ -277,8 +276,7 @@ def plot_curves(seed: int = 0) -> Path:
             per_step = simulated_step_seconds(costs, 8, 8, key) if costs and key in costs else plain
             pace = per_step["1f1b_flush"] if name == "flush" else per_step["paci"]
             seconds = [
-                pace * s if name == "flush" else min(s, sync) * per_step["1f1b_flush"] + max(0, s - sync) * pace
-                for s in steps
+                pace * s if name == "flush" else paci_seconds(s, sync, per_step["1f1b_flush"], pace) for s in steps
             ]
             label = {
                 "paci": "plain PACI", "paci_default": "PACI's defaults",
@@ -337,7 +335,7 @@ def ideal_throughput_table() -> str:
     steps flush and PACI take to the lowest loss both reach (the paper's target), and the simulated time ratio at
     the schedule's ideal throughput over flush, (N + S - 1) / N: balanced stages and a free prediction, the best
     any partition or device could give; the synchronous start's steps at flush's pace."""
-    from benchmarks.paci_at_depth import steps_to
+    from benchmarks.paci_at_depth import lowest_both_reach, paci_seconds, steps_to
 
     flush, found = {}, {}
     for path in sorted(RESULTS.glob("exp31_*.json")):
@@ -357,10 +355,9 @@ def ideal_throughput_table() -> str:
         if f is None:
             continue
         n, lr, seed, steps, layers = key
-        both = max(min(loss for _, loss in f["val"]), min(loss for _, loss in r["val"]))
+        both = lowest_both_reach(f["val"], r["val"])
         to_flush, to_paci, sync = steps_to(f["val"], both), steps_to(r["val"], both), r.get("sync_start_steps", 0)
-        ideal = (n + 8 - 1) / n
-        ratio = to_flush / (min(to_paci, sync) + max(0.0, to_paci - sync) / ideal)
+        ratio = to_flush / paci_seconds(to_paci, sync, 1.0, n / (n + 8 - 1))  # flush's step 1, PACI's the ideal
         lines.append(f"| {layers} | {steps} | {n} | {lr:g} | {seed} | {to_flush:.0f} | {to_paci:.0f} | {ratio:.2f} |")
     return "\n".join(lines)
 

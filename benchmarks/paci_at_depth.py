@@ -314,6 +314,16 @@ def steps_to(val: list[list[float]], target: float) -> float:
     return math.nan
 
 
+def lowest_both_reach(flush_val: list[list[float]], run_val: list[list[float]]) -> float:
+    """The paper's target (the arrows of ItayElam/PACI's README): the lowest validation loss both curves reach."""
+    return max(min(loss for _, loss in flush_val), min(loss for _, loss in run_val))
+
+
+def paci_seconds(steps: float, sync: int, flush_step: float, paci_step: float) -> float:
+    """Simulated seconds of ``steps`` PACI steps whose first ``sync`` run in flush's order, at flush's pace."""
+    return min(steps, sync) * flush_step + max(0.0, steps - sync) * paci_step
+
+
 def time_to_accuracy(runs: list[dict[str, Any]], costs: dict[str, list[float]]) -> list[dict[str, Any]]:
     """Per (S, N, lr, seed) with S=8: simulated seconds to flush's targets, and the ratio flush / each PACI run."""
     rows = []
@@ -332,8 +342,7 @@ def time_to_accuracy(runs: list[dict[str, Any]], costs: dict[str, list[float]]) 
                 continue
             # "both": the paper's arrows (ItayElam/PACI's README), the lowest loss that both runs reach; it is
             # flush's final loss wherever PACI reaches that, and otherwise PACI's own lowest.
-            both = max(min(loss for _, loss in flush), min(loss for _, loss in run["val"]))
-            targets = {**flush_targets, "final": final, "both": both}
+            targets = {**flush_targets, "final": final, "both": lowest_both_reach(flush, run["val"])}
             row = {"S": stages, "N": accumulate, "lr": lr, "seed": seed, "run": name, "paper": PAPER.get(accumulate)}
             sync = run.get("sync_start_steps", 0)  # its first steps run in flush's order, at flush's pace
             # A weight prediction's apply + undo at each stale forward is PACI's time too (older cost files lack it).
@@ -343,7 +352,7 @@ def time_to_accuracy(runs: list[dict[str, Any]], costs: dict[str, list[float]]) 
             for label, target in targets.items():
                 t_flush = steps_to(flush, target) * per_step["1f1b_flush"]
                 steps = steps_to(run["val"], target)
-                t_paci = min(steps, sync) * per_step["1f1b_flush"] + max(0.0, steps - sync) * per_step["paci"]
+                t_paci = paci_seconds(steps, sync, per_step["1f1b_flush"], per_step["paci"])
                 row[label] = {"target": target, "flush_s": t_flush, "paci_s": t_paci, "ratio": t_flush / t_paci}
             row["throughput_ratio"] = per_step["1f1b_flush"] / per_step["paci"]
             row["prediction_costed"] = costed or key is None
