@@ -110,27 +110,15 @@ def paper_shape_table(path: Path | None = None) -> str:
         "| layers | steps | lr | seed | to the lowest both reach, eager | compiled |",
         "|" + "---|" * 6,
     ]
-    flush, found = {}, {}
-    for path in sorted(RESULTS.glob("exp31_*.json")):
-        payload = json.loads(path.read_text())
-        for r in payload.get("runs") or []:
-            if r["N"] != 8 or (r["run"] != "flush" and (r["S"] != 8 or not r["run"].startswith("paci_default"))):
-                continue
-            if r["run"] not in ("flush", "paci_default", "paci_default_compiled"):
-                continue
-            key = (payload.get("config", {}).get("layers", 6), r["steps"], r["lr"], r["seed"])
-            (flush if r["run"] == "flush" else found).setdefault(key, r)
-    for key in sorted(found, key=lambda k: (k[0], k[1], -k[2], k[3])):
-        if key not in flush:
+    for n, layers, steps, lr, seed, f, r in _default_pairs():
+        if n != 8:
             continue
-        f, r = flush[key], found[key]
         both = lowest_both_reach(f["val"], r["val"])
         to_flush, to_paci, sync = steps_to(f["val"], both), steps_to(r["val"], both), r.get("sync_start_steps", 0)
         cells = []
         for form in ("predict", "predict_compiled"):
             flush_step, paci_step = per_step[form]["1f1b_flush"], per_step[form]["paci"]
             cells.append(f"{to_flush * flush_step / paci_seconds(to_paci, sync, flush_step, paci_step):.2f}")
-        layers, steps, lr, seed = key
         lines.append(f"| {layers} | {steps} | {lr:g} | {seed} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -330,6 +318,23 @@ def time_to_accuracy_table(name: str) -> str:
     return "\n".join(lines)
 
 
+def _default_pairs() -> list[tuple]:
+    """Every S=8 run of PACI's defaults with its flush run (same N, model depth, steps, lr, seed), as (N, layers,
+    steps, lr, seed, flush, PACI) in table order; of the eager and the compiled form (equal to 4 decimals) the first
+    file's."""
+    flush, found = {}, {}
+    for path in sorted(RESULTS.glob("exp31_*.json")):
+        payload = json.loads(path.read_text())
+        for r in payload.get("runs") or []:
+            key = (r["N"], payload.get("config", {}).get("layers", 6), r["steps"], r["lr"], r["seed"])
+            if r["run"] == "flush":
+                flush.setdefault(key, r)
+            elif r["run"] in ("paci_default", "paci_default_compiled") and r["S"] == 8:
+                found.setdefault(key, r)
+    order = sorted((k for k in found if k in flush), key=lambda k: (k[1], k[2], k[0], -k[3], k[4]))
+    return [(*k, flush[k], found[k]) for k in order]
+
+
 def ideal_throughput_table() -> str:
     """What the curves alone allow: per S=8 run of PACI's defaults (the grid's and the longer lines'), the optimizer
     steps flush and PACI take to the lowest loss both reach (the paper's target), and the simulated time ratio at
@@ -337,24 +342,11 @@ def ideal_throughput_table() -> str:
     any partition or device could give; the synchronous start's steps at flush's pace."""
     from benchmarks.paci_at_depth import lowest_both_reach, paci_seconds, steps_to
 
-    flush, found = {}, {}
-    for path in sorted(RESULTS.glob("exp31_*.json")):
-        payload = json.loads(path.read_text())
-        for r in payload.get("runs") or []:
-            key = (r["N"], r["lr"], r["seed"], r["steps"], payload.get("config", {}).get("layers", 6))
-            if r["run"] == "flush":
-                flush[key] = r
-            elif r["run"] in ("paci_default", "paci_default_compiled") and r["S"] == 8:
-                found.setdefault(key, r)  # the two forms end equal to 4 decimals: one row per line
     lines = [
         "| layers | steps | N | lr | seed | flush's steps to both's lowest | PACI's | at the ideal throughput |",
         "|" + "---|" * 8,
     ]
-    for key, r in sorted(found.items(), key=lambda kv: (kv[0][4], kv[0][3], kv[0][0], -kv[0][1], kv[0][2])):
-        f = flush.get(key)
-        if f is None:
-            continue
-        n, lr, seed, steps, layers = key
+    for n, layers, steps, lr, seed, f, r in _default_pairs():
         both = lowest_both_reach(f["val"], r["val"])
         to_flush, to_paci, sync = steps_to(f["val"], both), steps_to(r["val"], both), r.get("sync_start_steps", 0)
         ratio = to_flush / paci_seconds(to_paci, sync, 1.0, n / (n + 8 - 1))  # flush's step 1, PACI's the ideal
