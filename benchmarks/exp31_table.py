@@ -171,7 +171,11 @@ def main() -> None:
         print("wrote", measure_costs())
         return
     if "--measure-paper-shape" in sys.argv[1:]:
+        if sys.argv[-1] == "--device":
+            raise SystemExit("--device needs a value: cpu or cuda")
         device = sys.argv[sys.argv.index("--device") + 1] if "--device" in sys.argv else "cpu"
+        if device not in ("cpu", "cuda"):
+            raise SystemExit(f"--device {device!r}: the costs are measured on cpu or cuda; give --device cpu or cuda")
         path = measure_paper_shape(device)
         print("wrote", path)
         print(paper_shape_table(path))
