@@ -146,12 +146,18 @@ def fit_one(config: dict[str, Any], stages: int, accumulate: int, lr: float, see
         record.val.append(
             (steps, trainer.validate(model, datamodule=_datamodule(config, seed), verbose=False)[0]["val_loss"])
         )
+    curve, wide = list(record.val), {}
+    if config.get("final_val_batches"):  # the final model on a larger share of the validation split (not a point
+        # of the curve: that stays on the same --val-batches batches throughout)
+        trainer.limit_val_batches = config["final_val_batches"] if config["final_val_batches"] > 0 else 1.0
+        loss = trainer.validate(model, datamodule=_datamodule(config, seed), verbose=False)[0]["val_loss"]
+        wide = {"final_val_loss_wide": loss, "final_val_batches": config["final_val_batches"]}
     return {
         "S": stages, "N": accumulate, "lr": lr, "seed": seed, "run": name, "steps": steps,
-        "tokens_per_step": accumulate * config["batch_size"] * config["block"], "val": record.val,
-        "final_val_loss": record.val[-1][1], "seconds": seconds, "sync_start_steps": record.sync_start,
+        "tokens_per_step": accumulate * config["batch_size"] * config["block"], "val": curve,
+        "final_val_loss": curve[-1][1], "seconds": seconds, "sync_start_steps": record.sync_start,
         "drift": [{k: st[k] for k in ("stage", "drift_max", "drift_mean")} for st in record.stats],
-        "loadavg": os.getloadavg(),
+        "loadavg": os.getloadavg(), **wide,
     }  # fmt: skip
 
 
@@ -407,14 +413,26 @@ def in_process_cost(
 def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per (S, N, lr, seed): every run's final validation loss and its gap against flush."""
     groups: dict[tuple, dict[str, float]] = {}
+    wide: dict[tuple, dict[str, float]] = {}  # the final model on --final-val-batches, where it was validated
     for run in runs:
-        groups.setdefault((run["S"], run["N"], run["lr"], run["seed"]), {})[run["run"]] = run["final_val_loss"]
+        key = (run["S"], run["N"], run["lr"], run["seed"])
+        groups.setdefault(key, {})[run["run"]] = run["final_val_loss"]
+        if "final_val_loss_wide" in run:
+            wide.setdefault(key, {})[run["run"]] = run["final_val_loss_wide"]
     rows = []
-    for (stages, accumulate, lr, seed), finals in sorted(groups.items()):
-        flush = finals.get("flush")
-        gaps = {k: (v - flush) / flush for k, v in finals.items() if flush and k != "flush"}
-        rows.append({"S": stages, "N": accumulate, "lr": lr, "seed": seed, "final": finals, "gap": gaps})
+    for key, finals in sorted(groups.items()):
+        stages, accumulate, lr, seed = key
+        row = {"S": stages, "N": accumulate, "lr": lr, "seed": seed, "final": finals, "gap": _gaps(finals)}
+        if key in wide:
+            row.update(final_wide=wide[key], gap_wide=_gaps(wide[key]))
+        rows.append(row)
     return rows
+
+
+def _gaps(finals: dict[str, float]) -> dict[str, float]:
+    """Every run's loss against flush's, relative; empty without a flush run."""
+    flush = finals.get("flush")
+    return {k: (v - flush) / flush for k, v in finals.items() if flush and k != "flush"}
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -429,6 +447,18 @@ def table(rows: list[dict[str, Any]]) -> str:
         warmup = f"{r['warmup']:.0%}" if "warmup" in r else "-"
         lines.append(f"| {r['S']} | {r['N']} | {r['lr']:g} | {warmup} | {r['seed']} | "
                      f"{r['final'].get('flush', math.nan):.4f} | " + " | ".join(cells) + " |")  # fmt: skip
+    wide = [r for r in rows if "final_wide" in r]
+    if wide:
+        lines += ["", "The final models on the wider validation (--final-val-batches):", ""]
+        lines += ["| S | N | lr | seed | flush | " + " | ".join(names) + " |", "|" + "---|" * (5 + len(names))]
+        for r in wide:
+            cells = [
+                f"{r['final_wide'][n]:.4f}" + (f" ({r['gap_wide'][n]:+.2%})" if n in r["gap_wide"] else "")
+                if n in r["final_wide"] else "-"
+                for n in names
+            ]  # fmt: skip
+            lines.append(f"| {r['S']} | {r['N']} | {r['lr']:g} | {r['seed']} | "
+                         f"{r['final_wide'].get('flush', math.nan):.4f} | " + " | ".join(cells) + " |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -501,7 +531,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--micro-batches", type=int, default=1600, help="per run (equal tokens for every N)")
     p.add_argument("--evals", type=int, default=10, help="validations per run")
-    p.add_argument("--val-batches", type=int, default=8)
+    p.add_argument("--val-batches", type=int, default=8, help="batches of each validation along the curve")
+    p.add_argument(
+        "--final-val-batches",
+        type=int,
+        default=0,
+        help="also validate the final model on this many batches (-1: the whole split; 0: no); the curve's "
+        "--val-batches are few, and its final point moves by ~1%% between neighbouring models",
+    )
     p.add_argument("--layers", type=int, default=6, help="GPT blocks: layers + 2 pipeline layers (>= max S)")
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--heads", type=int, default=4)
