@@ -9,7 +9,7 @@ from benchmarks import paci_at_depth
 
 def test_quick_run_writes_every_section(tmp_path):
     out, png = tmp_path / "depth.json", tmp_path / "depth.png"
-    paci_at_depth.main(["--quick", "--out", str(out), "--plot", str(png)])
+    paci_at_depth.main(["--quick", "--final-val-batches", "16", "--out", str(out), "--plot", str(png)])
     result = json.loads(out.read_text())
     assert {"summary", "time_to_accuracy", "in_process_cost", "weight_prediction_cost", "layer_costs", "runs"} <= set(
         result
@@ -23,6 +23,13 @@ def test_quick_run_writes_every_section(tmp_path):
     assert result["summary"][0]["warmup"] == 0.01
     assert "| 4 | 4 | 0.003 | 1% | 0 |" in paci_at_depth.report([str(out)])  # --report reads the same file
     assert len(result["layer_costs"]["forward"]) == 4  # embed, 2 blocks, head
+    # The wide final validation is a separate number: the curve keeps its own batch and ends where it ended.
+    for run in result["runs"]:
+        assert run["final_val_loss"] == run["val"][-1][1] and run["val"][-1][0] == run["steps"]
+        assert len(run["val"]) == 3 and run["final_val_batches"] == 16
+        assert run["final_val_loss_wide"] != run["final_val_loss"]  # 16 batches, not the curve's one
+    assert set(row["final_wide"]) == {"flush", "paci"} and "paci" in row["gap_wide"]
+    assert "The final models on the wider validation" in paci_at_depth.report([str(out)])
 
 
 def test_time_to_the_lowest_loss_both_reach():
