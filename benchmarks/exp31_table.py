@@ -90,14 +90,11 @@ def paper_shape_table(path: Path | None = None) -> str:
     throughput over flush of plain PACI and of the defaults with each prediction; then every S=8 N=8 run of PACI's
     defaults timed so, to the lowest loss both runs reach (its curve is the small model's: the step times are the
     paper model's)."""
-    from benchmarks.paci_at_depth import lowest_both_reach, paci_seconds, simulated_step_seconds, steps_to
-    from lit_efficient.runtime.partition import partition_balanced
+    from benchmarks.paci_at_depth import lowest_both_reach, paci_seconds, steps_to
 
     payload = json.loads((path or PAPER_COSTS).read_text())
     measured, device = payload["layer_costs"], payload.get("gpu", "one CPU thread")
-    costs = {k: [v[0]] + [v[1]] * PAPER_BLOCKS + [v[2]] for k, v in measured.items()}
-    split = partition_balanced([f + b for f, b in zip(costs["forward"], costs["backward"], strict=True)], 8)
-    per_step = {key: simulated_step_seconds(costs, 8, 8, key, split) for key in (None, "predict", "predict_compiled")}
+    split, per_step = _paper_step_seconds(measured)
     ratio = {key: v["1f1b_flush"] / v["paci"] for key, v in per_step.items()}
     ms = {k: f"{v[1] * 1e3:,.0f}" for k, v in measured.items()}
     lines = [
@@ -120,6 +117,59 @@ def paper_shape_table(path: Path | None = None) -> str:
             flush_step, paci_step = per_step[form]["1f1b_flush"], per_step[form]["paci"]
             cells.append(f"{to_flush * flush_step / paci_seconds(to_paci, sync, flush_step, paci_step):.2f}")
         lines.append(f"| {layers} | {steps} | {lr:g} | {seed} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _paper_step_seconds(measured: dict[str, list[float]]) -> tuple[list[int], dict]:
+    """The paper model's split over S=8 (by time, as ``balance="profile"``) and its simulated S=8 N=8 step seconds per
+    schedule, for plain PACI (key None) and each form of the prediction, from one block's, the embedding's and the
+    head's measured costs."""
+    from benchmarks.paci_at_depth import simulated_step_seconds
+    from lit_efficient.runtime.partition import partition_balanced
+
+    costs = {k: [v[0]] + [v[1]] * PAPER_BLOCKS + [v[2]] for k, v in measured.items()}
+    split = partition_balanced([f + b for f, b in zip(costs["forward"], costs["backward"], strict=True)], 8)
+    return split, {
+        key: simulated_step_seconds(costs, 8, 8, key, split) for key in (None, "predict", "predict_compiled")
+    }
+
+
+def long_lines_table() -> str:
+    """The issue's own measure on the lines longer than the grid: per S=8 N=8 pair (flush, PACI's defaults), both
+    final losses on the curve's validation batches and, where the run validated its final models on the whole split
+    (``--final-val-batches -1``), there too; the step at which PACI first reaches flush's final loss, and the
+    simulated time ratio to it with GPT-2 Medium's measured step times (compiled prediction) and at the ideal
+    throughput ("never" where PACI's curve stays above flush's final loss)."""
+    from benchmarks.paci_at_depth import paci_seconds, steps_to
+
+    per_step = _paper_step_seconds(json.loads(PAPER_COSTS.read_text())["layer_costs"])[1]["predict_compiled"]
+    flush_step, paci_step = per_step["1f1b_flush"], per_step["paci"]
+    lines = [
+        "| layers | steps | lr | seed | curve's tokens | flush | PACI (gap) | whole split: flush | PACI (gap) | "
+        "PACI's step at flush's final | to flush's final: GPT-2 Medium's costs | ideal |",
+        "|" + "---|" * 12,
+    ]
+    for n, layers, steps, lr, seed, f, r in _default_pairs():
+        if n != 8 or steps * n <= GRID_STEPS:
+            continue
+        target, sync = f["val"][-1][1], r.get("sync_start_steps", 0)
+        to_flush, to_paci = steps_to(f["val"], target), steps_to(r["val"], target)
+        ratios = [
+            to_flush * a / paci_seconds(to_paci, sync, a, b) for a, b in ((flush_step, paci_step), (1, n / (n + 8 - 1)))
+        ]
+        wide = (
+            f"{f['final_val_loss_wide']:.4f} | {r['final_val_loss_wide']:.4f} "
+            f"({r['final_val_loss_wide'] / f['final_val_loss_wide'] - 1:+.2%})"
+            if "final_val_loss_wide" in f and "final_val_loss_wide" in r
+            else "- | -"
+        )
+        lines.append(
+            f"| {layers} | {steps} | {lr:g} | {seed} | {r['val_tokens']:,} | {target:.4f} | {r['val'][-1][1]:.4f} "
+            f"({r['val'][-1][1] / target - 1:+.2%}) | {wide} | "
+            + (f"{to_paci:.0f} | " if to_paci == to_paci else "never | ")
+            + " | ".join(f"{x:.2f}" if x == x else "never" for x in ratios)
+            + " |"
+        )
     return "\n".join(lines)
 
 
@@ -223,6 +273,9 @@ def main() -> None:
     print(time_to_accuracy_table("paci_default_compiled"))
     print()
     print(ideal_throughput_table())
+    if PAPER_COSTS.exists():
+        print()
+        print(long_lines_table())
     for path in (PAPER_COSTS, _paper_costs_file("cuda")):
         if path.exists():
             print()
@@ -329,8 +382,13 @@ def _default_pairs() -> list[tuple]:
     flush, found = {}, {}
     for path in sorted(RESULTS.glob("exp31_*.json")):
         payload = json.loads(path.read_text())
+        config = payload.get("config", {})
         for r in payload.get("runs") or []:
-            key = (r["N"], payload.get("config", {}).get("layers", 6), r["steps"], r["lr"], r["seed"])
+            key = (r["N"], config.get("layers", 6), r["steps"], r["lr"], r["seed"])
+            r = {
+                **r,
+                "val_tokens": config.get("val_batches", 8) * config.get("batch_size", 8) * config.get("block", 32),
+            }
             if r["run"] == "flush":
                 flush.setdefault(key, r)
             elif r["run"] in ("paci_default", "paci_default_compiled") and r["S"] == 8:

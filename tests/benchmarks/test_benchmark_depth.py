@@ -69,3 +69,10 @@ def test_paper_shape_timing_with_balanced_free_costs_is_the_ideal(tmp_path, monk
             ideal[(layers, steps, lr, seed)] = ratio
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()[4:]]
     assert len(rows) >= 9 and all(ideal[tuple(r[:4])] == r[4] == r[5] for r in rows)
+    # The long lines' table times the issue's own target (flush's final loss) with the same costs: here the ideal.
+    long_rows = [
+        [c.strip() for c in line.strip("|").split("|")] for line in exp31_table.long_lines_table().splitlines()[2:]
+    ]
+    assert len(long_rows) >= 8 and all(r[-2] == r[-1] for r in long_rows)
+    reached = [r for r in long_rows if r[-1] != "never"]
+    assert reached and all(float(r[-1]) > 1.0 for r in reached)  # PACI reaches flush's final: faster at the ideal
