@@ -73,6 +73,10 @@ def test_paper_shape_timing_with_balanced_free_costs_is_the_ideal(tmp_path, monk
     long_rows = [
         [c.strip() for c in line.strip("|").split("|")] for line in exp31_table.long_lines_table().splitlines()[2:]
     ]
-    assert len(long_rows) >= 8 and all(r[-2] == r[-1] for r in long_rows)
-    reached = [r for r in long_rows if r[-1] != "never"]
-    assert reached and all(float(r[-1]) > 1.0 for r in reached)  # PACI reaches flush's final: faster at the ideal
+    assert len(long_rows) >= 8 and all(r[-3] == r[-2] for r in long_rows)
+    reached = [r for r in long_rows if r[-2] != "never"]
+    assert reached and all(float(r[-2]) > 1.0 for r in reached)  # PACI reaches flush's final: faster at the ideal
+    # Where the whole split puts PACI's final model at or below flush's, the bound is all of PACI's steps at the
+    # ideal, its synchronous start at flush's pace: 2,400 / (40 + 2,360 x 8 / 15) = 1.848 at 2,400 steps.
+    bounded = [r for r in long_rows if r[-1].startswith(">=")]
+    assert bounded and all(r[-1] == ">= 1.848" for r in bounded if r[1] == "2400")
