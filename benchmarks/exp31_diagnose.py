@@ -34,7 +34,7 @@ def _flat(params) -> torch.Tensor:
 def main() -> None:
     p = depth.line_options("paci+weight_prediction")
     args = p.parse_args()
-    config = depth.grid_line_config()
+    config = depth.grid_line_config(args)
 
     snaps: dict[tuple[int, int], torch.Tensor] = {}  # (stage, version) -> flat weights
     pending: list[dict] = []  # predictions waiting for their target version

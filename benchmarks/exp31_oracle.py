@@ -31,7 +31,7 @@ def main() -> None:
     p.add_argument("--after", default="paci", help="replay: the run (correction) once the oracle stops")
     p.add_argument("--file", default="/tmp/exp31_flush_weights.pt")
     args = p.parse_args()
-    config = depth.grid_line_config()
+    config = depth.grid_line_config(args)
     orig_forward, orig_step = stage_mod.PipelineStage.forward, stage_mod.PipelineStage.step
     snaps: dict[tuple[int, int], torch.Tensor] = {}
     diffs: list[tuple[int, int, float]] = []

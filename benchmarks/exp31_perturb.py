@@ -23,7 +23,7 @@ def main() -> None:
     p.add_argument("--noise-seed", type=int, default=1234)
     p.add_argument("--coherent", action="store_true", help="e = rel * (last update) instead of Gaussian noise")
     args = p.parse_args()
-    config = depth.grid_line_config()
+    config = depth.grid_line_config(args)
     gen = torch.Generator().manual_seed(args.noise_seed)
     last: dict[int, list[torch.Tensor]] = {}
     orig_forward, orig_step = stage_mod.PipelineStage.forward, stage_mod.PipelineStage.step

@@ -15,7 +15,7 @@ def main() -> None:
     p = depth.line_options("paci+weight_prediction")
     p.add_argument("--only", type=int, nargs="+", required=True)
     args = p.parse_args()
-    config = depth.grid_line_config()
+    config = depth.grid_line_config(args)
     make = paci.make_correction
 
     def make_subset(name, schedule, stage, *rest):

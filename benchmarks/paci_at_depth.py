@@ -39,6 +39,7 @@ import itertools
 import json
 import math
 import os
+import shlex
 import statistics
 import time
 from pathlib import Path
@@ -505,12 +506,18 @@ def line_options(run: str | None = None) -> argparse.ArgumentParser:
     if run is not None:
         p.add_argument("--run", default=run)
     p.add_argument("--out", default=None)
+    p.add_argument(
+        "--line-options",
+        default="",
+        help="this benchmark's options that change the line, after the grid's: e.g. '--layers 14 --micro-batches "
+        "19200 --evals 40 --max-bytes 6000000 --val-batches 64 --final-val-batches -1' (the 2,400-step deep line)",
+    )
     return p
 
 
-def grid_line_config() -> dict[str, Any]:
-    """The configuration `fit_one` takes for a line of the grid."""
-    return vars(parse_args(GRID_LINE))
+def grid_line_config(args: argparse.Namespace | None = None) -> dict[str, Any]:
+    """The configuration `fit_one` takes for a line of the grid, changed by ``args.line_options`` if given."""
+    return vars(parse_args(GRID_LINE + shlex.split(getattr(args, "line_options", ""))))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
