@@ -438,28 +438,26 @@ def _gaps(finals: dict[str, float]) -> dict[str, float]:
 
 def table(rows: list[dict[str, Any]]) -> str:
     names = [n for n in RUNS if n != "flush"]
-    head = "| S | N | lr | warmup | seed | flush | " + " | ".join(names) + " |"
-    lines = [head, "|" + "---|" * (6 + len(names))]
-    for r in rows:
-        cells = [
-            f"{r['final'][n]:.4f}" + (f" ({r['gap'][n]:+.2%})" if n in r["gap"] else "") if n in r["final"] else "-"
-            for n in names
+
+    def cells(finals: dict[str, float], gaps: dict[str, float]) -> str:
+        """Flush's loss, then every other run's with its gap, "-" where it did not run."""
+        shown = [
+            f"{finals[n]:.4f}" + (f" ({gaps[n]:+.2%})" if n in gaps else "") if n in finals else "-" for n in names
         ]
+        return f"{finals.get('flush', math.nan):.4f} | " + " | ".join(shown) + " |"
+
+    lines = ["| S | N | lr | warmup | seed | flush | " + " | ".join(names) + " |", "|" + "---|" * (6 + len(names))]
+    for r in rows:
         warmup = f"{r['warmup']:.0%}" if "warmup" in r else "-"
-        lines.append(f"| {r['S']} | {r['N']} | {r['lr']:g} | {warmup} | {r['seed']} | "
-                     f"{r['final'].get('flush', math.nan):.4f} | " + " | ".join(cells) + " |")  # fmt: skip
+        lines.append(f"| {r['S']} | {r['N']} | {r['lr']:g} | {warmup} | {r['seed']} | " + cells(r["final"], r["gap"]))
     wide = [r for r in rows if "final_wide" in r]
     if wide:
         lines += ["", "The final models on the wider validation (--final-val-batches):", ""]
         lines += ["| S | N | lr | seed | flush | " + " | ".join(names) + " |", "|" + "---|" * (5 + len(names))]
         for r in wide:
-            cells = [
-                f"{r['final_wide'][n]:.4f}" + (f" ({r['gap_wide'][n]:+.2%})" if n in r["gap_wide"] else "")
-                if n in r["final_wide"] else "-"
-                for n in names
-            ]  # fmt: skip
-            lines.append(f"| {r['S']} | {r['N']} | {r['lr']:g} | {r['seed']} | "
-                         f"{r['final_wide'].get('flush', math.nan):.4f} | " + " | ".join(cells) + " |")  # fmt: skip
+            lines.append(
+                f"| {r['S']} | {r['N']} | {r['lr']:g} | {r['seed']} | " + cells(r["final_wide"], r["gap_wide"])
+            )
     return "\n".join(lines)
 
 
@@ -566,6 +564,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.layers, args.cost_steps, args.workers, args.dim, args.block = 2, 2, 1, 32, 32
         if args.out == "paci_at_depth.json":  # a smoke run never replaces the full result
             args.out, args.plot = "paci_at_depth_quick.json", "paci_at_depth_quick.png"
+    if args.final_val_batches < -1:
+        p.error(
+            f"--final-val-batches {args.final_val_batches}: give a number of batches, -1 (the whole split) or 0 (none)"
+        )
     if max(args.stages) > args.layers + 2:
         p.error(f"--layers {args.layers} gives {args.layers + 2} pipeline layers, fewer than S={max(args.stages)}")
     return args

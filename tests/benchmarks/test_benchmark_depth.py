@@ -80,3 +80,13 @@ def test_paper_shape_timing_with_balanced_free_costs_is_the_ideal(tmp_path, monk
     # ideal, its synchronous start at flush's pace: 2,400 / (40 + 2,360 x 8 / 15) = 1.848 at 2,400 steps.
     bounded = [r for r in long_rows if r[-1].startswith(">=")]
     assert bounded and all(r[-1] == ">= 1.848" for r in bounded if r[1] == "2400")
+
+
+def test_final_val_batches_below_minus_one_is_refused_by_name(capsys):
+    """-1 is the whole split and 0 none; a lower value is a typo, not a silent whole-split validation."""
+    import pytest
+
+    with pytest.raises(SystemExit):
+        paci_at_depth.parse_args(["--final-val-batches", "-3"])
+    assert "--final-val-batches -3" in capsys.readouterr().err
+    assert paci_at_depth.parse_args(["--final-val-batches", "-1"]).final_val_batches == -1
