@@ -8,9 +8,15 @@ the change that happened, ``actual = w_{v+d} - w_v``:
 - ``wp``: the current weight prediction, ``-d * lr * u`` with the window's gradient so far folded in;
 - ``mom``: the same without the fold (the current moments alone: SpecTrain's rule);
 - ``last``: ``d * (w_v - w_{v-1})``, the last applied update repeated (momentum look-ahead, mu = 1).
+- ``shrunk``: ``wp`` with the window's mean so far shrunk towards the momentum, ``f * mean + (1 - f) * m_hat`` (f: the
+  share of the window accumulated): the accumulated share exact, the momentum for the share still to come;
+- ``mfold``: ``wp`` with the mean folded into the first moment only (a young window's mean squared overstates the
+  full window's ``g^2``, so folding it into ``v`` shrinks the step: a coherent undershoot where noise dominates).
 
 Per prediction: relative error ``|pred - actual| / |actual|`` (1 = no better than no prediction),
-cosine, and the norm ratio ``|pred| / |actual|`` (> 1: overshoot), per stage and per phase of training.
+cosine, the norm ratio ``|pred| / |actual|`` (> 1: overshoot) and the error's signed component along the step
+taken, ``<pred - actual, actual> / |actual|^2`` (< 0: short of it; the mean, a coherent error's measure), per stage
+and per phase of training (a long run's later phases by quarters) and by the share of the window accumulated.
 
     PYTHONPATH=. python -m benchmarks.exp31_diagnose --stages 8 --accumulate 8 --lr 2e-3 --run paci+weight_prediction
 """
@@ -29,6 +35,24 @@ from lit_efficient.runtime.staleness import predicted_steps
 
 def _flat(params) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1).float() for p in params])
+
+
+def _m_fold_only(optimizer, params, weight) -> torch.Tensor:
+    """AdamW's pending step with the window's mean folded into the first moment only: ``v`` as it is (the mean of a
+    young window's few micro-batches squared overstates the full window's ``g^2``: a coherent undershoot). In the
+    order of ``params``, as the other predictions."""
+    groups = {id(q): group for group in optimizer.param_groups for q in group["params"]}
+    out = []
+    for q in params:
+        state, group = optimizer.state.get(q), groups.get(id(q))
+        if not state or group is None or q.grad is None:
+            continue
+        lr, wd, (b1, b2), eps = group["lr"], group["weight_decay"], group["betas"], group["eps"]
+        t = float(state["step"])
+        m = b1 * state["exp_avg"] + (1 - b1) * q.grad / weight
+        u = (m / (1 - b1 ** (t + 1))) / ((state["exp_avg_sq"] / (1 - b2**t)).sqrt() + eps) + wd * q
+        out.append((lr * u).reshape(-1).float())
+    return torch.cat(out)
 
 
 def main() -> None:
@@ -51,11 +75,13 @@ def main() -> None:
             weight = self._window[0] if self._window is not None else None
             preds = {}
             with torch.no_grad():
-                for name, w in (("wp", weight), ("mom", None)):
-                    steps = predicted_steps(self.optimizer, w)
+                for name, w, n in (("wp", weight, None), ("mom", None, None), ("shrunk", weight, self_accumulate[0])):
+                    steps = predicted_steps(self.optimizer, w, n)
                     preds[name] = -d * torch.cat(
                         [steps[id(q)](q).reshape(-1).float() for q in params if id(q) in steps]
                     )
+                if weight is not None:
+                    preds["mfold"] = -d * _m_fold_only(self.optimizer, params, weight)
                 prev = snaps.get((self.stage, self.version - 1))
                 if prev is not None:
                     preds["last"] = d * (snaps[key] - prev)
@@ -80,6 +106,8 @@ def main() -> None:
                         "rel_err": (pred - actual).norm().item() / an,
                         "cos": torch.nn.functional.cosine_similarity(pred, actual, dim=0).item(),
                         "ratio": pred.norm().item() / an,
+                        # The error's signed component along the step taken (< 0: the prediction falls short).
+                        "along": torch.dot(pred - actual, actual).item() / an**2,
                     }
                 records.append(out)
             else:
@@ -91,7 +119,10 @@ def main() -> None:
     result = depth.fit_one(config, args.stages, args.accumulate, args.lr, args.seed, args.run)
     print("final", result["final_val_loss"], [round(v, 3) for _, v in result["val"]])
     steps = result["steps"]
-    phases = [(0, 5), (5, 20), (20, 60), (60, steps + 1)]
+    phases = [(0, 5), (5, 20), (20, 60)]
+    # A long run's later phases by quarters: a gap that builds late shows where the error turns coherent.
+    cuts = [60] + [q * steps // 4 for q in (1, 2, 3) if q * steps // 4 > 60] + [steps + 1]
+    phases += list(zip(cuts, cuts[1:], strict=False))
     summary = []
     for s in range(args.stages):
         for lo, hi in phases:
@@ -99,17 +130,19 @@ def main() -> None:
             if not sel:
                 continue
             row = {"stage": s, "phase": f"{lo}-{hi}", "n": len(sel)}
-            for name in ("wp", "mom", "last"):
+            for name in ("wp", "mom", "last", "shrunk", "mfold"):
                 vals = [r[name] for r in sel if name in r]
                 if vals:
                     row[name] = {k: statistics.median(v[k] for v in vals) for k in ("rel_err", "cos", "ratio")}
+                    row[name]["along"] = statistics.fmean(v["along"] for v in vals)
             row["rel_step"] = statistics.median(r["actual_norm"] / r["weight_norm"] for r in sel)
             summary.append(row)
             print(
                 f"stage {s} steps {lo:>3}-{hi:<3} n={len(sel):4d} |dw|/|w|={row['rel_step']:.4f} "
                 + " ".join(
-                    f"{n}: err {row[n]['rel_err']:.2f} cos {row[n]['cos']:.2f} ratio {row[n]['ratio']:.2f}"
-                    for n in ("wp", "mom", "last")
+                    f"{n}: err {row[n]['rel_err']:.2f} cos {row[n]['cos']:.2f} ratio {row[n]['ratio']:.2f} "
+                    f"along {row[n]['along']:+.3f}"
+                    for n in ("wp", "mom", "last", "shrunk", "mfold")
                     if n in row
                 )
             )
@@ -121,8 +154,10 @@ def main() -> None:
                 f"frac {lo:.2f}-{hi:.2f} n={len(sel):4d} "
                 + " ".join(
                     f"{n}: err {statistics.median(r[n]['rel_err'] for r in sel):.2f} "
-                    f"ratio {statistics.median(r[n]['ratio'] for r in sel):.2f}"
-                    for n in ("wp", "mom", "last")
+                    f"ratio {statistics.median(r[n]['ratio'] for r in sel):.2f} "
+                    f"along {statistics.fmean(r[n]['along'] for r in sel):+.3f}"
+                    for n in ("wp", "mom", "last", "shrunk", "mfold")
+                    if all(n in r for r in sel)
                 )
             )
     if args.out:

@@ -73,6 +73,14 @@ RUNS: dict[str, dict[str, Any]] = {  # name -> PACIStrategy's options (beyond S;
     "paci_default_sync40": {"schedule": "paci", "sync_start_steps": 40},  # "auto"'s 40 at any beta2
     # The defaults as on CUDA ("auto" there: the prediction in compiled passes; on CPU it is asked for by name).
     "paci_default_compiled": {"schedule": "paci", "staleness_correction": "weight_prediction_first_step_compiled"},
+    # The defaults with the pending step's gradient estimated as the window's accumulated share plus the momentum for
+    # the share still to come (issue 31's low-rate late gap: a young window's mean is noise along the curvature).
+    "paci_default_shrunk": {"schedule": "paci", "staleness_correction": "weight_prediction_first_step_shrunk"},
+    # Only the mean's square shrunk (towards v_hat): the young window's coherent undershoot without the lag of m_hat.
+    "paci_default_square_shrunk": {
+        "schedule": "paci",
+        "staleness_correction": "weight_prediction_first_step_square_shrunk",
+    },
     "paci_recompute": {"schedule": "paci", **_PLAIN},
     "paci_recompute+weight_prediction": {"schedule": "paci", **_PLAIN, "staleness_correction": "weight_prediction"},
 }

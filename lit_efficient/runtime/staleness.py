@@ -83,6 +83,7 @@ CorrectionName = Literal[
     "delay_compensation",
     "weight_prediction_first_step",
     "weight_prediction_first_step_shrunk",
+    "weight_prediction_first_step_square_shrunk",
     "weight_prediction_first_step_inplace",
     "weight_prediction_first_step_compiled",
 ]
@@ -154,11 +155,12 @@ class WeightPrediction(StalenessCorrection):
 
     def __init__(
         self, scale: float = 1.0, accumulate: int | None = None, fold: bool = True, first_step: bool = False,
-        stash: bool = True,
+        stash: bool = True, shrink: Literal["mean", "square"] = "mean",
     ) -> None:  # fmt: skip
         self._stash: list[Tensor] | None = None  # the real weights while predicted ones are in place
         self.scale = scale  # steps predicted per pending step (1: the full extrapolation)
         self.accumulate = accumulate  # set: the window's mean so far is shrunk towards the momentum
+        self.shrink = shrink  # with accumulate: "square" shrinks only the mean's square folded into v, towards v_hat
         self.fold = fold  # False: the current moments alone (the last applied update, look-ahead)
         self.first_step = first_step  # also predict the first step (zero moments), not only once state exists
         self.stash = stash  # False: undo the prediction by inverting it in place (no weight-sized buffer)
@@ -170,7 +172,9 @@ class WeightPrediction(StalenessCorrection):
         if pending_steps <= 0 or optimizer is None:
             yield
             return
-        steps = predicted_steps(optimizer, window_weight if self.fold else None, self.accumulate, self.first_step)
+        steps = predicted_steps(
+            optimizer, window_weight if self.fold else None, self.accumulate, self.first_step, self.shrink
+        )
         if not steps:  # no optimizer state yet: nothing to extrapolate from
             yield
             return
@@ -444,6 +448,17 @@ class ShrunkWeightPrediction(WeightPrediction):
         super().__init__(accumulate=accumulate, first_step=first_step)
 
 
+class SquareShrunkWeightPrediction(WeightPrediction):
+    """`FirstStepWeightPrediction` with only the mean's square shrunk: ``v' = b2 v + (1 - b2) (f mean^2 + (1 - f)
+    v_hat)``, ``m'`` as in `WeightPrediction`. A young window's mean of k micro-batches squared overstates the full
+    window's ``g^2`` by ``sigma^2 (1/k - 1/N)`` where noise dominates the gradient, so folding it into ``v`` shrinks the
+    predicted step coherently; the expected square of the share still to come is ``v_hat``'s. Memory and time:
+    `WeightPrediction`'s."""
+
+    def __init__(self, accumulate: int) -> None:
+        super().__init__(accumulate=accumulate, first_step=True, shrink="square")
+
+
 class MomentumLookAhead(WeightPrediction):
     """Look-ahead by the last applied update (PipeNAG-style, SpecTrain's first rule): ``w - d * lr * u`` with u
     from the current moments alone, which is AdamW's last update recomputed from its state (at the next
@@ -542,7 +557,7 @@ def step_count(step: Tensor | float) -> float:
 
 def predicted_steps(
     optimizer: torch.optim.Optimizer, window_weight: Tensor | None = None, accumulate: int | None = None,
-    first_step: bool = False,
+    first_step: bool = False, shrink: Literal["mean", "square"] = "mean",
 ) -> dict[int, Any]:  # fmt: skip
     """Per parameter (by id) with optimizer state: ``w -> lr * u``, the change the next step would make.
 
@@ -554,6 +569,8 @@ def predicted_steps(
         accumulate: N, to shrink the window's mean so far towards the momentum: the pending step's gradient
             is estimated as ``f * mean + (1 - f) * m_hat`` with ``f = window_weight / N`` the share of the
             window accumulated (micro-batches counted as weight 1: ``normalize="mean"``). None: ``mean``.
+        shrink: With ``accumulate``: ``"mean"`` as above; ``"square"`` keeps ``mean`` in the first moment and folds
+            ``f * mean^2 + (1 - f) * v_hat`` into the second instead of ``mean^2``.
 
     Raises for an optimizer whose update this module does not know.
     """
@@ -593,13 +610,14 @@ def predicted_steps(
                 t,
                 name == "AdamW",
                 accumulate,
+                shrink,
             )
     return out
 
 
 def _adam_step(
     m: Tensor | None, v: Tensor | None, g: Tensor | None, weight: Tensor | None, lr: float, wd: float, b1: float,
-    b2: float, eps: float, t: float, decoupled: bool, accumulate: int | None = None,
+    b2: float, eps: float, t: float, decoupled: bool, accumulate: int | None = None, shrink: str = "mean",
 ):  # fmt: skip
     # Evaluated parameter by parameter (forward_context), so the folded moments exist for one parameter at a time.
     # m and v None: zero moments (the first step, before the optimizer has state); then g is not None.
@@ -615,13 +633,19 @@ def _adam_step(
         tt = t
         if gt is not None:
             mean = gt / weight
+            square = None
             if accumulate and t > 0:  # shrink a young window's mean towards the momentum (the expected gradient)
                 f = (weight / accumulate).clamp(max=1.0)
-                mean = f * mean + (1 - f) * (mt / (1 - b1**t))
+                if shrink == "square":  # or only its square, towards v_hat (the expected square)
+                    square = f * mean * mean + (1 - f) * (vt / (1 - b2**t))
+                else:
+                    mean = f * mean + (1 - f) * (mt / (1 - b1**t))
+            # (1 - b2) * mean * mean, not (1 - b2) * (mean * mean): the rounding the emulation and in-place form share.
+            folded = (1 - b2) * mean * mean if square is None else (1 - b2) * square
             if mt is None:  # zero moments: b1 * 0 + ... adds nothing
-                mt, vt = (1 - b1) * mean, (1 - b2) * mean * mean
+                mt, vt = (1 - b1) * mean, folded
             else:
-                mt, vt = b1 * mt + (1 - b1) * mean, b2 * vt + (1 - b2) * mean * mean
+                mt, vt = b1 * mt + (1 - b1) * mean, b2 * vt + folded
             tt = t + 1
         u = (mt / (1 - b1**tt)) / ((vt / (1 - b2**tt)).sqrt() + eps)
         if wd and decoupled and w is not None:
@@ -700,6 +724,7 @@ def make_correction(
         "weight_prediction_damped": DampedWeightPrediction,
         "weight_prediction_shrunk": lambda: ShrunkWeightPrediction(accumulate),
         "weight_prediction_first_step_shrunk": lambda: ShrunkWeightPrediction(accumulate, first_step=True),
+        "weight_prediction_first_step_square_shrunk": lambda: SquareShrunkWeightPrediction(accumulate),
         "weight_prediction_momentum": MomentumLookAhead,
         "delay_compensation": lambda: DelayCompensation(accumulate),
     }

@@ -274,6 +274,38 @@ def test_first_step_prediction_is_adams_first_step():
     assert all(torch.allclose(a, p, rtol=0, atol=1e-6) for a, p in zip(predicted, layer.parameters(), strict=True))
 
 
+def test_square_shrunk_prediction_folds_the_expected_square_of_the_window_still_to_come():
+    """``weight_prediction_first_step_square_shrunk``: with k of N micro-batches accumulated, ``m`` takes the window's
+    mean so far (as ``weight_prediction``) and ``v`` takes ``f mean^2 + (1 - f) v_hat`` (f = k / N) instead of
+    ``mean^2``; with the whole window accumulated it is the update AdamW then applies."""
+    from lit_efficient.runtime.staleness import predicted_steps
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(8, 8)
+    opt = torch.optim.AdamW(layer.parameters(), lr=LR, weight_decay=0.1, betas=BETAS)
+    for _ in range(3):
+        layer(torch.randn(4, 8)).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    p = layer.weight
+    layer(torch.randn(4, 8)).pow(2).sum().backward()
+    p.grad.mul_(2)  # the sum of two micro-batches' gradients: k = 2 of N = 8
+    state = opt.state[p]
+    t, (b1, b2) = float(state["step"]), BETAS
+    mean = p.grad / 2
+    v_hat = state["exp_avg_sq"] / (1 - b2**t)
+    m = b1 * state["exp_avg"] + (1 - b1) * mean
+    v = b2 * state["exp_avg_sq"] + (1 - b2) * (0.25 * mean * mean + 0.75 * v_hat)
+    want = LR * ((m / (1 - b1 ** (t + 1))) / ((v / (1 - b2 ** (t + 1))).sqrt() + EPS) + 0.1 * p)
+    got = predicted_steps(opt, torch.tensor(2.0), accumulate=8, shrink="square")[id(p)](p)
+    assert torch.allclose(got, want, rtol=1e-6, atol=0)
+    plain = predicted_steps(opt, torch.tensor(2.0))[id(p)](p)
+    assert not torch.allclose(got, plain, rtol=1e-3, atol=0)  # the shrink changed the step: not vacuous
+    # The whole window accumulated (f = 1): AdamW's next update, which the optimizer then applies.
+    full = predicted_steps(opt, torch.tensor(8.0), accumulate=8, shrink="square")[id(p)](p)
+    assert torch.allclose(full, predicted_steps(opt, torch.tensor(8.0))[id(p)](p), rtol=1e-6, atol=0)
+
+
 def test_lr_scale_factor_and_where_corrections_apply():
     rule = LRScale(delay=1, anneal_steps=10)
     assert (
