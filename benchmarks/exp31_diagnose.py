@@ -75,8 +75,9 @@ def main() -> None:
             weight = self._window[0] if self._window is not None else None
             preds = {}
             with torch.no_grad():
-                for name, w, n in (("wp", weight, None), ("mom", None, None), ("shrunk", weight, self_accumulate[0])):
-                    steps = predicted_steps(self.optimizer, w, n)
+                share = min(1.0, self._window_microbatches / self_accumulate[0])
+                for name, w, f in (("wp", weight, None), ("mom", None, None), ("shrunk", weight, share)):
+                    steps = predicted_steps(self.optimizer, w, f)
                     preds[name] = -d * torch.cat(
                         [steps[id(q)](q).reshape(-1).float() for q in params if id(q) in steps]
                     )

@@ -75,7 +75,10 @@ def local_accumulation(checkpoint: dict[str, Any], names: list[str]) -> dict[str
     if not windows:
         return None
     grads = {n: g for w in windows for n, g in w["grads"].items()}
-    return {"window": windows[0]["window"], "grads": [grads.get(n) for n in names]}
+    out = {"window": windows[0]["window"], "grads": [grads.get(n) for n in names]}
+    if "microbatches" in windows[0]:
+        out["microbatches"] = windows[0]["microbatches"]
+    return out
 
 
 def _from_index_space(saved: dict[str, Any], names_by_group: list[list[str]]) -> dict[str, Any]:

@@ -75,10 +75,11 @@ def read(
         if p[1] == "ranks":
             if len(p) > 4 and p[3:5] == ("accumulation", "grads"):
                 return p[5] in names
-            # Everyone's window counter and random-stream and averager markers (small: whether the layouts'
+            # Everyone's window counters and random-stream and averager markers (small: whether the layouts'
             # per-rank state is dropped, and said so, as for a file); the rest of a record, its own rank's.
             small_entry = not isinstance(entries[flat], TensorStorageMetadata) or p[3] == "rng"
-            return p[2] in mine or p[3:5] == ("accumulation", "window") or (p[3] in ("rng", "averager") and small_entry)
+            window = p[3:5] in (("accumulation", "window"), ("accumulation", "microbatches"))
+            return p[2] in mine or window or (p[3] in ("rng", "averager") and small_entry)
         if p[1] == "replicas":
             return p[2] in own and (p[4] in keys if p[3] == "state_dict" else p[4] in names)
         return False

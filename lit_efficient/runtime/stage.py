@@ -205,6 +205,9 @@ class PipelineStage:
         # Per window, on the device: [sum of micro-batch weights, number of non-finite losses seen
         # downstream, first such micro-batch or -1]. Reduced across replicas with the gradients.
         self._window: Tensor | None = None
+        # Backwards accumulated in the window (a host count: a staleness correction reads the share of the window
+        # accumulated at a stale forward, which the weight is not under normalize="tokens").
+        self._window_microbatches = 0
         self._one = torch.ones((), dtype=torch.float64, device=self.device)
         # Hooks the runtime installs around the local step (data-parallel reduction, clipping,
         # replica averaging); each is optional.
@@ -231,8 +234,9 @@ class PipelineStage:
         if self.correction is not None:
             weight = self._window[0] if self._window is not None else None
             correct = self.correction.forward_context(
-                list(self.parameters()), self.optimizer, pending_steps, window_weight=weight
-            )
+                list(self.parameters()), self.optimizer, pending_steps, window_weight=weight,
+                window_microbatches=self._window_microbatches,
+            )  # fmt: skip
         with self._own_rng(), correct:
             result = self._forward(microbatch, inputs, batch)
         self.stats.forwards += 1
@@ -345,6 +349,7 @@ class PipelineStage:
                 self.after_step()  # also on a skipped window: replicas must keep syncing in step
         self.version += 1
         self._window = None
+        self._window_microbatches = 0
         self.stats.steps += 1
         self.stats.times.add("step", start, self.clock.mark())
 
@@ -421,6 +426,7 @@ class PipelineStage:
         """Forget in-flight micro-batches and accumulated gradients (after a failure or an aborted run)."""
         self._in_flight.clear()
         self._window = None
+        self._window_microbatches = 0
         for p in self.parameters():
             p.grad = None
 
@@ -429,7 +435,9 @@ class PipelineStage:
         and the gradients and weight accumulated in a window not yet stepped."""
         state: dict[str, Any] = {"version": self.version, "rng": self.rng}
         if self._window is not None:
-            state.update(window=self._window, grads=[p.grad for p in self.parameters()])
+            state.update(
+                window=self._window, grads=[p.grad for p in self.parameters()], microbatches=self._window_microbatches
+            )
         return state
 
     def load_accumulation_state(self, state: dict[str, Any]) -> None:
@@ -439,8 +447,11 @@ class PipelineStage:
             self.rng = state["rng"]
         if "window" not in state:
             self._window = None
+            self._window_microbatches = 0
             return
         self._window = state["window"].to(self.device)
+        # A checkpoint from before the count: under normalize="mean" the window's weight is its micro-batches.
+        self._window_microbatches = int(state.get("microbatches", round(float(self._window[0]))))
         for p, g in zip(self.parameters(), state["grads"], strict=True):
             p.grad = None if g is None else g.to(p.device)
 
@@ -525,6 +536,7 @@ class PipelineStage:
     def _accumulate(self, microbatch: int, aux: Tensor) -> None:
         weight, bad = aux[0], aux[1]
         first = torch.where(bad > 0, torch.full_like(weight, microbatch), -self._one)
+        self._window_microbatches += 1
         if self._window is None:
             self._window = torch.stack([weight, bad, first]).detach().clone()
             return

@@ -110,9 +110,11 @@ class StalenessCorrection:
         return nullcontext()
 
     def forward_context(
-        self, params: Sequence[nn.Parameter], optimizer: Any, pending_steps: int, window_weight: Any = None
-    ) -> Any:
-        """Context around a forward that ``pending_steps`` optimizer steps separate from its backward."""
+        self, params: Sequence[nn.Parameter], optimizer: Any, pending_steps: int, window_weight: Any = None,
+        window_microbatches: int | None = None,
+    ) -> Any:  # fmt: skip
+        """Context around a forward that ``pending_steps`` optimizer steps separate from its backward, with the
+        stage's window so far of weight ``window_weight`` over ``window_microbatches`` backwards."""
         return nullcontext()
 
 
@@ -167,14 +169,16 @@ class WeightPrediction(StalenessCorrection):
 
     @contextmanager
     def forward_context(
-        self, params: Sequence[nn.Parameter], optimizer: Any, pending_steps: int, window_weight: Any = None
-    ) -> Iterator[None]:
+        self, params: Sequence[nn.Parameter], optimizer: Any, pending_steps: int, window_weight: Any = None,
+        window_microbatches: int | None = None,
+    ) -> Iterator[None]:  # fmt: skip
         if pending_steps <= 0 or optimizer is None:
             yield
             return
-        steps = predicted_steps(
-            optimizer, window_weight if self.fold else None, self.accumulate, self.first_step, self.shrink
-        )
+        share = None  # the share of the window accumulated, where the rule shrinks by it and the stage counts
+        if self.accumulate and window_microbatches is not None:
+            share = min(1.0, window_microbatches / self.accumulate)
+        steps = predicted_steps(optimizer, window_weight if self.fold else None, share, self.first_step, self.shrink)
         if not steps:  # no optimizer state yet: nothing to extrapolate from
             yield
             return
@@ -230,17 +234,19 @@ class WeightPrediction(StalenessCorrection):
 
 def _fused_prediction(
     ws: list[Tensor], ms: list[Tensor], vs: list[Tensor], gs: list[Tensor], weight: Tensor, a: Tensor, s: Tensor,
-    bc2: Tensor, b1: float, b2: float, eps: float,
+    bc2: Tensor, f: Tensor, vc: Tensor, b1: float, b2: float, eps: float,
 ) -> None:  # fmt: skip
     """``w <- a w + s m' / (sqrt(v' / bc2) + eps)`` for every weight, ``m'``, ``v'`` Adam's moments with the window's
-    mean ``g / weight`` folded in: the in-place prediction's apply (``a = 1 - c k``, ``s = -c lr / bc1``) and its undo
-    (``a = 1 / (1 - c k)``, ``s = c lr / bc1 / (1 - c k)``), which evaluates the same ``m' / (...)`` on the same
-    inputs. ``a``, ``s`` and ``bc2`` are 0-dim tensors on the weights' device, so a new learning rate or step count
-    is not a recompilation. Written for `torch.compile` (one pass per weight); run eagerly it is slow."""
+    mean ``g / weight`` folded in (its square as ``f mean^2 + vc v``: the square shrunk towards ``v_hat`` by the share
+    f of the window accumulated, ``vc = (1 - f) / (1 - b2^t)``; f = 1, vc = 0 where it is not shrunk): the in-place
+    prediction's apply (``a = 1 - c k``, ``s = -c lr / bc1``) and its undo (``a = 1 / (1 - c k)``, ``s = c lr / bc1 /
+    (1 - c k)``), which evaluates the same ``m' / (...)`` on the same inputs. ``a``, ``s``, ``bc2``, ``f`` and ``vc``
+    are 0-dim tensors on the weights' device, so a new learning rate, step count or share is not a recompilation.
+    Written for `torch.compile` (one pass per weight); run eagerly it is slow."""
     for w, m, v, g in zip(ws, ms, vs, gs, strict=True):
         mean = g / weight
         num = torch.lerp(m, mean, 1 - b1)
-        den = (torch.lerp(v, mean * mean, 1 - b2) / bc2).sqrt() + eps
+        den = (torch.lerp(v, mean * mean * f + v * vc, 1 - b2) / bc2).sqrt() + eps
         w.copy_(w * a + s * (num / den))
 
 
@@ -262,7 +268,7 @@ def _fused_groups(params: list[nn.Parameter], steps: dict[int, Any]) -> dict[tup
     groups: dict[tuple, list[nn.Parameter]] = {}
     for p in params:
         step = steps[id(p)]
-        _, _, _, _, _, _, zero_moments, no_gradient = step.key
+        _, _, _, _, _, _, zero_moments, no_gradient, _ = step.key
         if p.dtype == torch.float32 and not zero_moments and not no_gradient:
             groups.setdefault(step.key, []).append(p)
     return groups
@@ -296,16 +302,18 @@ def _run_fused(
 
 def _fused_call(fn: Any, key: tuple, params: list[nn.Parameter], steps: dict[int, Any], c: float, undo: bool) -> None:
     """One update key's apply (``w -> w (1 - c k) - c D``) or undo (its inverse) through ``fn``."""
-    lr, decay, b1, b2, eps, _, _, _ = key
+    lr, decay, b1, b2, eps, t, _, _, square = key
     bc1, bc2 = _bias_corrections(key)
     a, s = 1 - c * decay, c * lr / bc1
-    coef = (1 / a, s / a, bc2) if undo else (a, -s, bc2)
+    shrink = (1.0, 0.0) if square is None else (square, (1 - square) / (1 - b2**t))
+    coef = (1 / a, s / a, bc2, *shrink) if undo else (a, -s, bc2, *shrink)
     # Filled on the device (a kernel argument each): a tensor built from host values would be a blocking host-to-
     # device copy, a host sync per apply and per undo on CUDA.
     device = params[0].device
-    a_t, s_t, bc2_t = (torch.full((), x, dtype=torch.float32, device=device) for x in coef)
+    a_t, s_t, bc2_t, f_t, vc_t = (torch.full((), x, dtype=torch.float32, device=device) for x in coef)
     ms, vs, gs = (list(x) for x in zip(*(steps[id(p)].sliced(None) for p in params), strict=True))
-    fn([p.detach() for p in params], ms, vs, gs, steps[id(params[0])].weight, a_t, s_t, bc2_t, b1, b2, eps)
+    weight = steps[id(params[0])].weight
+    fn([p.detach() for p in params], ms, vs, gs, weight, a_t, s_t, bc2_t, f_t, vc_t, b1, b2, eps)
 
 
 @contextmanager
@@ -390,8 +398,8 @@ class InPlaceFirstStepWeightPrediction(WeightPrediction):
     `FirstStepWeightPrediction`'s; Adam amplifies such differences in near-zero gradients.
     """
 
-    def __init__(self) -> None:
-        super().__init__(first_step=True, stash=False)
+    def __init__(self, accumulate: int | None = None) -> None:
+        super().__init__(first_step=True, stash=False, accumulate=accumulate, shrink="square")
 
 
 class CompiledFirstStepWeightPrediction(InPlaceFirstStepWeightPrediction):
@@ -411,8 +419,8 @@ class CompiledFirstStepWeightPrediction(InPlaceFirstStepWeightPrediction):
     process. The result equals the eager form's up to rounding, not bit for bit (another order of operations).
     """
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, accumulate: int | None = None) -> None:
+        super().__init__(accumulate)
         self._fn: Any = None  # this stage's `_compiled_prediction`, made at its first stale forward
 
     @property
@@ -487,8 +495,9 @@ class DelayCompensation(StalenessCorrection):
         self._stale: dict[int, int] = {}  # target step -> sum of the pending steps of its stale forwards
 
     def forward_context(
-        self, params: Sequence[nn.Parameter], optimizer: Any, pending_steps: int, window_weight: Any = None
-    ) -> Any:
+        self, params: Sequence[nn.Parameter], optimizer: Any, pending_steps: int, window_weight: Any = None,
+        window_microbatches: int | None = None,
+    ) -> Any:  # fmt: skip
         if pending_steps > 0:
             target = self._steps + pending_steps
             self._stale[target] = self._stale.get(target, 0) + pending_steps
@@ -556,7 +565,7 @@ def step_count(step: Tensor | float) -> float:
 
 
 def predicted_steps(
-    optimizer: torch.optim.Optimizer, window_weight: Tensor | None = None, accumulate: int | None = None,
+    optimizer: torch.optim.Optimizer, window_weight: Tensor | None = None, share: float | None = None,
     first_step: bool = False, shrink: Literal["mean", "square"] = "mean",
 ) -> dict[int, Any]:  # fmt: skip
     """Per parameter (by id) with optimizer state: ``w -> lr * u``, the change the next step would make.
@@ -566,10 +575,10 @@ def predicted_steps(
         window_weight: The weight of the window accumulated so far (the stage's ``_window[0]``): each
             parameter's ``grad / window_weight`` is folded into the moments as the next step's gradient.
             None: the window has no gradient yet, the current moments alone.
-        accumulate: N, to shrink the window's mean so far towards the momentum: the pending step's gradient
-            is estimated as ``f * mean + (1 - f) * m_hat`` with ``f = window_weight / N`` the share of the
-            window accumulated (micro-batches counted as weight 1: ``normalize="mean"``). None: ``mean``.
-        shrink: With ``accumulate``: ``"mean"`` as above; ``"square"`` keeps ``mean`` in the first moment and folds
+        share: The share f of the window's micro-batches accumulated (0 to 1), to shrink the window's mean so far
+            towards the momentum: the pending step's gradient is estimated as ``f * mean + (1 - f) * m_hat``.
+            None: ``mean``.
+        shrink: With ``share``: ``"mean"`` as above; ``"square"`` keeps ``mean`` in the first moment and folds
             ``f * mean^2 + (1 - f) * v_hat`` into the second instead of ``mean^2``.
 
     Raises for an optimizer whose update this module does not know.
@@ -609,7 +618,7 @@ def predicted_steps(
                 group["eps"],
                 t,
                 name == "AdamW",
-                accumulate,
+                share,
                 shrink,
             )
     return out
@@ -617,7 +626,7 @@ def predicted_steps(
 
 def _adam_step(
     m: Tensor | None, v: Tensor | None, g: Tensor | None, weight: Tensor | None, lr: float, wd: float, b1: float,
-    b2: float, eps: float, t: float, decoupled: bool, accumulate: int | None = None, shrink: str = "mean",
+    b2: float, eps: float, t: float, decoupled: bool, share: float | None = None, shrink: str = "mean",
 ):  # fmt: skip
     # Evaluated parameter by parameter (forward_context), so the folded moments exist for one parameter at a time.
     # m and v None: zero moments (the first step, before the optimizer has state); then g is not None.
@@ -634,8 +643,8 @@ def _adam_step(
         if gt is not None:
             mean = gt / weight
             square = None
-            if accumulate and t > 0:  # shrink a young window's mean towards the momentum (the expected gradient)
-                f = (weight / accumulate).clamp(max=1.0)
+            if share is not None and share < 1 and t > 0:  # shrink a young window's mean towards the momentum
+                f = share
                 if shrink == "square":  # or only its square, towards v_hat (the expected square)
                     square = f * mean * mean + (1 - f) * (vt / (1 - b2**t))
                 else:
@@ -654,7 +663,9 @@ def _adam_step(
 
     step.decay = lr * wd if decoupled else 0.0  # type: ignore[attr-defined]
     # What `_direction` batches pieces of parameters by: pieces with one key share every scalar of the update.
-    step.key = (lr, step.decay, b1, b2, eps, t, m is None, g is None)  # type: ignore[attr-defined]
+    # The share by which the square folded into v is shrunk (`SquareShrunkWeightPrediction`), where it applies.
+    square = share if shrink == "square" and share is not None and share < 1 and t > 0 and g is not None else None
+    step.key = (lr, step.decay, b1, b2, eps, t, m is None, g is None, square)  # type: ignore[attr-defined]
     step.sliced = sliced  # type: ignore[attr-defined]
     step.weight = weight  # type: ignore[attr-defined]
     return step
@@ -666,13 +677,16 @@ def _direction(items: list[tuple[Any, slice | None]]) -> tuple[list[Tensor], lis
     multi-tensor operations (lerp, addcdiv: about half the passes over memory of ``step``, and a handful of kernels
     per batch). The window's mean is not shrunk (``accumulate`` is for ``step`` only)."""
     first = items[0][0]
-    lr, _, b1, b2, eps, _, _, _ = first.key
+    lr, _, b1, b2, eps, t, _, _, square = first.key
     bc1, bc2 = _bias_corrections(first.key)
     ms, vs, gs = (list(x) for x in zip(*(step.sliced(part) for step, part in items), strict=True))
     if gs[0] is not None:
         mean = torch._foreach_div(gs, first.weight)
         num = torch._foreach_mul(mean, 1 - b1) if ms[0] is None else torch._foreach_lerp(ms, mean, 1 - b1)
         torch._foreach_mul_(mean, mean)
+        if square is not None:  # f mean^2 + (1 - f) v_hat: the expected square of the share still to come
+            torch._foreach_mul_(mean, square)
+            torch._foreach_add_(mean, vs, alpha=(1 - square) / (1 - b2**t))
         if vs[0] is None:
             torch._foreach_mul_(mean, 1 - b2)
             denom = mean
@@ -690,7 +704,7 @@ def _bias_corrections(key: tuple) -> tuple[float, float]:
     """Adam's bias corrections ``(1 - b1 ** t', 1 - b2 ** t')`` of the pending step for an update key (`_adam_step`'s
     ``key``), as the eager (`_direction`) and the compiled (`_fused_call`) prediction use them: t' = t + 1 with the
     window's gradient folded into the moments, t (the current moments alone) when the window has none yet."""
-    _, _, b1, b2, _, t, _, no_gradient = key
+    _, _, b1, b2, _, t, _, no_gradient, _ = key
     tt = t if no_gradient else t + 1
     return 1 - b1**tt, 1 - b2**tt
 
@@ -714,13 +728,14 @@ def make_correction(
         if not predictable(optimizer):
             return None
         on_cuda = any(p.is_cuda for group in optimizer.param_groups for p in group["params"])
-        return CompiledFirstStepWeightPrediction() if on_cuda else InPlaceFirstStepWeightPrediction()
+        form = CompiledFirstStepWeightPrediction if on_cuda else InPlaceFirstStepWeightPrediction
+        return form(accumulate)
     factories: dict[str, Any] = {
         "lr_scale": lambda: LRScale(delay, anneal_steps),
         "weight_prediction": WeightPrediction,
         "weight_prediction_first_step": FirstStepWeightPrediction,
-        "weight_prediction_first_step_inplace": InPlaceFirstStepWeightPrediction,
-        "weight_prediction_first_step_compiled": CompiledFirstStepWeightPrediction,
+        "weight_prediction_first_step_inplace": lambda: InPlaceFirstStepWeightPrediction(accumulate),
+        "weight_prediction_first_step_compiled": lambda: CompiledFirstStepWeightPrediction(accumulate),
         "weight_prediction_damped": DampedWeightPrediction,
         "weight_prediction_shrunk": lambda: ShrunkWeightPrediction(accumulate),
         "weight_prediction_first_step_shrunk": lambda: ShrunkWeightPrediction(accumulate, first_step=True),

@@ -133,6 +133,14 @@ def test_accumulation_state_round_trip_resumes_a_window():
     for a, b in zip(second.stage.parameters(), whole.stage.parameters(), strict=True):
         torch.testing.assert_close(a, b)
     assert second.stage.stats.steps == 1
+    # The window's micro-batch count (what a staleness correction reads as the share accumulated) travels with it;
+    # a checkpoint from before the count takes it from the window's weight (normalize="mean": one per micro-batch).
+    assert state["microbatches"] == 2
+    for saved in (state, {k: v for k, v in state.items() if k != "microbatches"}):
+        third = _single_stage(4)
+        third.stage.load_accumulation_state(saved)
+        assert third.stage._window_microbatches == 2
+    assert second.stage._window_microbatches == 0  # reset by the step
 
 
 def test_runtime_rejects_a_jump_with_micro_batches_in_flight():

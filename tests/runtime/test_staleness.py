@@ -55,26 +55,31 @@ def _run(layers, correction, stages, accumulate, data, recompute=True, record=No
     return built
 
 
-def _predicted(layers_now, opt_state, delay, partial, first_step=False):
+def _predicted(layers_now, opt_state, delay, partial, first_step=False, share=None):
     """The documented rule for AdamW: w - d * lr * (m'_hat / (sqrt(v'_hat) + eps) + wd * w), per parameter, the
     moments m' and v' (and the step count) advanced by one step on ``partial``, the mean gradient of the window
     accumulated so far (None: the moments as they are). ``first_step``: a parameter without optimizer state yet
-    is predicted too, from zero moments at step count 0."""
+    is predicted too, from zero moments at step count 0. ``share``: the square folded into v' is ``share * g^2 +
+    (1 - share) * v_hat`` where the parameter has state (the square-shrunk rule)."""
     out = copy.deepcopy(layers_now)
     params = [p for layer in out for p in layer.parameters()]
     state = opt_state["state"]
     decayed = {i for g in opt_state["param_groups"] for i in g["params"] if g["weight_decay"]}
     with torch.no_grad():
         for i, p in enumerate(params):
+            square = None
             if i in state:
                 t, m, v = float(state[i]["step"]), state[i]["exp_avg"], state[i]["exp_avg_sq"]
+                if share is not None and share < 1 and partial is not None and partial[i] is not None:
+                    square = share * partial[i] * partial[i] + (1 - share) * v / (1 - BETAS[1] ** t)
             elif first_step and partial is not None and partial[i] is not None:
                 t, m, v = 0.0, torch.zeros_like(p), torch.zeros_like(p)
             else:
                 continue
             if partial is not None and partial[i] is not None:
                 g = partial[i]
-                t, m, v = t + 1, BETAS[0] * m + (1 - BETAS[0]) * g, BETAS[1] * v + (1 - BETAS[1]) * g * g
+                folded = (1 - BETAS[1]) * g * g if square is None else (1 - BETAS[1]) * square
+                t, m, v = t + 1, BETAS[0] * m + (1 - BETAS[0]) * g, BETAS[1] * v + folded
             m_hat = m / (1 - BETAS[0] ** t)
             v_hat = v / (1 - BETAS[1] ** t)
             u = m_hat / (v_hat.sqrt() + EPS) + (WD * p if i in decayed else 0)
@@ -103,7 +108,9 @@ def _emulate(data, stages, accumulate, correction):
                 delay = j // accumulate - v
                 if correction and correction.startswith("weight_prediction") and delay > 0:
                     first = correction != "weight_prediction"  # the first_step variants
-                    weights = _predicted(weights, opt_state, delay, partial[s].get(j - (stages - s)), first)
+                    k = j - (stages - s)  # the stage's last backward: its window's (k % N + 1)-th micro-batch
+                    share = (k % accumulate + 1) / accumulate if correction.endswith("square_shrunk") else None
+                    weights = _predicted(weights, opt_state, delay, partial[s].get(k), first, share)
                 x = run(weights, x)
         backward_from_inputs(stage_layers, inputs, batch, accumulate)
         done = j % accumulate + 1  # backwards of this window so far; the emulation's grads hold their sum / N
@@ -137,7 +144,7 @@ def _max_diff(a, b):
 
 @pytest.mark.parametrize(
     "correction",
-    ["lr_scale", "weight_prediction", "weight_prediction_first_step"],
+    ["lr_scale", "weight_prediction", "weight_prediction_first_step", "weight_prediction_first_step_square_shrunk"],
 )
 @pytest.mark.parametrize(("stages", "accumulate"), [(4, 2), (2, 1)])
 def test_correction_equals_its_definition(correction, stages, accumulate):
@@ -179,10 +186,12 @@ def test_weight_prediction_with_keep_graph_restores_the_weights():
     assert all(torch.equal(p, r) for p, r in zip(stages[0].parameters(), real, strict=True))
 
 
-def test_in_place_prediction_equals_the_stashed_one_up_to_rounding(monkeypatch):
+@pytest.mark.parametrize("square_shrunk", [False, True])
+def test_in_place_prediction_equals_the_stashed_one_up_to_rounding(monkeypatch, square_shrunk):
     """``stash=False`` predicts the same weights and puts the real ones back by inverting the prediction, a
     chunk of elements at a time: equal to the stashed rule up to rounding, one forward at a time (over a run,
-    Adam amplifies the rounding of near-zero gradients, so trajectories are not compared)."""
+    Adam amplifies the rounding of near-zero gradients, so trajectories are not compared); also with the square
+    shrunk by the share of the window accumulated (the default's rule: 2 of 8 micro-batches here)."""
     from lit_efficient.runtime import staleness
     from lit_efficient.runtime.staleness import WeightPrediction
 
@@ -197,15 +206,20 @@ def test_in_place_prediction_equals_the_stashed_one_up_to_rounding(monkeypatch):
             opt.step()
             opt.zero_grad()
     real = [p.detach().clone() for p in layer.parameters()]
+    shrink = {"accumulate": 8, "shrink": "square"} if square_shrunk else {}
     seen = []
     for stash in (True, False):
-        with WeightPrediction(first_step=True, stash=stash).forward_context(
-            list(layer.parameters()), opt, 2, torch.tensor(1.0)
+        with WeightPrediction(first_step=True, stash=stash, **shrink).forward_context(
+            list(layer.parameters()), opt, 2, torch.tensor(1.0), window_microbatches=2
         ):
             seen.append([p.detach().clone() for p in layer.parameters()])
         assert all(torch.allclose(p, r, rtol=0, atol=1e-6) for p, r in zip(layer.parameters(), real, strict=True))
     assert all(torch.allclose(a, b, rtol=0, atol=1e-6) for a, b in zip(*seen, strict=True))
     assert max((a - r).abs().max().item() for a, r in zip(seen[1], real, strict=True)) > 1e-3  # it moved
+    if square_shrunk:  # and the shrink moved it elsewhere than the plain rule: the comparison is not vacuous
+        with WeightPrediction(first_step=True).forward_context(list(layer.parameters()), opt, 2, torch.tensor(1.0)):
+            plain = [p.detach().clone() for p in layer.parameters()]
+        assert max((a - b).abs().max().item() for a, b in zip(seen[1], plain, strict=True)) > 1e-5
 
 
 def test_in_place_prediction_runs_a_bounded_number_of_batched_operations(monkeypatch):
@@ -297,12 +311,12 @@ def test_square_shrunk_prediction_folds_the_expected_square_of_the_window_still_
     m = b1 * state["exp_avg"] + (1 - b1) * mean
     v = b2 * state["exp_avg_sq"] + (1 - b2) * (0.25 * mean * mean + 0.75 * v_hat)
     want = LR * ((m / (1 - b1 ** (t + 1))) / ((v / (1 - b2 ** (t + 1))).sqrt() + EPS) + 0.1 * p)
-    got = predicted_steps(opt, torch.tensor(2.0), accumulate=8, shrink="square")[id(p)](p)
+    got = predicted_steps(opt, torch.tensor(2.0), share=0.25, shrink="square")[id(p)](p)
     assert torch.allclose(got, want, rtol=1e-6, atol=0)
     plain = predicted_steps(opt, torch.tensor(2.0))[id(p)](p)
     assert not torch.allclose(got, plain, rtol=1e-3, atol=0)  # the shrink changed the step: not vacuous
     # The whole window accumulated (f = 1): AdamW's next update, which the optimizer then applies.
-    full = predicted_steps(opt, torch.tensor(8.0), accumulate=8, shrink="square")[id(p)](p)
+    full = predicted_steps(opt, torch.tensor(8.0), share=1.0, shrink="square")[id(p)](p)
     assert torch.allclose(full, predicted_steps(opt, torch.tensor(8.0))[id(p)](p), rtol=1e-6, atol=0)
 
 
@@ -392,19 +406,21 @@ def _stage_with_a_window(seed: int = 0):
 
 
 @pytest.mark.usefixtures("one_thread")
-def test_compiled_prediction_equals_the_eager_one_up_to_rounding():
+@pytest.mark.parametrize("microbatches", [None, 2])
+def test_compiled_prediction_equals_the_eager_one_up_to_rounding(microbatches):
     """The compiled apply and undo (one pass per weight, `_fused_prediction`) predict the eager form's weights and
     put the real ones back up to rounding, per update key (two AdamW groups) and with the eager form for what it
-    does not cover (a parameter without a gradient in the window); the autograd versions are left as they were."""
+    does not cover (a parameter without a gradient in the window); the autograd versions are left as they were.
+    With the window's count (2 of 8 micro-batches) both shrink the folded square by it, as the default does."""
     from lit_efficient.runtime.staleness import CompiledFirstStepWeightPrediction, InPlaceFirstStepWeightPrediction
 
     params, opt = _stage_with_a_window()
     real = [p.detach().clone() for p in params]
     versions = [p._version for p in params]
     seen = []
-    for correction in (InPlaceFirstStepWeightPrediction(), CompiledFirstStepWeightPrediction()):
+    for correction in (InPlaceFirstStepWeightPrediction(8), CompiledFirstStepWeightPrediction(8)):
         for pending in (1, 2):
-            with correction.forward_context(params, opt, pending, torch.tensor(1.0)):
+            with correction.forward_context(params, opt, pending, torch.tensor(1.0), window_microbatches=microbatches):
                 seen.append([p.detach().clone() for p in params])
             assert all(torch.allclose(p, r, rtol=1e-6, atol=1e-7) for p, r in zip(params, real, strict=True))
     assert [p._version for p in params] == versions
@@ -509,7 +525,8 @@ def test_each_stage_compiles_its_prediction_into_its_own_cache(monkeypatch):
 
     def call(fn, n: int) -> None:
         with torch.no_grad():
-            fn([torch.ones(n)], [torch.zeros(n)], [torch.ones(n)], [torch.ones(n)], one, one, -one, one, 0.9, 0.95, 0.1)
+            fn([torch.ones(n)], [torch.zeros(n)], [torch.ones(n)], [torch.ones(n)], one, one, -one, one, one, 0 * one,
+               0.9, 0.95, 0.1)  # fmt: skip
 
     # Dynamo's own patch, not monkeypatch: pytest 9.2's monkeypatch undoes an attribute missing from the module's
     # __dict__ (Dynamo's config keeps its entries elsewhere) by deleting it, which removed `recompile_limit` for
