@@ -12,6 +12,15 @@ nothing with other optimizers. It goes with the strategy's synchronous start
 (``sync_start_steps="auto"``: the first `auto_sync_start_steps` steps in 1F1B-flush order, while Adam's moments are
 young): together they ended within 0.3% of flush's loss on the benchmark grid at lr 2e-3, where the prediction
 alone left runs up to 5.7% above it and the start alone up to 5.1% (benchmarks/reports/exp31-staleness.md).
+The default folds the window's mean so far g into ``m`` as it is, but into ``v`` only for the share f = k/N of the
+window accumulated (k of N micro-batches, the stage's count): ``v' = b2 v + (1 - b2) (f g^2 + (1 - f) v_hat)``
+(`SquareShrunkWeightPrediction`'s rule). Why: where noise dominates the gradient (late in a run, at low rates) the
+mean of k micro-batches squared overstates the window's ``g^2`` by ``sigma^2 (1/k - 1/N)`` in expectation, so the
+plain fold divides by too large a ``sqrt(v')`` and every prediction falls short of the step it predicts, coherently
+(-8% along the step in windows under a quarter accumulated, `benchmarks/exp31_diagnose.py`); a coherent shortfall
+is what costs loss (flush with random errors of the prediction's size does not move). The share still to come is
+expected at ``v_hat``. 2,400 steps at lr 5e-4 (GPT 14x64, S=8 N=8): +1.41% against flush on the whole validation
+split with the plain fold, +0.18% with this one; the 150-step grid unchanged (within 0.2%).
 
 - `LRScale` (PipeMare's learning-rate rescheduling, Yang et al. 2021): stage s steps with its learning
   rate multiplied by ``(1 + d_s) ** -(1 - min(1, k / K))``, where ``d_s = ceil((S-1-s)/N)`` is its
@@ -396,6 +405,10 @@ class InPlaceFirstStepWeightPrediction(WeightPrediction):
     Medium blocks where a loop over parameters and 65,536-element chunks ran ~10,800. The restored weights
     equal the real ones up to rounding (a few ulp per stale forward), so a run is not bit-identical to
     `FirstStepWeightPrediction`'s; Adam amplifies such differences in near-zero gradients.
+
+    With ``accumulate`` (N; what ``"auto"`` and the names build) the square folded into ``v`` is shrunk by the share
+    of the window accumulated, as `SquareShrunkWeightPrediction` (the module's docstring says why): two more
+    multi-tensor operations per batch of pieces while a window is young.
     """
 
     def __init__(self, accumulate: int | None = None) -> None:
@@ -458,10 +471,11 @@ class ShrunkWeightPrediction(WeightPrediction):
 
 class SquareShrunkWeightPrediction(WeightPrediction):
     """`FirstStepWeightPrediction` with only the mean's square shrunk: ``v' = b2 v + (1 - b2) (f mean^2 + (1 - f)
-    v_hat)``, ``m'`` as in `WeightPrediction`. A young window's mean of k micro-batches squared overstates the full
-    window's ``g^2`` by ``sigma^2 (1/k - 1/N)`` where noise dominates the gradient, so folding it into ``v`` shrinks the
-    predicted step coherently; the expected square of the share still to come is ``v_hat``'s. Memory and time:
-    `WeightPrediction`'s."""
+    v_hat)`` (f = k/N, k of the window's N micro-batches accumulated), ``m'`` as in `WeightPrediction`. A young
+    window's mean of k micro-batches squared overstates the full window's ``g^2`` by ``sigma^2 (1/k - 1/N)`` where
+    noise dominates the gradient, so folding it into ``v`` shrinks the predicted step coherently; the expected square
+    of the share still to come is ``v_hat``'s. The default's rule in the stashing form (the one the benchmarks
+    compare rules with). Memory and time: `WeightPrediction`'s."""
 
     def __init__(self, accumulate: int) -> None:
         super().__init__(accumulate=accumulate, first_step=True, shrink="square")

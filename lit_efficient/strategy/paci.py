@@ -192,8 +192,10 @@ class PACIStrategy(DDPStrategy):
         staleness_correction: PACI only (under flush nothing is stale and every value is the identity). Default
             ``"auto"``: with AdamW or Adam, each stale forward (a stage's micro-batch whose backward comes after the
             stage's next step) runs on weights extrapolated by the optimizer's own pending update, AdamW's first step
-            included, the window's gradient so far folded into its moments, and the backward and the step on the real
-            weights; the prediction is undone by its exact inverse, so no copy of the weights is kept
+            included, the window's gradient so far folded into its moments (into the second moment only for the share
+            of the window accumulated, the rest expected at its running mean: a young window's few micro-batches
+            squared would shrink every predicted step), and the backward and the step on the real weights; the
+            prediction is undone by its exact inverse, so no copy of the weights is kept
             (``"weight_prediction_first_step_inplace"``; on CUDA weights its compiled form, one pass over memory per
             apply or undo instead of ~9, ``"weight_prediction_first_step_compiled"``, compiled at each stage's first
             stale forward, eager with a warning if compiling fails); with any other optimizer, or a sharded optimizer
