@@ -18,11 +18,37 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
 GRID_STEPS = 1200  # micro-batches per run of the grid (equal tokens for every N)
 COSTS = RESULTS / "exp31_layer_costs.json"
+DEFAULTS = ("paci_default", "paci_default_compiled")  # PACIStrategy(schedule="paci")'s rule, eager and compiled
+# The files whose default runs ran the previous rule (the window's mean squared folded whole into Adam's v; until
+# 2026-12-03, sixth session): "whole" tables read their default runs, "share" tables (the default now: the square
+# folded for the share of the window accumulated) every other file's. Runs of other names are read from every file.
+WHOLE_FOLD = frozenset(
+    f"exp31_{name}.json"
+    for name in (
+        "compiled_s8n8", "default_long_s8n8_lr2e-3", "default_s4n4_lr2e-3", "default_s4n8_lr2e-3",
+        "default_s8n16_lr2e-3", "default_s8n4_lr2e-3", "default_s8n8_lr2e-3", "default_s8n8_lr5e-4_1e-3",
+        "long14_s8n8", "long14_s8n8_lr2e-3_eager_plain", "long14_s8n8_lr2e-3_seeds", "long14x4_s8n8_lr1e-3_seed0",
+        "long14x4_s8n8_lr2e-3", "long14x4_s8n8_lr2e-3_seed1", "long14x4_s8n8_lr2e-3_seed2",
+        "long14x4_s8n8_lr5e-4_seed0", "sync20_s4n4_lr2e-3", "sync20_s8n4_lr2e-3",
+    )
+)  # fmt: skip
+
+
+def _payloads(rule: str = "share") -> Iterator[tuple[Path, dict]]:
+    """Every exp31 result file with its runs, those of the default's names only where the file ran ``rule``
+    ("share", "whole" or "both")."""
+    for path in sorted(RESULTS.glob("exp31_*.json")):
+        payload = json.loads(path.read_text())
+        era = "whole" if path.name in WHOLE_FOLD else "share"
+        if rule != "both" and payload.get("runs"):
+            payload["runs"] = [r for r in payload["runs"] if r["run"] not in DEFAULTS or era == rule]
+        yield path, payload
 
 
 def measure_costs() -> Path:
@@ -84,7 +110,7 @@ def measure_paper_shape(device: str = "cpu") -> Path:
     return write_json(_paper_costs_file(device).name, payload)
 
 
-def paper_shape_table(path: Path | None = None) -> str:
+def paper_shape_table(path: Path | None = None, rule: str = "share") -> str:
     """The paper's model on S=8 (its blocks split by time, as its partitioner and ``balance="profile"`` do), each
     step timed from the measured costs of `measure_paper_shape` (``path``: its file; this CPU's by default): the
     throughput over flush of plain PACI and of the defaults with each prediction; then every S=8 N=8 run of PACI's
@@ -107,7 +133,7 @@ def paper_shape_table(path: Path | None = None) -> str:
         "| layers | steps | lr | seed | to the lowest both reach, eager | compiled |",
         "|" + "---|" * 6,
     ]
-    for n, layers, steps, lr, seed, f, r in _default_pairs():
+    for n, layers, steps, lr, seed, f, r in _default_pairs(rule):
         if n != 8:
             continue
         both = lowest_both_reach(f["val"], r["val"])
@@ -134,7 +160,7 @@ def _paper_step_seconds(measured: dict[str, list[float]]) -> tuple[list[int], di
     }
 
 
-def long_lines_table() -> str:
+def long_lines_table(rule: str = "share") -> str:
     """The issue's own measure on the lines longer than the grid: per S=8 N=8 pair (flush, PACI's defaults), both
     final losses on the curve's validation batches and, where the run validated its final models on the whole split
     (``--final-val-batches -1``), there too; the step at which PACI first reaches flush's final loss, and the
@@ -151,7 +177,7 @@ def long_lines_table() -> str:
         "PACI's step at flush's final | to flush's final: GPT-2 Medium's costs | ideal | whole split: at least |",
         "|" + "---|" * 13,
     ]
-    for n, layers, steps, lr, seed, f, r in _default_pairs():
+    for n, layers, steps, lr, seed, f, r in _default_pairs(rule):
         if n != 8 or steps * n <= GRID_STEPS:
             continue
         target, sync = f["val"][-1][1], r.get("sync_start_steps", 0)
@@ -245,15 +271,15 @@ def main() -> None:
         print("wrote", by_size())
         return
     runs = {}
-    for path in sorted(RESULTS.glob("exp31_*.json")):
-        payload = json.loads(path.read_text())
+    for path, payload in _payloads("both"):
         # exp31_diag_*: a grid run observed, not changed (its wrappers only read weights and moments); the
         # other diagnosis files (perturb, oracle, subset) changed their runs and are not grid results.
         found = payload.get("runs") or ([payload["result"]] if path.name.startswith("exp31_diag_") else [])
         for r in found:
             if r.get("steps", GRID_STEPS // r["N"]) * r["N"] != GRID_STEPS:
                 continue  # a longer run (exp31_default_long_*): its own file's numbers, not this table's
-            runs[(r["S"], r["N"], r["lr"], r["seed"], r["run"])] = r["final_val_loss"]
+            name = r["run"] + (" (whole fold)" if path.name in WHOLE_FOLD and r["run"] in DEFAULTS else "")
+            runs[(r["S"], r["N"], r["lr"], r["seed"], name)] = r["final_val_loss"]
     flush = {(n, lr, seed): v for (s, n, lr, seed, run), v in runs.items() if run == "flush"}
     lines = sorted({(s, n, lr) for (s, n, lr, seed, run) in runs if run != "flush"})
     names = sorted({run for *_, run in runs if run != "flush"})
@@ -275,27 +301,26 @@ def main() -> None:
     print()
     print("flush:", "; ".join(f"N={n} lr={lr:g} s{seed}: {v:.4f}" for (n, lr, seed), v in sorted(flush.items())))
     print()
-    print(time_to_accuracy_table("paci_default"))
-    print()
-    print(time_to_accuracy_table("paci_default_compiled"))
-    print()
-    print(ideal_throughput_table())
-    if PAPER_COSTS.exists():
+    for name, rule in (("paci_default", "share"), ("paci_default", "whole"), ("paci_default_compiled", "whole")):
+        print(f"{name}, {'the default' if rule == 'share' else 'the previous rule (whole fold)'}:")
+        print(time_to_accuracy_table(name, rule))
         print()
-        print(long_lines_table())
+    label = {"share": "the default", "whole": "the previous rule (whole fold)"}
+    for rule in ("share", "whole"):
+        print(f"{label[rule]}:\n{ideal_throughput_table(rule)}\n")
+    for rule in ("share", "whole") if PAPER_COSTS.exists() else ():
+        print(f"{label[rule]}:\n{long_lines_table(rule)}\n")
     for path in (PAPER_COSTS, _paper_costs_file("cuda")):
-        if path.exists():
-            print()
-            print(paper_shape_table(path))
+        for rule in ("share", "whole") if path.exists() else ():
+            print(f"{label[rule]}:\n{paper_shape_table(path, rule)}\n")
     print("wrote", plot_curves())
 
 
-def _grid_runs() -> tuple[dict[tuple, dict], dict[str, list[float]] | None]:
-    """The grid-length runs of every exp31 file by (S, N, lr, seed, run) (flush under S=8: it does not depend on S),
-    and the per-layer costs of the first file of PACI's defaults."""
+def _grid_runs(rule: str = "share") -> tuple[dict[tuple, dict], dict[str, list[float]] | None]:
+    """The grid-length runs of every exp31 file by (S, N, lr, seed, run) (flush under S=8: it does not depend on S;
+    the default's runs of ``rule``), and the per-layer costs of the first file of PACI's defaults."""
     runs, costs = {}, None
-    for path in sorted(RESULTS.glob("exp31_*.json")):
-        payload = json.loads(path.read_text())
+    for _, payload in _payloads(rule):
         for r in payload.get("runs") or []:
             if r["steps"] * r["N"] == GRID_STEPS:
                 runs[(8 if r["run"] == "flush" else r["S"], r["N"], r["lr"], r["seed"], r["run"])] = r
@@ -350,15 +375,14 @@ def plot_curves(seed: int = 0) -> Path:
     return path
 
 
-def time_to_accuracy_table(name: str) -> str:
+def time_to_accuracy_table(name: str, rule: str = "share") -> str:
     """Simulated time to flush's targets at S=8 for run ``name`` (`paci_at_depth.time_to_accuracy`: the layer costs
     measured with the run's file, a synchronous start's steps at flush's pace), against flush's runs of any file
-    (flush does not depend on S)."""
+    (flush does not depend on S); a default's runs of ``rule`` (`_payloads`)."""
     from benchmarks.paci_at_depth import time_to_accuracy
 
     found, flush, costs = {}, {}, None
-    for path in sorted(RESULTS.glob("exp31_*.json")):
-        payload = json.loads(path.read_text())
+    for _, payload in _payloads(rule):
         for r in payload.get("runs") or []:
             if r["steps"] * r["N"] != GRID_STEPS:
                 continue
@@ -382,13 +406,12 @@ def time_to_accuracy_table(name: str) -> str:
     return "\n".join(lines)
 
 
-def _default_pairs() -> list[tuple]:
-    """Every S=8 run of PACI's defaults with its flush run (same N, model depth, steps, lr, seed), as (N, layers,
-    steps, lr, seed, flush, PACI) in table order; of the eager and the compiled form (equal to 4 decimals) the first
-    file's."""
+def _default_pairs(rule: str = "share") -> list[tuple]:
+    """Every S=8 run of PACI's defaults (of ``rule``, `_payloads`) with its flush run (same N, model depth, steps,
+    lr, seed), as (N, layers, steps, lr, seed, flush, PACI) in table order; of the eager and the compiled form (equal
+    to 4 decimals) the first file's."""
     flush, found = {}, {}
-    for path in sorted(RESULTS.glob("exp31_*.json")):
-        payload = json.loads(path.read_text())
+    for _, payload in _payloads(rule):
         config = payload.get("config", {})
         for r in payload.get("runs") or []:
             key = (r["N"], config.get("layers", 6), r["steps"], r["lr"], r["seed"])
@@ -398,13 +421,13 @@ def _default_pairs() -> list[tuple]:
             }
             if r["run"] == "flush":
                 flush.setdefault(key, r)
-            elif r["run"] in ("paci_default", "paci_default_compiled") and r["S"] == 8:
+            elif r["run"] in DEFAULTS and r["S"] == 8:
                 found.setdefault(key, r)
     order = sorted((k for k in found if k in flush), key=lambda k: (k[1], k[2], k[0], -k[3], k[4]))
     return [(*k, flush[k], found[k]) for k in order]
 
 
-def ideal_throughput_table() -> str:
+def ideal_throughput_table(rule: str = "share") -> str:
     """What the curves alone allow: per S=8 run of PACI's defaults (the grid's and the longer lines'), the optimizer
     steps flush and PACI take to the lowest loss both reach (the paper's target), and the simulated time ratio at
     the schedule's ideal throughput over flush, (N + S - 1) / N: balanced stages and a free prediction, the best
@@ -415,7 +438,7 @@ def ideal_throughput_table() -> str:
         "| layers | steps | N | lr | seed | flush's steps to both's lowest | PACI's | at the ideal throughput |",
         "|" + "---|" * 8,
     ]
-    for n, layers, steps, lr, seed, f, r in _default_pairs():
+    for n, layers, steps, lr, seed, f, r in _default_pairs(rule):
         both = lowest_both_reach(f["val"], r["val"])
         to_flush, to_paci, sync = steps_to(f["val"], both), steps_to(r["val"], both), r.get("sync_start_steps", 0)
         ratio = to_flush / paci_seconds(to_paci, sync, 1.0, n / (n + 8 - 1))  # flush's step 1, PACI's the ideal
