@@ -450,8 +450,10 @@ class PipelineStage:
             self._window_microbatches = 0
             return
         self._window = state["window"].to(self.device)
-        # A checkpoint from before the count: under normalize="mean" the window's weight is its micro-batches.
-        self._window_microbatches = int(state.get("microbatches", round(float(self._window[0]))))
+        # A checkpoint from before the count: under normalize="mean" the window's weight is its micro-batches (read
+        # only then: reading a device tensor on the host is a sync, and a meta one has no value).
+        count = state.get("microbatches")
+        self._window_microbatches = int(count) if count is not None else round(float(self._window[0]))
         for p, g in zip(self.parameters(), state["grads"], strict=True):
             p.grad = None if g is None else g.to(p.device)
 
