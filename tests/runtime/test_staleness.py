@@ -8,7 +8,6 @@ test_runtime_multiproc's `_paci_emulation` (forward of micro-batch j on stage s 
 
 from __future__ import annotations
 
-import copy
 import math
 
 import pytest
@@ -20,13 +19,10 @@ from lit_efficient.runtime.stage import PipelineStage
 from lit_efficient.runtime.staleness import LRScale, delay_bound, make_correction
 from lit_efficient.tools.demo import build_layers, lm_loss
 from lit_efficient.transport.local import local_pipeline
-from tests.support.emulation import backward_from_inputs, run
-from tests.support.runtime_runs import MODEL
-from tests.support.runtime_runs import forward_version as _forward_version
+from tests.support.runtime_runs import BETAS, EPS, LR, MODEL, correction_emulation
 from tests.support.runtime_runs import runtime_batches as _data
 from tests.support.runtime_runs import runtime_optimizer as _optimizer
 
-LR, WD, BETAS, EPS = 1e-2, 0.01, (0.9, 0.999), 1e-8  # _optimizer's AdamW
 ANNEAL = 4
 
 
@@ -55,87 +51,6 @@ def _run(layers, correction, stages, accumulate, data, recompute=True, record=No
     return built
 
 
-def _predicted(layers_now, opt_state, delay, partial, first_step=False, share=None):
-    """The documented rule for AdamW: w - d * lr * (m'_hat / (sqrt(v'_hat) + eps) + wd * w), per parameter, the
-    moments m' and v' (and the step count) advanced by one step on ``partial``, the mean gradient of the window
-    accumulated so far (None: the moments as they are). ``first_step``: a parameter without optimizer state yet
-    is predicted too, from zero moments at step count 0. ``share``: the square folded into v' is ``share * g^2 +
-    (1 - share) * v_hat`` where the parameter has state (the square-shrunk rule)."""
-    out = copy.deepcopy(layers_now)
-    params = [p for layer in out for p in layer.parameters()]
-    state = opt_state["state"]
-    decayed = {i for g in opt_state["param_groups"] for i in g["params"] if g["weight_decay"]}
-    with torch.no_grad():
-        for i, p in enumerate(params):
-            square = None
-            if i in state:
-                t, m, v = float(state[i]["step"]), state[i]["exp_avg"], state[i]["exp_avg_sq"]
-                if share is not None and share < 1 and partial is not None and partial[i] is not None:
-                    square = share * partial[i] * partial[i] + (1 - share) * v / (1 - BETAS[1] ** t)
-            elif first_step and partial is not None and partial[i] is not None:
-                t, m, v = 0.0, torch.zeros_like(p), torch.zeros_like(p)
-            else:
-                continue
-            if partial is not None and partial[i] is not None:
-                g = partial[i]
-                folded = (1 - BETAS[1]) * g * g if square is None else (1 - BETAS[1]) * square
-                t, m, v = t + 1, BETAS[0] * m + (1 - BETAS[0]) * g, BETAS[1] * v + folded
-            m_hat = m / (1 - BETAS[0] ** t)
-            v_hat = v / (1 - BETAS[1] ** t)
-            u = m_hat / (v_hat.sqrt() + EPS) + (WD * p if i in decayed else 0)
-            p -= delay * LR * u
-    return out
-
-
-def _emulate(data, stages, accumulate, correction):
-    """PACI with recompute from its definition, plus ``correction``'s documented rule."""
-    layers = build_layers(**MODEL)
-    bounds = stage_bounds(partition_uniform(len(layers), stages))
-    stage_layers = [layers[lo:hi] for lo, hi in bounds]
-    opts = [_optimizer([p for layer in mine for p in layer.parameters()]) for mine in stage_layers]
-    versions = [[(copy.deepcopy(mine), copy.deepcopy(opts[s].state_dict()))] for s, mine in enumerate(stage_layers)]
-    # partial[s][k]: stage s's mean gradient of its open window right after micro-batch k's backward (None
-    # once that backward closed the window). In 1F1B order stage s forwards j right after backward j-(S-s).
-    partial: list[dict[int, list | None]] = [{} for _ in range(stages)]
-
-    for j, batch in enumerate(data):
-        inputs, x = [], batch[0]
-        with torch.no_grad():
-            for s in range(stages):
-                inputs.append(x)
-                v = _forward_version(s, stages, j, accumulate)
-                weights, opt_state = versions[s][v]
-                delay = j // accumulate - v
-                if correction and correction.startswith("weight_prediction") and delay > 0:
-                    first = correction != "weight_prediction"  # the first_step variants
-                    k = j - (stages - s)  # the stage's last backward: its window's (k % N + 1)-th micro-batch
-                    share = (k % accumulate + 1) / accumulate if correction.endswith("square_shrunk") else None
-                    weights = _predicted(weights, opt_state, delay, partial[s].get(k), first, share)
-                x = run(weights, x)
-        backward_from_inputs(stage_layers, inputs, batch, accumulate)
-        done = j % accumulate + 1  # backwards of this window so far; the emulation's grads hold their sum / N
-        for s in range(stages):
-            grads = [p.grad for layer in stage_layers[s] for p in layer.parameters()]
-            partial[s][j] = (
-                None if done == accumulate else [None if g is None else g * accumulate / done for g in grads]
-            )
-        if (j + 1) % accumulate == 0:
-            for s in range(stages):
-                k = j // accumulate  # this stage's step count before this step
-                scale = 1.0
-                if correction == "lr_scale":
-                    d = math.ceil((stages - 1 - s) / accumulate)
-                    scale = (1 + d) ** -(1 - min(1, k / ANNEAL))
-                for g in opts[s].param_groups:
-                    g["lr"] = LR * scale
-                opts[s].step()
-                for g in opts[s].param_groups:
-                    g["lr"] = LR
-                opts[s].zero_grad()
-                versions[s].append((copy.deepcopy(stage_layers[s]), copy.deepcopy(opts[s].state_dict())))
-    return stage_layers
-
-
 def _max_diff(a, b):
     pa = [p for layer in a for p in layer.parameters()]
     pb = [p for layer in b for p in layer.parameters()]
@@ -151,7 +66,7 @@ def test_correction_equals_its_definition(correction, stages, accumulate):
     data = _data(accumulate * 6)
     got = _run(build_layers(**MODEL), correction, stages, accumulate, data)
     plain = _run(build_layers(**MODEL), None, stages, accumulate, data)
-    want = _emulate(data, stages, accumulate, correction)
+    want = correction_emulation(data, stages, accumulate, correction, ANNEAL)
     for s in range(stages):
         assert _max_diff(got[s].layers, want[s]) <= 1e-5, (s, _max_diff(got[s].layers, want[s]))
     # Stage 0 is stale, so the correction changed its trajectory: the comparison is not vacuous.
@@ -162,7 +77,7 @@ def test_plain_emulation_matches_too():
     """The emulation without a correction is PACI itself (the base the two above build on)."""
     data = _data(12)
     got = _run(build_layers(**MODEL), None, 4, 2, data)
-    want = _emulate(data, 4, 2, None)
+    want = correction_emulation(data, 4, 2, None)
     assert max(_max_diff(got[s].layers, want[s]) for s in range(4)) <= 1e-5
 
 

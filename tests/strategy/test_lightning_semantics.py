@@ -22,7 +22,7 @@ from lit_efficient.tools.demo import build_layers, lm_loss
 from tests.support.gpt_runs import gpt_model as _model
 from tests.support.gpt_runs import max_diff as _max_diff
 from tests.support.gpt_runs import text_data as _text_data
-from tests.support.runtime_runs import MODEL
+from tests.support.runtime_runs import MODEL, correction_emulation, runtime_optimizer
 from tests.support.runtime_runs import paci_emulation as _paci_emulation
 from tests.support.runtime_runs import runtime_batches as _data
 
@@ -117,6 +117,58 @@ def test_paci_validation_at_a_window_end_loses_no_gradient():
         "the drains must change the trajectory, or this test cannot tell a drained run from an undrained one"
     )
     assert max((a - b).abs().max().item() for a, b in zip(got, want, strict=True)) <= 1e-5
+
+
+class _TinyAdamW(TinyPipelined):
+    """With the runtime tests' AdamW (lr 1e-2): PACI's defaults switch on for it."""
+
+    def configure_optimizers(self):
+        return runtime_optimizer(self.parameters())
+
+
+def _fit_as_a_user(root, module, strategy, devices, accumulate, max_steps):
+    """The Trainer with every default (logger, checkpoints, progress bar, validation at the epoch's end)."""
+    trainer = L.Trainer(
+        accelerator="cpu", devices=devices, strategy=strategy, max_steps=max_steps,
+        accumulate_grad_batches=accumulate, default_root_dir=root,
+    )  # fmt: skip
+    trainer.fit(module)
+    return [p.detach() for p in module.parameters()]
+
+
+def _params_diff(a, b):
+    return max((x - y).abs().max().item() for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.usefixtures("one_thread")  # the spawned ranks and the emulation reduce in one thread
+@pytest.mark.parametrize("devices", [1, 4])
+def test_paci_defaults_equal_their_rule_through_the_trainer(tmp_path, devices):
+    """``PACIStrategy(schedule="paci")`` with AdamW and nothing else set (``recompute=True``, the emulated rule): 40
+    synchronous steps in flush order, then PACI with the first-step weight prediction whose second moment takes the
+    window's mean squared for the share of the window accumulated (docs/DESIGN.md, "PACI's defaults"), through the
+    Trainer with its defaults, in one process and on 4. Stage 0 is two steps stale after the start, so 6 windows
+    of PACI forward on predicted weights. The rule's stashed form equals the emulation to float rounding: the
+    delays, the window's micro-batch count and the switch from the synchronous start reach the prediction as the
+    rule says. The default's in-place form undoes each prediction by its inverse, whose rounding AdamW amplifies
+    over steps (equal to the stashed form forward by forward: test_staleness.py), so it is held to a tenth of the
+    distance from plain PACI."""
+    stages, accumulate, steps = 4, 2, 46
+    data = _data(accumulate * steps)
+    want = [p for mine in correction_emulation(data, stages, accumulate, "auto", sync_steps=40) for layer in mine
+            for p in layer.parameters()]  # fmt: skip
+    plain = [p for mine in correction_emulation(data, stages, accumulate, None, sync_steps=40) for layer in mine
+             for p in layer.parameters()]  # fmt: skip
+    distance = _params_diff(want, plain)
+    assert distance > 1e-2, "the prediction must move the trajectory, or the comparisons below are vacuous"
+    stashed = PACIStrategy(
+        pipeline_stages=stages, schedule="paci", recompute=True, start_method="forkserver",
+        staleness_correction="weight_prediction_first_step_square_shrunk",
+    )  # fmt: skip
+    got = _fit_as_a_user(tmp_path / "stashed", _TinyAdamW(data), stashed, devices, accumulate, steps)
+    assert _params_diff(got, want) <= 1e-5
+    default = PACIStrategy(pipeline_stages=stages, schedule="paci", recompute=True, start_method="forkserver")
+    got = _fit_as_a_user(tmp_path / "default", _TinyAdamW(data), default, devices, accumulate, steps)
+    assert _params_diff(got, want) <= 0.1 * distance, (_params_diff(got, want), distance)
 
 
 class _NoValidationZeroGrad(GPT):

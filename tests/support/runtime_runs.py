@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import math
 
 import torch
 
@@ -18,7 +19,7 @@ from tests.support.emulation import backward_from_inputs, run
 
 MODEL = dict(n_layer=2, dim=32, heads=2, block=16)
 BATCH = 4
-LR = 1e-2
+LR, WD, BETAS, EPS = 1e-2, 0.01, (0.9, 0.999), 1e-8  # runtime_optimizer's AdamW
 
 
 def demo_stage(stages: int, s: int, recompute: bool, normalize: str) -> PipelineStage:
@@ -36,7 +37,7 @@ def runtime_batches(n: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Ten
 
 
 def runtime_optimizer(params):
-    return torch.optim.AdamW(params, lr=LR, weight_decay=0.01)
+    return torch.optim.AdamW(params, lr=LR, weight_decay=WD, betas=BETAS, eps=EPS)
 
 
 def train_unsplit(layers, optimizer, data, accumulate: int) -> None:
@@ -71,12 +72,17 @@ def pipeline_on_ranks(rank, world, schedule, accumulate, stages, *, dropout=0.0,
     return runtime, (lo, hi)
 
 
+def backwards_before(stage: int, stages: int, j: int, segment_start: int = 0) -> int:
+    """Backwards stage ``stage`` has finished when it runs micro-batch ``j``'s forward (docs/DESIGN.md): 1F1B with
+    at most S-s in flight puts F(j) right after B(j-(S-s)). A drain before micro-batch ``segment_start`` finished
+    every backward before it."""
+    return segment_start + max(0, j - segment_start - (stages - stage) + 1)
+
+
 def forward_version(stage: int, stages: int, j: int, accumulate: int, segment_start: int = 0) -> int:
-    """Optimizer steps stage ``stage`` has taken when it runs micro-batch ``j``'s forward (docs/DESIGN.md):
-    1F1B with at most S-s in flight puts F(j) right after B(j-(S-s)) and that backward's step, if any.
-    A drain before micro-batch ``segment_start`` finished every backward before it."""
-    done = segment_start + max(0, j - segment_start - (stages - stage) + 1)  # backwards finished before F(j)
-    return done // accumulate
+    """Optimizer steps stage ``stage`` has taken when it runs micro-batch ``j``'s forward: the steps of the
+    backwards before it (a stage steps right after a window's N-th backward)."""
+    return backwards_before(stage, stages, j, segment_start) // accumulate
 
 
 def paci_emulation(
@@ -106,4 +112,90 @@ def paci_emulation(
                 opts[s].step()
                 opts[s].zero_grad()
                 versions[s].append(copy.deepcopy(stage_layers[s]))
+    return stage_layers
+
+
+def adamw_prediction(layers_now, opt_state, delay, partial, first_step=False, share=None):
+    """The documented rule for AdamW: w - d * lr * (m'_hat / (sqrt(v'_hat) + eps) + wd * w), per parameter, the
+    moments m' and v' (and the step count) advanced by one step on ``partial``, the mean gradient of the window
+    accumulated so far (None: the moments as they are). ``first_step``: a parameter without optimizer state yet
+    is predicted too, from zero moments at step count 0. ``share``: the square folded into v' is ``share * g^2 +
+    (1 - share) * v_hat`` where the parameter has state (the square-shrunk rule)."""
+    out = copy.deepcopy(layers_now)
+    params = [p for layer in out for p in layer.parameters()]
+    state = opt_state["state"]
+    decayed = {i for g in opt_state["param_groups"] for i in g["params"] if g["weight_decay"]}
+    with torch.no_grad():
+        for i, p in enumerate(params):
+            square = None
+            if i in state:
+                t, m, v = float(state[i]["step"]), state[i]["exp_avg"], state[i]["exp_avg_sq"]
+                if share is not None and share < 1 and partial is not None and partial[i] is not None:
+                    square = share * partial[i] * partial[i] + (1 - share) * v / (1 - BETAS[1] ** t)
+            elif first_step and partial is not None and partial[i] is not None:
+                t, m, v = 0.0, torch.zeros_like(p), torch.zeros_like(p)
+            else:
+                continue
+            if partial is not None and partial[i] is not None:
+                g = partial[i]
+                folded = (1 - BETAS[1]) * g * g if square is None else (1 - BETAS[1]) * square
+                t, m, v = t + 1, BETAS[0] * m + (1 - BETAS[0]) * g, BETAS[1] * v + folded
+            m_hat = m / (1 - BETAS[0] ** t)
+            v_hat = v / (1 - BETAS[1] ** t)
+            u = m_hat / (v_hat.sqrt() + EPS) + (WD * p if i in decayed else 0)
+            p -= delay * LR * u
+    return out
+
+
+def correction_emulation(data, stages, accumulate, correction, anneal: int = 4, sync_steps: int = 0):
+    """PACI with recompute from its definition, plus ``correction``'s documented rule (``"auto"``: the default's,
+    ``"weight_prediction_first_step_square_shrunk"``; ``anneal``: ``"lr_scale"``'s steps). ``sync_steps``: the
+    synchronous start, the first steps in flush order (the pipeline drained before each of those windows and
+    after the last)."""
+    if correction == "auto":
+        correction = "weight_prediction_first_step_square_shrunk"
+    layers = build_layers(**MODEL)
+    bounds = stage_bounds(partition_uniform(len(layers), stages))
+    stage_layers = [layers[lo:hi] for lo, hi in bounds]
+    opts = [runtime_optimizer([p for layer in mine for p in layer.parameters()]) for mine in stage_layers]
+    versions = [[(copy.deepcopy(mine), copy.deepcopy(opts[s].state_dict()))] for s, mine in enumerate(stage_layers)]
+    # partial[s][k]: stage s's mean gradient of its open window right after micro-batch k's backward (None
+    # once that backward closed the window). In 1F1B order stage s forwards j right after backward j-(S-s).
+    partial: list[dict[int, list | None]] = [{} for _ in range(stages)]
+
+    for j, batch in enumerate(data):
+        inputs, x = [], batch[0]
+        with torch.no_grad():
+            for s in range(stages):
+                inputs.append(x)
+                done = backwards_before(s, stages, j, accumulate * min(j // accumulate, sync_steps))
+                weights, opt_state = versions[s][done // accumulate]
+                delay = j // accumulate - done // accumulate
+                if correction and correction.startswith("weight_prediction") and delay > 0:
+                    first = correction != "weight_prediction"  # the first_step variants
+                    k = done - 1  # the stage's last backward: its window's (k % N + 1)-th micro-batch
+                    share = (k % accumulate + 1) / accumulate if correction.endswith("square_shrunk") else None
+                    weights = adamw_prediction(weights, opt_state, delay, partial[s].get(k), first, share)
+                x = run(weights, x)
+        backward_from_inputs(stage_layers, inputs, batch, accumulate)
+        done = j % accumulate + 1  # backwards of this window so far; the emulation's grads hold their sum / N
+        for s in range(stages):
+            grads = [p.grad for layer in stage_layers[s] for p in layer.parameters()]
+            partial[s][j] = (
+                None if done == accumulate else [None if g is None else g * accumulate / done for g in grads]
+            )
+        if (j + 1) % accumulate == 0:
+            for s in range(stages):
+                k = j // accumulate  # this stage's step count before this step
+                scale = 1.0
+                if correction == "lr_scale":
+                    d = math.ceil((stages - 1 - s) / accumulate)
+                    scale = (1 + d) ** -(1 - min(1, k / anneal))
+                for g in opts[s].param_groups:
+                    g["lr"] = LR * scale
+                opts[s].step()
+                for g in opts[s].param_groups:
+                    g["lr"] = LR
+                opts[s].zero_grad()
+                versions[s].append((copy.deepcopy(stage_layers[s]), copy.deepcopy(opts[s].state_dict())))
     return stage_layers
