@@ -7,7 +7,10 @@ revisions into ONE pair of ranks (``torchrun``, gloo, one intra-op thread each; 
 renamed, see `package_of`) and runs timed fits of each in turn, A B B A A B ... (`benchmarks.revision_worker`:
 the Lightning Trainer with its defaults, ``PACIStrategy(schedule="paci")``, S=2, N=4, by default Hugging Face's
 GPT-2 blocks 8 x 256 with a tied embedding, micro-batch 8 x 32 tokens, SGD; 2 warm-up and 8 timed optimizer
-steps). Every fit builds its own model, so both revisions meet the same conditions. Per round (one fit of each):
+steps; ``sync_start_steps=0`` where the revision has it, so that both time PACI's steady state: see
+`benchmarks.revision_worker.steady_state`). With SGD PACI's defaults resolve to off, so the default times the path
+every run shares; ``--optimizer module`` (AdamW) adds the default weight prediction's cost to the candidate. Every
+fit builds its own model, so both revisions meet the same conditions. Per round (one fit of each):
 
 - ``window``: the last stage's median optimizer-step window; the ratio baseline / candidate (> 1: the candidate
   is faster). The median of the round's windows ignores a burst of another process's work.
