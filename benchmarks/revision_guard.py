@@ -7,10 +7,10 @@ revisions into ONE pair of ranks (``torchrun``, gloo, one intra-op thread each; 
 renamed, see `package_of`) and runs timed fits of each in turn, A B B A A B ... (`benchmarks.revision_worker`:
 the Lightning Trainer with its defaults, ``PACIStrategy(schedule="paci")``, S=2, N=4, by default Hugging Face's
 GPT-2 blocks 8 x 256 with a tied embedding, micro-batch 8 x 32 tokens, SGD; 2 warm-up and 8 timed optimizer
-steps; ``sync_start_steps=0`` where the revision has it, so that both time PACI's steady state: see
-`benchmarks.revision_worker.steady_state`). With SGD PACI's defaults resolve to off, so the default times the path
-every run shares; ``--optimizer module`` (AdamW) adds the default weight prediction's cost to the candidate. Every
-fit builds its own model, so both revisions meet the same conditions. Per round (one fit of each):
+steps; ``sync_start_steps=0`` and ``staleness_correction=None`` where the revision has them, so that both time
+the PACI path every run shares: `benchmarks.revision_worker.steady_state`; ``--corrections defaults`` keeps the
+candidate's own correction, so that with ``--optimizer module`` (AdamW) the ratio shows its weight prediction's
+cost). Every fit builds its own model, so both revisions meet the same conditions. Per round (one fit of each):
 
 - ``window``: the last stage's median optimizer-step window; the ratio baseline / candidate (> 1: the candidate
   is faster). The median of the round's windows ignores a burst of another process's work.
@@ -25,6 +25,7 @@ so a pinned revision runs the very same measurement.
     python -m benchmarks.revision_guard                       # tree against the pinned baseline, 6 rounds (~3 min)
     python -m benchmarks.revision_guard --quick               # 2 rounds
     python -m benchmarks.revision_guard --model gpt --optimizer module   # the package's GPT with its AdamW
+    python -m benchmarks.revision_guard --model gpt --optimizer module --corrections defaults --fail-below 0
     python -m benchmarks.revision_guard --baseline 9e7fed1 --candidate 28e8dc4 --rounds 12   # a bisect step
 
 Exit status 1 when the median window ratio is under ``--fail-below`` (default 0.95), so a script can stop on it.
@@ -105,6 +106,7 @@ def alternate(args: argparse.Namespace) -> list[dict[str, Any]]:
             "--layers", str(args.layers), "--dim", str(args.dim), "--block", str(args.block),
             "--batch-size", str(args.batch_size), "--accumulate", str(args.accumulate),
             "--warm", str(args.warm), "--steps", str(args.steps), *(["--bare-trainer"] if args.bare_trainer else []),
+            "--corrections", args.corrections,
         ]  # fmt: skip
         done = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True, timeout=args.timeout)
         if done.returncode != 0:
@@ -150,6 +152,13 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--optimizer", choices=["sgd", "module"], default="sgd", help="SGD or the model's own")
     p.add_argument("--bare-trainer", action="store_true", help="no logger, progress bar, checkpoint, summary")
+    p.add_argument(
+        "--corrections",
+        choices=["off", "defaults"],
+        default="off",
+        help="'off': the candidate's staleness correction off, as the baseline has none (the shared path); "
+        "'defaults': the candidate's own (with AdamW its weight prediction's cost shows)",
+    )
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--fail-below", type=float, default=0.95, help="exit 1 under this median window ratio")
     p.add_argument("--out", help="file name under benchmarks/results/ (default: revision_guard_<model>[_quick].json)")

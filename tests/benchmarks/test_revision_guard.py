@@ -38,9 +38,12 @@ def test_the_pinned_revision_loads_beside_the_tree():
         "old = importlib.import_module(sys.argv[2]); import lit_efficient; "
         "assert old.PACIStrategy is not lit_efficient.PACIStrategy; "
         "assert old.PACIStrategy.__module__.startswith(sys.argv[2]); "
-        "assert importlib.import_module(sys.argv[2] + '.models').GPT.__module__.startswith(sys.argv[2]); print('ok')"
+        "assert importlib.import_module(sys.argv[2] + '.models').GPT.__module__.startswith(sys.argv[2]); "
+        "from benchmarks.revision_worker import steady_state; "
+        "assert steady_state(old, 'off') == {'staleness_correction': None}; print('ok')"
     )
-    done = subprocess.run([sys.executable, "-c", check, str(folder), name], capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-c", check, str(folder), name], capture_output=True, text=True,
+                          cwd=revision_guard.ROOT)  # fmt: skip
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
 
 
@@ -55,3 +58,14 @@ def test_records_pair_into_rounds_with_ratios_of_baseline_over_candidate():
     assert [r["window_ratio"] for r in rounds] == pytest.approx([1.25, 1.0])
     assert rounds[0]["wall_ratio"] == pytest.approx(1.25)
     assert revision_guard.spread([1.25, 1.0, 0.9]) == {"median": 1.0, "min": 0.9, "max": 1.25}
+
+
+def test_the_tree_times_the_steady_state_the_pinned_revision_runs():
+    """The pinned revision has no synchronous start and its staleness correction is off by default (its option
+    set to its default above): the tree runs without both (the shared path), or with its own correction where asked
+    (its cost then shows in the ratio)."""
+    import lit_efficient
+    from benchmarks.revision_worker import steady_state
+
+    assert steady_state(lit_efficient, "off") == {"sync_start_steps": 0, "staleness_correction": None}
+    assert steady_state(lit_efficient, "defaults") == {"sync_start_steps": 0}
