@@ -5,6 +5,7 @@ unsplit order, so one flush run per (N, lr, seed) serves every S), with the medi
     python -m benchmarks.exp31_table                  # the table, the time to accuracy, the curves
     python -m benchmarks.exp31_table --measure-costs  # first, on a quiet machine: results/exp31_layer_costs.json
     python -m benchmarks.exp31_table --by-size        # the prediction's share against micro-batch size
+    python -m benchmarks.exp31_table --rule-cost      # the default's rule against the previous one, per block
     python -m benchmarks.exp31_table --measure-paper-shape  # the paper's model: exp31_layer_costs_paper_shape.json
     python -m benchmarks.exp31_table --measure-paper-shape --device cuda  # the same on a GPU (bf16): ..._cuda.json
 
@@ -245,6 +246,64 @@ def by_size() -> Path:
     return write_json("exp31_prediction_by_size.json", payload)
 
 
+def rule_cost(rounds: int = 31) -> Path:
+    """The eager prediction's apply + undo on one block of each `SIZES` model, the default's rule (the square shrunk
+    by the window's share: 3 of N = 8 micro-batches accumulated) against the previous rule (the whole fold), on the
+    same weights and moments, one thread: ``rounds`` rounds each timing both in turn (first one, then the other,
+    alternately), the median of each form's seconds and of the per-round ratios. The time-to-accuracy tables price
+    the prediction from `measure_costs`, whose files were measured with the previous rule before 2026-12-03 (7th
+    session); this is the rule's own cost beside them."""
+    import statistics
+    import time
+
+    import torch
+
+    from benchmarks.harness import envelope, machine, write_json
+    from benchmarks.paci_at_depth import _model, parse_args
+    from lit_efficient.runtime.staleness import InPlaceFirstStepWeightPrediction
+
+    torch.set_num_threads(1)
+    start, before, rows = time.perf_counter(), machine(), []
+    for name, argv in SIZES.items():
+        config = vars(parse_args(argv))
+        torch.manual_seed(0)
+        params = list(list(_model(config, 1e-3, 100).pipeline_layers())[1].parameters())  # the first block
+        optimizer = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, config.get("beta2", 0.95)), weight_decay=0.1)
+        for p in params:
+            p.grad = torch.randn_like(p)
+        optimizer.step()
+        weight = torch.tensor(3.0)
+        previous, default = InPlaceFirstStepWeightPrediction(), InPlaceFirstStepWeightPrediction(8)
+        forms = {"previous": (previous, None), "default": (default, 3)}
+
+        def once(form: str, forms=forms, params=params, optimizer=optimizer, weight=weight) -> float:
+            correction, microbatches = forms[form]
+            t0 = time.perf_counter()
+            with correction.forward_context(params, optimizer, 1, weight, window_microbatches=microbatches):
+                pass
+            return time.perf_counter() - t0
+
+        times: dict[str, list[float]] = {"previous": [], "default": []}
+        for r in range(rounds + 1):
+            for form in ("previous", "default") if r % 2 else ("default", "previous"):
+                times[form].append(once(form))
+        ratios = [d / p for d, p in zip(times["default"][1:], times["previous"][1:], strict=True)]
+        rows.append({
+            "model": name, "weights": sum(p.numel() for p in params),
+            "previous_ms": statistics.median(times["previous"][1:]) * 1e3,
+            "default_ms": statistics.median(times["default"][1:]) * 1e3,
+            "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
+        })  # fmt: skip
+        r = rows[-1]
+        print(
+            f"| {name} | {r['weights']:,} | {r['previous_ms']:.2f} | {r['default_ms']:.2f} | "
+            f"{r['ratio']:.3f} ({r['ratio_min']:.2f}-{r['ratio_max']:.2f}) |"
+        )
+    payload = envelope("exp31_table", False, before, {"rounds": rounds}, start, rows=rows)
+    payload["command"] = "python -m benchmarks.exp31_table --rule-cost"
+    return write_json("exp31_rule_cost.json", payload)
+
+
 def _costs(found: dict | None) -> dict | None:
     return json.loads(COSTS.read_text())["layer_costs"] if COSTS.exists() else found
 
@@ -262,6 +321,11 @@ def main() -> None:
         path = measure_paper_shape(device)
         print("wrote", path)
         print(paper_shape_table(path))
+        return
+    if "--rule-cost" in sys.argv[1:]:
+        print("| model | block weights | previous rule, ms | the default's rule, ms | default / previous (range) |")
+        print("|---|---|---|---|---|")
+        print("wrote", rule_cost())
         return
     if "--by-size" in sys.argv[1:]:
         print(

@@ -238,14 +238,16 @@ def prediction_timer(params: list[torch.nn.Parameter], config: dict[str, Any]) -
     for p in params:
         p.grad = torch.randn_like(p)
     optimizer.step()  # moments exist, as after the first window; the gradient stands for the window's so far
-    forms = {False: InPlaceFirstStepWeightPrediction(), True: CompiledFirstStepWeightPrediction()}
+    # A young window (3 of N = 8 micro-batches backpropagated), where the default shrinks the folded square by the
+    # window's share (every stale forward whose window has a gradient yet): built with N, as "auto" builds it.
+    forms = {False: InPlaceFirstStepWeightPrediction(8), True: CompiledFirstStepWeightPrediction(8)}
     device = params[0].device
     weight = torch.tensor(3.0, device=device)  # a stage's window weight lives on its device
 
     def timer(compiled: bool) -> float:
         _synchronize(device)
         t0 = time.perf_counter()
-        with forms[compiled].forward_context(params, optimizer, 1, window_weight=weight):
+        with forms[compiled].forward_context(params, optimizer, 1, window_weight=weight, window_microbatches=3):
             pass
         _synchronize(device)
         return time.perf_counter() - t0

@@ -6,7 +6,7 @@ those its gradient is applied to (its drift bound; stage 0's is the pipeline's).
 (AdamW; the in-place weight prediction and the synchronous start):
 
 - drift bound 1 (S=4 N=4, S=8 N=8 and N=16) ends within 0.3% of 1F1B-flush's final loss at the same N;
-- drift bound 2 (S=8 N=4) ends 1.5-2.7% above it (plain PACI: 24.5%): the second pending step depends on
+- drift bound 2 (S=8 N=4) ends 1.5-2.3% above it (plain PACI: 24.5%): the second pending step depends on
   gradients not computed yet, and no correction measured predicted it.
 
 The recommendation keeps what the user tuned, the global batch ``B = N x micro-batch``, and chooses how it is cut:
@@ -120,7 +120,7 @@ class WindowAdvice:
             keep = " (another global batch: keep the tokens per step, or retune the learning rate)"
         if self.too_stale:
             return (
-                f"{head}. With a drift bound of 2 PACI ended 1.5-2.7% above 1F1B-flush's loss on the benchmark grid "
+                f"{head}. With a drift bound of 2 PACI ended 1.5-2.3% above 1F1B-flush's loss on the benchmark grid "
                 f"(S=8 N=4 lr 2e-3, with its defaults; plain PACI 24.5%), with 1 within 0.3%. Recommended: "
                 f"accumulate_grad_batches={best}{self._cut(best).removeprefix(f'N={best}').replace(' x ', ' with ')} "
                 "(N >= S: drift bound 1)"
