@@ -259,7 +259,7 @@ def rule_cost(rounds: int = 31) -> Path:
     import torch
 
     from benchmarks.harness import envelope, machine, write_json
-    from benchmarks.paci_at_depth import _model, parse_args
+    from benchmarks.paci_at_depth import _model, parse_args, stale_optimizer
     from lit_efficient.runtime.staleness import InPlaceFirstStepWeightPrediction
 
     torch.set_num_threads(1)
@@ -268,10 +268,7 @@ def rule_cost(rounds: int = 31) -> Path:
         config = vars(parse_args(argv))
         torch.manual_seed(0)
         params = list(list(_model(config, 1e-3, 100).pipeline_layers())[1].parameters())  # the first block
-        optimizer = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, config.get("beta2", 0.95)), weight_decay=0.1)
-        for p in params:
-            p.grad = torch.randn_like(p)
-        optimizer.step()
+        optimizer = stale_optimizer(params, config)
         weight = torch.tensor(3.0)
         previous, default = InPlaceFirstStepWeightPrediction(), InPlaceFirstStepWeightPrediction(8)
         forms = {"previous": (previous, None), "default": (default, 3)}

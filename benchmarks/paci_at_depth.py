@@ -225,6 +225,16 @@ def _autocast(device: torch.device) -> Any:
     return torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda")
 
 
+def stale_optimizer(params: list[torch.nn.Parameter], config: dict[str, Any]) -> torch.optim.AdamW:
+    """AdamW over ``params`` as at a stale forward: moments exist (one step taken, as after the first window) and
+    each parameter holds a gradient, which stands for the window's so far."""
+    optimizer = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, config.get("beta2", 0.95)), weight_decay=0.1)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+    return optimizer
+
+
 def prediction_timer(params: list[torch.nn.Parameter], config: dict[str, Any]) -> Any:
     """A timer of one stale forward's prediction around an empty forward (apply, then undo) on ``params``, with AdamW
     state and a window's gradient, as at a stale forward: ``timer(compiled)`` returns the seconds of one, PACI's
@@ -234,12 +244,10 @@ def prediction_timer(params: list[torch.nn.Parameter], config: dict[str, Any]) -
 
     if not params:
         return lambda compiled: 0.0
-    optimizer = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, config.get("beta2", 0.95)), weight_decay=0.1)
-    for p in params:
-        p.grad = torch.randn_like(p)
-    optimizer.step()  # moments exist, as after the first window; the gradient stands for the window's so far
-    # A young window (3 of N = 8 micro-batches backpropagated), where the default shrinks the folded square by the
-    # window's share (every stale forward whose window has a gradient yet): built with N, as "auto" builds it.
+    optimizer = stale_optimizer(params, config)
+    # A young window (3 of N micro-batches backpropagated, N = 8: the cost is the same for any N > 3), where the
+    # default shrinks the folded square by the window's share (every stale forward whose window has a gradient
+    # yet): built with N, as "auto" builds it.
     forms = {False: InPlaceFirstStepWeightPrediction(8), True: CompiledFirstStepWeightPrediction(8)}
     device = params[0].device
     weight = torch.tensor(3.0, device=device)  # a stage's window weight lives on its device

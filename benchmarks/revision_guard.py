@@ -8,14 +8,17 @@ renamed, see `package_of`) and runs timed fits of each in turn, A B B A A B ... 
 the Lightning Trainer with its defaults, ``PACIStrategy(schedule="paci")``, S=2, N=4, by default Hugging Face's
 GPT-2 blocks 8 x 256 with a tied embedding, micro-batch 8 x 32 tokens, SGD; 2 warm-up and 8 timed optimizer
 steps; ``sync_start_steps=0`` and ``staleness_correction=None`` where the revision has them, so that both time
-the PACI path every run shares: `benchmarks.revision_worker.steady_state`; ``--corrections defaults`` keeps the
-candidate's own correction, so that with ``--optimizer module`` (AdamW) the ratio shows its weight prediction's
-cost). Every fit builds its own model, so both revisions meet the same conditions. Per round (one fit of each):
+the PACI path every run shares: `benchmarks.revision_worker.steady_state`; ``--corrections defaults`` keeps each
+revision's own correction, so that with ``--optimizer module`` (AdamW) the ratio shows the tree's weight
+prediction's cost; the synchronous start stays off). Every fit builds its own model, so both revisions meet the
+same conditions. Per round (one fit of each):
 
-- ``window``: the last stage's median optimizer-step window; the ratio baseline / candidate (> 1: the candidate
-  is faster). The median of the round's windows ignores a burst of another process's work.
+- ``window``: stage 0's median optimizer-step window (the last rank holds stage 0 in both revisions); the ratio
+  baseline / candidate (> 1: the candidate is faster). The median of the round's windows ignores a burst of
+  another process's work.
 - ``wall``: the same over the whole timed span.
-- ``cpu``: CPU seconds per micro-batch of the last rank's process (all its threads); baseline / candidate.
+- ``cpu``: CPU seconds per micro-batch of the last rank's process (stage 0's, all its threads); baseline /
+  candidate.
 
 The summary is the median over rounds with its range. A revision is any git revision (its ``lit_efficient/`` is
 extracted with ``git archive`` under ``benchmarks/.revisions/``, which git ignores) or ``tree``. The worker uses
@@ -111,7 +114,7 @@ def alternate(args: argparse.Namespace) -> list[dict[str, Any]]:
         done = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True, timeout=args.timeout)
         if done.returncode != 0:
             raise RuntimeError(f"the timed fits failed ({done.returncode}):\n{done.stderr[-4000:]}")
-        # The last rank holds the last stage, which closes every window.
+        # The last rank holds stage 0, which feeds every window: its window is the pipeline's pace.
         lines = Path(f"{out}.{args.stages - 1}").read_text().splitlines()
     return pair_rounds([json.loads(line) for line in lines], base, cand)
 
@@ -156,8 +159,9 @@ def main() -> None:
         "--corrections",
         choices=["off", "defaults"],
         default="off",
-        help="'off': the candidate's staleness correction off, as the baseline has none (the shared path); "
-        "'defaults': the candidate's own (with AdamW its weight prediction's cost shows)",
+        help="'off': each revision's staleness correction off where it has one (the path both share); 'defaults': "
+        "each revision's own (with AdamW the tree's weight prediction's cost shows); the synchronous start is off "
+        "either way",
     )
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--fail-below", type=float, default=0.95, help="exit 1 under this median window ratio")

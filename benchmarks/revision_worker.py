@@ -8,8 +8,9 @@ adjacent fits in one process share all of that, and their ratio is what the guar
 
 Only the package's public API is used (``PACIStrategy``, ``models.GPT``, ``models.HFCausalLM``), as it was at
 the pinned revision, so both run the very same measurement: the Lightning Trainer with its defaults (logger,
-progress bar, checkpointing), S processes over gloo, one intra-op thread per rank. The last rank writes one JSON
-line per timed fit to ``--out``: the time of each optimizer-step window (the last stage closes each window), its
+progress bar, checkpointing), S processes over gloo, one intra-op thread per rank. The last rank (stage 0's, in
+every revision's topology) writes one JSON line per timed fit to ``--out``: the time of each optimizer-step window
+(stage 0 feeds every window: in steady state its window is the pipeline's pace), its
 CPU time (all threads), and the stage's own busy / wait accounting.
 """
 
@@ -79,8 +80,8 @@ def steady_state(package: Any, corrections: str) -> dict[str, Any]:
     (its bubble: x0.78 measured with ``--optimizer module``, not a regression of the hot path); the start is a
     stated cost of the defaults, measured in the benchmark report. ``corrections="off"`` also turns off a
     staleness correction the baseline does not have (with AdamW the default weight prediction), so that both time
-    the path every run shares; ``"defaults"`` keeps the revision's own (what a user with AdamW runs: the
-    prediction's cost shows in the ratio)."""
+    the path every run shares; ``"defaults"`` keeps the revision's own (what a user with AdamW runs once the
+    synchronous start is over: the prediction's cost shows in the ratio)."""
     accepted = inspect.signature(package.PACIStrategy.__init__).parameters
     options: dict[str, Any] = {"sync_start_steps": 0} if "sync_start_steps" in accepted else {}
     if corrections == "off" and "staleness_correction" in accepted:

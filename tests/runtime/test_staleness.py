@@ -2,8 +2,9 @@
 
 The runtime side is a `StageHost` (bit-identical to processes: test_in_process.py), so no process is
 spawned. The emulations are written from the rules, not from the implementation: PACI as in
-test_runtime_multiproc's `_paci_emulation` (forward of micro-batch j on stage s on the weights after
-`_forward_version` steps, backward recomputed on the current ones), with the correction's change.
+tests/support/runtime_runs.py's `paci_emulation` (forward of micro-batch j on stage s on the weights after
+`forward_version` steps, backward recomputed on the current ones), with the correction's change
+(`correction_emulation`).
 """
 
 from __future__ import annotations
@@ -262,6 +263,8 @@ def test_auto_is_the_in_place_first_step_prediction_where_the_optimizer_is_predi
     assert make_correction("auto", "paci", 3, 4, 4, 10, adamw) is None  # the last stage is never stale
     assert make_correction("auto", "1f1b_flush", 0, 4, 4, 10, adamw) is None
     assert PACIStrategy().staleness_correction == "auto"
+    auto = make_correction("auto", "paci", 0, 4, 4, 10, adamw)
+    assert auto.accumulate == 4 and auto.shrink == "square"  # built with N: the share of the window shrinks v
 
 
 def test_in_place_prediction_keeps_low_precision_weights_exact():

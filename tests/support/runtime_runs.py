@@ -147,6 +147,12 @@ def adamw_prediction(layers_now, opt_state, delay, partial, first_step=False, sh
     return out
 
 
+# The corrections `correction_emulation` writes out (the others' names also start with "weight_prediction").
+EMULATED = frozenset({
+    None, "lr_scale", "weight_prediction", "weight_prediction_first_step", "weight_prediction_first_step_square_shrunk"
+})  # fmt: skip
+
+
 def correction_emulation(data, stages, accumulate, correction, anneal: int = 4, sync_steps: int = 0):
     """PACI with recompute from its definition, plus ``correction``'s documented rule (``"auto"``: the default's,
     ``"weight_prediction_first_step_square_shrunk"``; ``anneal``: ``"lr_scale"``'s steps). ``sync_steps``: the
@@ -154,13 +160,15 @@ def correction_emulation(data, stages, accumulate, correction, anneal: int = 4, 
     after the last)."""
     if correction == "auto":
         correction = "weight_prediction_first_step_square_shrunk"
+    if correction not in EMULATED:
+        raise ValueError(f"correction={correction!r} has no emulation here; emulated: {sorted(map(str, EMULATED))}")
     layers = build_layers(**MODEL)
     bounds = stage_bounds(partition_uniform(len(layers), stages))
     stage_layers = [layers[lo:hi] for lo, hi in bounds]
     opts = [runtime_optimizer([p for layer in mine for p in layer.parameters()]) for mine in stage_layers]
     versions = [[(copy.deepcopy(mine), copy.deepcopy(opts[s].state_dict()))] for s, mine in enumerate(stage_layers)]
     # partial[s][k]: stage s's mean gradient of its open window right after micro-batch k's backward (None
-    # once that backward closed the window). In 1F1B order stage s forwards j right after backward j-(S-s).
+    # once that backward closed the window). A forward predicts from the stage's last backward before it.
     partial: list[dict[int, list | None]] = [{} for _ in range(stages)]
 
     for j, batch in enumerate(data):
@@ -178,11 +186,11 @@ def correction_emulation(data, stages, accumulate, correction, anneal: int = 4, 
                     weights = adamw_prediction(weights, opt_state, delay, partial[s].get(k), first, share)
                 x = run(weights, x)
         backward_from_inputs(stage_layers, inputs, batch, accumulate)
-        done = j % accumulate + 1  # backwards of this window so far; the emulation's grads hold their sum / N
+        window = j % accumulate + 1  # backwards of this window so far; the emulation's grads hold their sum / N
         for s in range(stages):
             grads = [p.grad for layer in stage_layers[s] for p in layer.parameters()]
             partial[s][j] = (
-                None if done == accumulate else [None if g is None else g * accumulate / done for g in grads]
+                None if window == accumulate else [None if g is None else g * accumulate / window for g in grads]
             )
         if (j + 1) % accumulate == 0:
             for s in range(stages):
