@@ -206,16 +206,19 @@ def check_flush_exact(device: str) -> Check:
 
 
 class _Peak(Callback):
-    """The device's allocator peak over the fit (reset at its start)."""
+    """The device's allocator peak over the fit (reset at its start), and the stages' sizes (the split is gone
+    after a fit: the whole model is back on the user's object)."""
 
     def __init__(self) -> None:
         self.peak = 0
+        self.sizes: list[int] = []
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.strategy.root_device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(trainer.strategy.root_device)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.sizes = trainer.strategy.layout()["sizes"]
         if trainer.strategy.root_device.type == "cuda":
             self.peak = torch.cuda.max_memory_allocated(trainer.strategy.root_device)
 
@@ -226,7 +229,7 @@ def check_memory(device: str) -> Check:
     model, peak, steps = _model(device), _Peak(), 2
     strategy = PACIStrategy(pipeline_stages=STAGES, schedule="paci")
     _trainer(device, strategy, steps, callbacks=[peak]).fit(model, _loader(device, steps * ACCUMULATE))
-    sizes = strategy.layout()["sizes"]
+    sizes = peak.sizes
     # The estimate partition_profiled budgets with (partition.py): stage s holds its parameter bytes (weights,
     # gradients, AdamW state: 4x the weights) plus S - s micro-batches of its layers' output bytes.
     probe = copy.deepcopy(model).to(dev)

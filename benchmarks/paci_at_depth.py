@@ -113,6 +113,7 @@ def fit_one(config: dict[str, Any], stages: int, accumulate: int, lr: float, see
     from lightning.pytorch.callbacks import Callback
 
     from lit_efficient import PACIStrategy
+    from lit_efficient.runtime import staleness
 
     torch.set_num_threads(1)
     options = RUNS[name]
@@ -124,6 +125,7 @@ def fit_one(config: dict[str, Any], stages: int, accumulate: int, lr: float, see
             self.val: list[tuple[int, float]] = []
             self.stats: list[dict[str, float]] = []
             self.sync_start = 0
+            self.forms: list[str] = []
 
         def on_validation_end(self, trainer, pl_module) -> None:
             if "val_loss" in trainer.callback_metrics:
@@ -134,6 +136,8 @@ def fit_one(config: dict[str, Any], stages: int, accumulate: int, lr: float, see
 
         def on_train_end(self, trainer, pl_module) -> None:
             self.stats = trainer.strategy.runtime.stage_stats()
+            # Which form of the correction each stage ran ("auto" picks by device; a failed compilation falls back)
+            self.forms = [type(stage.correction).__name__ for stage in trainer.strategy.runtime.stages]
 
     L.seed_everything(seed, verbose=False)
     model = _model(config, lr, steps)
@@ -143,10 +147,11 @@ def fit_one(config: dict[str, Any], stages: int, accumulate: int, lr: float, see
         recompute=name in RECOMPUTE, **options,
     )  # fmt: skip
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, accumulate_grad_batches=accumulate,
-        callbacks=[record], logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, limit_val_batches=config["val_batches"], num_sanity_val_steps=config["val_batches"],
-        val_check_interval=eval_every * accumulate, check_val_every_n_epoch=None,
+        accelerator=config.get("accelerator", "cpu"), devices=1, strategy=strategy, max_steps=steps,
+        accumulate_grad_batches=accumulate, callbacks=[record], logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=config["val_batches"],
+        num_sanity_val_steps=config["val_batches"], val_check_interval=eval_every * accumulate,
+        check_val_every_n_epoch=None,
     )  # fmt: skip
     start = time.perf_counter()
     trainer.fit(model, datamodule=_datamodule(config, seed))
@@ -166,8 +171,14 @@ def fit_one(config: dict[str, Any], stages: int, accumulate: int, lr: float, see
         "tokens_per_step": accumulate * config["batch_size"] * config["block"], "val": curve,
         "final_val_loss": curve[-1][1], "seconds": seconds, "sync_start_steps": record.sync_start,
         "drift": [{k: st[k] for k in ("stage", "drift_max", "drift_mean")} for st in record.stats],
-        "loadavg": os.getloadavg(), **wide,
+        "loadavg": os.getloadavg(), "correction_forms": record.forms,
+        "compiler_works": staleness._COMPILER_WORKS["ok"], "device": _device_name(trainer), **wide,
     }  # fmt: skip
+
+
+def _device_name(trainer) -> str:
+    device = trainer.strategy.root_device
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
 def _worker(job: tuple[dict[str, Any], int, int, float, int, str]) -> dict[str, Any]:
@@ -569,6 +580,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=8, help="micro-batch size")
     p.add_argument("--max-bytes", type=int, default=2_000_000)
     p.add_argument("--vocab", type=int, default=256, help="token ids (256: the byte-level corpus; more: costs only)")
+    p.add_argument(
+        "--accelerator",
+        default="cpu",
+        choices=["cpu", "gpu"],
+        help="where the grid's runs train (gpu: the same line in fp32 on one CUDA device, the S stages sharing it)",
+    )
     p.add_argument("--cost-device", default="cpu", help="where per-layer costs are timed (cuda: bf16 autocast)")
     p.add_argument("--workers", type=int, default=2, help="runs in parallel, one thread each")
     p.add_argument("--cost-steps", type=int, default=40, help="optimizer steps of the in-process cost runs (0: skip)")

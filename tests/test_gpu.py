@@ -62,14 +62,20 @@ def test_cuda_clock_times_the_device_work_not_its_launch():
 
 
 def test_smoke_script_runs_on_cpu_and_writes_its_table_and_json(tmp_path, capsys):
-    """The command line the first GPU runs, here on CPU with its quickest check."""
+    """The command line the first GPU runs, here on CPU with every check but the compiling one (seconds; the
+    compiled prediction's own test is tests/runtime/test_staleness.py): a check that broke against the package
+    (the memory check read the split after fit, gone since the model returns whole) fails here, not on the GPU."""
     out = tmp_path / "smoke.json"
-    assert gpu_smoke.main(["--device", "cpu", "--checks", "host_syncs", "--out", str(out)]) == 0
+    names = [name for name in gpu_smoke.CHECKS if name != "weight_prediction"]
+    assert gpu_smoke.main(["--device", "cpu", "--checks", *names, "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "host_syncs" in printed and "PASS" in printed and "0 failed" in printed
-    saved = json.loads(out.read_text())
-    assert [c["name"] for c in saved["checks"]] == ["host_syncs"] and saved["checks"][0]["status"] == "pass"
-    assert saved["checks"][0]["numbers"]["syncs"] == saved["checks"][0]["numbers"]["optimizer_steps"]
+    saved = {c["name"]: c for c in json.loads(out.read_text())["checks"]}
+    assert list(saved) == names
+    assert saved["memory"]["status"] == "skip"  # no allocator peak on CPU; the estimate still computed
+    assert saved["memory"]["numbers"]["estimate_bytes"] > saved["memory"]["numbers"]["weights_grads_adam_bytes"]
+    assert all(saved[n]["status"] == "pass" for n in names if n != "memory"), saved
+    assert saved["host_syncs"]["numbers"]["syncs"] == saved["host_syncs"]["numbers"]["optimizer_steps"]
 
 
 @pytest.mark.gpu
