@@ -91,7 +91,8 @@ def _paper_costs_file(device: str) -> Path:
 def measure_paper_shape(device: str = "cpu") -> Path:
     """Per-layer costs (forward, backward, the prediction's apply + undo, eager and compiled) of the paper's model
     at its micro-batch: the embedding, one block, the head. On CPU one thread, medians of 3 rounds (~6 minutes);
-    on CUDA under bf16 autocast, 21 rounds (`paci_at_depth.layer_costs`)."""
+    on CUDA under bf16 autocast, 21 rounds (`paci_at_depth.layer_costs`), and a whole stage's window
+    (`stage_costs`: four blocks, as the paper's split puts them)."""
     import time
 
     from benchmarks.harness import envelope, machine, write_json
@@ -100,7 +101,8 @@ def measure_paper_shape(device: str = "cpu") -> Path:
     config = vars(parse_args([*PAPER_SHAPE, "--cost-device", device]))
     start, before = time.perf_counter(), machine()
     costs = layer_costs(config, repeats=3 if device == "cpu" else 21)
-    payload = envelope("exp31_table", False, before, config, start, layer_costs=costs)
+    extra = {"stage_costs": stage_costs(config, blocks=4, rounds=7)} if device == "cuda" else {}
+    payload = envelope("exp31_table", False, before, config, start, layer_costs=costs, **extra)
     payload["command"] = "python -m benchmarks.exp31_table --measure-paper-shape" + (
         f" --device {device}" if device != "cpu" else ""
     )
@@ -109,6 +111,61 @@ def measure_paper_shape(device: str = "cpu") -> Path:
 
         payload["gpu"] = torch.cuda.get_device_name()
     return write_json(_paper_costs_file(device).name, payload)
+
+
+def stage_costs(config: dict, blocks: int = 4, micro_batches: int = 8, rounds: int = 5) -> dict:
+    """Seconds per micro-batch of one stage of ``blocks`` GPT blocks over a window of ``micro_batches`` (forward,
+    then backward, the host never waiting: one synchronization per window, as a stage's process runs), with every
+    forward on plain weights (``none``) or predicted by PACI's default, eager or compiled (every forward stale: a
+    stage s of S pays this for (S-1-s)/N of its forwards). What a pipeline stage pays for the prediction, the
+    host's time included only where the host falls behind the GPU: the check on `layer_costs`' two timings of the
+    prediction. Medians of ``rounds`` rounds after one untimed (which compiles), the forms in turn in each."""
+    import time
+    from contextlib import nullcontext
+
+    import torch
+
+    from benchmarks.paci_at_depth import _autocast, _model, _synchronize, stale_optimizer
+    from lit_efficient.runtime.staleness import CompiledFirstStepWeightPrediction, InPlaceFirstStepWeightPrediction
+
+    device = torch.device(config.get("cost_device", "cpu"))
+    torch.manual_seed(0)
+    stage = torch.nn.Sequential(*list(_model({**config, "layers": blocks}, 1e-3, 100).pipeline_layers())[1:-1])
+    stage = stage.to(device)
+    params = list(stage.parameters())
+    optimizer = stale_optimizer(params, config)
+    forms = {
+        "none": None,
+        "eager": InPlaceFirstStepWeightPrediction(micro_batches),
+        "compiled": CompiledFirstStepWeightPrediction(micro_batches),
+    }
+    x = torch.randn(config["batch_size"], config["block"], config["dim"], device=device)
+    weight = torch.tensor(3.0, device=device)
+
+    def window(form: str) -> float:
+        _synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(micro_batches):
+            correction = forms[form]
+            context = (
+                nullcontext()
+                if correction is None
+                else correction.forward_context(params, optimizer, 1, window_weight=weight, window_microbatches=3)
+            )
+            with context, _autocast(device):
+                out = stage(x.detach().requires_grad_())
+            out.float().backward(torch.ones_like(out, dtype=torch.float32))
+        _synchronize(device)
+        return (time.perf_counter() - t0) / micro_batches
+
+    times: dict[str, list[float]] = {form: [] for form in forms}
+    for _ in range(rounds + 1):
+        for form in forms:
+            times[form].append(window(form))
+    return {
+        "blocks": blocks, "micro_batches": micro_batches, "rounds": rounds,
+        **{form: statistics.median(t[1:]) for form, t in times.items()},
+    }  # fmt: skip
 
 
 def paper_shape_table(path: Path | None = None, rule: str = "share") -> str:
@@ -123,16 +180,35 @@ def paper_shape_table(path: Path | None = None, rule: str = "share") -> str:
     measured, device = payload["layer_costs"], payload.get("gpu", "one CPU thread")
     split, per_step = _paper_step_seconds(measured)
     ratio = {key: v["1f1b_flush"] / v["paci"] for key, v in per_step.items()}
-    ms = {k: f"{v[1] * 1e3:,.0f}" for k, v in measured.items()}
+    digits = 0 if device == "one CPU thread" else 2
+    ms = {k: f"{v[1] * 1e3:,.{digits}f}" for k, v in measured.items()}
+    forms = [form for form in ("predict", "predict_compiled", "predict_gpu", "predict_compiled_gpu") if form in ratio]
     lines = [
         f"paper's shape, {device}: a block's forward / backward {ms['forward']} / {ms['backward']} ms, its "
         f"prediction eager / compiled {ms['predict']} / {ms['predict_compiled']} ms; head forward / backward "
-        f"{measured['forward'][2] * 1e3:,.0f} / {measured['backward'][2] * 1e3:,.0f} ms; split {split}; S=8 N=8 "
-        f"throughput over flush: plain {ratio[None]:.2f}x, eager {ratio['predict']:.2f}x, compiled "
+        f"{measured['forward'][2] * 1e3:,.{digits}f} / {measured['backward'][2] * 1e3:,.{digits}f} ms; split {split}; "
+        f"S=8 N=8 throughput over flush: plain {ratio[None]:.2f}x, eager {ratio['predict']:.2f}x, compiled "
         f"{ratio['predict_compiled']:.2f}x (ideal {15 / 8:.3f}x)",
+    ]
+    if "predict_gpu" in ratio:  # CUDA: the prediction's kernels alone, the host ahead of the GPU
+        lines.append(
+            f"the prediction's kernels alone (the host ahead): a block's eager / compiled {ms['predict_gpu']} / "
+            f"{ms['predict_compiled_gpu']} ms; S=8 N=8 throughput over flush with them: eager "
+            f"{ratio['predict_gpu']:.2f}x, compiled {ratio['predict_compiled_gpu']:.2f}x"
+        )
+    if "stage_costs" in payload:
+        st = payload["stage_costs"]
+        per_block = {form: (st[form] - st["none"]) / st["blocks"] * 1e3 for form in ("eager", "compiled")}
+        lines.append(
+            f"a stage of {st['blocks']} blocks, {st['micro_batches']} micro-batches, every forward predicted, per "
+            f"micro-batch: plain {st['none'] * 1e3:.2f} ms, eager {st['eager'] * 1e3:.2f} ms, compiled "
+            f"{st['compiled'] * 1e3:.2f} ms: the prediction adds {per_block['eager']:.2f} / "
+            f"{per_block['compiled']:.2f} ms per block (eager / compiled)"
+        )
+    lines += [
         "",
-        "| layers | steps | lr | seed | to the lowest both reach, eager | compiled |",
-        "|" + "---|" * 6,
+        "| layers | steps | lr | seed | to the lowest both reach, " + " | ".join(_FORM_NAMES[f] for f in forms) + " |",
+        "|" + "---|" * (4 + len(forms)),
     ]
     for n, layers, steps, lr, seed, f, r in _default_pairs(rule):
         if n != 8:
@@ -140,11 +216,19 @@ def paper_shape_table(path: Path | None = None, rule: str = "share") -> str:
         both = lowest_both_reach(f["val"], r["val"])
         to_flush, to_paci, sync = steps_to(f["val"], both), steps_to(r["val"], both), r.get("sync_start_steps", 0)
         cells = []
-        for form in ("predict", "predict_compiled"):
+        for form in forms:
             flush_step, paci_step = per_step[form]["1f1b_flush"], per_step[form]["paci"]
             cells.append(f"{to_flush * flush_step / paci_seconds(to_paci, sync, flush_step, paci_step):.2f}")
         lines.append(f"| {layers} | {steps} | {lr:g} | {seed} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+_FORM_NAMES = {
+    "predict": "eager",
+    "predict_compiled": "compiled",
+    "predict_gpu": "eager, kernels alone",
+    "predict_compiled_gpu": "compiled, kernels alone",
+}
 
 
 def _paper_step_seconds(measured: dict[str, list[float]]) -> tuple[list[int], dict]:
@@ -157,7 +241,9 @@ def _paper_step_seconds(measured: dict[str, list[float]]) -> tuple[list[int], di
     costs = {k: [v[0]] + [v[1]] * PAPER_BLOCKS + [v[2]] for k, v in measured.items()}
     split = partition_balanced([f + b for f, b in zip(costs["forward"], costs["backward"], strict=True)], 8)
     return split, {
-        key: simulated_step_seconds(costs, 8, 8, key, split) for key in (None, "predict", "predict_compiled")
+        key: simulated_step_seconds(costs, 8, 8, key, split)
+        for key in (None, "predict", "predict_compiled", "predict_gpu", "predict_compiled_gpu")
+        if key is None or key in costs
     }
 
 
@@ -173,19 +259,24 @@ def long_lines_table(rule: str = "share") -> str:
 
     per_step = _paper_step_seconds(json.loads(PAPER_COSTS.read_text())["layer_costs"])[1]["predict_compiled"]
     flush_step, paci_step = per_step["1f1b_flush"], per_step["paci"]
+    steps_at = [(flush_step, paci_step)]
+    gpu = _paper_costs_file("cuda")
+    if gpu.exists():  # the H200's GPT-2 Medium costs, the compiled prediction's kernels alone (what a stage pays)
+        on_gpu = _paper_step_seconds(json.loads(gpu.read_text())["layer_costs"])[1]["predict_compiled_gpu"]
+        steps_at.append((on_gpu["1f1b_flush"], on_gpu["paci"]))
     lines = [
         "| layers | steps | lr | seed | curve's tokens | flush | PACI (gap) | whole split: flush | PACI (gap) | "
-        "PACI's step at flush's final | to flush's final: GPT-2 Medium's costs | ideal | whole split: at least |",
-        "|" + "---|" * 13,
+        "PACI's step at flush's final | to flush's final: GPT-2 Medium's costs (this CPU) | "
+        + ("H200 | " if gpu.exists() else "")
+        + "ideal | whole split: at least |",
+        "|" + "---|" * (13 + gpu.exists()),
     ]
     for n, layers, steps, lr, seed, f, r in _default_pairs(rule):
         if n != 8 or steps * n <= GRID_STEPS:
             continue
         target, sync = f["val"][-1][1], r.get("sync_start_steps", 0)
         to_flush, to_paci = steps_to(f["val"], target), steps_to(r["val"], target)
-        ratios = [
-            to_flush * a / paci_seconds(to_paci, sync, a, b) for a, b in ((flush_step, paci_step), (1, n / (n + 8 - 1)))
-        ]
+        ratios = [to_flush * a / paci_seconds(to_paci, sync, a, b) for a, b in [*steps_at, (1, n / (n + 8 - 1))]]
         wide, bound = "- | -", "-"
         if "final_val_loss_wide" in f and "final_val_loss_wide" in r:
             fw, rw = f["final_val_loss_wide"], r["final_val_loss_wide"]

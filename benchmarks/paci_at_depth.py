@@ -188,7 +188,9 @@ def _worker(job: tuple[dict[str, Any], int, int, float, int, str]) -> dict[str, 
 def layer_costs(config: dict[str, Any], repeats: int = 5) -> dict[str, list[float]]:
     """Forward and backward seconds of every pipeline layer on one micro-batch of the benchmark's size, and
     ``predict``: one apply + undo of PACI's default prediction on the layer's weights, eager (the default on CPU),
-    ``predict_compiled``: the same in compiled passes (the default on CUDA) (`prediction_timer`). Medians of
+    ``predict_compiled``: the same in compiled passes (the default on CUDA) (`prediction_timer`); on CUDA also
+    ``predict_gpu`` and ``predict_compiled_gpu``: their kernels' time alone, the host ahead of the GPU (what a stage
+    pays when its host keeps ahead, as one process per GPU does; the first two count the host's time). Medians of
     ``repeats`` rounds (after one untimed round, which compiles), each round timing every layer in turn: this VM's
     speed drifts by 1.5x between minutes, and rounds make the drift move every layer alike, so the stage balance
     the simulator reads stays true. ``config["cost_device"]`` "cuda": on the GPU, the forward under bf16 autocast
@@ -206,6 +208,8 @@ def layer_costs(config: dict[str, Any], repeats: int = 5) -> dict[str, list[floa
             inputs.append((layer(*inputs[-1]),))
     timers = [prediction_timer(list(layer.parameters()), config) for layer in layers]
     keys = ("forward", "backward", "predict", "predict_compiled")
+    if device.type == "cuda":  # also the prediction's kernel time alone, the host ahead of the GPU
+        keys += ("predict_gpu", "predict_compiled_gpu")
     times: dict[str, list[list[float]]] = {k: [[] for _ in layers] for k in keys}
     for _ in range(repeats + 1):
         for i, layer in enumerate(layers):
@@ -223,6 +227,9 @@ def layer_costs(config: dict[str, Any], repeats: int = 5) -> dict[str, list[floa
             times["backward"][i].append(t2 - t1)
             times["predict"][i].append(timers[i](False))
             times["predict_compiled"][i].append(timers[i](True))
+            if device.type == "cuda":
+                times["predict_gpu"][i].append(timers[i](False, True))
+                times["predict_compiled_gpu"][i].append(timers[i](True, True))
     return {k: [statistics.median(t[1:]) for t in per_layer] for k, per_layer in times.items()}
 
 
@@ -263,15 +270,41 @@ def prediction_timer(params: list[torch.nn.Parameter], config: dict[str, Any]) -
     device = params[0].device
     weight = torch.tensor(3.0, device=device)  # a stage's window weight lives on its device
 
-    def timer(compiled: bool) -> float:
-        _synchronize(device)
-        t0 = time.perf_counter()
+    def predict(compiled: bool) -> None:
         with forms[compiled].forward_context(params, optimizer, 1, window_weight=weight, window_microbatches=3):
             pass
+
+    def timer(compiled: bool, kernels_only: bool = False) -> float:
+        if kernels_only:
+            return device_seconds(lambda: predict(compiled))
+        _synchronize(device)
+        t0 = time.perf_counter()
+        predict(compiled)
         _synchronize(device)
         return time.perf_counter() - t0
 
     return timer
+
+
+HOLD_CYCLES = 200_000_000  # ~0.1 s of a GPU at 1.98 GHz: far longer than the host takes to enqueue one prediction
+
+
+def device_seconds(fn: Any) -> float:
+    """The GPU time of the kernels ``fn`` enqueues, without the host's: the GPU is held busy (``torch.cuda._sleep``)
+    while the host enqueues them, so the events around them time their execution alone. Raises if the host took
+    nearly as long as the hold (the span would then count host time)."""
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(HOLD_CYCLES)
+    start.record()  # resolves when the GPU leaves the hold, the kernels below already queued
+    t0 = time.perf_counter()
+    fn()
+    host = time.perf_counter() - t0
+    end.record()
+    end.synchronize()
+    if host > 0.8 * HOLD_CYCLES / 2e9:
+        raise RuntimeError(f"the host took {host * 1e3:.1f} ms to enqueue, near the GPU's hold: raise HOLD_CYCLES")
+    return start.elapsed_time(end) / 1e3
 
 
 def stale_forward_share(stages: int, accumulate: int) -> list[float]:

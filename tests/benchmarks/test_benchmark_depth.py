@@ -82,6 +82,37 @@ def test_paper_shape_timing_with_balanced_free_costs_is_the_ideal(tmp_path, monk
     assert bounded and all(r[-1] == ">= 1.848" for r in bounded if r[1] == "2400")
 
 
+def test_paper_shape_on_cuda_times_the_kernels_and_the_stage(tmp_path, monkeypatch):
+    """A GPU's costs file (`measure_paper_shape` on CUDA) carries the prediction's kernels alone and a stage's window:
+    the table prints both, times the curves with each form, and the long lines' table gains the GPU's column. With a
+    free prediction the kernel columns are the ideal's; the stage line's per-block cost is (form - plain) / blocks."""
+    from benchmarks import exp31_table
+
+    free = {"forward": [1e-9, 1.0, 1e-9], "backward": [1e-9, 2.0, 1e-9]}
+    cpu = {**free, "predict": [0.0] * 3, "predict_compiled": [0.0] * 3}
+    gpu = {**cpu, "predict": [1.0] * 3, "predict_compiled": [0.5] * 3, "predict_gpu": [0.0] * 3}
+    stage = {"blocks": 4, "micro_batches": 8, "rounds": 7, "none": 0.010, "eager": 0.018, "compiled": 0.0108}
+    monkeypatch.setattr(exp31_table, "PAPER_COSTS", tmp_path / "costs.json")
+    (tmp_path / "costs.json").write_text(json.dumps({"layer_costs": cpu}))
+    path = tmp_path / "costs_cuda.json"
+    path.write_text(json.dumps({"layer_costs": {**gpu, "predict_compiled_gpu": [0.0] * 3}, "gpu": "a GPU",
+                                "stage_costs": stage}))  # fmt: skip
+    assert exp31_table._paper_costs_file("cuda") == path
+    table = exp31_table.paper_shape_table(path, rule="whole")
+    assert "paper's shape, a GPU:" in table
+    assert "kernels alone (the host ahead): a block's eager / compiled 0.00 / 0.00 ms" in table
+    assert "the prediction adds 2.00 / 0.20 ms per block (eager / compiled)" in table
+    header = next(line for line in table.splitlines() if line.startswith("| layers"))
+    assert header.endswith("reach, eager | compiled | eager, kernels alone | compiled, kernels alone |")
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines() if line[:4] == "| 6 "]
+    # between synchronizations the prediction costs a third and a sixth of a block: slower than the free kernels
+    assert rows and all(float(r[4]) < float(r[5]) < float(r[6]) == float(r[7]) for r in rows)
+    long_table = exp31_table.long_lines_table("whole")
+    assert "| H200 | ideal | whole split: at least |" in long_table.splitlines()[0]
+    long_rows = [[c.strip() for c in line.strip("|").split("|")] for line in long_table.splitlines()[2:]]
+    assert all(r[-3] == r[-2] for r in long_rows)  # free kernels, balanced stages: the GPU's column is the ideal
+
+
 def test_final_val_batches_below_minus_one_is_refused_by_name(capsys):
     """-1 is the whole split and 0 none; a lower value is a typo, not a silent whole-split validation."""
     import pytest
