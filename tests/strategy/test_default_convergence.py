@@ -3,8 +3,12 @@ staleness costs loss. The benchmark grid (benchmarks/paci_at_depth.py, BENCHMARK
 measurement; this is its smoke alarm.
 
 A 4-stage GPT at lr 1e-2 (2 warmup steps), N=4, 60 steps, AdamW with beta2 = 0.8: plain PACI ends about 5% above
-1F1B-flush's validation loss; the default (weight prediction and its 40-step synchronous start) and the prediction
-alone, PACI from the first step, within 1%; the prediction's compiled form within 0.2% of its eager form.
+1F1B-flush's validation loss; the default (weight prediction and its 40-step synchronous start), the prediction
+alone, PACI from the first step, and the prediction's compiled form, within 1%. The compiled form is the eager rule up
+to rounding at every call (tests/runtime/test_staleness.py); over 60 steps at this rate the rounding grows into a
+different trajectory, whose size depends on the CPU Inductor compiles for (on an Intel Xeon VM within 0.2% of the
+eager run's final loss, on an AMD EPYC VM 0.4%: -0.67% against -0.27% of flush's), so here it is held to the
+default's own bound, not to the eager run.
 """
 
 from __future__ import annotations
@@ -44,5 +48,5 @@ def test_the_default_stays_within_1_percent_of_flush_where_plain_paci_does_not(c
     default = _val_loss()
     assert plain > 1.03 * flush, (plain, flush)  # the premise: staleness costs loss here
     assert predicted < 1.01 * flush, (predicted, flush)
-    assert abs(compiled - predicted) < 0.002 * predicted, (compiled, predicted)
+    assert compiled < 1.01 * flush, (compiled, flush)
     assert default < 1.01 * flush, (default, flush)
