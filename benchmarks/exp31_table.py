@@ -8,6 +8,7 @@ unsplit order, so one flush run per (N, lr, seed) serves every S), with the medi
     python -m benchmarks.exp31_table --rule-cost      # the default's rule against the previous one, per block
     python -m benchmarks.exp31_table --measure-paper-shape  # the paper's model: exp31_layer_costs_paper_shape.json
     python -m benchmarks.exp31_table --measure-paper-shape --device cuda  # the same on a GPU (bf16): ..._cuda.json
+    python -m benchmarks.exp31_table --paper-shape --device cuda  # its table again from the file, no measuring
 
 The time to accuracy takes its per-layer costs (forward, backward and the default prediction's apply + undo) from
 results/exp31_layer_costs.json, measured in one quiet process, so that every row uses one set; without that file,
@@ -400,15 +401,20 @@ def main() -> None:
     if "--measure-costs" in sys.argv[1:]:
         print("wrote", measure_costs())
         return
-    if "--measure-paper-shape" in sys.argv[1:]:
+    if "--measure-paper-shape" in sys.argv[1:] or "--paper-shape" in sys.argv[1:]:
         if sys.argv[-1] == "--device":
             raise SystemExit("--device needs a value: cpu or cuda")
         device = sys.argv[sys.argv.index("--device") + 1] if "--device" in sys.argv else "cpu"
         if device not in ("cpu", "cuda"):
             raise SystemExit(f"--device {device!r}: the costs are measured on cpu or cuda; give --device cpu or cuda")
-        path = measure_paper_shape(device)
-        print("wrote", path)
-        print(paper_shape_table(path))
+        if "--measure-paper-shape" in sys.argv[1:]:
+            print("wrote", measure_paper_shape(device))
+        elif not _paper_costs_file(device).exists():
+            raise SystemExit(
+                f"no costs of the paper's shape measured on {device} yet ({_paper_costs_file(device).name}): "
+                f"measure them with --measure-paper-shape --device {device}"
+            )
+        print(paper_shape_table(_paper_costs_file(device)))
         return
     if "--rule-cost" in sys.argv[1:]:
         print("| model | block weights | previous rule, ms | the default's rule, ms | default / previous (range) |")
