@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks import paci_at_depth
 
 
@@ -82,7 +84,7 @@ def test_paper_shape_timing_with_balanced_free_costs_is_the_ideal(tmp_path, monk
     assert bounded and all(r[-1] == ">= 1.848" for r in bounded if r[1] == "2400")
 
 
-def test_paper_shape_on_cuda_times_the_kernels_and_the_stage(tmp_path, monkeypatch):
+def test_paper_shape_on_cuda_times_the_kernels_and_the_stage(tmp_path, monkeypatch, capsys):
     """A GPU's costs file (`measure_paper_shape` on CUDA) carries the prediction's kernels alone and a stage's window:
     the table prints both, times the curves with each form, and the long lines' table gains the GPU's column. With a
     free prediction the kernel columns are the ideal's; the stage line's per-block cost is (form - plain) / blocks."""
@@ -107,6 +109,14 @@ def test_paper_shape_on_cuda_times_the_kernels_and_the_stage(tmp_path, monkeypat
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines() if line[:4] == "| 6 "]
     # between synchronizations the prediction costs a third and a sixth of a block: slower than the free kernels
     assert rows and all(float(r[4]) < float(r[5]) < float(r[6]) == float(r[7]) for r in rows)
+    # The command line prints the same table from the file, and says what to run where there is none.
+    monkeypatch.setattr("sys.argv", ["exp31_table", "--paper-shape", "--device", "cuda"])
+    exp31_table.main()
+    assert "kernels alone (the host ahead)" in capsys.readouterr().out
+    monkeypatch.setattr(exp31_table, "PAPER_COSTS", tmp_path / "elsewhere" / "costs.json")
+    with pytest.raises(SystemExit, match="measure them with --measure-paper-shape --device cuda"):
+        exp31_table.main()
+    monkeypatch.setattr(exp31_table, "PAPER_COSTS", tmp_path / "costs.json")
     long_table = exp31_table.long_lines_table("whole")
     assert "| H200 | ideal | whole split: at least |" in long_table.splitlines()[0]
     long_rows = [[c.strip() for c in line.strip("|").split("|")] for line in long_table.splitlines()[2:]]
