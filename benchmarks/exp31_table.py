@@ -567,9 +567,10 @@ def time_to_accuracy_table(name: str, rule: str = "share") -> str:
 def _default_pairs(rule: str = "share") -> list[tuple]:
     """Every S=8 run of PACI's defaults (of ``rule``, `_payloads`) with its flush run (same N, model depth, steps,
     lr, seed), as (N, layers, steps, lr, seed, flush, PACI) in table order; of the eager and the compiled form (equal
-    to 4 decimals) the first file's."""
-    flush, found = {}, {}
-    for _, payload in _payloads(rule):
+    to 4 decimals) the first file's. The flush run of PACI's own file where it has one (its curve validated on the
+    same batches: an earlier file's flush of the same key may have validated on fewer), else the first file's."""
+    flush, own, found = {}, {}, {}
+    for path, payload in _payloads(rule):
         config = payload.get("config", {})
         for r in payload.get("runs") or []:
             key = (r["N"], config.get("layers", 6), r["steps"], r["lr"], r["seed"])
@@ -579,10 +580,12 @@ def _default_pairs(rule: str = "share") -> list[tuple]:
             }
             if r["run"] == "flush":
                 flush.setdefault(key, r)
-            elif r["run"] in DEFAULTS and r["S"] == 8:
-                found.setdefault(key, r)
-    order = sorted((k for k in found if k in flush), key=lambda k: (k[1], k[2], k[0], -k[3], k[4]))
-    return [(*k, flush[k], found[k]) for k in order]
+                own[(path, key)] = r
+            elif r["run"] in DEFAULTS and r["S"] == 8 and key not in found:
+                found[key] = (path, r)
+    pairs = {k: (own.get((path, k), flush.get(k)), r) for k, (path, r) in found.items()}
+    order = sorted((k for k, (f, _) in pairs.items() if f is not None), key=lambda k: (k[1], k[2], k[0], -k[3], k[4]))
+    return [(*k, *pairs[k]) for k in order]
 
 
 def ideal_throughput_table(rule: str = "share") -> str:

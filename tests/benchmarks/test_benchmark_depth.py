@@ -131,3 +131,22 @@ def test_final_val_batches_below_minus_one_is_refused_by_name(capsys):
         paci_at_depth.parse_args(["--final-val-batches", "-3"])
     assert "--final-val-batches -3" in capsys.readouterr().err
     assert paci_at_depth.parse_args(["--final-val-batches", "-1"]).final_val_batches == -1
+
+
+def test_a_default_run_pairs_with_the_flush_run_of_its_own_file(tmp_path, monkeypatch):
+    """A later pair of the same line (flush and the default, validated on more batches) must not be compared with an
+    earlier file's flush of the same key (validated on fewer): the default's own file's flush first."""
+    from benchmarks import exp31_table
+
+    def run(name: str, final: float) -> dict:
+        return {"run": name, "S": 8, "N": 8, "lr": 2e-3, "seed": 0, "steps": 2400, "val": [[2400, final]]}
+
+    earlier = {"config": {"layers": 14, "val_batches": 8}, "runs": [run("flush", 1.90)]}
+    later = {"config": {"layers": 14, "val_batches": 64}, "runs": [run("flush", 1.80), run("paci_default", 1.81)]}
+    only_default = {"config": {"layers": 6, "val_batches": 8}, "runs": [run("paci_default", 2.5)]}
+    grid_flush = {"config": {"layers": 6, "val_batches": 8}, "runs": [run("flush", 2.4)]}
+    for name, payload in [("exp31_a", earlier), ("exp31_b", later), ("exp31_c", grid_flush), ("exp31_d", only_default)]:
+        (tmp_path / f"{name}.json").write_text(json.dumps(payload))
+    monkeypatch.setattr(exp31_table, "RESULTS", tmp_path)
+    pairs = {(layers, f["val"][-1][1]): r["val"][-1][1] for _, layers, _, _, _, f, r in exp31_table._default_pairs()}
+    assert pairs == {(14, 1.80): 1.81, (6, 2.4): 2.5}  # its own file's flush; else the line's flush from any file
