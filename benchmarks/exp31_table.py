@@ -17,9 +17,9 @@ from the first grid file of PACI's defaults (no prediction cost: those rows then
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -122,38 +122,24 @@ def stage_costs(config: dict, blocks: int = 4, micro_batches: int = 8, rounds: i
     host's time included only where the host falls behind the GPU: the check on `layer_costs`' two timings of the
     prediction. Medians of ``rounds`` rounds after one untimed (which compiles), the forms in turn in each."""
     import time
-    from contextlib import nullcontext
 
     import torch
 
-    from benchmarks.paci_at_depth import _autocast, _model, _synchronize, stale_optimizer
-    from lit_efficient.runtime.staleness import CompiledFirstStepWeightPrediction, InPlaceFirstStepWeightPrediction
+    from benchmarks.paci_at_depth import _autocast, _model, _synchronize, prediction_contexts
 
     device = torch.device(config.get("cost_device", "cpu"))
     torch.manual_seed(0)
     stage = torch.nn.Sequential(*list(_model({**config, "layers": blocks}, 1e-3, 100).pipeline_layers())[1:-1])
     stage = stage.to(device)
-    params = list(stage.parameters())
-    optimizer = stale_optimizer(params, config)
-    forms = {
-        "none": None,
-        "eager": InPlaceFirstStepWeightPrediction(micro_batches),
-        "compiled": CompiledFirstStepWeightPrediction(micro_batches),
-    }
+    context = prediction_contexts(list(stage.parameters()), config)
+    forms = {"none": None, "eager": "eager", "compiled": "compiled"}
     x = torch.randn(config["batch_size"], config["block"], config["dim"], device=device)
-    weight = torch.tensor(3.0, device=device)
 
     def window(form: str) -> float:
         _synchronize(device)
         t0 = time.perf_counter()
         for _ in range(micro_batches):
-            correction = forms[form]
-            context = (
-                nullcontext()
-                if correction is None
-                else correction.forward_context(params, optimizer, 1, window_weight=weight, window_microbatches=3)
-            )
-            with context, _autocast(device):
+            with context(forms[form]), _autocast(device):
                 out = stage(x.detach().requires_grad_())
             out.float().backward(torch.ones_like(out, dtype=torch.float32))
         _synchronize(device)
@@ -181,7 +167,7 @@ def paper_shape_table(path: Path | None = None, rule: str = "share") -> str:
     measured, device = payload["layer_costs"], payload.get("gpu", "one CPU thread")
     split, per_step = _paper_step_seconds(measured)
     ratio = {key: v["1f1b_flush"] / v["paci"] for key, v in per_step.items()}
-    digits = 0 if device == "one CPU thread" else 2
+    digits = 2 if "gpu" in payload else 0  # a GPU's milliseconds are small; one CPU thread's are thousands
     ms = {k: f"{v[1] * 1e3:,.{digits}f}" for k, v in measured.items()}
     forms = [form for form in ("predict", "predict_compiled", "predict_gpu", "predict_compiled_gpu") if form in ratio]
     lines = [
@@ -397,31 +383,45 @@ def _costs(found: dict | None) -> dict | None:
     return json.loads(COSTS.read_text())["layer_costs"] if COSTS.exists() else found
 
 
-def main() -> None:
-    if "--measure-costs" in sys.argv[1:]:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (see the module's docstring): at most one measurement or table, ``--device`` for the paper
+    shape's. An unknown or misspelled option is refused by name (it would otherwise print the default tables)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--measure-costs", action="store_true", help="the grid model's per-layer costs")
+    mode.add_argument("--measure-paper-shape", action="store_true", help="GPT-2 Medium's costs on --device, its table")
+    mode.add_argument("--paper-shape", action="store_true", help="its table from the file, no measuring")
+    mode.add_argument("--rule-cost", action="store_true", help="the default's rule against the previous one, per block")
+    mode.add_argument("--by-size", action="store_true", help="the prediction's share against the micro-batch size")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="with the paper shape: where its costs are")
+    args = p.parse_args(argv)
+    if args.device != "cpu" and not (args.measure_paper_shape or args.paper_shape):
+        p.error(f"--device {args.device} applies to --measure-paper-shape and --paper-shape only")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.measure_costs:
         print("wrote", measure_costs())
         return
-    if "--measure-paper-shape" in sys.argv[1:] or "--paper-shape" in sys.argv[1:]:
-        if sys.argv[-1] == "--device":
-            raise SystemExit("--device needs a value: cpu or cuda")
-        device = sys.argv[sys.argv.index("--device") + 1] if "--device" in sys.argv else "cpu"
-        if device not in ("cpu", "cuda"):
-            raise SystemExit(f"--device {device!r}: the costs are measured on cpu or cuda; give --device cpu or cuda")
-        if "--measure-paper-shape" in sys.argv[1:]:
-            print("wrote", measure_paper_shape(device))
-        elif not _paper_costs_file(device).exists():
+    if args.measure_paper_shape or args.paper_shape:
+        costs = _paper_costs_file(args.device)
+        if args.measure_paper_shape:
+            print("wrote", measure_paper_shape(args.device))
+        elif not costs.exists():
             raise SystemExit(
-                f"no costs of the paper's shape measured on {device} yet ({_paper_costs_file(device).name}): "
-                f"measure them with --measure-paper-shape --device {device}"
+                f"no costs of the paper's shape measured on {args.device} yet ({costs.name}): "
+                f"measure them with --measure-paper-shape --device {args.device}"
             )
-        print(paper_shape_table(_paper_costs_file(device)))
+        print(paper_shape_table(costs))
         return
-    if "--rule-cost" in sys.argv[1:]:
+    if args.rule_cost:
         print("| model | block weights | previous rule, ms | the default's rule, ms | default / previous (range) |")
         print("|---|---|---|---|---|")
         print("wrote", rule_cost())
         return
-    if "--by-size" in sys.argv[1:]:
+    if args.by_size:
         print(
             "| model | tokens per micro-batch | block forward / backward, ms | prediction eager / compiled, ms | S=8 "
             "N=8 throughput over flush, plain | with the prediction, eager / compiled |\n|---|---|---|---|---|---|"

@@ -228,8 +228,8 @@ def layer_costs(config: dict[str, Any], repeats: int = 5) -> dict[str, list[floa
             times["predict"][i].append(timers[i](False))
             times["predict_compiled"][i].append(timers[i](True))
             if device.type == "cuda":
-                times["predict_gpu"][i].append(timers[i](False, True))
-                times["predict_compiled_gpu"][i].append(timers[i](True, True))
+                times["predict_gpu"][i].append(timers[i](False, kernels_only=True))
+                times["predict_compiled_gpu"][i].append(timers[i](True, kernels_only=True))
     return {k: [statistics.median(t[1:]) for t in per_layer] for k, per_layer in times.items()}
 
 
@@ -253,25 +253,42 @@ def stale_optimizer(params: list[torch.nn.Parameter], config: dict[str, Any]) ->
     return optimizer
 
 
-def prediction_timer(params: list[torch.nn.Parameter], config: dict[str, Any]) -> Any:
-    """A timer of one stale forward's prediction around an empty forward (apply, then undo) on ``params``, with AdamW
-    state and a window's gradient, as at a stale forward: ``timer(compiled)`` returns the seconds of one, PACI's
-    default on CPU (`InPlaceFirstStepWeightPrediction`) or on CUDA (``compiled``: `CompiledFirstStepWeightPrediction`,
-    compiled at its first call), on the parameters' device (a GPU's between synchronizations)."""
+def prediction_contexts(params: list[torch.nn.Parameter], config: dict[str, Any]) -> Any:
+    """``context(form)``: one stale forward's prediction on ``params`` as a context manager (applied on entry, undone
+    on exit), with AdamW state and a window's gradient as at a stale forward; ``form`` "eager" (PACI's default on
+    CPU, `InPlaceFirstStepWeightPrediction`), "compiled" (on CUDA, `CompiledFirstStepWeightPrediction`, compiled at
+    its first use) or None (no prediction). One per set of parameters: the timers below and
+    `exp31_table.stage_costs` share it."""
+    from contextlib import nullcontext
+
     from lit_efficient.runtime.staleness import CompiledFirstStepWeightPrediction, InPlaceFirstStepWeightPrediction
 
-    if not params:
-        return lambda compiled: 0.0
     optimizer = stale_optimizer(params, config)
     # A young window (3 of N micro-batches backpropagated, N = 8: the cost is the same for any N > 3), where the
     # default shrinks the folded square by the window's share (every stale forward whose window has a gradient
     # yet): built with N, as "auto" builds it.
-    forms = {False: InPlaceFirstStepWeightPrediction(8), True: CompiledFirstStepWeightPrediction(8)}
-    device = params[0].device
-    weight = torch.tensor(3.0, device=device)  # a stage's window weight lives on its device
+    forms = {"eager": InPlaceFirstStepWeightPrediction(8), "compiled": CompiledFirstStepWeightPrediction(8)}
+    weight = torch.tensor(3.0, device=params[0].device)  # a stage's window weight lives on its device
+
+    def context(form: str | None) -> Any:
+        if form is None:
+            return nullcontext()
+        return forms[form].forward_context(params, optimizer, 1, window_weight=weight, window_microbatches=3)
+
+    return context
+
+
+def prediction_timer(params: list[torch.nn.Parameter], config: dict[str, Any]) -> Any:
+    """A timer of one stale forward's prediction around an empty forward (apply, then undo) on ``params``
+    (`prediction_contexts`): ``timer(compiled, kernels_only=False)`` returns the seconds of one, eager or compiled,
+    on the parameters' device (a GPU's between synchronizations, or with ``kernels_only`` its kernels' time alone,
+    `device_seconds`)."""
+    if not params:
+        return lambda compiled, kernels_only=False: 0.0
+    context, device = prediction_contexts(params, config), params[0].device
 
     def predict(compiled: bool) -> None:
-        with forms[compiled].forward_context(params, optimizer, 1, window_weight=weight, window_microbatches=3):
+        with context("compiled" if compiled else "eager"):
             pass
 
     def timer(compiled: bool, kernels_only: bool = False) -> float:

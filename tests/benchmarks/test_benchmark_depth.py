@@ -150,3 +150,19 @@ def test_a_default_run_pairs_with_the_flush_run_of_its_own_file(tmp_path, monkey
     monkeypatch.setattr(exp31_table, "RESULTS", tmp_path)
     pairs = {(layers, f["val"][-1][1]): r["val"][-1][1] for _, layers, _, _, _, f, r in exp31_table._default_pairs()}
     assert pairs == {(14, 1.80): 1.81, (6, 2.4): 2.5}  # its own file's flush; else the line's flush from any file
+
+
+def test_exp31_table_refuses_a_misspelled_option_by_name(capsys):
+    """The table script's options: a misspelling used to fall through to the default tables, silently."""
+    from benchmarks import exp31_table
+
+    for argv, said in [
+        (["--paper_shape"], "unrecognized arguments: --paper_shape"),
+        (["--device", "cuda"], "--device cuda applies to --measure-paper-shape and --paper-shape only"),
+        (["--paper-shape", "--device", "tpu"], "invalid choice: 'tpu'"),
+        (["--measure-costs", "--by-size"], "not allowed with argument --measure-costs"),
+    ]:
+        with pytest.raises(SystemExit):
+            exp31_table.parse_args(argv)
+        assert said in capsys.readouterr().err
+    assert exp31_table.parse_args(["--paper-shape", "--device", "cuda"]).device == "cuda"
