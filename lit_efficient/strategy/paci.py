@@ -186,8 +186,9 @@ class PACIStrategy(DDPStrategy):
             wire. Checkpoints hold the whole state by parameter name as without it (consolidated on replica 0
             while saving), so they resume on any layout, sharded or not. Needs an element-wise optimizer
             (SGD, Adam, AdamW, ...); refused with ``local_sgd_steps`` (each replica steps on its own) and
-            ``staleness_correction="weight_prediction"`` (it reads every weight's moments), and with tied
-            weights; with one replica (and in one process) nothing is split. See
+            a ``staleness_correction`` that reads every weight's moments (the ``"weight_prediction*"`` names and
+            ``"delay_compensation"``; ``"auto"`` turns itself off instead), and with tied weights; with one replica
+            (and in one process) nothing is split. See
             `lit_efficient.replicas.sharded_optimizer`.
         staleness_correction: PACI only (under flush nothing is stale and every value is the identity). Default
             ``"auto"``: with AdamW or Adam, each stale forward (a stage's micro-batch whose backward comes after the
@@ -213,8 +214,9 @@ class PACIStrategy(DDPStrategy):
             40 with Adam or AdamW whatever their betas (measured enough at beta2 0.9, 0.95 and torch's default
             0.999; 20 were not), 0 with other optimizers.
             Early on Adam moves every weight by about lr a step and a run's outcome is set there: on the benchmark
-            grid (BENCHMARKS.md, "PACI at depth") 40 synchronous steps took S=4 N=4 lr 2e-3 from +5.7% to +0.1% of
-            flush's loss and S=8 N=4 from +16% to +2.7%; 20 were not enough; the start without the prediction
+            grid (BENCHMARKS.md, "PACI at depth") 40 synchronous steps took S=4 N=4 lr 2e-3 from +5.7% to +0.2% of
+            flush's loss and S=8 N=4 from +16% to +2.2% (one seed each, the prediction as it is now); 20 were not
+            enough; the start without the prediction
             left 1.5-5%. Costs the flush bubble on K steps (the setup log says what share of ``max_steps`` that
             is, and warns when it is a quarter or more). 0: PACI from the first step.
         fault_tolerance: None: a dead rank ends the job (torchrun restarts all of it from the last checkpoint).
@@ -237,7 +239,9 @@ class PACIStrategy(DDPStrategy):
             torchrun/SLURM), ``"spawn"`` starts them from this process (notebooks, tests),
             ``"forkserver"`` forks them from a server that imports what
             ``multiprocessing.set_forkserver_preload`` names once (fast repeated fits; each rank still
-            gets this process's environment and its own copy of the module, as under ``"spawn"``).
+            gets this process's environment and its own copy of the module, as under ``"spawn"``),
+            ``"fork"`` forks them from this process (Lightning's fork launcher: POSIX only, and not after CUDA
+            was initialized in this process).
         accelerator: Passed to Lightning: the accelerator, usually set through ``Trainer(accelerator=...)``.
         parallel_devices: Passed to Lightning: this node's devices, one per rank, usually set through
             ``Trainer(devices=...)``.
