@@ -285,6 +285,46 @@ def long_lines_table(rule: str = "share") -> str:
     return "\n".join(lines)
 
 
+def noise_floor_table(rule: str = "share") -> str:
+    """The long lines' spread against PACI's gap (issue 31's deep line): per lr, flush with a 5% random error on its
+    forward weights (`exp31_perturb`, one row per noise seed) against the same seed's flush, and PACI's defaults
+    against theirs, on the curve and on the whole split; then per lr the median, the range and the count above
+    flush of each. A gap inside the perturbed runs' spread is a trajectory's chaos, not the rule's bias."""
+    flush = {(lr, seed): f for n, layers, steps, lr, seed, f, r in _default_pairs(rule) if layers == 14 and n == 8
+             and steps * n > GRID_STEPS}  # fmt: skip
+    paci = {(lr, seed): r for n, layers, steps, lr, seed, f, r in _default_pairs(rule) if (lr, seed) in flush}
+    rows = {"perturbed flush": [], "PACI's defaults": []}
+    for path in sorted(RESULTS.glob("exp31_perturb_long14*.json")):
+        payload = json.loads(path.read_text())
+        r, noise = payload["result"], payload["args"]["noise_seed"]
+        if (r["lr"], r["seed"]) in flush:
+            rows["perturbed flush"].append((r["lr"], r["seed"], f"noise {noise}", r))
+    rows["PACI's defaults"] = [(lr, seed, "", r) for (lr, seed), r in sorted(paci.items())]
+    lines = ["| run | lr | seed | curve: gap vs flush | whole split: gap vs flush |", "|---|---|---|---|---|"]
+    gaps: dict[tuple[str, float], list[tuple[float, float]]] = {}
+    for name, found in rows.items():
+        for lr, seed, label, r in found:
+            f = flush[(lr, seed)]
+            curve = r["val"][-1][1] / f["val"][-1][1] - 1
+            wide = r.get("final_val_loss_wide", float("nan")) / f.get("final_val_loss_wide", float("nan")) - 1
+            gaps.setdefault((name, lr), []).append((curve, wide))
+            lines.append(f"| {name} | {lr:g} | {seed}{' ' + label if label else ''} | {curve:+.2%} | {wide:+.2%} |")
+    lines += ["", "| run | lr | runs | curve: median (range), above flush | whole split: median (range), above |",
+              "|---|---|---|---|---|"]  # fmt: skip
+    for (name, lr), found in sorted(gaps.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        cells = []
+        for values in zip(*found, strict=True):
+            values = [v for v in values if v == v]
+            cells.append(
+                f"{statistics.median(values):+.2%} ({min(values):+.2%} to {max(values):+.2%}), "
+                f"{sum(v > 0 for v in values)} of {len(values)}"
+                if values
+                else "-"
+            )
+        lines.append(f"| {name} | {lr:g} | {len(found)} | {cells[0]} | {cells[1]} |")
+    return "\n".join(lines)
+
+
 def by_size() -> Path:
     """Per model size: a block's forward, backward and prediction (apply + undo) times, and the simulated S=8 N=8
     throughput over flush of PACI without and with the prediction's time."""
@@ -468,6 +508,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{label[rule]}:\n{ideal_throughput_table(rule)}\n")
     for rule in ("share", "whole") if PAPER_COSTS.exists() else ():
         print(f"{label[rule]}:\n{long_lines_table(rule)}\n")
+    print(f"the long lines' noise floor, {label['share']}:\n{noise_floor_table()}\n")
     for path in (PAPER_COSTS, _paper_costs_file("cuda")):
         for rule in ("share", "whole") if path.exists() else ():
             print(f"{label[rule]}:\n{paper_shape_table(path, rule)}\n")

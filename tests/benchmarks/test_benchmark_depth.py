@@ -166,3 +166,36 @@ def test_exp31_table_refuses_a_misspelled_option_by_name(capsys):
             exp31_table.parse_args(argv)
         assert said in capsys.readouterr().err
     assert exp31_table.parse_args(["--paper-shape", "--device", "cuda"]).device == "cuda"
+
+
+def test_the_noise_floor_table_pairs_each_perturbed_run_with_its_seeds_flush(tmp_path, monkeypatch):
+    """The long lines' noise floor: a perturbed flush run is compared with the same (lr, seed)'s flush, on the curve
+    and on the whole split, and the summary counts the runs above flush; runs of another line are left out."""
+    from benchmarks import exp31_table
+
+    def run(name: str, seed: int, final: float, wide: float) -> dict:
+        return {"run": name, "S": 8, "N": 8, "lr": 2e-3, "seed": seed, "steps": 2400, "val": [[2400, final]],
+                "final_val_loss_wide": wide}  # fmt: skip
+
+    line = {"config": {"layers": 14, "val_batches": 64}}
+    pairs = {**line, "runs": [run("flush", 0, 2.0, 1.8), run("paci_default", 0, 2.02, 1.8), run("flush", 1, 2.0, 1.9),
+                              run("paci_default", 1, 1.98, 1.881)]}  # fmt: skip
+    (tmp_path / "exp31_long.json").write_text(json.dumps(pairs))
+    for noise, final, wide in [(1, 2.02, 1.818), (2, 1.99, 1.782)]:
+        payload = {"args": {"noise_seed": noise}, "result": run("flush", 0, final, wide)}
+        (tmp_path / f"exp31_perturb_long14_seed0_noise{noise}.json").write_text(json.dumps(payload))
+    other = {"args": {"noise_seed": 3}, "result": {**run("flush", 0, 3.0, 3.0), "lr": 5e-4}}  # no flush pair there
+    (tmp_path / "exp31_perturb_long14_lr5e-4.json").write_text(json.dumps(other))
+    monkeypatch.setattr(exp31_table, "RESULTS", tmp_path)
+    table = exp31_table.noise_floor_table()
+    assert "| perturbed flush | 0.002 | 0 noise 1 | +1.00% | +1.00% |" in table
+    assert "| perturbed flush | 0.002 | 0 noise 2 | -0.50% | -1.00% |" in table
+    assert "| PACI's defaults | 0.002 | 1 | -1.00% | -1.00% |" in table
+    assert "0.0005" not in table
+    summary = table.split("\n\n")[1]
+    assert (
+        "| PACI's defaults | 0.002 | 2 | +0.00% (-1.00% to +1.00%), 1 of 2 | -0.50% (-1.00% to +0.00%), 0 of 2 |"
+    ) in summary
+    assert (
+        "| perturbed flush | 0.002 | 2 | +0.25% (-0.50% to +1.00%), 1 of 2 | +0.00% (-1.00% to +1.00%), 1 of 2 |"
+    ) in summary
