@@ -4,9 +4,9 @@
 
 Two processes (one pipeline stage each) on CPU: the script is re-run once per rank (PACIStrategy's
 default ``start_method="popen"``, the same launch torchrun and SLURM do), which is why everything
-happens under ``if __name__ == "__main__"``. Measured: 7 minutes wall time on 2 shared CPU cores
-(200 optimizer steps of 4 micro-batches of 16 x 256 bytes, blocks recomputed in backward, GPT's default
-lr 3e-4 with 100 warmup steps), ending at train loss 2.70 nats per byte (the corpus' byte-unigram
+happens under ``if __name__ == "__main__"``. Measured: 8 minutes wall time on 2 CPU cores shared with
+another job (200 optimizer steps of 4 micro-batches of 16 x 256 bytes, blocks recomputed in backward, GPT's
+default lr 3e-4 with 100 warmup steps), ending at train loss 2.71 nats per byte (the corpus' byte-unigram
 entropy is 3.30 nats). configs/quickstart.yaml gets further in less time with shorter sequences and a
 higher learning rate.
 
