@@ -290,21 +290,26 @@ def noise_floor_table(rule: str = "share") -> str:
     forward weights (`exp31_perturb`, one row per noise seed) against the same seed's flush, and PACI's defaults
     against theirs, on the curve and on the whole split; then per lr the median, the range and the count above
     flush of each. A gap inside the perturbed runs' spread is a trajectory's chaos, not the rule's bias."""
-    flush = {(lr, seed): f for n, layers, steps, lr, seed, f, r in _default_pairs(rule) if layers == 14 and n == 8
-             and steps * n > GRID_STEPS}  # fmt: skip
-    paci = {(lr, seed): r for n, layers, steps, lr, seed, f, r in _default_pairs(rule) if (lr, seed) in flush}
-    rows = {"perturbed flush": [], "PACI's defaults": []}
+    from benchmarks.paci_at_depth import grid_line_config
+
+    def line(r: dict, val_tokens: int) -> tuple:  # what makes two runs comparable: the deep line, the same sample
+        return r["S"], r["N"], r["steps"], r["tokens_per_step"], val_tokens, r["lr"], r["seed"]
+
+    pairs = [(f, r) for n, layers, steps, lr, seed, f, r in _default_pairs(rule) if (layers, n, steps) == (14, 8, 2400)]
+    flush = {line(f, r["val_tokens"]): f for f, r in pairs}
+    rows = {"perturbed flush": [], "PACI's defaults": [(line(f, r["val_tokens"]), "", r) for f, r in pairs]}
     for path in sorted(RESULTS.glob("exp31_perturb_long14*.json")):
         payload = json.loads(path.read_text())
-        r, noise = payload["result"], payload["args"]["noise_seed"]
-        if (r["lr"], r["seed"]) in flush:
-            rows["perturbed flush"].append((r["lr"], r["seed"], f"noise {noise}", r))
-    rows["PACI's defaults"] = [(lr, seed, "", r) for (lr, seed), r in sorted(paci.items())]
+        r, args = payload["result"], payload["args"]
+        config = grid_line_config(argparse.Namespace(line_options=args.get("line_options", "")))
+        key = line(r, config["val_batches"] * config["batch_size"] * config["block"])
+        if key in flush:  # a perturbed run of another line (block, validation sample, length) has no pair here
+            rows["perturbed flush"].append((key, f"noise {args['noise_seed']}", r))
     lines = ["| run | lr | seed | curve: gap vs flush | whole split: gap vs flush |", "|---|---|---|---|---|"]
     gaps: dict[tuple[str, float], list[tuple[float, float]]] = {}
     for name, found in rows.items():
-        for lr, seed, label, r in found:
-            f = flush[(lr, seed)]
+        for key, label, r in sorted(found, key=lambda row: (row[0][-2], row[0][-1], row[1])):
+            f, lr, seed = flush[key], key[-2], key[-1]
             curve = r["val"][-1][1] / f["val"][-1][1] - 1
             wide = r.get("final_val_loss_wide", float("nan")) / f.get("final_val_loss_wide", float("nan")) - 1
             gaps.setdefault((name, lr), []).append((curve, wide))

@@ -169,30 +169,44 @@ def test_exp31_table_refuses_a_misspelled_option_by_name(capsys):
 
 
 def test_the_noise_floor_table_pairs_each_perturbed_run_with_its_seeds_flush(tmp_path, monkeypatch):
-    """The long lines' noise floor: a perturbed flush run is compared with the same (lr, seed)'s flush, on the curve
-    and on the whole split, and the summary counts the runs above flush; runs of another line are left out."""
+    """The long lines' noise floor: a perturbed flush run is compared with the same (lr, seed)'s flush of the same
+    line (2,400 steps, 14 layers, N=8, the same tokens per step and validation sample), on the curve and on the whole
+    split, and the summary counts the runs above flush; runs of other lines are left out, never paired."""
     from benchmarks import exp31_table
 
-    def run(name: str, seed: int, final: float, wide: float) -> dict:
-        return {"run": name, "S": 8, "N": 8, "lr": 2e-3, "seed": seed, "steps": 2400, "val": [[2400, final]],
-                "final_val_loss_wide": wide}  # fmt: skip
+    def run(name: str, seed: int, final: float, wide: float, steps: int = 2400, tokens: int = 256) -> dict:
+        return {"run": name, "S": 8, "N": 8, "lr": 2e-3, "seed": seed, "steps": steps, "val": [[steps, final]],
+                "final_val_loss_wide": wide, "tokens_per_step": 8 * tokens}  # fmt: skip
 
     line = {"config": {"layers": 14, "val_batches": 64}}
     pairs = {**line, "runs": [run("flush", 0, 2.0, 1.8), run("paci_default", 0, 2.02, 1.8), run("flush", 1, 2.0, 1.9),
                               run("paci_default", 1, 1.98, 1.881)]}  # fmt: skip
     (tmp_path / "exp31_long.json").write_text(json.dumps(pairs))
-    for noise, final, wide in [(1, 2.02, 1.818), (2, 1.99, 1.782)]:
-        payload = {"args": {"noise_seed": noise}, "result": run("flush", 0, final, wide)}
-        (tmp_path / f"exp31_perturb_long14_seed0_noise{noise}.json").write_text(json.dumps(payload))
-    other = {"args": {"noise_seed": 3}, "result": {**run("flush", 0, 3.0, 3.0), "lr": 5e-4}}  # no flush pair there
-    (tmp_path / "exp31_perturb_long14_lr5e-4.json").write_text(json.dumps(other))
+    # other lines at the same (lr, seed): a 600-step pair and a 64-token one, whose losses must not show
+    short = {**line, "runs": [run("flush", 0, 3.0, 3.0, steps=600), run("paci_default", 0, 3.3, 3.3, steps=600)]}
+    wide_block = {"config": {"layers": 14, "val_batches": 64, "block": 64}, "runs": [
+        run("flush", 0, 4.0, 4.0, tokens=512), run("paci_default", 0, 4.4, 4.4, tokens=512)]}  # fmt: skip
+    (tmp_path / "exp31_long_short.json").write_text(json.dumps(short))
+    (tmp_path / "exp31_long_block64.json").write_text(json.dumps(wide_block))
+    options = "--layers 14 --val-batches 64"
+    perturbed = [
+        ("noise1", options, 1, run("flush", 0, 2.02, 1.818)),
+        ("noise2", options, 2, run("flush", 0, 1.99, 1.782)),
+        ("sample8", "--layers 14", 3, run("flush", 0, 5.0, 5.0)),  # validated on 8 batches: another sample
+        ("lr5e-4", options, 4, {**run("flush", 0, 3.0, 3.0), "lr": 5e-4}),  # no flush of that lr
+    ]
+    for name, opts, noise, result in perturbed:
+        payload = {"args": {"noise_seed": noise, "line_options": opts}, "result": result}
+        (tmp_path / f"exp31_perturb_long14_{name}.json").write_text(json.dumps(payload))
     monkeypatch.setattr(exp31_table, "RESULTS", tmp_path)
     table = exp31_table.noise_floor_table()
-    assert "| perturbed flush | 0.002 | 0 noise 1 | +1.00% | +1.00% |" in table
-    assert "| perturbed flush | 0.002 | 0 noise 2 | -0.50% | -1.00% |" in table
-    assert "| PACI's defaults | 0.002 | 1 | -1.00% | -1.00% |" in table
-    assert "0.0005" not in table
-    summary = table.split("\n\n")[1]
+    rows, summary = table.split("\n\n")
+    assert rows.splitlines()[2:] == [
+        "| perturbed flush | 0.002 | 0 noise 1 | +1.00% | +1.00% |",
+        "| perturbed flush | 0.002 | 0 noise 2 | -0.50% | -1.00% |",
+        "| PACI's defaults | 0.002 | 0 | +1.00% | +0.00% |",
+        "| PACI's defaults | 0.002 | 1 | -1.00% | -1.00% |",
+    ]
     assert (
         "| PACI's defaults | 0.002 | 2 | +0.00% (-1.00% to +1.00%), 1 of 2 | -0.50% (-1.00% to +0.00%), 0 of 2 |"
     ) in summary
