@@ -132,14 +132,14 @@ def stage_costs(config: dict, blocks: int = 4, micro_batches: int = 8, rounds: i
     stage = torch.nn.Sequential(*list(_model({**config, "layers": blocks}, 1e-3, 100).pipeline_layers())[1:-1])
     stage = stage.to(device)
     context = prediction_contexts(list(stage.parameters()), config)
-    forms = {"none": None, "eager": "eager", "compiled": "compiled"}
+    forms = ("none", "eager", "compiled")  # "none": plain weights
     x = torch.randn(config["batch_size"], config["block"], config["dim"], device=device)
 
     def window(form: str) -> float:
         _synchronize(device)
         t0 = time.perf_counter()
         for _ in range(micro_batches):
-            with context(forms[form]), _autocast(device):
+            with context(None if form == "none" else form), _autocast(device):
                 out = stage(x.detach().requires_grad_())
             out.float().backward(torch.ones_like(out, dtype=torch.float32))
         _synchronize(device)
@@ -302,7 +302,7 @@ def noise_floor_table(rule: str = "share") -> str:
         payload = json.loads(path.read_text())
         r, args = payload["result"], payload["args"]
         config = grid_line_config(argparse.Namespace(line_options=args.get("line_options", "")))
-        key = line(r, config["val_batches"] * config["batch_size"] * config["block"])
+        key = line(r, _val_tokens(config))
         if key in flush:  # a perturbed run of another line (block, validation sample, length) has no pair here
             rows["perturbed flush"].append((key, f"noise {args['noise_seed']}", r))
     lines = ["| run | lr | seed | curve: gap vs flush | whole split: gap vs flush |", "|---|---|---|---|---|"]
@@ -610,6 +610,11 @@ def time_to_accuracy_table(name: str, rule: str = "share") -> str:
     return "\n".join(lines)
 
 
+def _val_tokens(config: dict) -> int:
+    """The tokens of one validation along a run's curve (its sample: two runs compare on the same one)."""
+    return config.get("val_batches", 8) * config.get("batch_size", 8) * config.get("block", 32)
+
+
 def _default_pairs(rule: str = "share") -> list[tuple]:
     """Every S=8 run of PACI's defaults (of ``rule``, `_payloads`) with its flush run (same N, model depth, steps,
     lr, seed), as (N, layers, steps, lr, seed, flush, PACI) in table order; of the eager and the compiled form (equal
@@ -620,10 +625,7 @@ def _default_pairs(rule: str = "share") -> list[tuple]:
         config = payload.get("config", {})
         for r in payload.get("runs") or []:
             key = (r["N"], config.get("layers", 6), r["steps"], r["lr"], r["seed"])
-            r = {
-                **r,
-                "val_tokens": config.get("val_batches", 8) * config.get("batch_size", 8) * config.get("block", 32),
-            }
+            r = {**r, "val_tokens": _val_tokens(config)}
             if r["run"] == "flush":
                 flush.setdefault(key, r)
                 own[(path, key)] = r
