@@ -182,7 +182,8 @@ def test_the_noise_floor_table_pairs_each_perturbed_run_with_its_seeds_flush(tmp
     pairs = {**line, "runs": [run("flush", 0, 2.0, 1.8), run("paci_default", 0, 2.02, 1.8), run("flush", 1, 2.0, 1.9),
                               run("paci_default", 1, 1.98, 1.881)]}  # fmt: skip
     (tmp_path / "exp31_long.json").write_text(json.dumps(pairs))
-    # other lines at the same (lr, seed): a 600-step pair and a 64-token one, whose losses must not show
+    # other lines at the same (lr, seed), whose losses must not show: a 600-step pair (another key of _default_pairs)
+    # and a 64-token pair (the same key: _default_pairs keeps the first file's, so this one is dropped there)
     short = {**line, "runs": [run("flush", 0, 3.0, 3.0, steps=600), run("paci_default", 0, 3.3, 3.3, steps=600)]}
     wide_block = {"config": {"layers": 14, "val_batches": 64, "block": 64}, "runs": [
         run("flush", 0, 4.0, 4.0, tokens=512), run("paci_default", 0, 4.4, 4.4, tokens=512)]}  # fmt: skip
