@@ -617,14 +617,23 @@ def _val_tokens(config: dict) -> int:
 
 def _default_pairs(rule: str = "share") -> list[tuple]:
     """Every S=8 run of PACI's defaults (of ``rule``, `_payloads`) with its flush run (same N, model depth, steps,
-    lr, seed), as (N, layers, steps, lr, seed, flush, PACI) in table order; of the eager and the compiled form (equal
-    to 4 decimals) the first file's. The flush run of PACI's own file where it has one (its curve validated on the
-    same batches: an earlier file's flush of the same key may have validated on fewer), else the first file's."""
+    lr, seed and tokens per step), as (N, layers, steps, lr, seed, flush, PACI) in table order; of the eager and the
+    compiled form (equal to 4 decimals) the first file's. The flush run of PACI's own file where it has one (its curve
+    validated on the same batches: an earlier file's flush of the same key may have validated on fewer), else the
+    first file's. Two lines that differ only in sequence length or micro-batch are two pairs, never one."""
     flush, own, found = {}, {}, {}
     for path, payload in _payloads(rule):
         config = payload.get("config", {})
+        tokens = config.get("batch_size", 8) * config.get("block", 32)  # per micro-batch, as the grid's defaults
         for r in payload.get("runs") or []:
-            key = (r["N"], config.get("layers", 6), r["steps"], r["lr"], r["seed"])
+            key = (
+                r["N"],
+                config.get("layers", 6),
+                r["steps"],
+                r["lr"],
+                r["seed"],
+                r.get("tokens_per_step", tokens * r["N"]),
+            )
             r = {**r, "val_tokens": _val_tokens(config)}
             if r["run"] == "flush":
                 flush.setdefault(key, r)
@@ -632,8 +641,10 @@ def _default_pairs(rule: str = "share") -> list[tuple]:
             elif r["run"] in DEFAULTS and r["S"] == 8 and key not in found:
                 found[key] = (path, r)
     pairs = {k: (own.get((path, k), flush.get(k)), r) for k, (path, r) in found.items()}
-    order = sorted((k for k, (f, _) in pairs.items() if f is not None), key=lambda k: (k[1], k[2], k[0], -k[3], k[4]))
-    return [(*k, *pairs[k]) for k in order]
+    order = sorted(
+        (k for k, (f, _) in pairs.items() if f is not None), key=lambda k: (k[1], k[2], k[0], -k[3], k[4], k[5])
+    )
+    return [(*k[:5], *pairs[k]) for k in order]
 
 
 def ideal_throughput_table(rule: str = "share") -> str:

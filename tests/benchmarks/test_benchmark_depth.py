@@ -145,11 +145,21 @@ def test_a_default_run_pairs_with_the_flush_run_of_its_own_file(tmp_path, monkey
     later = {"config": {"layers": 14, "val_batches": 64}, "runs": [run("flush", 1.80), run("paci_default", 1.81)]}
     only_default = {"config": {"layers": 6, "val_batches": 8}, "runs": [run("paci_default", 2.5)]}
     grid_flush = {"config": {"layers": 6, "val_batches": 8}, "runs": [run("flush", 2.4)]}
-    for name, payload in [("exp31_a", earlier), ("exp31_b", later), ("exp31_c", grid_flush), ("exp31_d", only_default)]:
+    # the same line but 64-token sequences (its own flush, and one only of the default): two pairs, not one
+    longer = {
+        "config": {"layers": 14, "val_batches": 64, "block": 64},
+        "runs": [run("flush", 1.70), run("paci_default", 1.72)],
+    }
+    only_longer = {"config": {"layers": 6, "val_batches": 8, "block": 64}, "runs": [run("paci_default", 2.6)]}
+    files = [("exp31_a", earlier), ("exp31_b", later), ("exp31_c", grid_flush), ("exp31_d", only_default),
+             ("exp31_e", longer), ("exp31_f", only_longer)]  # fmt: skip
+    for name, payload in files:
         (tmp_path / f"{name}.json").write_text(json.dumps(payload))
     monkeypatch.setattr(exp31_table, "RESULTS", tmp_path)
     pairs = {(layers, f["val"][-1][1]): r["val"][-1][1] for _, layers, _, _, _, f, r in exp31_table._default_pairs()}
-    assert pairs == {(14, 1.80): 1.81, (6, 2.4): 2.5}  # its own file's flush; else the line's flush from any file
+    # its own file's flush; else the line's flush from any file; never a flush of another sequence length (the
+    # 64-token default of 6 layers has none: it is left out, not paired with the 32-token flush)
+    assert pairs == {(14, 1.80): 1.81, (14, 1.70): 1.72, (6, 2.4): 2.5}
 
 
 def test_exp31_table_refuses_a_misspelled_option_by_name(capsys):
@@ -182,8 +192,8 @@ def test_the_noise_floor_table_pairs_each_perturbed_run_with_its_seeds_flush(tmp
     pairs = {**line, "runs": [run("flush", 0, 2.0, 1.8), run("paci_default", 0, 2.02, 1.8), run("flush", 1, 2.0, 1.9),
                               run("paci_default", 1, 1.98, 1.881)]}  # fmt: skip
     (tmp_path / "exp31_long.json").write_text(json.dumps(pairs))
-    # other lines at the same (lr, seed), whose losses must not show: a 600-step pair (another key of _default_pairs)
-    # and a 64-token pair (the same key: _default_pairs keeps the first file's, so this one is dropped there)
+    # other lines at the same (lr, seed): a 600-step pair (not the deep line: its losses must not show) and a
+    # 64-token pair of the deep line (a pair of its own: a row of PACI's, no perturbed run is compared with it)
     short = {**line, "runs": [run("flush", 0, 3.0, 3.0, steps=600), run("paci_default", 0, 3.3, 3.3, steps=600)]}
     wide_block = {"config": {"layers": 14, "val_batches": 64, "block": 64}, "runs": [
         run("flush", 0, 4.0, 4.0, tokens=512), run("paci_default", 0, 4.4, 4.4, tokens=512)]}  # fmt: skip
@@ -206,10 +216,11 @@ def test_the_noise_floor_table_pairs_each_perturbed_run_with_its_seeds_flush(tmp
         "| perturbed flush | 0.002 | 0 noise 1 | +1.00% | +1.00% |",
         "| perturbed flush | 0.002 | 0 noise 2 | -0.50% | -1.00% |",
         "| PACI's defaults | 0.002 | 0 | +1.00% | +0.00% |",
+        "| PACI's defaults | 0.002 | 0 | +10.00% | +10.00% |",
         "| PACI's defaults | 0.002 | 1 | -1.00% | -1.00% |",
     ]
     assert (
-        "| PACI's defaults | 0.002 | 2 | +0.00% (-1.00% to +1.00%), 1 of 2 | -0.50% (-1.00% to +0.00%), 0 of 2 |"
+        "| PACI's defaults | 0.002 | 3 | +1.00% (-1.00% to +10.00%), 2 of 3 | +0.00% (-1.00% to +10.00%), 1 of 3 |"
     ) in summary
     assert (
         "| perturbed flush | 0.002 | 2 | +0.25% (-0.50% to +1.00%), 1 of 2 | +0.00% (-1.00% to +1.00%), 1 of 2 |"
