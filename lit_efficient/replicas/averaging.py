@@ -149,6 +149,23 @@ class ReplicaAverager:
                 self._anchor, lr=outer_lr, momentum=outer_momentum, nesterov=outer_momentum > 0
             )
 
+    @torch.no_grad()
+    def restart(self, step: int) -> None:
+        """Start afresh from the module's weights as they are now, at local step ``step``: for a resume whose
+        checkpoint carries no state of this averager (another layout, a run saved without replicas). The replicas
+        take one copy of the weights (as at construction), the anchor is those weights and the outer momentum is
+        empty, so the first sync's pseudo-gradient is what the replicas trained since the resume, not since the
+        initial weights the anchor was built from; steps count on from the checkpoint's, so syncs stay on their
+        schedule. Collective over the group, as the constructor."""
+        if isinstance(self._mean, GroupMean) and not self._mean.alone:  # a changing set heals its replicas itself
+            self.bytes_communicated += broadcast_flat(self._synced_tensors(), self.group)
+        self._step = int(step)
+        if self._outer is None:
+            return
+        for a, p in zip(self._anchor, self._params, strict=True):
+            a.copy_(p.detach())
+        self._outer.state.clear()
+
     @property
     def step(self) -> int:
         """Number of local optimizer steps seen so far (calls of `after_step`)."""

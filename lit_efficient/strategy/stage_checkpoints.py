@@ -283,7 +283,9 @@ def load_stage_states(strategy: Any, checkpoint: dict[str, Any]) -> None:
         rank_zero_warn(
             f"resuming a checkpoint of layout {pipeline.get('layout')} on {strategy.layout()}: weights, optimizer, "
             f"schedulers, loops and accumulated gradients carry over by parameter name; the per-rank "
-            f"{' and '.join(dropped)} state does not (dropout masks and LocalSGD/DiLoCo state start afresh)."
+            f"{' and '.join(dropped)} state does not (dropout masks start afresh; LocalSGD/DiLoCo restart from the "
+            f"loaded weights: DiLoCo's anchor is those weights, its outer momentum empty, its steps counted from "
+            f"the checkpoint's)."
         )
     # A checkpoint without the names (one device's, DDP's) is read by the concatenation rule over every stage's
     # groups: computed here, outside any stage's view, on every rank alike (a collective on processes).
@@ -311,10 +313,12 @@ def load_stage_states(strategy: Any, checkpoint: dict[str, Any]) -> None:
                         config.scheduler.load_state_dict(saved)
         accumulation = local_accumulation(checkpoint, [names[id(p)] for p in hosted.stage.parameters()])
         mine = pipeline.get("ranks", {}).get(key, {}) if same_layout else {}
-        _load_rank_state(strategy, hosted, mine, accumulation)
+        _load_rank_state(strategy, hosted, mine, accumulation, checkpoint.get("global_step", 0))
 
 
-def _load_rank_state(strategy: Any, hosted: HostedStage, state: dict[str, Any], accumulation: dict | None) -> None:
+def _load_rank_state(
+    strategy: Any, hosted: HostedStage, state: dict[str, Any], accumulation: dict | None, global_step: int
+) -> None:  # fmt: skip
     # The stage's own step count and random stream come from its own record (same layout only):
     # local_accumulation carries only an unfinished window, by name.
     own = {k: v for k, v in state.get("accumulation", {}).items() if k in ("version", "rng")}
@@ -322,6 +326,8 @@ def _load_rank_state(strategy: Any, hosted: HostedStage, state: dict[str, Any], 
         hosted.stage.load_accumulation_state({**own, **(accumulation or {})})
     if hosted.averager is not None and "averager" in state:
         hosted.averager.load_state_dict(state["averager"])
+    elif hosted.averager is not None:  # built at setup from the initial weights: anchor it at the loaded ones
+        hosted.averager.restart(global_step)
     if "rng" in state:
         torch.set_rng_state(state["rng"]["cpu"])
         if "cuda" in state["rng"] and strategy.root_device.type == "cuda":

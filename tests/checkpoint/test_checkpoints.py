@@ -9,12 +9,13 @@ exactly large-batch SGD, so every layout must continue to the same weights.
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lit_efficient import GradientAccumulation, PACIStrategy, consolidate_checkpoint
 from lit_efficient.models import GPT
@@ -108,3 +109,38 @@ def test_a_single_replica_checkpoint_resumes_on_two_replicas(saved):
     got = _resume(_flush(), 4, saved["path"], callbacks=[GradientAccumulation()])
     assert _max_diff(want, saved["single"]) > 1e-3
     assert _max_diff(got, want) <= 1e-5
+
+
+class _AveragersAtStart(Callback):
+    """Each rank, once the checkpoint is restored (training starts): its DiLoCo averagers' step count, the largest
+    distance of their anchor from the weights, and the outer momentum buffers they hold."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        record = []
+        for averager in trainer.strategy.averagers:
+            state = averager.state_dict()
+            weights = [p.detach().float() for p in averager.module.parameters()]
+            gap = max((a - w).abs().max().item() for a, w in zip(state["anchor"], weights, strict=True))
+            momentum = sum(m is not None for m in state["outer_momentum_buffers"])
+            record.append({"step": state["step"], "anchor_gap": gap, "momentum": momentum})
+        Path(self.out, f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+@pytest.mark.parametrize("source", ["path", "single_path"], ids=["pipeline, one replica", "one device"])
+def test_diloco_resumed_from_a_checkpoint_without_its_state_anchors_at_the_loaded_weights(saved, source, tmp_path):
+    """DiLoCo's averagers are built at setup, from the initial weights, before Lightning restores the checkpoint. A
+    checkpoint with no averager state (another layout's, one device's) used to leave the anchor at those initial
+    weights, the step count at 0: the first sync's pseudo-gradient was everything trained before the checkpoint,
+    and the outer step (lr 0.7, Nesterov 0.9) threw the weights back a third of the way past their start."""
+    strategy = PACIStrategy(
+        pipeline_stages=2, local_sgd_steps=2, outer_optimizer="nesterov", outer_lr=0.7, outer_momentum=0.9,
+        start_method="forkserver",
+    )  # fmt: skip
+    _resume(strategy, 4, saved[source], callbacks=[_AveragersAtStart(tmp_path)])
+    records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    assert all(len(r) == 1 for r in records)  # one hosted stage per rank, one averager each
+    for (averager,) in records:
+        assert averager == {"step": 3, "anchor_gap": 0.0, "momentum": 0}  # from the checkpoint's step and weights
