@@ -72,6 +72,7 @@ def assemble(checkpoint: dict[str, Any], shares: list[dict[str, Any]], layout: d
     out = dict(checkpoint)
     out["state_dict"] = {k: v for s in primary for k, v in s["state_dict"].items()}
     pipeline: dict[str, Any] = {"format": FORMAT, "layout": layout, "ranks": {}, "replicas": {}}
+    slots: dict = {}  # none without optimizer state (save_weights_only): diverged replicas then keep weights only
     if all("optimizer" in s for s in primary):
         merged, names, slots = _merge_optimizers(primary)
         out["optimizer_states"] = [merged]

@@ -123,17 +123,19 @@ def file_view(tree: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
         if record.get("accumulation", {}).get("window") is not None:
             record["accumulation"].setdefault("grads", {})
     pipeline["ranks"] = ranks
+    hyper = {n: (g, h) for n, g, h in saved.get("hyper", [])}
     if optimizer is not None and "param_groups" in optimizer:
         state = {**optimizer.get("state", {}), **saved.get("tied_state", {})}
-        hyper = {n: (g, h) for n, g, h in saved.get("hyper", [])}
         out["optimizer_states"] = [{"state": optimizer.get("state", {}), "param_groups": optimizer["param_groups"]}]
         if hyper:
             pipeline["optimizer_by_name"] = {n: (g, h, state.get(n, {})) for n, (g, h) in hyper.items()}
-        replicas = {}
-        for key, replica in saved.get("replicas", {}).items():
-            by_name = {n: (*hyper[n], s) for n, s in replica.get("optimizer", {}).items() if n in hyper}
-            replicas[key] = {"state_dict": replica.get("state_dict", {}), "optimizer_by_name": by_name}
-        pipeline["replicas"] = replicas
+    # A diverged replica's own weights, with its optimizer state where the folder has one (not under
+    # save_weights_only: the weights still are this replica's, not replica 0's)
+    replicas = {}
+    for key, replica in saved.get("replicas", {}).items():
+        by_name = {n: (*hyper[n], s) for n, s in replica.get("optimizer", {}).items() if n in hyper}
+        replicas[key] = {"state_dict": replica.get("state_dict", {}), "optimizer_by_name": by_name}
+    pipeline["replicas"] = replicas
     out["pipeline"] = pipeline
     return out
 

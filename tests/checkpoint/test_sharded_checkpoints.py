@@ -312,3 +312,25 @@ def _mapped_file(tensor: torch.Tensor) -> str | None:
         if start <= address < end:
             return fields[5] if len(fields) == 6 else None
     return None
+
+
+def test_weights_only_shares_of_diverged_replicas_assemble_in_both_formats(tmp_path):
+    """``ModelCheckpoint(save_weights_only=True)`` under LocalSGD with two replicas: each replica sends its own
+    weights and no optimizer state. The merge used to name the optimizer's slots only when there was an optimizer,
+    so it raised UnboundLocalError on rank 0 (and in the sharded format the other ranks waited in its collectives)."""
+    base = {"global_step": 4, "loops": {}, "callbacks": {}}
+    layout = {"num_stages": 1, "num_replicas": 2, "sizes": [1], "schedule": "paci"}
+    shares = []
+    for replica in (0, 1):
+        named = {"0.weight": nn.Parameter(torch.full((2, 2), float(replica)))}
+        lightning = {"state_dict": {n: p.detach() for n, p in named.items()}}  # weights only: no optimizer_states
+        extras = {"stage": 0, "replica": replica, "accumulation": {"version": 4, "rng": None}}
+        shares.append(rank_share(lightning, _Named(named), None, extras, True))
+    single = assemble(base, shares, layout)
+    assert "optimizer_states" not in single
+    assert torch.equal(single["state_dict"]["0.weight"], torch.zeros(2, 2))
+    assert torch.equal(single["pipeline"]["replicas"]["stage0-replica1"]["state_dict"]["0.weight"], torch.ones(2, 2))
+    sharded_write.save(tmp_path / "w.ckpt", shares, base, layout, distributed=False)
+    got = sharded_read.read(tmp_path / "w.ckpt", ["0.weight"], ["0.weight"], ["stage0-replica1"], layout)
+    own = got["pipeline"]["replicas"]["stage0-replica1"]["state_dict"]["0.weight"]
+    assert torch.equal(own, torch.ones(2, 2))  # replica 1 reads its own weights back
