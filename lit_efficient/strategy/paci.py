@@ -82,6 +82,7 @@ from lit_efficient.strategy.config import (
     check_before_launch,
     check_options,
     check_replica_groups,
+    check_streaming_ties,
     check_sync_start,
 )
 from lit_efficient.strategy.divergence import LossTrend
@@ -507,6 +508,7 @@ class PACIStrategy(DDPStrategy):
         layers = list(module.pipeline_layers())
         sizes = self._stage_sizes(module, layers, trainer)
         ties = check_sharing(module, layers, sizes)  # a tied embedding: see lit_efficient.runtime.tied
+        check_streaming_ties(self.streaming_sync, self.local_sgd_steps, self.topology.num_replicas, bool(ties))
         hosted = self.hosted_stages
         # One process keeps the module whole (hosting every stage moves nothing); a rank keeps its stage's layers.
         self._split = split_module(module, layers, sizes, hosted, ties)

@@ -91,3 +91,15 @@ def test_a_group_that_trained_apart_is_ended_to_rejoin_by_a_restart():
     theirs = {"pipeline": {"layout": layout}, "global_step": 36}
     with pytest.raises(RuntimeError, match="at step 30 and the live groups at step 36.*--join_timeout_ms"):
         heal(strategy, trainer, theirs, Joining())  # type: ignore[arg-type]
+
+
+def test_streaming_refuses_tied_weights_over_replicas():
+    """Streaming syncs average the first stage's copy of a tied weight at one step and the last stage's at another:
+    each replica's two copies would differ by its drift from the mean, for good. Refused with the fix named;
+    without replicas, or without streaming (every stage syncs at the same step), nothing is refused."""
+    from lit_efficient.strategy.config import check_streaming_ties
+
+    with pytest.raises(ValueError, match="streaming_sync=True does not support tied weights.*streaming_sync=False"):
+        check_streaming_ties(True, 4, 2, tied=True)
+    for streaming, steps, replicas, tied in [(False, 4, 2, True), (True, 4, 1, True), (True, 4, 2, False)]:
+        check_streaming_ties(streaming, steps, replicas, tied)
