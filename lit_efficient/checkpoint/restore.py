@@ -68,10 +68,17 @@ def local_optimizer_state(
     return {"state": state, "param_groups": groups}, group_map
 
 
-def local_accumulation(checkpoint: dict[str, Any], names: list[str]) -> dict[str, Any] | None:
-    """An unfinished window's gradients for this stage's parameters ``names``, or None when there is none."""
+def local_accumulation(checkpoint: dict[str, Any], names: list[str], own: str | None = None) -> dict[str, Any] | None:
+    """An unfinished window's gradients for this stage's parameters ``names``, or None when there is none.
+
+    Each rank saved its own replica's partial sums (replicas reduce them only at the step; LocalSGD replicas never
+    do). ``own`` (this rank's ``stage{s}-replica{r}``, on the layout that saved them): its own record. Otherwise
+    (another layout) the records of replica 0, by name over its stages, as the weights are replica 0's: the other
+    replicas' partial sums are not carried over. Never one replica's sums for every replica's."""
     ranks = checkpoint.get("pipeline", {}).get("ranks", {})
-    windows = [r["accumulation"] for r in ranks.values() if r.get("accumulation", {}).get("window") is not None]
+    wanted = {own} if own is not None else {key for key in ranks if key.endswith("-replica0")}
+    records = [r for key, r in ranks.items() if key in wanted]
+    windows = [r["accumulation"] for r in records if r.get("accumulation", {}).get("window") is not None]
     if not windows:
         return None
     grads = {n: g for w in windows for n, g in w["grads"].items()}

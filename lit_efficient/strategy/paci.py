@@ -348,6 +348,8 @@ class PACIStrategy(DDPStrategy):
         self.averager: ReplicaAverager | None = None  # the last hosted stage's LocalSGD/DiLoCo averager
         self.async_checkpointer: AsyncCheckpointer | None = None  # the save in flight (checkpoint.async_write)
         self.final_state: FinalState | None = None  # the hosted stages at the end of training (stage_checkpoints.py)
+        # An unfinished window's gradients a checkpoint restored, until training starts (stage_checkpoints.py)
+        self.restored_window_grads: list[tuple[Any, list[Tensor | None]]] = []
         self._split: Split | None = None
         self._dp_groups: dict[int, dist.ProcessGroup] = {}
         self._pipeline_groups: dict[int, dist.ProcessGroup] = {}
@@ -935,6 +937,7 @@ class PACIStrategy(DDPStrategy):
     @override
     def on_train_start(self) -> None:
         self.final_state = None  # what a save after the previous fit used is not this fit's
+        stage_checkpoints.reinstate_window_gradients(self)  # Lightning zeroed them since the restore
         super().on_train_start()
 
     @override

@@ -296,6 +296,7 @@ def load_stage_states(strategy: Any, checkpoint: dict[str, Any]) -> None:
         assert group_names is not None, "a checkpoint with optimizer_by_name needs no group names"
         return group_names
 
+    strategy.restored_window_grads = []
     saved_schedulers = checkpoint.get("lr_schedulers", [])
     given: set[int] = set()  # the checkpoint's tensors an earlier stage's optimizer holds now
     for hosted in strategy.hosted:
@@ -311,9 +312,22 @@ def load_stage_states(strategy: Any, checkpoint: dict[str, Any]) -> None:
                 else:  # zip, not strict: what Lightning's restore does with its own
                     for config, saved in zip(hosted.scheduler_configs, schedulers, strict=False):
                         config.scheduler.load_state_dict(saved)
-        accumulation = local_accumulation(checkpoint, [names[id(p)] for p in hosted.stage.parameters()])
+        own = key if same_layout else None
+        accumulation = local_accumulation(checkpoint, [names[id(p)] for p in hosted.stage.parameters()], own)
         mine = pipeline.get("ranks", {}).get(key, {}) if same_layout else {}
         _load_rank_state(strategy, hosted, mine, accumulation, checkpoint.get("global_step", 0))
+
+
+def reinstate_window_gradients(strategy: Any) -> None:
+    """``PACIStrategy.on_train_start``: the unfinished window's gradients a checkpoint restored, given back to their
+    parameters. Lightning calls ``lightning_module.zero_grad()`` between the restore and the fit loop (``_run_stage``),
+    which set them to None while the stage kept the window's weight and micro-batch count: a resumed window then
+    stepped on its new micro-batches' gradients alone, divided by the whole window's weight."""
+    for stage, grads in strategy.restored_window_grads:
+        for p, g in zip(stage.parameters(), grads, strict=True):
+            if g is not None and p.grad is None:
+                p.grad = g.to(p.device)
+    strategy.restored_window_grads = []
 
 
 def _load_rank_state(
@@ -324,6 +338,8 @@ def _load_rank_state(
     own = {k: v for k, v in state.get("accumulation", {}).items() if k in ("version", "rng")}
     if accumulation or own:
         hosted.stage.load_accumulation_state({**own, **(accumulation or {})})
+    if accumulation and "grads" in accumulation:
+        strategy.restored_window_grads.append((hosted.stage, list(accumulation["grads"])))
     if hosted.averager is not None and "averager" in state:
         hosted.averager.load_state_dict(state["averager"])
     elif hosted.averager is not None:  # built at setup from the initial weights: anchor it at the loaded ones

@@ -26,12 +26,13 @@ from lit_efficient.checkpoint import sharded_read, sharded_write
 from lit_efficient.checkpoint.merge import assemble, rank_share
 from lit_efficient.checkpoint.single_file import load_file
 from lit_efficient.models import GPT
-from tests.support.checkpoints import SaveBothFormatsAt
+from tests.support.checkpoints import FORMATS, SaveBothFormatsAt
 from tests.support.compare import assert_equal as _assert_equal
 from tests.support.gpt_runs import gpt_model as _model
 from tests.support.gpt_runs import gpt_trainer as _trainer
 from tests.support.gpt_runs import max_diff as _max_diff
 from tests.support.gpt_runs import ordered_data as _ordered
+from tests.support.gpt_runs import text_data
 from tests.support.multiproc import SpawnedDDP
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.usefixtures("one_thread")]  # tests/conftest.py
@@ -334,3 +335,27 @@ def test_weights_only_shares_of_diverged_replicas_assemble_in_both_formats(tmp_p
     got = sharded_read.read(tmp_path / "w.ckpt", ["0.weight"], ["0.weight"], ["stage0-replica1"], layout)
     own = got["pipeline"]["replicas"]["stage0-replica1"]["state_dict"]["0.weight"]
     assert torch.equal(own, torch.ones(2, 2))  # replica 1 reads its own weights back
+
+
+@pytest.mark.parametrize("devices", [1, 4], ids=["one process", "two replicas"])
+def test_a_mid_window_checkpoint_resumes_exactly_each_replica_with_its_own_partial_window(tmp_path, devices):
+    """S=2, 1F1B-flush, saved after micro-batch 6 (the second window's third of four): the checkpoint holds each
+    rank's partial sums, which replicas reduce only at the step. The resume lost them: Lightning zeroes the module's
+    gradients between the restore and the fit loop, so the window stepped on its last micro-batches alone; and with
+    two replicas every replica took the last replica's sums. Now the run continues exactly as the uninterrupted one
+    (which saved at the same point), in both formats, in one process and on two replicas of two stages."""
+
+    def fit(ckpt_path: str | None = None) -> GPT:
+        model = _model()
+        saves = [] if ckpt_path else [SaveBothFormatsAt(tmp_path, batch_idx=5, prefix="mid")]
+        strategy = PACIStrategy(pipeline_stages=2, schedule="1f1b_flush", start_method="forkserver")
+        _trainer(strategy, devices, 3, callbacks=saves).fit(model, datamodule=text_data(), ckpt_path=ckpt_path)
+        return model
+
+    whole = fit()
+    if devices == 4:
+        saved = load_file(tmp_path / "mid-file.ckpt")["pipeline"]["ranks"]
+        grads = [saved[f"stage0-replica{r}"]["accumulation"]["grads"]["embed.wte.weight"] for r in (0, 1)]
+        assert not torch.equal(*grads), "the replicas' partial sums must differ for this test to tell them apart"
+    for fmt in FORMATS:
+        assert _max_diff(fit(str(tmp_path / f"mid-{fmt}.ckpt")), whole) <= 1e-6, fmt
