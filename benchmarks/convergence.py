@@ -2,11 +2,12 @@
 
 What is measured, and how:
 
-- Two real ``Trainer.fit`` runs of the same small `GPT` (same seed, same init, same data order:
+- Real ``Trainer.fit`` runs of the same small `GPT` (same seed, same init, same data order:
   `TextDataModule()`'s embedded standard-library text) with ``PACIStrategy(pipeline_stages=2)``
-  and N micro-batches per optimizer step, one with ``schedule="paci"``, one with
-  ``"1f1b_flush"``. Both run in ONE pair of spawned processes (gloo, one intra-op thread each),
-  one after the other (flush first), so neither pays process start-up.
+  and N micro-batches per optimizer step, one with ``schedule="1f1b_flush"``, one with ``schedule="paci"``
+  as a user writes it (its staleness defaults on), and with ``--runs ... paci_plain`` plain PACI (no weight
+  prediction, no synchronous start). All run in ONE pair of spawned processes (gloo, one intra-op thread
+  each), one after the other in ``--runs`` order (flush first), so none pays process start-up.
 - Validation loss (``val_loss``, the same ``--val-batches`` batches every time) on rank 0 (the
   last stage) every ``--eval-every`` optimizer steps, including before training.
 - Wall time is training time only: the time spent in validation (which for PACI includes the
@@ -38,9 +39,17 @@ from benchmarks.harness import PLOTS, envelope, machine, pyplot, save_figure, wr
 from benchmarks.trainer_vs_torch_pipelining import spawn_pair
 
 SCHEDULES = ("1f1b_flush", "paci")
-# Run name -> (schedule, recompute); "paci_recompute" is a diagnostic: PACI with the forward recomputed
-# at backward, so each stage's weight gradient uses its current weights throughout.
-RUNS = {"1f1b_flush": ("1f1b_flush", False), "paci": ("paci", False), "paci_recompute": ("paci", True)}
+# Run name -> PACIStrategy's arguments. "paci" is PACI as a user writes it (its staleness defaults on);
+# "paci_plain" is PACI without them (no weight prediction, no synchronous start): what "paci" measured before
+# the defaults existed; "paci_recompute" is a diagnostic: plain PACI with the forward recomputed at backward,
+# so each stage's weight gradient uses its current weights throughout.
+_PLAIN = {"staleness_correction": None, "sync_start_steps": 0}
+RUNS: dict[str, dict[str, Any]] = {
+    "1f1b_flush": {"schedule": "1f1b_flush"},
+    "paci": {"schedule": "paci"},
+    "paci_plain": {"schedule": "paci", **_PLAIN},
+    "paci_recompute": {"schedule": "paci", "recompute": True, **_PLAIN},
+}
 
 
 class Recorder(Callback):
@@ -70,7 +79,6 @@ class Recorder(Callback):
 
 
 def _fit(config: dict[str, Any], name: str) -> dict[str, Any]:
-    schedule, recompute = RUNS[name]
     import lightning as L
 
     from lit_efficient import PACIStrategy
@@ -89,7 +97,7 @@ def _fit(config: dict[str, Any], name: str) -> dict[str, Any]:
     recorder = Recorder()
     trainer = L.Trainer(
         accelerator="cpu", devices=2, max_steps=config["steps"], accumulate_grad_batches=config["accumulate"],
-        strategy=PACIStrategy(pipeline_stages=2, schedule=schedule, recompute=recompute, balance=[3, 3]),
+        strategy=PACIStrategy(pipeline_stages=2, balance=[3, 3], **RUNS[name]),
         callbacks=[recorder],
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         limit_val_batches=config["val_batches"], num_sanity_val_steps=config["val_batches"],
@@ -128,11 +136,13 @@ def summarize(runs: dict[str, dict[str, Any]], tokens_per_step: int) -> dict[str
         targets[f"{int(frac * 100)}%"] = {
             "loss": target, "flush_seconds": t_flush, "paci_seconds": t_paci, "speedup": t_flush / t_paci,
         }  # fmt: skip
+    others = {name: run["val"][-1][2] for name, run in runs.items() if name not in ("1f1b_flush", "paci")}
     return {
         "tokens_per_step": tokens_per_step,
         "final_tokens": flush[-1][0] * tokens_per_step,
-        "final_val_loss": {"1f1b_flush": flush[-1][2], "paci": paci[-1][2]},
+        "final_val_loss": {"1f1b_flush": flush[-1][2], "paci": paci[-1][2], **others},
         "final_relative_difference": (paci[-1][2] - flush[-1][2]) / flush[-1][2],
+        "final_relative_difference_of": {name: (loss - flush[-1][2]) / flush[-1][2] for name, loss in others.items()},
         "train_seconds": {"1f1b_flush": flush[-1][1], "paci": paci[-1][1]},
         "train_time_ratio": flush[-1][1] / paci[-1][1],
         "targets": targets,
@@ -224,6 +234,8 @@ def table(summary: dict[str, Any]) -> str:
         f"| {summary['final_relative_difference']:+.2%} |",
         f"| training time, s | {t['1f1b_flush']:.1f} | {t['paci']:.1f} | {summary['train_time_ratio']:.2f}x faster |",
     ]
+    for name, gap in summary.get("final_relative_difference_of", {}).items():
+        lines.append(f"| final val loss, {name} | | {f[name]:.4f} | {gap:+.2%} |")
     for name, tg in summary["targets"].items():
         lines.append(
             f"| time to val loss {tg['loss']:.3f} ({name} of the descent), s | {tg['flush_seconds']:.1f} "
