@@ -54,9 +54,11 @@ def state_for_peer(strategy: Any, trainer: Trainer) -> dict[str, Any]:
 @dataclass
 class Joining:
     """Set while this rank takes its first quorum: Lightning's own ``restore_training_state``, which a heal then
-    runs on the peer's state (the loops can still take it there); None afterwards."""
+    runs on the peer's state (the loops can still take it there); None afterwards. ``healed``: this rank took a
+    live peer's state in that quorum."""
 
     restore_training_state: Callable[[], None] | None = None
+    healed: bool = False
 
 
 def heal(strategy: Any, trainer: Trainer, checkpoint: dict[str, Any], joining: Joining) -> None:
@@ -79,6 +81,7 @@ def heal(strategy: Any, trainer: Trainer, checkpoint: dict[str, Any], joining: J
         connector.restore_datamodule()
         connector.restore_callbacks()
         joining.restore_training_state()
+        joining.healed = True
         connector._loaded_checkpoint = {}
         return
     if checkpoint["global_step"] != trainer.global_step:
@@ -109,9 +112,14 @@ def join_after_restore(strategy: Any, trainer: Trainer, replicas: TorchftReplica
         loaded = connector._loaded_checkpoint
         if loaded and "torchft" in loaded:  # a whole-job restart: the groups' sync count resumes too
             replicas.load_state_dict(loaded["torchft"])
-        joining.restore_training_state = restore
+        joining.restore_training_state, joining.healed = restore, False
         try:
-            replicas.sync(lambda: due_averagers(strategy, trainer.global_step))
+            # Only a rank that healed takes part in the sync at its new step: the live groups it healed from wait
+            # in theirs. A rank at its own state (a fresh start, or a whole job restarted from a checkpoint) has
+            # nothing to sync at this step: a checkpoint at a sync step holds the synced weights (OuterSync runs
+            # before the checkpoint callbacks), and syncing again would apply DiLoCo's outer step twice (a zero
+            # pseudo-gradient, but the momentum moves the weights).
+            replicas.sync(lambda: due_averagers(strategy, trainer.global_step) if joining.healed else [])
         finally:
             joining.restore_training_state = None
         connector.restore_training_state = restore  # once per fit

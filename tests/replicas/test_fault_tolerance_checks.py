@@ -103,3 +103,45 @@ def test_streaming_refuses_tied_weights_over_replicas():
         check_streaming_ties(True, 4, 2, tied=True)
     for streaming, steps, replicas, tied in [(False, 4, 2, True), (True, 4, 1, True), (True, 4, 2, False)]:
         check_streaming_ties(streaming, steps, replicas, tied)
+
+
+def test_joining_syncs_at_its_step_only_when_it_healed_from_a_live_group():
+    """The first quorum after Lightning's restore. A whole job restarted from a checkpoint taken at a sync step
+    holds the synced weights already (OuterSync runs before the checkpoint callbacks): syncing the due stages there
+    again applied DiLoCo's outer step twice (a zero pseudo-gradient, but Nesterov's momentum moves the weights). A
+    group that heals from a live one joins the sync the live groups wait in, at their step."""
+    from lit_efficient.strategy.fault_tolerant import join_after_restore
+
+    class Due:  # an averager whose stage syncs at every step
+        def is_sync_step(self, step: int) -> bool:
+            return True
+
+    layout = {"num_stages": 2}
+    strategy = SimpleNamespace(averagers=[Due()], layout=lambda: layout, replica_group_id=1)
+    no_op = SimpleNamespace(restore_model=lambda: None, restore_datamodule=lambda: None, restore_callbacks=lambda: None)
+
+    def join(heal_from: dict | None) -> list:
+        """Restore a checkpoint at step 8, then the first quorum (healing from ``heal_from`` if given); the stages
+        the sync reduced."""
+        connector = SimpleNamespace(**vars(no_op), restore_training_state=lambda: None, _loaded_checkpoint={})
+        trainer = SimpleNamespace(_checkpoint_connector=connector, global_step=8)
+        joining, synced = Joining(), []
+
+        class Replicas:
+            def load_state_dict(self, state: dict) -> None:
+                pass
+
+            def sync(self, due) -> None:
+                if heal_from is not None:  # torchft calls the load callback inside the quorum
+                    heal(strategy, trainer, heal_from, joining)
+                    trainer.global_step = heal_from["global_step"]
+                synced.append(list(due()))
+
+        join_after_restore(strategy, trainer, Replicas(), joining)
+        connector._loaded_checkpoint = {"torchft": {"step": 2}}  # what Lightning's restore loaded
+        connector.restore_training_state()
+        return synced[0]
+
+    assert join(None) == []  # its own state, at a step whose sync the checkpoint holds
+    healed = join({"pipeline": {"layout": layout}, "global_step": 12})
+    assert len(healed) == 1 and isinstance(healed[0], Due)  # the live groups' sync, at their step
