@@ -143,33 +143,53 @@ def _merge_optimizers(primary: list[dict[str, Any]]) -> tuple[dict[str, Any], li
     return {"state": state, "param_groups": groups}, names, slots
 
 
+# A torch scheduler's state entries with one value per parameter group; SequentialLR's and ChainedScheduler's own
+# schedulers' states sit under _NESTED. Named, not guessed from a list's length: SequentialLR's ``_milestones`` (and
+# ``_schedulers`` itself) may have as many entries as there are groups.
+_PER_GROUP = ("base_lrs", "_last_lr", "lr_lambdas", "min_lrs", "max_lrs")
+_NESTED = "_schedulers"
+
+
 def _merge_schedulers(primary: list[dict[str, Any]], slots: dict, num_groups: int) -> list[dict[str, Any]]:
-    """Each scheduler's state with its per-group lists (``base_lrs``, ``_last_lr``) over the merged groups."""
-    merged = []
-    for c, first in enumerate(primary[0].get("lr_schedulers", [])):
-        state = dict(first)
-        for key, value in first.items():
-            if not isinstance(value, list) or len(value) != len(primary[0]["groups"]):
-                continue
-            out: list[Any] = [None] * num_groups
-            for s in primary:
-                for g, v in enumerate(s["lr_schedulers"][c][key]):
-                    out[slots[(s["stage"], g)]] = v
-            state[key] = out
-        merged.append(state)
-    return merged
+    """Each scheduler's state with its per-group lists (``base_lrs``, ``_last_lr``, ...) over the merged groups."""
+    return [
+        _merge_scheduler([(s["stage"], s["lr_schedulers"][c]) for s in primary], slots, num_groups)
+        for c in range(len(primary[0].get("lr_schedulers", [])))
+    ]
+
+
+def _merge_scheduler(states: list[tuple[int, dict[str, Any]]], slots: dict, num_groups: int) -> dict[str, Any]:
+    """One scheduler's ``(stage, state)`` of every stage -> its state over the merged groups (nested ones too)."""
+    out = dict(states[0][1])
+    for key in _PER_GROUP:
+        if isinstance(out.get(key), list):
+            merged: list[Any] = [None] * num_groups
+            for stage, state in states:
+                for g, value in enumerate(state[key]):
+                    merged[slots[(stage, g)]] = value
+            out[key] = merged
+    if isinstance(out.get(_NESTED), list):
+        out[_NESTED] = [
+            _merge_scheduler([(stage, state[_NESTED][i]) for stage, state in states], slots, num_groups)
+            for i in range(len(out[_NESTED]))
+        ]
+    return out
 
 
 def regroup_schedulers(states: list[dict[str, Any]], group_map: list[int], num_groups: int) -> list[dict[str, Any]]:
     """Scheduler states over the checkpoint's groups -> over this stage's (``group_map[local] = saved``)."""
-    out = []
-    for state in states:
-        state = dict(state)
-        for key, value in state.items():
-            if isinstance(value, list) and len(value) == num_groups:
-                state[key] = [value[g] for g in group_map]
-        out.append(state)
-    return out
+    return [_regroup_scheduler(state, group_map, num_groups) for state in states]
+
+
+def _regroup_scheduler(state: dict[str, Any], group_map: list[int], num_groups: int) -> dict[str, Any]:
+    state = dict(state)
+    for key in _PER_GROUP:
+        value = state.get(key)
+        if isinstance(value, list) and len(value) == num_groups:
+            state[key] = [value[g] for g in group_map]
+    if isinstance(state.get(_NESTED), list):
+        state[_NESTED] = [_regroup_scheduler(s, group_map, num_groups) for s in state[_NESTED]]
+    return state
 
 
 def _by_name(share: dict[str, Any], slots: dict) -> dict[str, Any]:
