@@ -7,7 +7,8 @@ a gloo group of its own (the training's collectives keep theirs). When it is don
 meta.pt and renames the folder into place (`sharded.Prepared.finish`), from that thread: the checkpoint
 appears as soon as every rank's data is on disk, and until then ``ckpt_path="last"`` finds the previous
 one, whole. One save at a time: the next save, a synchronous one, and the end of training wait for the
-one in flight (and raise what it raised).
+one in flight (and raise what it raised). A checkpoint ModelCheckpoint rotates out while a save is in flight is
+removed once that save is published (`when_published`), never before: until then it is the newest whole one.
 
 What it costs: one more copy of the rank's share in host memory while it is written, and the writing
 thread's CPU time beside training's. A fit that fails leaves an unfinished save unpublished (its
@@ -17,6 +18,8 @@ thread's CPU time beside training's. A fit that fails leaves an unfinished save 
 from __future__ import annotations
 
 import threading
+import warnings
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -42,6 +45,8 @@ class AsyncCheckpointer:
         self.group: Any = None
         self._done: threading.Event | None = None
         self._error: BaseException | None = None
+        self._lock = threading.Lock()  # the save's publication against `when_published`'s queueing
+        self._after: list[Callable[[], None]] = []  # what runs once the save in flight is published
 
     def save(
         self, path: Path, shares: list[dict[str, Any]], base: dict[str, Any], layout: dict[str, Any], sync_group: Any
@@ -59,6 +64,17 @@ class AsyncCheckpointer:
             )  # fmt: skip
         done = self._done = threading.Event()
         future.add_done_callback(lambda written: self._publish(written, prepared, done))  # type: ignore[arg-type]
+
+    def when_published(self, action: Callable[[], None]) -> None:
+        """Run ``action`` (a removal of an older checkpoint) once the save in flight is published, or now if none
+        is in flight. Dropped if that save fails: the older checkpoint is then the newest whole one, and stays.
+        ModelCheckpoint removes the checkpoint it rotates out right after starting the next save; removed then,
+        no whole checkpoint of the run would be on disk while the new one is written."""
+        with self._lock:
+            if self._done is not None and not self._done.is_set():
+                self._after.append(action)
+                return
+        action()
 
     def wait(self) -> None:
         """Until the save in flight, if any, is written and published; raises what it raised."""
@@ -80,10 +96,23 @@ class AsyncCheckpointer:
 
     def _publish(self, written: Future, prepared: Prepared, done: threading.Event) -> None:
         # In DCP's thread: its future is done once every rank's data and the index are written.
+        published = False
         try:
             written.result()
             prepared.finish()
+            published = True
         except BaseException as err:  # noqa: BLE001 - raised in the main thread by `wait`
             self._error = err
-        finally:
-            done.set()
+        # Every action queued before the event is set runs before it is set (`wait` returns after them): taken
+        # under the lock, run outside it (the main thread may queue another meanwhile), until none is left.
+        while True:
+            with self._lock:
+                after, self._after = (self._after if published else []), []
+                if not after:
+                    done.set()
+                    return
+            for action in after:
+                try:
+                    action()
+                except Exception as err:  # noqa: BLE001 - a removal that failed loses nothing; say it
+                    warnings.warn(f"removing a rotated-out checkpoint failed: {err}", stacklevel=1)

@@ -14,7 +14,7 @@ from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.fabric.strategies.launchers.multiprocessing import _disable_module_memory_sharing
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import CPUAccelerator
-from lightning.pytorch.callbacks import GradientAccumulationScheduler
+from lightning.pytorch.callbacks import GradientAccumulationScheduler, ModelCheckpoint
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.launchers.multiprocessing import _GlobalStateSnapshot
@@ -406,3 +406,10 @@ def check_before_launch(strategy: Any, trainer: Trainer) -> None:
         check = getattr(callback, "check_accumulation_source", None)
         if callable(check):
             check(trainer)
+        if strategy.async_checkpoint and isinstance(callback, ModelCheckpoint) and callback.save_last == "link":
+            raise ValueError(
+                "ModelCheckpoint(save_last='link') with PACIStrategy(async_checkpoint=True): the link would point at "
+                "a checkpoint still being written in the background, and after a crash then ckpt_path='last' finds "
+                "no checkpoint and trains from scratch. Use save_last=True (a copy, written after the save in "
+                "flight), or async_checkpoint=False."
+            )

@@ -232,9 +232,18 @@ def _save_weights(strategy: Any, checkpoint: dict[str, Any], path: Path) -> None
 
 
 def remove(strategy: Any, filepath: Any) -> None:
-    """``PACIStrategy.remove_checkpoint``: global rank 0 removes a file or a sharded folder."""
-    if strategy.is_global_zero:
+    """``PACIStrategy.remove_checkpoint``: global rank 0 removes a file or a sharded folder; with a background save
+    in flight, once that save is published (`AsyncCheckpointer.when_published`)."""
+    if not strategy.is_global_zero:
+        return
+
+    def delete() -> None:
         shutil.rmtree(filepath, ignore_errors=True) if Path(filepath).is_dir() else Path(filepath).unlink(True)
+
+    if strategy.async_checkpointer is not None:
+        strategy.async_checkpointer.when_published(delete)
+    else:
+        delete()
 
 
 # -- loading ----------------------------------------------------------------------------------------

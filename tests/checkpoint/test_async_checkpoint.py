@@ -103,3 +103,42 @@ def test_a_failed_background_write_is_raised_and_publishes_nothing(tmp_path, mon
 def test_async_needs_the_sharded_format():
     with pytest.raises(ValueError, match="checkpoint_format='sharded'"):
         PACIStrategy(async_checkpoint=True)
+
+
+class _SeeFolderAt(L.Callback):
+    """Which checkpoints exist, whole, when batch ``batch_idx`` starts."""
+
+    def __init__(self, folder, batch_idx: int) -> None:
+        self.folder, self.batch_idx, self.seen = folder, batch_idx, None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if batch_idx == self.batch_idx:
+            self.seen = sorted(p.name for p in self.folder.iterdir() if sharded.is_sharded(p))
+
+
+def test_a_rotated_checkpoint_is_removed_only_once_its_successor_is_published(tmp_path, monkeypatch):
+    """ModelCheckpoint(save_top_k=1) removes the checkpoint it rotates out right after starting the next save.
+    Removed then, while the new one is still written (made slow: 0.5 s), no whole checkpoint of the run was on
+    disk, and a crash then lost both. Now the removal waits for the new checkpoint's publication."""
+    real_write = FileSystemWriter.write_data
+
+    def slow_write(self, plan, planner):
+        time.sleep(0.5)
+        return real_write(self, plan, planner)
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", slow_write)
+    folder = tmp_path / "checkpoints"
+    ckpt = ModelCheckpoint(dirpath=folder, every_n_train_steps=1, filename="{step}", save_top_k=1)
+    see = _SeeFolderAt(folder, batch_idx=8)  # step 2's save in flight (its last micro-batch was batch 7)
+    _trainer(_async(), 1, 3, callbacks=[see, ckpt], enable_checkpointing=True).fit(_model(), datamodule=_ordered())
+    assert see.seen == ["step=1.ckpt"]  # the newest whole checkpoint, kept while step 2's is written
+    assert sorted(p.name for p in folder.iterdir()) == ["step=3.ckpt"]  # each removed once its successor was
+
+
+def test_a_last_link_to_a_background_save_is_refused_before_anything_trains():
+    """save_last='link' makes last.ckpt a link to the checkpoint just started, which a background save publishes
+    only later: a crash in between leaves a dangling link, and ckpt_path='last' then trains from scratch."""
+    ckpt = ModelCheckpoint(save_last="link", every_n_train_steps=1)
+    trainer = _trainer(_async(), 1, 1, callbacks=[ckpt], enable_checkpointing=True)
+    with pytest.raises(ValueError, match=r"save_last='link'.*Use save_last=True"):
+        trainer.fit(_model(), datamodule=_ordered())
