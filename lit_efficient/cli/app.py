@@ -24,12 +24,16 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import inspect
 import os
 import re
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import yaml
+from jsonargparse import ArgumentParser
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -46,6 +50,8 @@ WANDB_PROJECT = "lit-efficient"
 # Without them wandb writes debug logs and caches into the user's home even for an offline run.
 _WANDB_DIRS = {"WANDB_CACHE_DIR": ".cache", "WANDB_DATA_DIR": ".data"}
 _WANDB_OFFLINE_DIRS = {"WANDB_CONFIG_DIR": ".config"}  # online runs keep reading the user's settings
+# `lit-efficient plan` runs before LightningCLI (lit_efficient.cli.main); its line in `lit-efficient --help`.
+PLAN_HELP = "Memory per pipeline stage of a config and whether it fits a device; trains nothing (plan --help)"
 
 
 class RunConfigCallback(SaveConfigCallback):
@@ -122,7 +128,69 @@ class StrategyOptionParser(LightningArgumentParser):
     DistributedDataParallel option, what it does instead: the `PACIStrategy(**kwargs)` message. An unrecognized
     flag (``--trainer.max_step``: abbreviations are off, argparse took it for ``max_steps`` silently) gets the
     closest flag of the parser.
+
+    A value a class's constructor refuses (``--trainer.strategy.init_args.p2p_timeout -1``) is a usage error too:
+    a line that names the section, the class and the constructor's own message, and one saying where the class's
+    options are listed. jsonargparse folds that error into its own (for a Union type, among every subtype's) and
+    raises it from its frames, which hides both. Any other error keeps its traceback; ``JSONARGPARSE_DEBUG=1``
+    keeps it for these too.
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.refused: list[tuple[type, dict[str, Any], Exception]] = []  # what constructors refused, this parse
+        self.subcommands_action: Any = None
+
+    @override
+    def add_subcommands(self, *args: Any, **kwargs: Any) -> Any:
+        self.subcommands_action = super().add_subcommands(*args, **kwargs)  # where `plan` is listed
+        return self.subcommands_action
+
+    @override
+    def add_instantiator(
+        self, instantiator: Any, class_type: Any, subclasses: bool = True, prepend: bool = False
+    ) -> None:
+        # LightningCLI's own (the model's and the data's, which record their hyperparameters) build as before.
+        super().add_instantiator(_NoteRefusals(self.refused, instantiator), class_type, subclasses, prepend)
+
+    @override
+    def instantiate_classes(self, cfg: Any, *args: Any, **kwargs: Any) -> Any:
+        if getattr(self, "parent_parser", None) is not None:  # a subcommand's parser: its parent notes and reports
+            return super().instantiate_classes(cfg, *args, **kwargs)
+        self.refused.clear()
+        # Every other class (the strategy, callbacks, loggers...), built as jsonargparse would. Registered last, so
+        # that the instantiators registered before (the model's, the data's) are still the ones that match them.
+        ArgumentParser.add_instantiator(self, _NoteRefusals(self.refused), object, subclasses=True)
+        try:
+            return super().instantiate_classes(cfg, *args, **kwargs)
+        except (ValueError, TypeError) as error:
+            message = self.refusal_message(cfg, error)
+            if message is None or os.environ.get("JSONARGPARSE_DEBUG"):
+                raise
+            if not self.exit_on_error:
+                self.error(message, error)
+            self.exit(2, f"{self.prog}: error: {message}\n")
+
+    def refusal_message(self, cfg: Any, error: Exception) -> str | None:
+        """``<section> (<class_path>): <the constructor's message>`` when ``error``, raised while building ``cfg``,
+        carries what a constructor refused; None for any other error."""
+        text = str(error)
+        for class_type, init_args, refused in reversed(self.refused):
+            first_line = str(refused).strip().partition("\n")[0]
+            if not first_line or first_line not in text:
+                continue
+            subcommand = cfg.get("subcommand") if hasattr(cfg, "get") else None
+            config = cfg[subcommand] if subcommand else cfg
+            found = _section_of(config.as_dict() if hasattr(config, "as_dict") else {}, class_type, init_args)
+            if found is None:
+                return f"{class_type.__module__}.{class_type.__qualname__}: {refused}"
+            section, class_path = found
+            if ".init_args." in section:  # a class inside another's init_args: no --<section>.help of its own
+                return f"{section} ({class_path}): {refused}"
+            command = " ".join(filter(None, [self.prog, subcommand]))
+            flag = re.sub(r"\[\d+\]$", "", section)
+            return f"{section} ({class_path}): {refused}\n(its options: {command} --{flag}.help {class_path})"
+        return None
 
     @override
     def error(self, message: str, ex: Exception | None = None) -> Any:
@@ -156,6 +224,63 @@ def explain_strategy_options(message: str) -> str:
         listed = "".join(f"\n  - {explain_refused(name, options, show_value=False)}" for name in names)
         lines.append(f"PACIStrategy does not accept:{listed}\n{refusal_footer(names, options)}")
     return "\n".join([message, *lines])
+
+
+class _NoteRefusals:
+    """A jsonargparse instantiator that builds a class as ``instantiator`` does (None: ``class_type(**init_args)``,
+    jsonargparse's default) and notes the ValueError or TypeError its constructor raised, then lets it go on."""
+
+    def __init__(self, refused: list, instantiator: Any = None) -> None:
+        self.refused = refused
+        self.instantiator = instantiator
+        self.takes_links = instantiator is not None and "applied_instantiation_links" in _parameters(instantiator)
+
+    def __call__(self, class_type: type, *args: Any, applied_instantiation_links: Any = None, **kwargs: Any) -> Any:
+        links = {"applied_instantiation_links": applied_instantiation_links or {}} if self.takes_links else {}
+        try:
+            if self.instantiator is None:
+                return class_type(*args, **kwargs)
+            return self.instantiator(class_type, *args, **kwargs, **links)
+        except (ValueError, TypeError) as error:
+            self.refused.append((class_type, kwargs, error))
+            raise
+
+
+def _parameters(function: Any) -> list[str]:
+    try:
+        return list(inspect.signature(function).parameters)
+    except (TypeError, ValueError):
+        return []
+
+
+def _section_of(config: Any, class_type: type, init_args: dict[str, Any]) -> tuple[str, str] | None:
+    """The key (``trainer.strategy``, ``trainer.callbacks[1]``) and class path of the entry of ``config`` (a dict)
+    naming ``class_type``: among several, the one whose ``init_args`` are those it was built with."""
+    found = [(key, entry) for key, entry in _class_entries(config, "")
+             if str(entry["class_path"]).rpartition(".")[2] == class_type.__name__]  # fmt: skip
+
+    def built_with(entry: dict) -> bool:
+        try:
+            return all(init_args.get(k, v) == v for k, v in (entry.get("init_args") or {}).items())
+        except Exception:  # a value whose == does not answer a bool (a tensor): not a way to tell them apart
+            return False
+
+    key, entry = next((f for f in found if built_with(f[1])), found[0] if found else (None, None))
+    return None if entry is None else (key, str(entry["class_path"]))
+
+
+def _class_entries(value: Any, key: str) -> Iterator[tuple[str, dict]]:
+    """``(key, {class_path, init_args})`` of every class in a config dict, nested ones (in ``init_args``) too."""
+    if isinstance(value, dict):
+        if "class_path" in value:
+            yield key, value
+            value = value.get("init_args") or {}
+            key = f"{key}.init_args"
+        for name, item in value.items():
+            yield from _class_entries(item, f"{key}.{name}" if key else str(name))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            yield from _class_entries(item, f"{key}[{i}]")
 
 
 def _init_options(class_path: str) -> list[str]:
@@ -202,6 +327,29 @@ class LitEfficientCLI(LightningCLI):
             run=run,
             **kwargs,
         )
+
+    @override
+    def setup_parser(
+        self, add_subcommands: bool, main_kwargs: dict[str, Any], subparser_kwargs: dict[str, Any]
+    ) -> None:
+        super().setup_parser(add_subcommands, main_kwargs, subparser_kwargs)
+        listing = getattr(self.parser, "subcommands_action", None)
+        if add_subcommands and listing is not None:  # listed in `lit-efficient --help` beside fit, validate, ...
+            listing.add_subcommand("plan", ArgumentParser(description=PLAN_HELP), help=PLAN_HELP)
+
+    @override
+    def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
+        # `lit-efficient plan` never reaches LightningCLI (lit_efficient.cli.main runs it first); the same here, for
+        # a script whose entry point is this class.
+        argv = sys.argv[1:] if args is None else args
+        listed = getattr(parser, "subcommands_action", None) is not None
+        if listed and isinstance(argv, (list, tuple)) and list(argv[:1]) == ["plan"]:
+            from lit_efficient.cli.plan import main as plan_main
+
+            raise SystemExit(plan_main(list(argv[1:])))
+        super().parse_arguments(parser, args)
+        if self.config.get("subcommand") == "plan":  # named in a dict or Namespace of arguments
+            parser.error("plan takes all its arguments after it: lit-efficient plan --config ... (plan --help)")
 
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:

@@ -20,12 +20,13 @@ import importlib
 import json
 import sys
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from types import SimpleNamespace
 from typing import Any
 
 import torch
+from lightning.fabric.connector import _convert_precision_to_unified_args
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
@@ -47,6 +48,13 @@ from lit_efficient.tools.memory_plan import MemoryPlan, StageMeasure, format_byt
 from lit_efficient.tools.window import WindowAdvice, advise_window, flush_bubble
 
 _GPU = ("gpu", "cuda")
+_PRECISIONS = ("32-true", "bf16-mixed")
+
+
+class PlanError(ValueError):
+    """What the plan refuses in a config or in its arguments, as ``fit`` would refuse it: the message names the
+    value, what is allowed and the fix. ``lit-efficient plan`` reports it as a usage error (exit 2), before
+    measuring when it can; to a caller of `plan` it is a ValueError."""
 
 
 def plan(
@@ -61,6 +69,7 @@ def plan(
     device_memory: int | str | None = None,
     accelerator: str = "gpu",
     max_steps: int = 1000,
+    accumulate_schedule: Mapping[int, int] | None = None,
 ) -> MemoryPlan:
     """The memory plan of training ``module`` under ``strategy``; nothing is allocated and ``module`` is left
     as it was (build a large one on the meta device: ``with torch.device("meta"): module = ...``).
@@ -69,8 +78,9 @@ def plan(
         module: A LightningModule implementing the pipeline protocol, with its ``configure_optimizers``.
         batch: One micro-batch as the data loader yields it (its shapes and dtypes are what matter).
         strategy: The `PACIStrategy` whose stages, schedule, balance and recompute are planned.
-        accumulate: Micro-batches per optimizer step N.
-        precision: ``"32-true"`` or ``"bf16-mixed"`` (fp32 weights, bf16 autocast).
+        accumulate: Micro-batches per optimizer step N (of a schedule: its largest, the peak's).
+        precision: ``"32-true"`` or ``"bf16-mixed"`` (fp32 weights, bf16 autocast), or a Lightning alias of them
+            (``"32"``, ``32``, ``"bf16"``).
         activation_checkpointing: The callback as configured, or None.
         replicas: Data-parallel replicas of each stage (world size / pipeline stages).
         shard_optimizer_state: Optimizer state split by element over the replicas (ZeRO-1; None: the strategy's
@@ -80,18 +90,36 @@ def plan(
         accelerator: ``"gpu"`` plans the optimizer step as torch runs it on CUDA (foreach kernels, whose
             temporaries span the whole stage); ``"cpu"`` as on CPU. The kernels measured are the host's.
         max_steps: What ``trainer.estimated_stepping_batches`` answers while ``configure_optimizers`` runs.
+        accumulate_schedule: GradientAccumulation's ``{epoch: N}`` schedule whose largest N ``accumulate`` is; noted
+            in the plan's ``context`` (and by `describe`).
+
+    Raises:
+        PlanError: What ``fit`` would refuse, checked before anything is measured (the split, once the layers are
+            listed).
     """
+    # The cheap refusals first: measuring a large model takes a while.
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+        raise PlanError(f"replicas={replicas!r} must be an integer >= 1 (data-parallel replicas of each stage)")
+    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+        raise PlanError(f"accumulate={accumulate!r} must be an integer >= 1 (micro-batches per optimizer step N)")
+    budget = None if device_memory is None else device_bytes(device_memory)
+    precision = unified_precision(precision)
     if activation_checkpointing is not None and strategy.recompute:
-        raise ValueError(
+        raise PlanError(
             "ActivationCheckpointing cannot be combined with PACIStrategy(recompute=True) (fit refuses it too): "
             "keep one of them"
         )
     if shard_optimizer_state is None:
         shard_optimizer_state = strategy.shard_optimizer_state
-    _check_sharding(shard_optimizer_state, strategy.local_sgd_steps, strategy.staleness_correction)  # as fit would
+    try:  # as fit would
+        _check_sharding(shard_optimizer_state, strategy.local_sgd_steps, strategy.staleness_correction)
+    except ValueError as error:
+        raise PlanError(str(error)) from error
     measures, context = measure(
-        module, batch, strategy, accumulate, precision, activation_checkpointing, device_memory, accelerator, max_steps
+        module, batch, strategy, accumulate, precision, activation_checkpointing, budget, accelerator, max_steps
     )
+    if accumulate_schedule is not None:
+        context["accumulate_schedule"] = dict(accumulate_schedule)
     if shard_optimizer_state:  # what fit says of this layout: tied weights refused, one replica splits nothing
         topology = Topology.for_world(len(measures) * replicas, len(measures))
         shard_optimizer_state = _sharding_applies(topology, in_process=False, tied=any(m.tied for m in measures))
@@ -99,7 +127,7 @@ def plan(
         measures, strategy.schedule, accumulate, recompute=strategy.recompute, replicas=replicas,
         shard_optimizer_state=shard_optimizer_state, staleness_correction=strategy.staleness_correction,
         local_sgd_steps=strategy.local_sgd_steps, outer_optimizer=strategy.outer_optimizer,
-        device_memory=None if device_memory is None else parse_bytes(device_memory), context=context,
+        device_memory=budget, context=context,
     )  # fmt: skip
 
 
@@ -117,8 +145,7 @@ def measure(
     """What `plan` measures, stage by stage, and what was planned (the plan's ``context``): everything that
     does not depend on the schedule, ``recompute``, the replicas or sharding, so one measurement serves every
     plan of a layout (`lit_efficient.tools.memory_plan.plan_memory`). Arguments as `plan`'s."""
-    if precision not in ("32-true", "32", "bf16-mixed"):
-        raise ValueError(f"precision={precision!r}: PACIStrategy trains in '32-true' or 'bf16-mixed'")
+    precision = unified_precision(precision)
     forward_context = MixedPrecision("bf16-mixed", "cpu").forward_context if precision == "bf16-mixed" else nullcontext
     wrapped = activation_checkpointing.wrap(module) if activation_checkpointing is not None else []
     try:
@@ -126,7 +153,7 @@ def measure(
             with answering_value_queries():  # HFCausalLM's split check compares logits
                 layers = list(module.pipeline_layers())
             fake = fake_batch(batch, mode)
-            sizes = _stage_sizes(strategy, module, layers, fake, forward_context, device_memory)
+            sizes = _stage_sizes(strategy, module, layers, fake, forward_context, device_memory)  # refusals: PlanError
             with _stand_in_trainer(module, max_steps, accumulate):
                 make_optimizer = optimizer_factory(module, foreach=accelerator in _GPU)
             measures = measure_stages(
@@ -170,6 +197,32 @@ def optimizer_factory(module: Any, foreach: bool) -> MakeOptimizer:
     return make
 
 
+def unified_precision(precision: Any) -> str:
+    """``precision`` as the Trainer reads it, Lightning's aliases resolved (``"bf16"`` is ``"bf16-mixed"``, ``"32"``
+    and ``32`` are ``"32-true"``), refused unless PACIStrategy trains in it."""
+    try:
+        name = _convert_precision_to_unified_args(precision)
+    except ValueError as error:
+        raise PlanError(str(error)) from error
+    if name not in _PRECISIONS:
+        raise PlanError(
+            f"precision={precision!r} is not supported by PACIStrategy (fit refuses it too): use one of "
+            f"{', '.join(_PRECISIONS)}"
+        )
+    return name
+
+
+def device_bytes(device_memory: int | str) -> int:
+    """The bytes of ``device_memory`` (``"80GiB"``, ``"80GB"``, a number), refused unless it reads as a size > 0."""
+    try:
+        size = parse_bytes(device_memory)
+    except ValueError as error:
+        raise PlanError(str(error)) from error
+    if size <= 0:
+        raise PlanError(f"{device_memory!r} is no device memory: it must be more than 0 bytes, e.g. 80GiB or 24GB")
+    return size
+
+
 def plan_config(argv: Sequence[str], **overrides: Any) -> MemoryPlan:
     """The plan of the config ``fit`` would run with these arguments (``--config ...`` and any overrides).
 
@@ -186,7 +239,11 @@ def plan_config(argv: Sequence[str], **overrides: Any) -> MemoryPlan:
 def load_config(argv: Sequence[str]) -> dict[str, Any]:
     """`plan`'s arguments for the config ``fit`` would run with ``argv``: the model built on the meta device
     (nothing allocated), a meta micro-batch of the data's shape, the strategy, N, the precision, the
-    ActivationCheckpointing callback, the replicas (world size / S) and the accelerator."""
+    ActivationCheckpointing callback, the replicas (world size / S) and the accelerator.
+
+    Everything named is built by its own constructor, with its own checks; what ``fit`` would refuse (a layout
+    whose world size S does not divide, N < 1, a precision PACIStrategy does not train in) is a `PlanError`,
+    before any measuring."""
     from lit_efficient.cli.app import LitEfficientCLI  # the CLI imports this module for its subcommand
 
     class _Resolve(LitEfficientCLI):
@@ -201,24 +258,27 @@ def load_config(argv: Sequence[str]) -> dict[str, Any]:
         config = _Resolve(args=list(argv), run=False).config
     trainer = config.trainer
     strategy = _strategy(trainer.strategy)
+    replicas = _replicas(trainer, strategy)
+    precision = unified_precision(trainer.precision or "32-true")
     data = _init_args(config.data)
     batch_size, block_size = int(data.get("batch_size", 16)), int(data.get("block_size", 256))
     vocab = data.get("vocab_size") or _data_vocab(config.data.class_path, data)
-    callbacks = [c for c in (trainer.callbacks or []) if not isinstance(c, str)]
-    accumulate = _accumulate(trainer, callbacks)
-    checkpointing = next((_build(c) for c in callbacks if _class_name(c) == "ActivationCheckpointing"), None)
-    model_cls = _import(config.model.class_path)
+    callbacks = {f"trainer.callbacks[{i}]": c for i, c in enumerate(trainer.callbacks or []) if not isinstance(c, str)}
+    accumulate, schedule = _accumulate(trainer, callbacks)
+    checkpointing = next(
+        (_build(c, key) for key, c in callbacks.items() if _class_name(c) == "ActivationCheckpointing"), None
+    )
     init = {**_init_args(config.model), "vocab_size": vocab, "block_size": block_size}
     with torch.device("meta"):  # the weights are never materialized: an 8B model costs nothing here
-        module = model_cls(**init)
+        module = _build(config.model, "model", init)
     # What a TextDataModule batch is: (inputs, next tokens), int64 (B, T). Meta tensors: no memory.
     batch = tuple(torch.zeros(batch_size, block_size, dtype=torch.long, device="meta") for _ in range(2))
     return {
-        "module": module, "batch": batch, "strategy": strategy, "accumulate": accumulate,
-        "precision": str(trainer.precision or "32-true"), "activation_checkpointing": checkpointing,
-        "replicas": max(1, _world(trainer) // strategy.pipeline_stages),
+        "module": module, "batch": batch, "strategy": strategy, "accumulate": accumulate, "precision": precision,
+        "activation_checkpointing": checkpointing, "replicas": replicas,
         "accelerator": str(trainer.accelerator or "cpu"),
         "max_steps": trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else 1000,
+        "accumulate_schedule": schedule,
     }  # fmt: skip
 
 
@@ -230,17 +290,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         "flight, peak) and whether it fits a device; measured on fake tensors, nothing is allocated. Every "
         "other argument (--config, --trainer.*, --model.*, --data.*) is read as `lit-efficient fit` reads it.",
     )
-    parser.add_argument("--device-memory", help="memory of one device, e.g. 80GiB, 80GB (10^9 bytes), 24GiB")
+    parser.add_argument(
+        "--device-memory", type=_device_memory_argument,
+        help="memory of one device, e.g. 80GiB, 80GB (10^9 bytes), 24GiB",
+    )  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print the plan as JSON (for scripts)")
-    parser.add_argument("--replicas", type=int, help="data-parallel replicas per stage (default: world size / S)")
+    parser.add_argument(
+        "--replicas", type=_replicas_argument, help="data-parallel replicas per stage (default: world size / S)"
+    )
     parser.add_argument(
         "--shard-optimizer-state", action=argparse.BooleanOptionalAction, default=None,
         help="optimizer state split over each stage's replicas (ZeRO-1); default: the strategy's setting",
     )  # fmt: skip
     own, rest = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
-    result = plan_config(
-        rest, device_memory=own.device_memory, shard_optimizer_state=own.shard_optimizer_state, replicas=own.replicas
-    )
+    try:
+        result = plan_config(
+            rest, device_memory=own.device_memory, shard_optimizer_state=own.shard_optimizer_state,
+            replicas=own.replicas,
+        )  # fmt: skip
+    except PlanError as error:  # a value fit would refuse too: a usage error, not a traceback
+        parser.error(str(error))
     if own.json:
         window = window_advice(result).to_dict()
         print(json.dumps({**result.to_dict(), "window": window}, indent=2))
@@ -255,10 +324,12 @@ def describe(result: MemoryPlan) -> str:
     ac_text = "" if not c.get("activation_checkpointing") else (
         f", ActivationCheckpointing({c['activation_checkpointing']['mode']}) on "
         f"{c['activation_checkpointing']['modules']} modules")  # fmt: skip
+    schedule = c.get("accumulate_schedule")
+    of_schedule = f" (the largest of GradientAccumulation's schedule {schedule})" if schedule else ""
     head = (
         f"{c.get('model')} ({c.get('parameters', 0) / 1e6:,.1f}M parameters), micro-batch {c.get('micro_batch')}, "
         f"{c.get('precision')}; {result.schedule}, S={len(result.stages)} as {c.get('sizes')} "
-        f"(balance={c.get('balance')!r}), N={result.accumulate}, recompute={result.recompute}, "
+        f"(balance={c.get('balance')!r}), N={result.accumulate}{of_schedule}, recompute={result.recompute}, "
         f"R={result.replicas} replicas{', optimizer state sharded' if result.shard_optimizer_state else ''}{ac_text}"
     )
     note = (
@@ -317,7 +388,10 @@ def _stage_sizes(
     """The split ``strategy`` would choose. ``balance="profile"`` times layers on the GPU at launch; here each
     layer's forward FLOPs stand in for its time, with the same memory terms and budget (partition.py)."""
     if strategy.balance != "profile":
-        return strategy._stage_sizes(module, layers, None)  # the strategy's own choice, from parameter counts
+        try:
+            return strategy._stage_sizes(module, layers, None)  # the strategy's own choice, from parameter counts
+        except ValueError as error:  # its refusal of the split: more stages than layers, a balance that does not add
+            raise PlanError(str(error)) from error
     flops, acts, params = [], [], []
     x = tuple(_as_tuple(module.pipeline_input(batch)))
     with torch.no_grad():
@@ -329,7 +403,10 @@ def _stage_sizes(
             params.append(4 * sum(p.numel() * p.element_size() for p in layer.parameters()))
             x = out
     budget = None if device_memory is None else parse_bytes(device_memory)
-    return partition_profiled(flops, acts, params, strategy.pipeline_stages, memory_budget=budget)
+    try:
+        return partition_profiled(flops, acts, params, strategy.pipeline_stages, memory_budget=budget)
+    except ValueError as error:  # more stages than layers
+        raise PlanError(str(error)) from error
 
 
 @contextmanager
@@ -389,21 +466,61 @@ def _strategy(value: Any) -> PACIStrategy:
     if isinstance(value, str):
         if value in ("paci", "1f1b_flush"):
             return PACIStrategy(schedule=value)
-        raise ValueError(f"trainer.strategy={value!r}: the plan covers PACIStrategy (strategy 'paci' or '1f1b_flush')")
+        raise PlanError(f"trainer.strategy={value!r}: the plan covers PACIStrategy (strategy 'paci' or '1f1b_flush')")
     if _class_name(value) != "PACIStrategy":
-        raise ValueError(f"trainer.strategy is {value.class_path}: the plan covers lit_efficient.PACIStrategy")
-    return _build(value)
+        raise PlanError(f"trainer.strategy is {value.class_path}: the plan covers lit_efficient.PACIStrategy")
+    return _build(value, "trainer.strategy")
 
 
-def _accumulate(trainer: Any, callbacks: list) -> int:
-    for c in callbacks:
-        if _class_name(c) == "GradientAccumulation" and _init_args(c).get("steps"):
-            return int(_init_args(c)["steps"])
-    return int(trainer.accumulate_grad_batches or 1)
+def _replicas(trainer: Any, strategy: PACIStrategy) -> int:
+    """World size / S, refused as the strategy refuses it when S does not divide the world size (one process runs
+    every stage of a world of one)."""
+    world = _world(trainer)
+    if world == 1:
+        return 1
+    try:
+        return Topology.for_world(world, strategy.pipeline_stages).num_replicas
+    except ValueError as error:
+        raise PlanError(
+            f"{error} (trainer.devices={trainer.devices} x trainer.num_nodes={trainer.num_nodes or 1}; fit refuses "
+            "it too)"
+        ) from error
+
+
+def _accumulate(trainer: Any, callbacks: dict[str, Any]) -> tuple[int, dict[int, int] | None]:
+    """N, and the ``{epoch: N}`` schedule it is the largest N of (None without one), as fit would set it: from
+    GradientAccumulation (built, so its own checks apply) when it sets steps, else the Trainer's."""
+    n = trainer.accumulate_grad_batches
+    if n is None:
+        n = 1
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise PlanError(
+            f"trainer.accumulate_grad_batches={n!r}: micro-batches per optimizer step must be an integer >= 1. Set "
+            "it to N, or leave it at 1 and use GradientAccumulation(steps=N)."
+        )
+    for key, c in callbacks.items():
+        if _class_name(c) != "GradientAccumulation":
+            continue
+        callback = _build(c, key)
+        if callback.steps is None:
+            continue  # it only normalizes: N is the Trainer's
+        try:  # Trainer(accumulate_grad_batches) set to another N: refused before launch
+            callback.check_accumulation_source(SimpleNamespace(accumulate_grad_batches=n, callbacks=[callback]))
+        except ValueError as error:
+            raise PlanError(str(error)) from error
+        steps = callback.steps
+        schedule = dict(steps) if isinstance(steps, Mapping) and len(set(steps.values())) > 1 else None
+        return callback.max_accumulate_grad_batches, schedule
+    return n, None
 
 
 def _world(trainer: Any) -> int:
+    """Devices x nodes as the Trainer counts them: ``devices`` a count, a list of indices or, from the command line,
+    either written as a string (``"3"``, ``"0,1"``); ``"auto"`` or -1 (every device there) counts as 1."""
     devices = trainer.devices
+    if isinstance(devices, str):
+        parts = [p for p in devices.split(",") if p.strip()]
+        devices = int(devices) if devices.strip().lstrip("-").isdigit() else parts if "," in devices else 1
     count = len(devices) if isinstance(devices, (list, tuple)) else devices if isinstance(devices, int) else 1
     return max(1, count) * max(1, int(trainer.num_nodes or 1))
 
@@ -415,15 +532,42 @@ def _data_vocab(class_path: str, data: dict) -> int:
         return len(load_tokenizer(data["tokenizer"]))  # the tokenizer only: the text is not read
     path = data.get("path")
     if path is not None and str(path).endswith(".bin"):
-        raise ValueError(
+        raise PlanError(
             f"data.init_args.path={path!r} is a token file and data.init_args.vocab_size is not set: the plan does "
             "not read the data; set vocab_size (e.g. 50304 for GPT-2 tokens)"
         )
     return 256  # byte-level text
 
 
-def _build(namespace: Any) -> Any:
-    return _import(namespace.class_path)(**_init_args(namespace))
+def _build(namespace: Any, key: str, init_args: dict[str, Any] | None = None) -> Any:
+    """The class ``namespace`` names, built with its init_args (or ``init_args``); what its constructor refuses is a
+    `PlanError` naming ``key``, the config's section, as ``fit`` names it."""
+    cls = _import(namespace.class_path)
+    try:
+        return cls(**(_init_args(namespace) if init_args is None else init_args))
+    except (ValueError, TypeError) as error:
+        raise PlanError(f"{key} ({namespace.class_path}): {error}") from error
+
+
+def _device_memory_argument(text: str) -> str:
+    try:
+        device_bytes(text)
+    except PlanError as error:
+        raise argparse.ArgumentTypeError(str(error)) from error
+    return text
+
+
+def _replicas_argument(text: str) -> int:
+    try:
+        replicas = int(text)
+    except ValueError:
+        replicas = 0
+    if replicas < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a number of replicas: an integer >= 1, the data-parallel replicas of each stage "
+            "(default: world size / pipeline_stages)"
+        )
+    return replicas
 
 
 def _import(class_path: str) -> Any:
@@ -454,4 +598,7 @@ def _tensors(values: Any) -> list[torch.Tensor]:
     return [t for t in values if isinstance(t, torch.Tensor)] if isinstance(values, (list, tuple)) else []
 
 
-__all__ = ["describe", "load_config", "main", "measure", "optimizer_factory", "plan", "plan_config"]
+__all__ = [
+    "PlanError", "describe", "device_bytes", "load_config", "main", "measure", "optimizer_factory", "plan",
+    "plan_config", "unified_precision",
+]  # fmt: skip

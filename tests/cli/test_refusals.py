@@ -1,0 +1,187 @@
+"""What the command line refuses: a usage error (exit 2) that names the value and the fix, never a traceback, for
+`fit` (a value a constructor refuses) and `plan` (what fit would refuse, and its own arguments)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from lightning.pytorch import LightningModule
+
+import lit_efficient.cli.plan as plan_module
+from lit_efficient import PACIStrategy
+from lit_efficient.cli import main as cli_main
+from lit_efficient.cli.app import LitEfficientCLI
+from lit_efficient.cli.plan import main as plan_main
+from lit_efficient.cli.plan import plan
+from lit_efficient.models import GPT
+
+REPO = Path(__file__).resolve().parents[2]
+QUICKSTART = str(REPO / "configs" / "quickstart.yaml")
+
+
+@pytest.fixture(autouse=True)
+def _no_pytest_argv(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["lit-efficient"])  # LightningCLI warns when args and sys.argv both exist
+
+
+def _overlay(tmp_path: Path, trainer: dict) -> str:
+    path = tmp_path / "overlay.yaml"
+    path.write_text(yaml.safe_dump({"trainer": trainer}))
+    return str(path)
+
+
+def _usage_error(capsys, run, *args: str) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        run(list(args))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "Does not validate against any of the Union subtypes" not in err
+    return err
+
+
+# -- fit: a value a constructor refuses ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "option, value, line",
+    [
+        ("--trainer.strategy.init_args.p2p_timeout", "-1",
+         "trainer.strategy (lit_efficient.PACIStrategy): p2p_timeout=-1.0 must be a positive number of seconds"),
+        ("--trainer.strategy.init_args.local_sgd_steps", "0",
+         "trainer.strategy (lit_efficient.PACIStrategy): local_sgd_steps=0 must be None"),
+        ("--model.init_args.n_layer", "0", "model (lit_efficient.models.GPT): GPT(n_layer=0)"),
+        ("--data.init_args.block_size", "0", "data (lit_efficient.data.TextDataModule): TextDataModule(block_size=0)"),
+    ],
+)  # fmt: skip
+def test_a_value_a_constructor_refuses_is_a_usage_error(capsys, option, value, line):
+    err = _usage_error(capsys, cli_main, "fit", "--config", QUICKSTART, "--trainer.logger=false", option, value)
+    assert f"lit-efficient: error: {line}" in err
+    assert "--help" not in err.splitlines()[0] and len(err.strip().splitlines()) <= 3  # a line, not the usage
+
+
+def test_a_refused_callback_is_named_by_its_place_in_the_list(capsys, tmp_path):
+    overlay = _overlay(tmp_path, {"callbacks": [
+        {"class_path": "lit_efficient.PipelineMonitor"},
+        {"class_path": "lit_efficient.GradientAccumulation", "init_args": {"steps": 0}},
+    ]})  # fmt: skip
+    err = _usage_error(capsys, cli_main, "fit", "--config", QUICKSTART, "--config", overlay, "--trainer.logger=false")
+    assert "error: trainer.callbacks[1] (lit_efficient.GradientAccumulation): steps=0 must be an integer >= 1" in err
+    assert "lit-efficient fit --trainer.callbacks.help lit_efficient.GradientAccumulation" in err
+
+
+class Broken(LightningModule):
+    """A module whose constructor has a bug (not a refusal of a value): its error must keep its traceback."""
+
+    def __init__(self, vocab_size: int = 256, block_size: int = 64) -> None:
+        super().__init__()
+        raise RuntimeError("a bug in the constructor")
+
+
+def test_other_errors_keep_their_traceback():
+    with pytest.raises(ValueError, match="a bug in the constructor"):  # jsonargparse's, as before: not an exit
+        LitEfficientCLI(args=["--model", f"{__name__}.Broken", "--trainer.logger=false"], run=False)
+
+
+def test_the_model_keeps_its_hyperparameters_for_load_from_checkpoint():
+    """The refusals are noted around LightningCLI's own instantiators, which still run."""
+    cli = LitEfficientCLI(args=["--model.init_args.n_layer=1", "--trainer.logger=false"], run=False)
+    assert cli.model.hparams["_instantiator"] == "lightning.pytorch.cli.instantiate_module"
+
+
+# -- plan: what fit refuses, before measuring ------------------------------------------------------
+
+
+@pytest.fixture
+def _no_measuring(monkeypatch):
+    def measured(*args, **kwargs):
+        raise AssertionError("measured before refusing")
+
+    monkeypatch.setattr(plan_module, "measure_stages", measured)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--trainer.strategy.init_args.pipeline_stages", "10", "--trainer.devices", "10"],
+         "pipeline_stages=10 exceeds the 6 layers of pipeline_layers()"),
+        (["--replicas", "0"], "argument --replicas: '0' is not a number of replicas: an integer >= 1"),
+        (["--device-memory", "80gigs"], "argument --device-memory: cannot read '80gigs' as a size"),
+        (["--device-memory", "0"], "'0' is no device memory"),
+        (["--trainer.strategy", "ddp"], "trainer.strategy='ddp': the plan covers PACIStrategy"),
+        (["--trainer.strategy.init_args.p2p_timeout", "-1"],
+         "trainer.strategy (lit_efficient.PACIStrategy): p2p_timeout=-1.0 must be a positive number of seconds"),
+        (["--model.init_args.n_layer", "0"], "model (lit_efficient.models.GPT): GPT(n_layer=0)"),
+        (["--trainer.accumulate_grad_batches", "0"], "trainer.accumulate_grad_batches=0: micro-batches per optimizer"),
+        (["--trainer.devices", "3"], "pipeline_stages=2 does not divide the world size 3"),
+        (["--trainer.precision", "16-mixed"], "precision='16-mixed' is not supported by PACIStrategy"),
+    ],
+)  # fmt: skip
+def test_plan_refusals_are_usage_errors(capsys, _no_measuring, args, message):
+    err = _usage_error(capsys, plan_main, "--config", QUICKSTART, *args)
+    assert "lit-efficient plan: error: " in err and message in err
+
+
+def test_plan_refuses_gradient_accumulation_as_the_callback_does(capsys, tmp_path, _no_measuring):
+    steps_0 = _overlay(tmp_path, {"callbacks": [{"class_path": "lit_efficient.GradientAccumulation",
+                                                 "init_args": {"steps": 0}}]})  # fmt: skip
+    err = _usage_error(capsys, plan_main, "--config", QUICKSTART, "--config", steps_0)
+    assert "trainer.callbacks[0] (lit_efficient.GradientAccumulation): steps=0 must be an integer >= 1" in err
+    schedule = _overlay(tmp_path, {"callbacks": [{"class_path": "lit_efficient.GradientAccumulation",
+                                                  "init_args": {"steps": {0: 2, 4: 8}}}]})  # fmt: skip
+    err = _usage_error(capsys, plan_main, "--config", QUICKSTART, "--config", schedule)  # quickstart's N=4 too
+    assert "Trainer(accumulate_grad_batches=4) and GradientAccumulation(steps={0: 2, 4: 8})" in err
+
+
+def test_plan_refuses_before_measuring_from_python(_no_measuring):
+    with torch.device("meta"):
+        module = GPT(vocab_size=256, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    batch = tuple(torch.zeros(2, 16, dtype=torch.long, device="meta") for _ in range(2))
+    for kwargs, match in [({"replicas": 0}, "replicas=0"), ({"device_memory": "lots"}, "cannot read 'lots'"),
+                          ({"precision": "16-mixed"}, "16-mixed"), ({"accumulate": 0}, "accumulate=0")]:  # fmt: skip
+        with pytest.raises(plan_module.PlanError, match=match):
+            plan(module, batch, PACIStrategy(pipeline_stages=2), **kwargs)
+
+
+def test_plan_takes_a_gradient_accumulation_schedule_at_its_largest_n(capsys, tmp_path):
+    schedule = _overlay(tmp_path, {"accumulate_grad_batches": 1, "callbacks": [
+        {"class_path": "lit_efficient.GradientAccumulation", "init_args": {"steps": {0: 2, 4: 8}}}]})  # fmt: skip
+    assert plan_main(["--config", QUICKSTART, "--config", schedule]) == 0
+    assert "N=8 (the largest of GradientAccumulation's schedule {0: 2, 4: 8})" in capsys.readouterr().out
+    assert plan_main(["--config", QUICKSTART, "--config", schedule, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["accumulate"] == 8 and out["context"]["accumulate_schedule"] == {"0": 2, "4": 8}
+
+
+def test_plan_counts_devices_given_on_the_command_line(capsys):
+    assert plan_main(["--config", QUICKSTART, "--json", "--trainer.devices", "4"]) == 0  # a string: "4"
+    assert json.loads(capsys.readouterr().out)["replicas"] == 2
+
+
+@pytest.mark.parametrize("given, unified", [("bf16", "bf16-mixed"), ("32", "32-true"), (32, "32-true")])
+def test_plan_reads_lightnings_precision_aliases(given, unified):
+    assert plan_module.unified_precision(given) == unified
+
+
+def test_plan_plans_bf16_as_fit_runs_it(capsys):
+    assert plan_main(["--config", QUICKSTART, "--json", "--trainer.precision", "bf16"]) == 0
+    assert json.loads(capsys.readouterr().out)["context"]["precision"] == "bf16-mixed"
+
+
+# -- the top-level help ----------------------------------------------------------------------------
+
+
+def test_top_level_help_lists_plan(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "{fit,validate,test,predict,plan}" in out
+    assert any(line.split()[:1] == ["plan"] and "Memory per pipeline stage" in line for line in out.splitlines())
+    with pytest.raises(SystemExit) as exit_info:  # a script whose entry point is the class runs plan the same
+        LitEfficientCLI(args=["plan", "--help"])
+    assert exit_info.value.code == 0 and "usage: lit-efficient plan" in capsys.readouterr().out
