@@ -1,9 +1,9 @@
 """Byte-level language-modelling data: the embedded default corpus and user-supplied paths.
 
 This file owns turning a corpus into one flat token array (bytes 0..255 for text, uint16 ids for a
-nanoGPT `.bin`; finding and concatenating the files is `corpus.py`'s), the contiguous
-train/validation split, the fixed-block datasets and the `TextDataModule` that serves them. Nothing
-here downloads: the default corpus is the Python standard library source of the running
+nanoGPT `.bin`, uint32 ids for a ``.uint32.bin``; finding and concatenating the files is `corpus.py`'s),
+the contiguous train/validation split, the fixed-block datasets and the `TextDataModule` that serves them.
+Nothing here downloads: the default corpus is the Python standard library source of the running
 interpreter, which every machine that runs this has.
 """
 
@@ -38,17 +38,30 @@ def read_text(source: Path, max_bytes: int | None) -> bytes:
         return f.read() if max_bytes is None else f.read(max_bytes)
 
 
+# A token file's ids by its name: ``<name>.uint32.bin`` (TokenizedDataModule's caches for vocabularies above 65,536
+# ids), ``<name>.uint16.bin``, and nanoGPT's plain ``.bin``, uint16.
+_UINT16 = np.dtype("<u2")
+_UINT32 = np.dtype("<u4")
+
+
+def token_dtype(path: Path) -> np.dtype:
+    """The ids' dtype of a token file, by its suffixes: ``.uint32.bin`` is uint32; ``.uint16.bin`` and a plain
+    ``.bin`` (nanoGPT's) are uint16."""
+    return _UINT32 if path.name.endswith(".uint32.bin") else _UINT16
+
+
 def read_token_file(path: Path) -> np.ndarray:
-    """A nanoGPT ``.bin`` (flat little-endian uint16 token ids), memory-mapped, not read into RAM."""
+    """A token file (flat little-endian ids, uint16 or uint32 by `token_dtype`), memory-mapped, not read into RAM."""
+    dtype = token_dtype(path)
     size = path.stat().st_size
-    if size % 2:
+    if size % dtype.itemsize:
         raise ValueError(
-            f"{path} has {size} bytes, not a whole number of uint16 tokens; a .bin must be a flat uint16 "
-            f"array (nanoGPT's format). Rename it if it is text."
+            f"{path} has {size} bytes, not a whole number of {dtype.name} tokens; a .bin must be a flat {dtype.name} "
+            f"array (nanoGPT's format is uint16; name a uint32 one <name>.uint32.bin). Rename it if it is text."
         )
     if size == 0:
-        return np.zeros(0, dtype=np.uint16)  # np.memmap refuses empty files
-    return np.memmap(path, dtype=np.dtype("<u2"), mode="r")
+        return np.zeros(0, dtype=dtype)  # np.memmap refuses empty files
+    return np.memmap(path, dtype=dtype, mode="r")
 
 
 class TokenBlocks(Dataset):
@@ -58,13 +71,19 @@ class TokenBlocks(Dataset):
     finite, so an epoch is well defined; the order comes from the DataLoader's sampler.
 
     Args:
-        tokens: Flat token array (uint8 bytes or uint16 ids; a memmap is fine).
+        tokens: Flat token array (uint8 bytes, uint16 or uint32 ids; a memmap is fine).
         block_size: Tokens per input sequence.
+        vocab_size: Every id must be below it; each block read is checked (its max: a few hundred values), so an
+            id out of range is an error naming it here, not an IndexError (or a device-side assert) in the
+            embedding. None checks nothing.
+        source: What the tokens were read from, for that error.
     """
 
-    def __init__(self, tokens: np.ndarray, block_size: int) -> None:
+    def __init__(self, tokens: np.ndarray, block_size: int, vocab_size: int | None = None, source: str = "") -> None:
         self.tokens = tokens
         self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.source = source
 
     def __len__(self) -> int:
         return len(self.tokens) // (self.block_size + 1)
@@ -73,7 +92,16 @@ class TokenBlocks(Dataset):
         if not 0 <= index < len(self):
             raise IndexError(f"block {index} out of range for {len(self)} blocks")
         start = index * (self.block_size + 1)
-        block = torch.from_numpy(np.asarray(self.tokens[start : start + self.block_size + 1], dtype=np.int64))
+        ids = np.asarray(self.tokens[start : start + self.block_size + 1], dtype=np.int64)
+        if self.vocab_size is not None and int(ids.max()) >= self.vocab_size:
+            where = int(ids.argmax())
+            raise ValueError(
+                f"token id {int(ids[where])} (block {index}, position {where}) of {self.source or 'the tokens'} is "
+                f"not below vocab_size={self.vocab_size}. Pass the vocabulary the ids come from (vocab_size at least "
+                f"{int(ids[where]) + 1}, or None to scan the file for it) and a model that large; if the file holds "
+                "uint32 ids, name it <name>.uint32.bin (a plain .bin is read as uint16)."
+            )
+        block = torch.from_numpy(ids)
         return block[:-1], block[1:]
 
 
@@ -89,7 +117,10 @@ class TextDataModule(LightningDataModule):
     - a text file (any suffix but ``.bin``): its bytes.
     - a folder: its ``.txt``, ``.md``, ``.rst`` and ``.py`` files, recursively, sorted by path,
       hidden files skipped, joined by newlines.
-    - a ``.bin`` file: flat uint16 token ids (nanoGPT's ``prepare.py`` format), memory-mapped.
+    - a ``.bin`` file: flat token ids, memory-mapped: uint16 (nanoGPT's ``prepare.py`` format) for a plain
+      ``.bin`` or a ``.uint16.bin``, uint32 for a ``.uint32.bin`` (`TokenizedDataModule`'s token files for a
+      vocabulary above 65,536 ids). A plain ``.bin`` with a ``vocab_size`` above 65,536 is refused: its ids
+      cannot be told from uint32 ones, so name it by its dtype.
 
     Text is byte-level: token = byte, vocabulary 256. The last `val_fraction` of the tokens is the
     validation split (also served by `test_dataloader` and `predict_dataloader`: there is no third
@@ -105,8 +136,8 @@ class TextDataModule(LightningDataModule):
     per process.
 
     Args:
-        path: Text file, folder of text files, or nanoGPT ``.bin`` of uint16 tokens; None uses the
-            embedded standard-library corpus.
+        path: Text file, folder of text files, or token file (``.bin``/``.uint16.bin``: uint16 ids,
+            ``.uint32.bin``: uint32 ids); None uses the embedded standard-library corpus.
         block_size: Tokens per training sequence (the model's context; match `GPT(block_size=...)`).
         batch_size: Sequences per batch, i.e. per micro-batch.
         num_workers: DataLoader worker processes (0 loads in the main process; enough for this data).
@@ -117,7 +148,8 @@ class TextDataModule(LightningDataModule):
             MB of memory on a laptop, which is already far more text than a CPU run consumes. ``.bin``
             files are memory-mapped and never capped.
         vocab_size: Token ids are below this. None: 256 for text; for ``.bin`` the largest id + 1, which
-            scans the file once (pass it, e.g. 50257 for GPT-2 tokens, to skip the scan).
+            scans the file once (pass it, e.g. 50257 for GPT-2 tokens, to skip the scan; each block read is
+            then checked against it).
     """
 
     def __init__(
@@ -156,6 +188,14 @@ class TextDataModule(LightningDataModule):
                 f"TextDataModule(vocab_size={vocab_size}) is too small: text is byte-level and needs 256; "
                 f"a .bin needs its largest token id + 1 (or None to compute it)."
             )
+        plain = self.is_token_file and not source.name.endswith((".uint16.bin", ".uint32.bin"))
+        if plain and vocab_size is not None and vocab_size > 1 << 16:
+            raise ValueError(
+                f"TextDataModule(path={path!r}, vocab_size={vocab_size}): a plain .bin is read as nanoGPT's uint16 "
+                f"ids, which stop at 65,535, and a vocabulary of {vocab_size:,} ids needs uint32 ones (as "
+                f"TokenizedDataModule's tokens-....uint32.bin). Name the file by its dtype: "
+                f"{source.stem}.uint32.bin if it holds uint32 ids, {source.stem}.uint16.bin if uint16."
+            )
         # Loggers merge the module's and the data module's hparams and refuse keys whose values differ:
         # a None vocab_size ("derive it") would clash with the model's 256, so save it only when given.
         self.save_hyperparameters(ignore=["vocab_size"] if vocab_size is None else None)
@@ -185,7 +225,7 @@ class TextDataModule(LightningDataModule):
 
     @property
     def tokens(self) -> np.ndarray:
-        """The whole corpus as a flat token array (uint8 for text, uint16 memmap for .bin); loaded once."""
+        """The whole corpus as a flat token array (uint8 for text, a uint16 or uint32 memmap for .bin); loaded once."""
         if self._tokens is None:
             if self.is_token_file:
                 tokens = read_token_file(self._source)
@@ -223,7 +263,10 @@ class TextDataModule(LightningDataModule):
                     f"val_fraction={self.val_fraction}), fewer than block_size + 1 = {need}; lower block_size, "
                     f"adjust val_fraction, or give more text (max_bytes={self.max_bytes})."
                 )
-        train_set = TokenBlocks(tokens[:n_train], self.block_size)
+        # Token ids are checked against the vocabulary given (or the tokenizer's); a scanned one holds them all.
+        token_file = self._token_file_read()
+        check = (None, "") if token_file is None else (self._vocab_size, str(token_file))
+        train_set = TokenBlocks(tokens[:n_train], self.block_size, *check)
         if len(train_set) < self.batch_size:
             raise ValueError(
                 f"TextDataModule: the training split holds {len(train_set)} blocks of {need} {unit}, fewer than "
@@ -231,7 +274,11 @@ class TextDataModule(LightningDataModule):
                 f"or block_size, or give more text."
             )
         self.train_set = train_set
-        self.val_set = TokenBlocks(tokens[n_train:], self.block_size)
+        self.val_set = TokenBlocks(tokens[n_train:], self.block_size, *check)
+
+    def _token_file_read(self) -> Path | None:
+        """The token file the ids are read from (a .bin path; `TokenizedDataModule`: its cache file), None for text."""
+        return self._source if self.is_token_file else None
 
     @override
     def train_dataloader(self) -> DataLoader:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lit_efficient.data.text import TextDataModule
@@ -109,7 +109,9 @@ class TokenizedDataModule(TextDataModule):
         num_workers: DataLoader worker processes.
         val_fraction: Fraction of the tokens, from the end, used for validation; in (0, 1).
         seed: Seed of the training shuffle.
-        max_bytes: Cap on the text bytes read before tokenizing; None reads everything.
+        max_bytes: Cap on the text bytes read before tokenizing (8 MB by default, as `TextDataModule`'s: a few
+            million tokens, far more than a CPU run consumes); None reads everything. A cap that cuts the text
+            is said (a warning for your own ``path``, a log line for the embedded corpus) with how much it kept.
         cache_dir: Folder of the token files; None: ``$LIT_EFFICIENT_CACHE``, else ``~/.cache/lit_efficient``.
     """
 
@@ -128,7 +130,8 @@ class TokenizedDataModule(TextDataModule):
         if path is not None and Path(path).suffix == ".bin":
             raise ValueError(
                 f"TokenizedDataModule(path={path!r}): a .bin is already token ids; read it with "
-                "TextDataModule(path=..., vocab_size=<the tokenizer's vocabulary>)."
+                "TextDataModule(path=..., vocab_size=<the tokenizer's vocabulary>) (uint32 ids: name it "
+                "<name>.uint32.bin)."
             )
         super().__init__(path, block_size, batch_size, num_workers, val_fraction, seed, max_bytes)
         self.tokenizer = load_tokenizer(tokenizer)
@@ -190,7 +193,28 @@ class TokenizedDataModule(TextDataModule):
                 source = f"path={self.path!r}" if self.path is not None else "the embedded corpus"
                 raise ValueError(f"TokenizedDataModule: {source} gave no tokens; give a path with some text in it.")
             self._tokens = np.memmap(target, dtype=self._dtype, mode="r")
+            self._say_if_capped()
         return self._tokens
+
+    @override
+    def _token_file_read(self) -> Path | None:
+        return self.token_file
+
+    def _say_if_capped(self) -> None:
+        """Say when ``max_bytes`` cut the text (from the files' sizes: nothing is read again), on every run that
+        reads a token file, written now or before: the rest of the user's text is never trained on."""
+        total = sum(p.stat().st_size for p in documents_files(self._source))
+        if self.max_bytes is None or total <= self.max_bytes:
+            return
+        message = (
+            f"TokenizedDataModule: text capped at max_bytes={self.max_bytes:,} bytes of {total:,} "
+            f"({self.max_bytes / total:.1%}); the rest is not tokenized. Set max_bytes=None "
+            "(--data.init_args.max_bytes null) to read it all, or a larger cap."
+        )
+        if self._source is None:  # the embedded corpus, cut by design
+            rank_zero_info(message)
+        else:
+            rank_zero_warn(message)
 
 
 def documents_files(source: Path | None) -> list[Path]:

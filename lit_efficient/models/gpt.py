@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from torchmetrics.text import Perplexity
 from typing_extensions import override
@@ -160,6 +161,29 @@ def cosine_with_warmup(step: int, warmup_steps: int, max_steps: int, min_lr_rati
     return min_lr_ratio + 0.5 * (1.0 + math.cos(math.pi * progress)) * (1.0 - min_lr_ratio)
 
 
+def check_betas(owner: str, betas: Any) -> None:
+    """Refuse AdamW betas that are not two values in [0, 1) now, rather than in every rank's first step."""
+    try:
+        values = tuple(float(b) for b in betas)
+    except (TypeError, ValueError):
+        values = ()
+    if len(values) != 2 or not all(0.0 <= b < 1.0 for b in values):
+        shown = tuple(betas) if isinstance(betas, Sequence) and not isinstance(betas, str) else betas
+        raise ValueError(f"{owner}(betas={shown!r}) must be two values in [0, 1), e.g. (0.9, 0.95).")
+
+
+def warn_long_warmup(owner: str, warmup_steps: int, total: int | float, source: str) -> None:
+    """Warn when the linear warmup lasts the whole run: the learning rate then never reaches its peak and the
+    cosine never decays it. A warning, not an error: a run that only ever warms up may be what a user wants."""
+    if math.isfinite(total) and warmup_steps >= total >= 1:
+        total = int(total)
+        rank_zero_warn(
+            f"{owner}(warmup_steps={warmup_steps}) is not below the run's {total} optimizer steps ({source}): the "
+            f"learning rate never reaches its peak and never decays. Set warmup_steps below {total} (e.g. "
+            f"{total // 10}, a tenth of the run), or train for more steps."
+        )
+
+
 def adamw_with_warmup_cosine(module: LightningModule, decay: list, no_decay: list) -> dict[str, Any]:
     """AdamW over a decayed and an undecayed group, with a per-step linear warmup + cosine LambdaLR, from
     the module's hparams (``learning_rate``, ``betas``, ``weight_decay``, ``warmup_steps``, ``max_steps``,
@@ -180,6 +204,12 @@ def adamw_with_warmup_cosine(module: LightningModule, decay: list, no_decay: lis
             f"set Trainer(max_steps=...) or max_epochs, or pass {name}(max_steps=...)."
         )
     warmup, floor, total = hp.warmup_steps, hp.min_lr_ratio, int(max_steps)
+    if hp.max_steps is None:
+        warn_long_warmup(type(module).__name__, warmup, total, f"trainer.estimated_stepping_batches={total}")
+    elif module._trainer is not None and 0 < module.trainer.max_steps < total:
+        # The schedule's own length was checked at construction; the run may stop before it ends.
+        steps = module.trainer.max_steps
+        warn_long_warmup(type(module).__name__, warmup, steps, f"Trainer(max_steps={steps})")
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: cosine_with_warmup(step, warmup, total, floor)
     )
@@ -246,6 +276,8 @@ class GPT(LightningModule):
             max_steps,
             min_lr_ratio,
         )
+        if max_steps is not None:
+            warn_long_warmup("GPT", warmup_steps, max_steps, f"max_steps={max_steps}")
         self.save_hyperparameters()
         self.embed = GPTEmbedding(vocab_size, block_size, n_embd, dropout)
         self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout, bias) for _ in range(n_layer))
@@ -463,8 +495,7 @@ def _check_args(
         raise ValueError(f"GPT(learning_rate={learning_rate}) must be > 0 (3e-4 is a good start).")
     if weight_decay < 0:
         raise ValueError(f"GPT(weight_decay={weight_decay}) must be >= 0; 0 disables decay.")
-    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-        raise ValueError(f"GPT(betas={tuple(betas)}) must be two values in [0, 1), e.g. (0.9, 0.95).")
+    check_betas("GPT", betas)
     if warmup_steps < 0:
         raise ValueError(f"GPT(warmup_steps={warmup_steps}) must be >= 0.")
     if max_steps is not None and max_steps < 1:

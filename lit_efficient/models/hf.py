@@ -29,7 +29,10 @@ The adapters are not registered in this module's tree (they hold the model's own
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import difflib
+import functools
 import inspect
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -41,7 +44,7 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lit_efficient.models.gpt import adamw_with_warmup_cosine
+from lit_efficient.models.gpt import adamw_with_warmup_cosine, check_betas, warn_long_warmup
 from lit_efficient.models.hf_router import (
     RouterAux,
     reinstall_output_capture_hooks,
@@ -81,14 +84,99 @@ def _check_has_a_head(model: nn.Module) -> None:
     )
 
 
-def load_hf_model(model: Any, vocab_size: int | None = None, attn_implementation: str | None = None) -> nn.Module:
+# Keys every config takes besides its class's fields: what PretrainedConfig's __post_init__ reads from its keyword
+# arguments (legacy names, implementation choices), and what a saved config.json (``to_diff_dict``) holds.
+_GENERIC_CONFIG_KEYS = frozenset({
+    "model_type", "transformers_version", "torch_dtype", "num_labels", "name_or_path", "_name_or_path",
+    "_commit_hash", "output_attentions", "attn_implementation", "experts_implementation", "per_layer_config",
+})  # fmt: skip
+# Legacy rotary keys, folded into rope_parameters by the configs that have it (and meaningless to those that do not).
+_ROPE_KEYS = frozenset({"rope_theta", "rope_scaling", "partial_rotary_factor"})
+# The dtype names HFCausalLM(dtype=...) takes, besides "auto".
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+@functools.cache
+def config_fields(config_class: type) -> frozenset[str]:
+    """The keys ``config_class(**values)`` uses: its fields and ``__init__`` parameters, the aliases of its
+    ``attribute_map``, the attributes its defaults set, and the keys any config takes (`_GENERIC_CONFIG_KEYS`,
+    generation defaults, legacy rotary keys where it has ``rope_parameters``)."""
+    from transformers import GenerationConfig
+
+    keys = {f.name for f in dataclasses.fields(config_class)} if dataclasses.is_dataclass(config_class) else set()
+    params = inspect.signature(config_class.__init__).parameters.values()
+    keys |= {p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)} - {"self"}
+    keys |= set(getattr(config_class, "attribute_map", {}))
+    # Defaults its own validator rejects (Gemma-4 assistant's): its fields stand.
+    with contextlib.suppress(Exception):
+        keys |= set(config_class().to_dict())
+    keys |= _GENERIC_CONFIG_KEYS | set(GenerationConfig._get_default_generation_params())
+    return frozenset((keys | _ROPE_KEYS) if "rope_parameters" in keys else keys)
+
+
+def _check_config_keys(values: Mapping[str, Any]) -> None:
+    """Refuse a config dict's keys that its class does not define: transformers keeps a misspelt key as an unused
+    attribute and builds the class's default instead (``num_hidden_layer: 4`` gives Llama's 32 layers), silently."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    model_type = values["model_type"]
+    if model_type not in CONFIG_MAPPING:
+        close = difflib.get_close_matches(str(model_type), list(CONFIG_MAPPING.keys()), n=3)
+        hint = f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
+        raise ValueError(
+            f"HFCausalLM(model={{'model_type': {model_type!r}, ...}}): transformers has no model type "
+            f"{model_type!r}{hint}; use a config.json's model_type, e.g. 'llama', 'gpt2' or 'qwen2'."
+        )
+    config_class = CONFIG_MAPPING[model_type]
+    allowed = config_fields(config_class)
+    unknown = [key for key in values if key not in allowed]
+    if not unknown:
+        return
+    named = []
+    for key in unknown:
+        close = difflib.get_close_matches(key, sorted(allowed), n=1)
+        named.append(f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key))
+    raise ValueError(
+        f"HFCausalLM(model={{'model_type': {model_type!r}, ...}}): {', '.join(named)} "
+        f"{'is not a field' if len(unknown) == 1 else 'are not fields'} of {config_class.__name__}: transformers "
+        f"would keep {'it' if len(unknown) == 1 else 'them'} as an unused attribute and leave the field meant at its "
+        f"default. Use {config_class.__name__}'s field names (its documentation lists them)."
+    )
+
+
+def _resolve_dtype(dtype: str | torch.dtype) -> torch.dtype | str:
+    """``dtype`` as a floating-point torch.dtype, or "auto"; a ValueError naming the choices otherwise."""
+    if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+        return dtype
+    if isinstance(dtype, str) and (dtype == "auto" or dtype.removeprefix("torch.") in _DTYPES):
+        return "auto" if dtype == "auto" else _DTYPES[dtype.removeprefix("torch.")]
+    raise ValueError(
+        f"HFCausalLM(dtype={dtype!r}) is not a dtype to train in: use 'float32' (the default: float32 weights, "
+        f"gradients and AdamW state), {', '.join(map(repr, list(_DTYPES)[1:]))}, 'auto' (the folder's own dtype, "
+        "as from_pretrained reads it) or a floating-point torch.dtype."
+    )
+
+
+def load_hf_model(
+    model: Any,
+    vocab_size: int | None = None,
+    attn_implementation: str | None = None,
+    dtype: str | torch.dtype = "float32",
+) -> nn.Module:
     """A `PreTrainedModel` from an instance (returned as is), a config dict with ``model_type`` (random
-    init), or a local folder written by ``save_pretrained``. Never downloads."""
+    init), or a local folder written by ``save_pretrained``. Never downloads.
+
+    A model built or loaded here has ``dtype`` parameters: float32 by default, whatever the folder's weights are
+    stored in (most downloaded checkpoints are bfloat16, which ``from_pretrained`` would keep); "auto" keeps
+    them. An instance keeps its own dtype."""
     try:
         from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
     except ImportError as err:  # pragma: no cover - the hf extra
         raise ImportError("HFCausalLM needs transformers: pip install 'lit-efficient[hf]'") from err
-    kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+    resolved = _resolve_dtype(dtype)
+    kwargs: dict[str, Any] = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+    # from_config builds in the config's own dtype (a folder's config.json says bfloat16) unless told; "auto" is that.
+    built = kwargs if resolved == "auto" else {**kwargs, "dtype": resolved}
     if isinstance(model, PreTrainedModel):
         return model
     if isinstance(model, Mapping):
@@ -98,10 +186,11 @@ def load_hf_model(model: Any, vocab_size: int | None = None, attn_implementation
                 f"HFCausalLM(model={values}) needs a 'model_type' key (e.g. 'llama', 'gpt2', 'qwen2') to pick the "
                 "config class"
             )
+        _check_config_keys(values)
         if vocab_size is not None:
             values.setdefault("vocab_size", vocab_size)
         config = AutoConfig.for_model(values.pop("model_type"), **values)
-        return AutoModelForCausalLM.from_config(config, **kwargs)
+        return AutoModelForCausalLM.from_config(config, **built)
     if isinstance(model, (str, Path)):
         folder = Path(model)
         if not (folder / "config.json").is_file():
@@ -111,10 +200,10 @@ def load_hf_model(model: Any, vocab_size: int | None = None, attn_implementation
                 "or pass a config dict with model_type."
             )
         if torch.get_default_device().type == "meta":  # the memory plan: the architecture, no weights to read
-            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder, local_files_only=True), **kwargs)
+            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder, local_files_only=True), **built)
         # from_pretrained returns the model in eval mode (for inference); a model built here is to train, and
         # Lightning keeps each submodule's mode as it finds it: left so, dropout would stay off, silently.
-        return AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, **kwargs).train()
+        return AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=resolved, **kwargs).train()
     raise TypeError(
         f"HFCausalLM(model=...) takes a transformers PreTrainedModel, a config dict or a local folder; got "
         f"{type(model).__name__}"
@@ -258,6 +347,12 @@ class HFCausalLM(LightningModule):
         block_size: The data's context length (linked by the CLI); checked against the model's
             ``max_position_embeddings`` when it has one.
         attn_implementation: ``"sdpa"``, ``"eager"``, ... for a model built here; None keeps HF's default.
+        dtype: The parameters' dtype of a model built or loaded here (a config dict or a folder); an instance
+            keeps its own. ``"float32"`` (default) loads a bfloat16 checkpoint (most downloaded ones) in float32,
+            so the master weights, the accumulated gradients and the AdamW state are float32; train in bf16
+            with ``Trainer(precision="bf16-mixed")``. ``"bfloat16"``, ``"float16"`` or ``"auto"`` (the folder's
+            own dtype) train those in that dtype: pure low-precision training, the mode the strategy refuses
+            as a Trainer precision; choose it knowingly. ``"float64"`` or a torch.dtype are taken too.
         learning_rate: Peak AdamW learning rate, reached at the end of warmup.
         weight_decay: Decoupled weight decay of matrix weights (not of embeddings, norms or biases).
         betas: AdamW (beta1, beta2).
@@ -273,6 +368,7 @@ class HFCausalLM(LightningModule):
         vocab_size: int | None = None,
         block_size: int | None = None,
         attn_implementation: str | None = None,
+        dtype: str | torch.dtype = "float32",
         learning_rate: float = 3e-4,
         weight_decay: float = 0.1,
         betas: tuple[float, float] = (0.9, 0.95),
@@ -287,9 +383,12 @@ class HFCausalLM(LightningModule):
                 f"min_lr_ratio={min_lr_ratio}): need learning_rate > 0, weight_decay >= 0, warmup_steps >= 0 and "
                 "min_lr_ratio in [0, 1]"
             )
+        check_betas("HFCausalLM", betas)
         if max_steps is not None and max_steps < 1:
             raise ValueError(f"HFCausalLM(max_steps={max_steps}) must be >= 1, or None to use the Trainer's estimate.")
-        self.model = load_hf_model(model, vocab_size, attn_implementation)
+        if max_steps is not None:
+            warn_long_warmup("HFCausalLM", warmup_steps, max_steps, f"max_steps={max_steps}")
+        self.model = load_hf_model(model, vocab_size, attn_implementation, dtype)
         _check_has_a_head(self.model)
         # The data's sizes only when given (as TextDataModule saves its vocab_size): Lightning refuses a key that the
         # model and the datamodule both log with different values, and None would clash with the data's.
@@ -297,6 +396,8 @@ class HFCausalLM(LightningModule):
         self.save_hyperparameters(ignore=["model", *unset])
         # A plain value, so a checkpoint rebuilds the architecture (its weights come from the state dict).
         self.hparams["model"] = model if isinstance(model, (Mapping, str)) else self._config_dict()
+        if isinstance(dtype, torch.dtype):  # by name: a logger's hparams.yaml cannot hold a torch.dtype
+            self.hparams["dtype"] = str(dtype).removeprefix("torch.")
         # Before the structure: a refused loss term is the user's setting to change.
         coef = router_aux_loss_coef(self.model)
         s = find_structure(self.model)  # fail at construction for an architecture it cannot split

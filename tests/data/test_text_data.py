@@ -143,3 +143,46 @@ def test_input_errors_say_what_to_change(tmp_path):
         TextDataModule(str(odd)).setup("fit")
     with pytest.raises(RuntimeError, match="setup"):
         TextDataModule(str(short)).train_dataloader()
+
+
+def test_token_files_are_read_in_the_dtype_their_name_says(tmp_path):
+    """Every .bin was read as uint16: a uint32 token file (TokenizedDataModule's for a vocabulary above 65,536 ids,
+    the .bin that TokenizedDataModule's refusal sends to TextDataModule) trained on garbage, silently."""
+    ids = (np.arange(3000) * 7919 % 100_000).astype("<u4")
+    ids.tofile(tmp_path / "tokens.uint32.bin")
+    wide = TextDataModule(str(tmp_path / "tokens.uint32.bin"), block_size=16, batch_size=2)
+    assert wide.tokens.dtype == np.dtype("<u4") and np.array_equal(wide.tokens, ids)
+    assert wide.vocab_size == int(ids.max()) + 1 > 65_536
+    wide.setup("fit")
+    x, y = next(iter(wide.val_dataloader()))
+    assert x.max() > 65_535 and torch.equal(x[:, 1:], y[:, :-1])
+    ids.astype("<u2").tofile(tmp_path / "tokens.uint16.bin")
+    assert TextDataModule(str(tmp_path / "tokens.uint16.bin")).tokens.dtype == np.dtype("<u2")
+    (tmp_path / "odd.uint32.bin").write_bytes(b"\x00" * 6)
+    with pytest.raises(ValueError, match="whole number of uint32 tokens"):
+        TextDataModule(str(tmp_path / "odd.uint32.bin")).setup("fit")
+
+
+def test_a_plain_bin_with_a_vocabulary_above_uint16_is_refused_naming_the_rename(tmp_path):
+    path = tmp_path / "train.bin"
+    np.arange(100, dtype="<u4").tofile(path)
+    with pytest.raises(ValueError, match=r"vocab_size=128256\): a plain \.bin is read as nanoGPT's uint16 ids.*"
+                       r"Name the file by its dtype: train\.uint32\.bin if it holds uint32 ids"):  # fmt: skip
+        TextDataModule(str(path), vocab_size=128_256)
+    TextDataModule(str(path), vocab_size=65_536)  # every uint16 id: no ambiguity
+
+
+def test_a_token_id_not_below_the_given_vocabulary_is_named_where_blocks_are_read(tmp_path):
+    """A uint32 file named .bin, or a vocab_size too small, gave an IndexError (a device-side assert on GPU) in the
+    model's embedding, far from the file."""
+    path = tmp_path / "train.bin"
+    ids = np.arange(2000, dtype="<u2") % 300
+    ids[1234] = 40_000
+    ids.tofile(path)
+    data = TextDataModule(str(path), block_size=16, batch_size=4, vocab_size=300)
+    data.setup("fit")
+    block = 1234 // 17
+    with pytest.raises(ValueError, match=rf"token id 40000 \(block {block}, position {1234 - 17 * block}\) of "
+                       rf".*train\.bin is not below vocab_size=300\. Pass the vocabulary"):  # fmt: skip
+        data.train_set[block]
+    assert data.train_set[0][0].max() < 300  # the other blocks read as before

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -65,3 +68,21 @@ def test_mistakes_are_refused_with_the_fix(tmp_path, demo_model):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="holds no text file"):
         TokenizedDataModule(str(demo_model), path=str(tmp_path / "empty"), cache_dir=str(tmp_path)).prepare_data()
+
+
+def test_a_cap_that_cuts_the_text_says_how_much_it_kept(texts, demo_model, tmp_path, caplog):
+    """max_bytes (8 MB by default) cut a user's corpus without a word: the rest was never trained on."""
+    total = sum(p.stat().st_size for p in texts.glob("*.*") if p.suffix != ".bin")  # a.txt and b.md: 12,200
+    data = TokenizedDataModule(
+        str(demo_model), path=str(texts), block_size=16, max_bytes=6_000, cache_dir=str(tmp_path)
+    )
+    with pytest.warns(UserWarning, match=rf"text capped at max_bytes=6,000 bytes of {total:,} \(49\.2%\); the rest "
+                      r"is not tokenized\. Set max_bytes=None"):  # fmt: skip
+        assert len(data.tokens) > 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the whole text: nothing to say
+        whole = TokenizedDataModule(str(demo_model), path=str(texts), max_bytes=total, cache_dir=str(tmp_path))
+        assert len(whole.tokens) > len(data.tokens)
+    with caplog.at_level(logging.INFO):  # the embedded corpus is cut by design: a log line, not a warning
+        assert len(TokenizedDataModule(str(demo_model), max_bytes=2_000, cache_dir=str(tmp_path)).tokens) > 0
+    assert "text capped at max_bytes=2,000 bytes of" in caplog.text

@@ -177,6 +177,7 @@ def test_encode_decode_bytes():
         (dict(learning_rate=0.0), "learning_rate"),
         (dict(weight_decay=-0.1), "weight_decay"),
         (dict(betas=(0.9, 1.0)), "betas"),
+        (dict(betas=0.9), r"betas=0\.9\) must be two values in \[0, 1\)"),  # was a TypeError from len()
         (dict(warmup_steps=-1), "warmup_steps"),
         (dict(max_steps=0), "max_steps=0"),
         (dict(min_lr_ratio=1.5), "min_lr_ratio"),
@@ -219,6 +220,20 @@ def test_short_fit_on_the_embedded_corpus_lowers_the_loss():
     trainer_predict = _trainer(limit_predict_batches=1)
     predictions = trainer_predict.predict(model, datamodule=data)
     assert predictions[0].shape == (8, 32) and predictions[0].dtype == torch.long
+
+
+def test_a_warmup_as_long_as_the_run_warns_with_the_numbers_and_the_fix():
+    """GPT's default warmup_steps=100 with --trainer.max_steps 50 trained 50 steps at a rising learning rate that never
+    reached its peak nor decayed, silently."""
+    with pytest.warns(UserWarning, match=r"GPT\(warmup_steps=100\) is not below the run's 50 optimizer steps "
+                      r"\(max_steps=50\).*never reaches its peak.*Set warmup_steps below 50 \(e\.g\. 5"):  # fmt: skip
+        tiny_gpt(max_steps=50)
+    data = TextDataModule(block_size=32, batch_size=2, max_bytes=20_000)
+    with pytest.warns(UserWarning, match=r"run's 1 optimizer steps \(trainer\.estimated_stepping_batches=1\)"):
+        _trainer(max_steps=1, limit_val_batches=0).fit(tiny_gpt(), datamodule=data)
+    model = tiny_gpt(warmup_steps=10, max_steps=100)  # the schedule is long enough; the run stops in its warmup
+    with pytest.warns(UserWarning, match=r"warmup_steps=10\) is not below the run's 1 optimizer steps \(Trainer\("):
+        _trainer(max_steps=1, limit_val_batches=0).fit(model, datamodule=data)
 
 
 def test_fit_refuses_data_the_model_cannot_embed():

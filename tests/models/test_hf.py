@@ -7,6 +7,7 @@ run the real Trainer with a user's default arguments (spawned ranks, gloo) again
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import lightning as L
@@ -445,3 +446,66 @@ def test_blocks_longer_than_the_position_table_are_refused_with_the_fix():
         trainer.fit(model, datamodule=TextDataModule(block_size=32, batch_size=2, max_bytes=20_000))
     with pytest.raises(ValueError, match="sequences have 32 tokens but GPT2LMHeadModel has max_position_embeddings"):
         model.pipeline_input((torch.zeros(2, 32, dtype=torch.long), None))
+
+
+def test_a_bfloat16_folder_loads_in_float32_unless_asked(tmp_path):
+    """Most downloaded checkpoints (Qwen2.5, Llama 3.2) are bfloat16, and transformers 5 loads a folder in its own
+    dtype: the master weights, gradients and AdamW state were bfloat16 (pure-bf16 training), silently."""
+    llama().to(torch.bfloat16).save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "bfloat16"
+    module = HFCausalLM(str(tmp_path))
+    assert {p.dtype for p in module.parameters()} == {torch.float32}
+    assert {p.dtype for p in HFCausalLM(str(tmp_path), dtype="auto").parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in HFCausalLM(str(tmp_path), dtype=torch.bfloat16).parameters()} == {torch.bfloat16}
+    with torch.device("meta"):  # the memory plan's build: the same dtype as training's
+        assert {p.dtype for p in HFCausalLM(str(tmp_path)).parameters()} == {torch.float32}
+    config = {"model_type": "llama", "num_hidden_layers": 1, "hidden_size": 16, "intermediate_size": 32,
+              "num_attention_heads": 2, "dtype": "bfloat16"}  # fmt: skip
+    assert {p.dtype for p in HFCausalLM(config, vocab_size=VOCAB).parameters()} == {torch.float32}
+    with pytest.raises(ValueError, match=r"dtype='fp32'\) is not a dtype to train in: use 'float32'"):
+        HFCausalLM(str(tmp_path), dtype="fp32")
+
+
+def test_a_config_key_its_class_does_not_define_is_refused_with_a_suggestion():
+    """``num_hidden_layer: 4`` was kept as an unused attribute, and the model built with Llama's default 32 layers."""
+    sizes = {"hidden_size": 16, "intermediate_size": 32, "num_attention_heads": 2}
+    with pytest.raises(ValueError, match=r"'num_hidden_layer' \(did you mean 'num_hidden_layers'\?\) is not a field "
+                       r"of LlamaConfig: transformers would keep it as an unused attribute"):  # fmt: skip
+        HFCausalLM({"model_type": "llama", "num_hidden_layer": 1, **sizes}, vocab_size=VOCAB)
+    with pytest.raises(ValueError, match=r"'hiden_size' \(did you mean 'hidden_size'\?\), 'foo' are not fields"):
+        HFCausalLM({"model_type": "llama", "num_hidden_layers": 1, "hiden_size": 16, "foo": 1}, vocab_size=VOCAB)
+    with pytest.raises(ValueError, match=r"no model type 'lama' \(did you mean 'llama'"):
+        HFCausalLM({"model_type": "lama", **sizes})
+    # Aliases (GPT-2's attribute_map), the generic keys, legacy rotary keys and a saved config's own keys pass.
+    HFCausalLM({"model_type": "gpt2", "num_hidden_layers": 1, "hidden_size": 16, "n_head": 2, "torch_dtype": "float32",
+                "tie_word_embeddings": True, "architectures": ["GPT2LMHeadModel"]}, vocab_size=VOCAB)  # fmt: skip
+    module = HFCausalLM({"model_type": "llama", "num_hidden_layers": 1, "rope_theta": 500_000.0, **sizes})
+    assert module.model.config.num_hidden_layers == 1 and module.model.config.rope_parameters["rope_theta"] == 5e5
+    HFCausalLM(module._config_dict())  # what a checkpoint of a module built from an instance rebuilds from
+
+
+def test_the_shipped_config_dicts_pass_the_key_check():
+    import yaml
+
+    from lit_efficient.models.hf import _check_config_keys
+
+    root = Path(__file__).resolve().parents[2]
+    for name in ["configs/hf_llama.yaml", "benchmarks/memory_plan_llama3_8b.yaml"]:
+        _check_config_keys(yaml.safe_load((root / name).read_text())["model"]["init_args"]["model"])
+
+
+@pytest.mark.parametrize("betas", [(0.9, 1.0), (0.9,), 0.9, (0.9, -0.1)])
+def test_betas_outside_two_values_in_0_1_are_refused_at_construction(betas):
+    """Checked by GPT, not by HFCausalLM: they failed later, in AdamW, on every rank."""
+    with pytest.raises(
+        ValueError, match=r"HFCausalLM\(betas=.*\) must be two values in \[0, 1\), e\.g\. \(0\.9, 0\.95\)"
+    ):
+        HFCausalLM(gpt2(), betas=betas)
+
+
+def test_a_warmup_as_long_as_max_steps_warns():
+    with pytest.warns(UserWarning, match=r"HFCausalLM\(warmup_steps=100\) is not below the run's 10 optimizer steps"):
+        HFCausalLM(gpt2(), max_steps=10)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        HFCausalLM(gpt2(), warmup_steps=5, max_steps=10)

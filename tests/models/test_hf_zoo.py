@@ -353,3 +353,24 @@ def test_flush_on_two_processes_equals_one_device_for_several_models():
         single = fit(sgd_module(build(model_type)), "auto", 1, batches())
         assert max_diff(piped[model_type], single) <= 1e-5, (model_type, tied)
     assert {build(t).config.tie_word_embeddings for t in ON_PROCESSES} == {True, False}
+
+
+def test_every_zoo_config_passes_the_config_key_check_as_a_dict():
+    """HFCausalLM refuses a config dict's keys its class does not define; no config of the zoo is one: neither the
+    keys it sets (tiny sizes, OVERRIDES) nor what a module built from the instance saves as its hparams' model dict
+    (``to_diff_dict``), from which a checkpoint rebuilds it."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as mapping
+
+    from benchmarks.hf_zoo import OVERRIDES, tiny_config
+    from lit_efficient.models.hf import _check_config_keys
+
+    checked = 0
+    for model_type in mapping:
+        try:
+            config = tiny_config(model_type, **OVERRIDES.get(model_type, {}))
+        except Exception:  # noqa: BLE001 - a config its own validator refuses at tiny sizes: no model, no dict
+            continue
+        _check_config_keys({"model_type": model_type, **OVERRIDES.get(model_type, {}), **config.to_diff_dict()})
+        _check_config_keys({"model_type": model_type, **config.to_dict()})
+        checked += 1
+    assert checked > 150
