@@ -208,6 +208,13 @@ def _check_arguments(
         raise ValueError(f"outer_lr={outer_lr} must be > 0")
     if not 0 <= outer_momentum < 1:
         raise ValueError(f"outer_momentum={outer_momentum} must be in [0, 1)")
+    if local_sgd_steps is None and (outer != "average" or warmup != 0):
+        asked = f"outer_optimizer={outer!r}" if outer != "average" else f"local_sgd_warmup_steps={warmup}"
+        raise ValueError(
+            f"{asked} needs local_sgd_steps=H: without it the replicas all-reduce gradients every step and "
+            "LocalSGD/DiLoCo never runs. Set local_sgd_steps (the optimizer steps between syncs, e.g. 20), or leave "
+            "outer_optimizer and local_sgd_warmup_steps at their defaults."
+        )
 
 
 def _check_sharding(shard: bool, local_sgd_steps: int | None, correction: str | None) -> None:

@@ -231,6 +231,11 @@ def test_bad_local_sgd_arguments_raise():
         PACIStrategy(pipeline_stages=1, local_sgd_steps=0)
     with pytest.raises(ValueError, match="outer_optimizer='nesterov'"):
         PACIStrategy(pipeline_stages=1, local_sgd_steps=4, outer_lr=0.5)
+    # DiLoCo's options without an interval: refused, not silently replaced by per-step gradient all-reduce
+    with pytest.raises(ValueError, match="outer_optimizer='nesterov' needs local_sgd_steps=H"):
+        PACIStrategy(pipeline_stages=1, outer_optimizer="nesterov")
+    with pytest.raises(ValueError, match="local_sgd_warmup_steps=5 needs local_sgd_steps=H"):
+        PACIStrategy(pipeline_stages=1, local_sgd_warmup_steps=5)
 
 
 def test_local_sgd_with_one_replica_warns():
