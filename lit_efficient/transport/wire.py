@@ -136,7 +136,7 @@ class WireFormat:
     def round_trip(self, t: Tensor) -> Tensor:
         """What arrives when ``t`` is sent: ``t`` itself unless its wire dtype rounds it."""
         wire = self.wire_dtype(t.dtype)
-        return t if wire == t.dtype or t.is_complex() else t.to(wire).to(t.dtype)
+        return t if wire == t.dtype or t.is_complex() else _to_wire(t, wire).to(t.dtype)
 
     def plan(self, specs: Specs) -> Plan:
         """The transfers of a message of ``specs`` (deterministic: both ends compute the same)."""
@@ -177,7 +177,7 @@ class WireFormat:
                 continue
             k, offset = loc
             x = t.detach()
-            x = torch.view_as_real(x) if x.is_complex() else x.to(wire)
+            x = torch.view_as_real(x) if x.is_complex() else _to_wire(x, wire)
             if offset is None:
                 out[k] = x.contiguous()
                 continue
@@ -205,6 +205,16 @@ class WireFormat:
                 x = buffers[k][offset : offset + n].view(wire).reshape(wire_shape).clone()
             out.append(torch.view_as_complex(x) if dtype.is_complex else x.to(dtype))
         return tuple(out)
+
+
+def _to_wire(t: Tensor, wire: torch.dtype) -> Tensor:
+    """``t`` in its wire dtype. float32 to bfloat16 saturates at bfloat16's largest finite values: float32's own
+    extremes round past them to infinities, and Hugging Face's additive attention masks are
+    ``torch.finfo(float32).min``, so a masked row (left padding) became all -inf and its softmax NaN."""
+    if wire == torch.bfloat16 and t.dtype == torch.float32:
+        limit = torch.finfo(torch.bfloat16).max
+        return t.clamp(-limit, limit).to(wire)
+    return t.to(wire)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

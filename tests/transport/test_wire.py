@@ -54,6 +54,19 @@ def test_bf16_wire_rounds_float32_only_and_halves_its_bytes():
     assert torch.equal(wire.round_trip(sent[0]), got[0])  # what the in-process transport hands over
 
 
+@pytest.mark.parametrize("pack_below", [1, 1 << 20], ids=["alone", "packed"])
+def test_bf16_wire_keeps_an_attention_masks_extremes_finite(pack_below):
+    """Hugging Face's additive masks hold torch.finfo(float32).min, which rounds past bfloat16's largest finite value
+    to -inf: a fully masked row (left padding) then had a softmax of NaN and the loss was NaN. The wire saturates."""
+    low = torch.finfo(torch.float32).min
+    mask = torch.tensor([[0.0, low, low], [low, low, low]])  # the second row: a left-padded position, all masked
+    wire = WireFormat(torch.bfloat16, pack_below=pack_below)
+    _, (got,) = _send(wire, (mask,))
+    assert torch.isfinite(got).all() and got[1, 0] == -torch.finfo(torch.bfloat16).max
+    assert torch.isfinite(torch.softmax(got, dim=-1)).all()
+    assert torch.equal(wire.round_trip(mask), got)  # one process and processes alike
+
+
 def test_only_float32_or_bfloat16_on_the_wire():
     with pytest.raises(ValueError, match="float32_as"):
         WireFormat(torch.float16)
