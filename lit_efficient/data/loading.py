@@ -13,11 +13,14 @@ resumable"). Two pieces make the data modules' training order a function of (see
 - `ResumableLoader`: a DataLoader whose state is (epoch, batches yielded in it). Resumed in the same
   epoch it skips that many batches of the epoch's index order without loading them; resumed in a later
   epoch (the checkpoint was taken at an epoch's end) it skips nothing. Under several replicas Lightning
-  wraps the sampler in its distributed wrapper, which forwards ``set_epoch``: the same state holds.
+  wraps the sampler in its distributed wrapper, which forwards ``set_epoch``: the same state holds. The state
+  also records the replicas reading the epoch: their batches interleave one order, so a count of batches means
+  another position on another number of replicas; resumed there mid-epoch the epoch restarts, with a warning.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -91,6 +94,13 @@ class ResumableLoader(DataLoader):
     def _index_sampler(self) -> Any:  # DataLoader's iterators read their batch order from here
         return _SkipFirst(super()._index_sampler, self)
 
+    def _replicas(self) -> int:
+        """The replicas reading this epoch's order (Lightning's distributed wrapper knows them; 1 without it)."""
+        for sampler in (self.sampler, getattr(self.batch_sampler, "sampler", None)):
+            if isinstance(getattr(sampler, "num_replicas", None), int):
+                return sampler.num_replicas  # type: ignore[union-attr]
+        return 1
+
     def _sampler_epoch(self) -> int | None:
         for sampler in (self.sampler, getattr(self.batch_sampler, "sampler", None)):
             if isinstance(getattr(sampler, "epoch", None), int):
@@ -102,6 +112,17 @@ class ResumableLoader(DataLoader):
         epoch, resume, self._resume = self._sampler_epoch(), self._resume, None
         same_epoch = resume is not None and epoch is not None and resume["epoch"] == epoch
         skip = resume["batches"] if same_epoch else 0
+        saved, replicas = (resume or {}).get("replicas", 1), self._replicas()
+        if skip and saved != replicas:
+            warnings.warn(
+                f"The checkpoint was taken {skip} batches into epoch {epoch} on {saved} data-parallel replica(s); "
+                f"this run has {replicas}, which read that epoch's order interleaved otherwise, so no count of "
+                "batches skipped here continues it exactly: the epoch restarts from its first batch (samples of it "
+                "are trained twice). To continue exactly, resume on the same number of replicas, or from a "
+                "checkpoint taken at an epoch's end.",
+                stacklevel=2,
+            )
+            skip = 0
         self._skipping = skip
         try:
             batches = super().__iter__()
@@ -113,13 +134,13 @@ class ResumableLoader(DataLoader):
             yield batch
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self._epoch, "batches": self._yielded}
+        return {"epoch": self._epoch, "batches": self._yielded, "replicas": self._replicas()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if set(state) != {"epoch", "batches"}:
+        if not {"epoch", "batches"} <= set(state) <= {"epoch", "batches", "replicas"}:  # replicas: since 12-04
             raise ValueError(
                 f"ResumableLoader.load_state_dict: the checkpoint's loader state has keys {sorted(state)}, not "
-                "['batches', 'epoch']: it was saved by another training loader. Resume with the data module that "
-                "wrote the checkpoint."
+                "['batches', 'epoch', 'replicas']: it was saved by another training loader. Resume with the data "
+                "module that wrote the checkpoint."
             )
         self._resume = dict(state)

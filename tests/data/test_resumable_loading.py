@@ -49,7 +49,7 @@ def test_a_loaded_state_continues_the_epoch_and_the_next_starts_whole(data, num_
     saved.sampler.set_epoch(2)
     _batches(saved, 5)
     state = saved.state_dict()
-    assert state == {"epoch": 2, "batches": 5}
+    assert state == {"epoch": 2, "batches": 5, "replicas": 1}
     resumed = data.train_dataloader()
     resumed.load_state_dict(state)
     resumed.sampler.set_epoch(2)
@@ -86,6 +86,28 @@ def test_an_epochs_order_depends_on_seed_and_epoch_only():
     shuffle.set_epoch(0)
     first = torch.randperm(50, generator=torch.Generator().manual_seed(7)).tolist()
     assert list(shuffle) == first  # epoch 0: what RandomSampler with a generator seeded alike draws first
+
+
+def test_a_mid_epoch_state_of_another_replica_count_restarts_the_epoch_with_a_warning(data):
+    """Replicas read one epoch's order interleaved (each every R-th index, as Lightning's distributed wrapper deals
+    them): k batches on one replica are not k batches on each of two. Skipping them anyway dropped half the samples
+    the one-replica run never trained on; the epoch restarts instead, and says why. A state from before the
+    replicas were recorded (one replica) and the same count both continue as before."""
+    replica0 = torch.utils.data.DistributedSampler(data.train_set, num_replicas=2, rank=0, shuffle=False)
+    two = ResumableLoader(data.train_set, batch_size=4, sampler=replica0)
+    whole = _batches(two)
+    two.load_state_dict({"epoch": 0, "batches": 3, "replicas": 1})
+    with pytest.warns(UserWarning, match="on 1 data-parallel replica.*this run has 2.*the epoch restarts"):
+        again = _batches(two)
+    assert len(again) == len(whole) and all(torch.equal(a, b) for a, b in zip(again, whole, strict=True))
+    two.load_state_dict({"epoch": 0, "batches": 3, "replicas": 2})  # the same count: continues exactly
+    assert all(torch.equal(a, b) for a, b in zip(_batches(two), whole[3:], strict=True))
+    one = data.train_dataloader()
+    one.sampler.set_epoch(0)
+    first = _batches(one)
+    one.load_state_dict({"epoch": 0, "batches": 3})  # a checkpoint from before the count: one replica
+    one.sampler.set_epoch(0)
+    assert all(torch.equal(a, b) for a, b in zip(_batches(one), first[3:], strict=True))
 
 
 def test_a_foreign_state_is_refused_with_the_fix(data):
