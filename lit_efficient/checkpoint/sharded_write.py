@@ -41,12 +41,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
 from lit_efficient.checkpoint.merge import assemble, to_automatic_loops
+from lit_efficient.checkpoint.single_file import save_durably, sync_folder
 
 FORMAT = 3  # `pipeline["format"]` of a sharded checkpoint (2: the single file, 1: an earlier directory)
 META = "meta.pt"  # lightning.fabric.utilities.load._METADATA_FILENAME: the name Lightning's tools look for
@@ -161,7 +161,7 @@ class Prepared:
     def finish(self) -> None:
         """On the coordinator: meta.pt, then the folder renamed into place. Elsewhere nothing."""
         if self.coordinator:
-            torch.save(self.meta, self.tmp / META)
+            save_durably(self.meta, self.tmp / META)  # DCP's writer fsyncs the shares' files itself
             publish(self.tmp, self.path)
 
 
@@ -205,7 +205,7 @@ def save_weights(path: str | os.PathLike, checkpoint: dict[str, Any]) -> None:
     meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states", "lr_schedulers")}
     with quiet_dcp():
         dcp.save({"model": checkpoint["state_dict"]}, storage_writer=FileSystemWriter(tmp), no_dist=True)
-    torch.save(meta, tmp / META)
+    save_durably(meta, tmp / META)
     publish(tmp, path)
 
 
@@ -220,6 +220,7 @@ def publish(tmp: Path, path: Path) -> None:
         _remove(old)
         os.replace(path, old)
     os.replace(tmp, path)
+    sync_folder(path.parent)
     if old is not None:
         _remove(old)
 

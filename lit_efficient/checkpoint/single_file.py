@@ -16,12 +16,38 @@ import torch.distributed as dist
 
 
 def write_atomically(checkpoint: dict[str, Any], path: str | os.PathLike) -> None:
-    """Write the file under a temporary name and rename it into place: complete or absent."""
+    """Write the file under a temporary name and rename it into place: complete or absent, also across a power
+    loss (the bytes are on disk before the rename, and the rename before this returns)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".partial")
-    torch.save(checkpoint, tmp)
+    save_durably(checkpoint, tmp)
     os.replace(tmp, path)
+    sync_folder(path.parent)
+
+
+def save_durably(obj: Any, path: Path) -> None:
+    """``torch.save`` whose bytes are on disk when it returns (fsync): a rename after it never publishes a file
+    whose content a power loss could still take."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def sync_folder(folder: Path) -> None:
+    """fsync a folder, so that the entries renamed into it survive a power loss (POSIX; where a folder cannot be
+    opened or synced, as on Windows, nothing: the rename itself is still atomic)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def load_file(path: str | os.PathLike, weights_only: bool | None = None) -> dict[str, Any]:

@@ -359,3 +359,27 @@ def test_a_mid_window_checkpoint_resumes_exactly_each_replica_with_its_own_parti
         assert not torch.equal(*grads), "the replicas' partial sums must differ for this test to tell them apart"
     for fmt in FORMATS:
         assert _max_diff(fit(str(tmp_path / f"mid-{fmt}.ckpt")), whole) <= 1e-6, fmt
+
+
+def test_both_formats_are_on_disk_before_they_are_renamed_into_place(tmp_path, monkeypatch):
+    """A rename publishes a checkpoint atomically against a crash of the process, not of the machine: without an
+    fsync of the content first and of the folder after, a power loss could leave the new name over missing bytes."""
+    import os
+
+    from lit_efficient.checkpoint.single_file import write_atomically
+
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    write_atomically({"state_dict": {"w": torch.ones(2)}}, tmp_path / "file" / "c.ckpt")
+    assert synced == [str(tmp_path / "file" / "c.ckpt.partial"), str(tmp_path / "file")]  # content, then the rename
+    synced.clear()
+    base, shares, layout = _two_stage_shares()
+    sharded_write.save(tmp_path / "folder" / "c.ckpt", shares, base, layout, distributed=False)
+    assert str(tmp_path / "folder" / "c.ckpt.partial" / "meta.pt") in synced  # DCP syncs the shares' own files
+    assert synced[-1] == str(tmp_path / "folder")  # the rename, last
