@@ -349,6 +349,8 @@ def _load_rank_state(
         hosted.stage.load_accumulation_state({**own, **(accumulation or {})})
     if accumulation and "grads" in accumulation:
         strategy.restored_window_grads.append((hosted.stage, list(accumulation["grads"])))
+    if hosted.stage.scheduler is not None:  # every frequency counts from the run's steps, as Lightning's own
+        hosted.stage.scheduler.steps = global_step
     if hosted.averager is not None and "averager" in state:
         hosted.averager.load_state_dict(state["averager"])
     elif hosted.averager is not None:  # built at setup from the initial weights: anchor it at the loaded ones

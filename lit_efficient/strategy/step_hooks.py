@@ -266,7 +266,9 @@ def _squared_norm(params: list[torch.nn.Parameter], device: torch.device) -> Ten
 
 
 class _SchedulerGroup:
-    """Steps the step-interval LR schedulers with every local optimizer step of a stage."""
+    """Steps the step-interval LR schedulers with every local optimizer step of a stage, each at its ``frequency``.
+    ``steps`` counts the run's optimizer steps: a resume sets it to the checkpoint's (`stage_checkpoints`), or a
+    ``frequency`` > 1 would step at other steps than the uninterrupted run."""
 
     def __init__(self, configs: list[Any]) -> None:
         self.configs = configs

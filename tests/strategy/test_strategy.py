@@ -9,6 +9,7 @@ from pathlib import Path
 
 import lightning as L
 import pytest
+import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lit_efficient import GradientAccumulation, PACIStrategy, consolidate_checkpoint
@@ -167,3 +168,31 @@ def test_validation_metrics_cover_every_replica():
     assert want.keys() == got.keys() == {"val_loss", "val_ppl"}
     for key in want:
         assert got[key] == pytest.approx(want[key], rel=1e-5), key
+
+
+class _EveryOtherStep(GPT):
+    """The test GPT with a step-interval scheduler at frequency 2 (it steps at optimizer steps 2, 4, 6)."""
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.hparams.learning_rate)
+        halve = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": halve, "interval": "step", "frequency": 2}}
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_scheduler_with_a_frequency_resumes_on_the_uninterrupted_runs_steps(tmp_path):
+    """A step-interval scheduler at frequency 2 resumed after step 3: its count of the run's steps restarted at 0,
+    so it stepped at 5 instead of 4 and 6, and every later learning rate was off (Lightning's own loop counts from
+    the checkpoint's steps). One process, 1F1B-flush: the resumed run equals the uninterrupted one."""
+
+    def fit(max_steps: int, ckpt_path: str | None = None, **kw) -> GPT:
+        L.seed_everything(0)
+        model = _EveryOtherStep(n_layer=2, n_head=2, n_embd=32, block_size=32, learning_rate=0.1)
+        strategy = PACIStrategy(pipeline_stages=2, schedule="1f1b_flush")
+        _trainer(strategy, 1, max_steps, **kw).fit(model, datamodule=_ordered(), ckpt_path=ckpt_path)
+        return model
+
+    full = fit(6)
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, filename="{step}")
+    fit(3, callbacks=[ckpt], enable_checkpointing=True)
+    assert _max_diff(fit(6, str(tmp_path / "step=3.ckpt")), full) <= 1e-6
