@@ -124,19 +124,20 @@ def partition_profiled(
     return sizes
 
 
-def check_sizes(sizes: Sequence[int], num_layers: int, num_stages: int) -> list[int]:
-    """Validate an explicit split (one positive layer count per stage, summing to ``num_layers``)."""
+def check_sizes(sizes: Sequence[int], num_layers: int, num_stages: int, name: str = "sizes") -> list[int]:
+    """Validate an explicit split (one positive layer count per stage, summing to ``num_layers``); messages name it
+    ``name`` (the option the user wrote, e.g. ``balance``)."""
     _check_counts(num_layers, num_stages)
     sizes = list(sizes)
     if len(sizes) != num_stages:
         raise ValueError(
-            f"sizes={sizes} has {len(sizes)} entries for {num_stages} pipeline stages: give one layer count per stage"
+            f"{name}={sizes} has {len(sizes)} entries for {num_stages} pipeline stages: give one layer count per stage"
         )
     if any(not isinstance(n, Integral) or n < 1 for n in sizes):
-        raise ValueError(f"sizes={sizes} has a stage with no layers: every stage needs an integer count >= 1")
+        raise ValueError(f"{name}={sizes} has a stage with no layers: every stage needs an integer count >= 1")
     if sum(sizes) != num_layers:
         raise ValueError(
-            f"sizes={sizes} sums to {sum(sizes)} but the model has {num_layers} pipeline layers: "
+            f"{name}={sizes} sums to {sum(sizes)} but the model has {num_layers} pipeline layers: "
             f"make the counts add up to {num_layers}"
         )
     return [int(n) for n in sizes]

@@ -317,6 +317,8 @@ def check_options(
             f"compile_layers={compile_layers!r} must be True, False or a dict of torch.compile's keyword "
             "arguments, e.g. {'backend': 'inductor', 'mode': 'max-autotune'}"
         )
+    if isinstance(compile_layers, dict):
+        _check_compile_options(compile_layers)
     if wire_dtype not in WIRE_DTYPES:
         raise ValueError(f"wire_dtype={wire_dtype!r} must be one of {', '.join(map(repr, WIRE_DTYPES))}")
     if not isinstance(staleness_anneal_steps, int) or staleness_anneal_steps < 1:
@@ -330,6 +332,28 @@ def check_options(
         raise ValueError(
             f"async_checkpoint=True writes sharded checkpoints in the background; checkpoint_format="
             f"{checkpoint_format!r} is one file that global rank 0 writes. Pass checkpoint_format='sharded'."
+        )
+
+
+# torch.compile's modes (its docstring); a wrong one is refused only when a stage compiles, after the launch
+_COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def _check_compile_options(options: dict[str, Any]) -> None:
+    """``compile_layers``'s keys and mode, now: torch.compile would refuse them only at setup, on every rank."""
+    allowed = [k for k in inspect.signature(torch.compile).parameters if k != "model"]
+    for key in options:
+        if key not in allowed:
+            close = difflib.get_close_matches(str(key), allowed, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ValueError(
+                f"compile_layers={options!r}: {key!r} is not an argument of torch.compile; {hint}it takes "
+                f"{', '.join(allowed)}."
+            )
+    if options.get("mode") not in _COMPILE_MODES:
+        raise ValueError(
+            f"compile_layers={options!r}: mode={options['mode']!r} is not one of torch.compile's modes "
+            f"{', '.join(map(repr, _COMPILE_MODES[1:]))}."
         )
 
 

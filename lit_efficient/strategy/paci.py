@@ -824,7 +824,7 @@ class PACIStrategy(DDPStrategy):
                 f"use at most {len(layers)} stages, or split the model into more layers"
             )
         if isinstance(self.balance, list):
-            sizes = check_sizes(self.balance, len(layers), self.pipeline_stages)
+            sizes = check_sizes(self.balance, len(layers), self.pipeline_stages, name="PACIStrategy(balance)")
         elif self.balance == "uniform":
             sizes = partition_uniform(len(layers), self.pipeline_stages)
         elif self.balance == "parameters":

@@ -153,6 +153,7 @@ def test_check_sizes_accepts_a_valid_split():
         (lambda: check_sizes([6, -1], 5, 2), r"sizes=\[6, -1\]"),
         (lambda: check_sizes([1.5, 3.5], 5, 2), r"integer count >= 1"),
         (lambda: check_sizes([2, 3], 5, 3), r"sizes=\[2, 3\] has 2 entries for 3 pipeline stages"),
+        (lambda: check_sizes([1, 2], 5, 2, name="balance"), r"^balance=\[1, 2\] sums to 3"),  # the user's option
         (lambda: check_sizes([1, 1], 1, 2), r"num_stages=2 is more than the 1"),
         (lambda: partition_profiled([1, 1], [1], [1, 1], 1), r"have 2, 1 and 2 entries"),
         (lambda: predicted_utilization([0.0, 0.0], 4), r"at least one positive time"),

@@ -82,6 +82,12 @@ def test_compile_layers_option_compiles_an_unwrapped_module():
 def test_compile_layers_refuses_what_it_cannot_use():
     with pytest.raises(ValueError, match="compile_layers='yes'"):
         PACIStrategy(compile_layers="yes")
+    # torch.compile's own refusals came only at setup, on every rank, without the option's name
+    with pytest.raises(ValueError, match="'modee' is not an argument of torch.compile; did you mean 'mode'"):
+        PACIStrategy(compile_layers={"modee": "max-autotune"})
+    with pytest.raises(ValueError, match="mode='fastest' is not one of torch.compile's modes 'default'"):
+        PACIStrategy(compile_layers={"mode": "fastest"})
+    PACIStrategy(compile_layers={"backend": "aot_eager", "mode": None, "fullgraph": False})
 
 
 @pytest.mark.multiproc
