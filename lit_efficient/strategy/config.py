@@ -7,10 +7,11 @@ import inspect
 import math
 import os
 from collections.abc import Callable, Iterable, Mapping
+from datetime import timedelta
 from typing import Any
 
 import torch
-from lightning.fabric.plugins import TorchCheckpointIO
+from lightning.fabric.plugins import ClusterEnvironment, TorchCheckpointIO
 from lightning.fabric.strategies.launchers.multiprocessing import _disable_module_memory_sharing
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import CPUAccelerator
@@ -180,7 +181,7 @@ def _check_arguments(
     outer_lr: float,
     outer_momentum: float,
 ) -> None:
-    if not isinstance(stages, int) or stages < 1:
+    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
         raise ValueError(f"pipeline_stages={stages!r} must be an integer >= 1")
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r} is not one of {', '.join(SCHEDULES)}")
@@ -193,7 +194,9 @@ def _check_arguments(
         raise ValueError(f"p2p_timeout={timeout} must be a positive number of seconds")
     if on_nonfinite not in ("raise", "skip"):
         raise ValueError(f"on_nonfinite={on_nonfinite!r} must be 'raise' or 'skip'")
-    if local_sgd_steps is not None and (not isinstance(local_sgd_steps, int) or local_sgd_steps < 1):
+    if local_sgd_steps is not None and (
+        isinstance(local_sgd_steps, bool) or not isinstance(local_sgd_steps, int) or local_sgd_steps < 1
+    ):
         raise ValueError(f"local_sgd_steps={local_sgd_steps!r} must be None (sync every step) or an integer >= 1")
     if not isinstance(warmup, int) or warmup < 0:
         raise ValueError(f"local_sgd_warmup_steps={warmup!r} must be an integer >= 0")
@@ -355,6 +358,29 @@ def _check_compile_options(options: dict[str, Any]) -> None:
             f"compile_layers={options!r}: mode={options['mode']!r} is not one of torch.compile's modes "
             f"{', '.join(map(repr, _COMPILE_MODES[1:]))}."
         )
+
+
+_START_METHODS = ("popen", "spawn", "fork", "forkserver")
+
+
+def check_kinds(
+    flags: dict[str, Any], start_method: Any, precision_plugin: Any, cluster_environment: Any, timeout: Any
+) -> None:  # fmt: skip
+    """Options of the wrong kind, refused now: a string for a flag is truthy and would switch it on (``"no"``), and
+    the arguments passed through to Lightning's DDP machinery fail deep inside it, or are dropped (a precision
+    given as a string left the run in float32), without naming the option."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise ValueError(f"{name}={value!r} must be True or False")
+    if start_method not in _START_METHODS:
+        raise ValueError(f"start_method={start_method!r} must be one of {', '.join(map(repr, _START_METHODS))}")
+    kinds = [("precision_plugin", precision_plugin, Precision, "Trainer(precision='bf16-mixed')"),
+             ("cluster_environment", cluster_environment, ClusterEnvironment,
+              "an instance such as lightning.fabric.plugins.environments.SLURMEnvironment()"),
+             ("timeout", timeout, timedelta, "datetime.timedelta(minutes=30)")]  # fmt: skip
+    for name, value, kind, example in kinds:
+        if value is not None and not isinstance(value, kind):
+            raise ValueError(f"{name}={value!r} must be a {kind.__name__} or None; pass {example}")
 
 
 def check_sync_start(sync_start_steps: Any) -> None:

@@ -80,6 +80,7 @@ from lit_efficient.strategy.config import (
     _sharding_applies,
     _warn_single_replica,
     check_before_launch,
+    check_kinds,
     check_options,
     check_replica_groups,
     check_streaming_ties,
@@ -306,6 +307,9 @@ class PACIStrategy(DDPStrategy):
         )  # fmt: skip
         check_replica_groups(fault_tolerance, local_sgd_steps, min_replica_groups, streaming_sync)
         check_sync_start(sync_start_steps)
+        flags = dict(recompute=recompute, average_buffers=average_buffers, streaming_sync=streaming_sync,
+                     async_checkpoint=async_checkpoint)  # fmt: skip
+        check_kinds(flags, start_method, precision_plugin, cluster_environment, timeout)
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
             precision_plugin=precision_plugin, process_group_backend=process_group_backend, timeout=timeout,

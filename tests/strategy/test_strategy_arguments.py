@@ -266,3 +266,22 @@ def test_the_cli_names_the_option_meant_for_a_typo_anywhere(cli_refusal, args, w
     """A typo in a model or data option got jsonargparse's bare refusal; ``--trainer.max_step 5`` was silently taken
     as max_steps (argparse's prefix matching): refused now, naming the flag meant."""
     assert want in cli_refusal(*args)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "said"),
+    [
+        ({"recompute": "no"}, "recompute='no' must be True or False"),  # a truthy string switched it on
+        ({"streaming_sync": 1, "local_sgd_steps": 4}, "streaming_sync=1 must be True or False"),
+        ({"pipeline_stages": True}, "pipeline_stages=True must be an integer >= 1"),
+        ({"start_method": "Spawn"}, "start_method='Spawn' must be one of 'popen', 'spawn', 'fork', 'forkserver'"),
+        ({"precision_plugin": "bf16-mixed"}, r"precision_plugin='bf16-mixed' must be a Precision.*Trainer\(precision="),
+        ({"timeout": 30}, r"timeout=30 must be a timedelta or None; pass datetime.timedelta"),
+        ({"cluster_environment": "slurm"}, "cluster_environment='slurm' must be a ClusterEnvironment or None"),
+    ],
+)
+def test_an_option_of_the_wrong_kind_is_refused_naming_it(kwargs, said):
+    """Refused at construction: a string flag was truthy; the pass-through arguments failed deep in Lightning's DDP
+    machinery, or were dropped (a precision given as a string trained in float32) without naming the option."""
+    with pytest.raises(ValueError, match=said):
+        PACIStrategy(**kwargs)
