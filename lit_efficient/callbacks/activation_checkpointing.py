@@ -13,6 +13,7 @@ with or without the callback.
 from __future__ import annotations
 
 import contextvars
+import difflib
 import functools
 import types
 from collections import Counter
@@ -427,6 +428,31 @@ class ActivationCheckpointing(Callback):
         # Lightning calls callback setup before strategy.setup: this is the whole model, so `every_n`
         # counts global block indices and a pipeline rank later wraps exactly its share of the plan.
         self._plan = [(name, type(module)) for name, module in self.select(pl_module)]
+        self._check_plan(pl_module)
+
+    def _check_plan(self, pl_module: LightningModule) -> None:
+        """Refuse a configuration that would silently checkpoint less than it names: an entry of ``modules`` that
+        matches nothing beside ones that do (a misspelling), or an ``every_n`` past the last match. (Where nothing
+        matches yet, the model may build its layers in configure_model: `on_fit_start` says so then.)"""
+        found = repeated_blocks(pl_module) if self.modules is None else named_matches(pl_module, self.modules)
+        if not found:
+            return
+        if self.modules is not None:
+            present = {n for m in pl_module.modules() for n in (type(m).__name__, _class_path(type(m)))}
+            for name in self.modules:
+                if name not in present:
+                    close = difflib.get_close_matches(name, sorted(present), n=1)
+                    raise ValueError(
+                        f"ActivationCheckpointing(modules={self.modules}): {name!r} matches no module of "
+                        f"{type(pl_module).__name__}"
+                        + (f"; did you mean {close[0]!r}?" if close else ".")
+                        + f" Classes with parameters: {', '.join(candidate_classes(pl_module)) or 'none'}."
+                    )
+        if not self._plan:
+            raise ValueError(
+                f"ActivationCheckpointing(every_n={self.every_n}) is past the {len(found)} matching modules of "
+                f"{type(pl_module).__name__}: nothing would be checkpointed. Use every_n <= {len(found)}."
+            )
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:

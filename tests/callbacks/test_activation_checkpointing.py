@@ -156,6 +156,18 @@ def test_unknown_module_names_raise_listing_the_candidates():
         cb.on_fit_start(trainer, model)
 
 
+def test_a_misspelt_name_beside_a_match_and_an_every_n_past_the_matches_are_refused_at_setup():
+    """Both used to pass: ["Block", "Blok"] wrapped the Blocks and dropped "Blok" silently; every_n=5 over 4 blocks
+    checkpointed nothing and the error then said the name matched no module, which was false."""
+    model, trainer = tiny_gpt(n_layer=4), fake_trainer()
+    with pytest.raises(ValueError, match=r"'Blok' matches no module of GPT; did you mean 'Block'\?"):
+        ActivationCheckpointing(modules=["Block", "Blok"]).setup(trainer, model, "fit")
+    for modules in (["Block"], None):  # named, and found as the repeated blocks
+        with pytest.raises(ValueError, match=r"every_n=5\) is past the 4 matching modules.*every_n <= 4"):
+            ActivationCheckpointing(modules=modules, every_n=5).setup(trainer, model, "fit")
+    ActivationCheckpointing(modules=["Block"], every_n=4).setup(trainer, model, "fit")  # the 4th: one block
+
+
 def test_refuses_a_strategy_that_already_recomputes():
     with pytest.raises(ValueError, match=r"recompute=True.*recompute=False.*remove ActivationCheckpointing"):
         ActivationCheckpointing().setup(fake_trainer(recompute=True), tiny_gpt(), "fit")
