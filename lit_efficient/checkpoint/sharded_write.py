@@ -32,6 +32,7 @@ every rank's share and meta.pt are complete, so ``ckpt_path="last"`` never picks
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
 import warnings
@@ -41,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
@@ -155,7 +157,7 @@ class Prepared:
     path: Path
     tmp: Path
     tree: dict[str, Any]
-    meta: dict[str, Any]
+    meta: bytes  # Lightning's part, pickled at the save point: a background write must not read live objects later
     coordinator: bool
 
     def finish(self) -> None:
@@ -194,7 +196,10 @@ def prepare(
         assert skeletons is not None
         global_tree, meta = global_part(base, skeletons, layout)
         _merge(tree, global_tree)
-    return Prepared(path, tmp, tree, meta, coordinator)
+    pickled = io.BytesIO()
+    if coordinator:  # the callbacks' state as it is now (ModelCheckpoint's best_k_models changes before the next save)
+        torch.save(meta, pickled)
+    return Prepared(path, tmp, tree, pickled.getvalue(), coordinator)
 
 
 def save_weights(path: str | os.PathLike, checkpoint: dict[str, Any]) -> None:

@@ -27,10 +27,13 @@ def write_atomically(checkpoint: dict[str, Any], path: str | os.PathLike) -> Non
 
 
 def save_durably(obj: Any, path: Path) -> None:
-    """``torch.save`` whose bytes are on disk when it returns (fsync): a rename after it never publishes a file
-    whose content a power loss could still take."""
+    """``torch.save`` (or, for ``bytes``, the bytes of an earlier one) whose bytes are on disk when it returns
+    (fsync): a rename after it never publishes a file whose content a power loss could still take."""
     with open(path, "wb") as f:
-        torch.save(obj, f)
+        if isinstance(obj, bytes):
+            f.write(obj)
+        else:
+            torch.save(obj, f)
         f.flush()
         os.fsync(f.fileno())
 

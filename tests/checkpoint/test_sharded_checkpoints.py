@@ -383,3 +383,16 @@ def test_both_formats_are_on_disk_before_they_are_renamed_into_place(tmp_path, m
     sharded_write.save(tmp_path / "folder" / "c.ckpt", shares, base, layout, distributed=False)
     assert str(tmp_path / "folder" / "c.ckpt.partial" / "meta.pt") in synced  # DCP syncs the shares' own files
     assert synced[-1] == str(tmp_path / "folder")  # the rename, last
+
+
+def test_a_folders_meta_is_lightnings_state_at_the_save_not_at_the_write(tmp_path):
+    """A background save writes meta.pt later, on its thread; the callbacks' state it holds (ModelCheckpoint's
+    best_k_models, say) is a live object Lightning changes before the next save, so it is pickled at the save."""
+    base, shares, layout = _two_stage_shares()
+    base["callbacks"] = {"ModelCheckpoint": {"best_k_models": {"step=1.ckpt": 2.0}}}
+    prepared = sharded_write.prepare(tmp_path / "c.ckpt", shares, base, layout, None, distributed=False)
+    base["callbacks"]["ModelCheckpoint"]["best_k_models"]["step=2.ckpt"] = 1.5  # Lightning, before the write ends
+    sharded_write.dcp.save(prepared.tree, storage_writer=sharded_write.FileSystemWriter(prepared.tmp), no_dist=True)
+    prepared.finish()
+    meta = torch.load(tmp_path / "c.ckpt" / sharded_write.META, weights_only=True)
+    assert meta["callbacks"]["ModelCheckpoint"]["best_k_models"] == {"step=1.ckpt": 2.0}
