@@ -27,7 +27,6 @@ import importlib
 import inspect
 import os
 import re
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -339,17 +338,12 @@ class LitEfficientCLI(LightningCLI):
 
     @override
     def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
-        # `lit-efficient plan` never reaches LightningCLI (lit_efficient.cli.main runs it first); the same here, for
-        # a script whose entry point is this class.
-        argv = sys.argv[1:] if args is None else args
-        listed = getattr(parser, "subcommands_action", None) is not None
-        if listed and isinstance(argv, (list, tuple)) and list(argv[:1]) == ["plan"]:
-            from lit_efficient.cli.plan import main as plan_main
-
-            raise SystemExit(plan_main(list(argv[1:])))
+        # `lit-efficient plan` never reaches LightningCLI: the console script (lit_efficient.cli.main) runs it first.
+        # Here only a script whose entry point is this class gets it; the plan is the console script's (this module
+        # does not import the plan, which imports it).
         super().parse_arguments(parser, args)
-        if self.config.get("subcommand") == "plan":  # named in a dict or Namespace of arguments
-            parser.error("plan takes all its arguments after it: lit-efficient plan --config ... (plan --help)")
+        if self.config.get("subcommand") == "plan":
+            parser.error("plan is the console script's: lit-efficient plan --config ... (lit-efficient plan --help)")
 
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:

@@ -182,6 +182,6 @@ def test_top_level_help_lists_plan(capsys):
     out = capsys.readouterr().out
     assert "{fit,validate,test,predict,plan}" in out
     assert any(line.split()[:1] == ["plan"] and "Memory per pipeline stage" in line for line in out.splitlines())
-    with pytest.raises(SystemExit) as exit_info:  # a script whose entry point is the class runs plan the same
-        LitEfficientCLI(args=["plan", "--help"])
-    assert exit_info.value.code == 0 and "usage: lit-efficient plan" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:  # a script whose entry point is the class: told where plan is
+        LitEfficientCLI(args=["plan"])
+    assert exit_info.value.code == 2 and "lit-efficient plan --config" in capsys.readouterr().err
