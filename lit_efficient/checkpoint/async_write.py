@@ -74,6 +74,14 @@ class AsyncCheckpointer:
             if self._done is not None and not self._done.is_set():
                 self._after.append(action)
                 return
+            failed = self._error is not None  # the last save failed (raised at the next `wait`): keep what is there
+        if failed:
+            warnings.warn(
+                "a checkpoint rotated out while the background save before it failed is kept: it is the newest "
+                "whole one (remove it by hand once a later save succeeds)",
+                stacklevel=2,
+            )
+            return
         action()
 
     def wait(self) -> None:

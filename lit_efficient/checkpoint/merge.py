@@ -146,7 +146,7 @@ def _merge_optimizers(primary: list[dict[str, Any]]) -> tuple[dict[str, Any], li
 # A torch scheduler's state entries with one value per parameter group; SequentialLR's and ChainedScheduler's own
 # schedulers' states sit under _NESTED. Named, not guessed from a list's length: SequentialLR's ``_milestones`` (and
 # ``_schedulers`` itself) may have as many entries as there are groups.
-_PER_GROUP = ("base_lrs", "_last_lr", "lr_lambdas", "min_lrs", "max_lrs")
+_PER_GROUP = ("base_lrs", "_last_lr", "lr_lambdas", "min_lrs", "max_lrs", "base_momentums", "max_momentums")
 _NESTED = "_schedulers"
 
 

@@ -219,6 +219,7 @@ def publish(tmp: Path, path: Path) -> None:
 
     A folder cannot be renamed over a non-empty one, so the old checkpoint moves aside first. A crash
     between the two renames leaves both whole, under ``PATH.old`` and ``PATH.partial``."""
+    sync_folder(tmp)  # its entries (DCP's renamed .metadata, meta.pt) on disk before it is published
     old = None
     if path.is_symlink() or path.exists():
         old = path.with_name(path.name + ".old")

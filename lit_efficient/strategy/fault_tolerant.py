@@ -33,7 +33,8 @@ def start_replicas(strategy: Any, trainer: Trainer) -> TorchftReplicas:
     joining = Joining()
     replicas = TorchftReplicas(
         strategy.replica_group_id, strategy.global_rank, strategy.world_size, strategy.min_replica_groups, box[0],
-        state=lambda: state_for_peer(strategy, trainer), load=lambda ckpt: heal(strategy, trainer, ckpt, joining),
+        state=lambda: state_for_peer(strategy, trainer, joining),
+        load=lambda ckpt: heal(strategy, trainer, ckpt, joining),
         device=strategy.root_device, quorum_timeout=strategy.p2p_timeout, store_server=server,
     )  # fmt: skip
     join_after_restore(strategy, trainer, replicas, joining)
@@ -42,20 +43,23 @@ def start_replicas(strategy: Any, trainer: Trainer) -> TorchftReplicas:
     return replicas
 
 
-def state_for_peer(strategy: Any, trainer: Trainer) -> dict[str, Any]:
+def state_for_peer(strategy: Any, trainer: Trainer, joining: Joining | None = None) -> dict[str, Any]:
     """What a healing peer rank loads: this process's stages as an in-memory checkpoint, Lightning's loops,
-    callbacks and data position included (called in torchft's quorum thread while this rank waits there)."""
+    callbacks and data position included (called in torchft's quorum thread while this rank waits there), and
+    whether this rank is itself joining (its quorum syncs nothing then: `join_after_restore`)."""
     checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
     checkpoint = stage_checkpoints.in_memory(strategy, checkpoint)
     checkpoint["torchft"] = strategy.replicas.state_dict()
+    checkpoint["torchft_joining"] = joining is not None and joining.restore_training_state is not None
     return checkpoint
 
 
 @dataclass
 class Joining:
     """Set while this rank takes its first quorum: Lightning's own ``restore_training_state``, which a heal then
-    runs on the peer's state (the loops can still take it there); None afterwards. ``healed``: this rank took a
-    live peer's state in that quorum."""
+    runs on the peer's state (the loops can still take it there); None afterwards. ``healed``: this rank took the
+    state of a live peer that waits in its sync (OuterSync's) in that quorum; a peer that is joining too syncs
+    nothing there, and neither does this rank then."""
 
     restore_training_state: Callable[[], None] | None = None
     healed: bool = False
@@ -81,7 +85,7 @@ def heal(strategy: Any, trainer: Trainer, checkpoint: dict[str, Any], joining: J
         connector.restore_datamodule()
         connector.restore_callbacks()
         joining.restore_training_state()
-        joining.healed = True
+        joining.healed = not checkpoint.get("torchft_joining", False)
         connector._loaded_checkpoint = {}
         return
     if checkpoint["global_step"] != trainer.global_step:

@@ -514,7 +514,8 @@ class PACIStrategy(DDPStrategy):
         layers = list(module.pipeline_layers())
         sizes = self._stage_sizes(module, layers, trainer)
         ties = check_sharing(module, layers, sizes)  # a tied embedding: see lit_efficient.runtime.tied
-        check_streaming_ties(self.streaming_sync, self.local_sgd_steps, self.topology.num_replicas, bool(ties))
+        replicated = self.topology.num_replicas > 1 or self.fault_tolerance is not None  # torchft: groups apart
+        check_streaming_ties(self.streaming_sync, self.local_sgd_steps, replicated, bool(ties))
         hosted = self.hosted_stages
         # One process keeps the module whole (hosting every stage moves nothing); a rank keeps its stage's layers.
         self._split = split_module(module, layers, sizes, hosted, ties)

@@ -142,3 +142,39 @@ def test_a_last_link_to_a_background_save_is_refused_before_anything_trains():
     trainer = _trainer(_async(), 1, 1, callbacks=[ckpt], enable_checkpointing=True)
     with pytest.raises(ValueError, match=r"save_last='link'.*Use save_last=True"):
         trainer.fit(_model(), datamodule=_ordered())
+
+
+def test_a_failed_background_save_keeps_the_checkpoint_it_would_have_rotated_out(tmp_path, monkeypatch):
+    """The save of step 2 fails (its error is raised at the next save); the step-1 checkpoint ModelCheckpoint rotates
+    out meanwhile is then the newest whole one, and stays, whether the failure came before or after the rotation."""
+    real_write, calls = FileSystemWriter.write_data, []
+
+    def second_write_fails(self, plan, planner):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError("disk full")
+        return real_write(self, plan, planner)
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", second_write_fails)
+    folder = tmp_path / "checkpoints"
+    ckpt = ModelCheckpoint(dirpath=folder, every_n_train_steps=1, filename="{step}", save_top_k=1)
+    with pytest.raises(RuntimeError, match="asynchronous checkpoint save failed(.|\n)*disk full"):
+        _trainer(_async(), 1, 3, callbacks=[ckpt], enable_checkpointing=True).fit(_model(), datamodule=_ordered())
+    assert sharded.is_sharded(folder / "step=1.ckpt")
+    assert not (folder / "step=2.ckpt").exists()
+
+
+def test_a_removal_asked_after_a_failed_save_is_not_done():
+    """The ordering the fit above may not hit: the save has already failed (its error waits for the next `wait`)
+    when ModelCheckpoint asks to remove the checkpoint before it. The removal is refused with a warning."""
+    from lit_efficient.checkpoint.async_write import AsyncCheckpointer
+
+    checkpointer, removed = AsyncCheckpointer(distributed=False), []
+    checkpointer._done, checkpointer._error = threading.Event(), OSError("disk full")
+    checkpointer._done.set()
+    with pytest.warns(UserWarning, match="newest whole one"):
+        checkpointer.when_published(lambda: removed.append(1))
+    assert removed == []
+    checkpointer._error = None  # the next save succeeded: a removal then runs at once
+    checkpointer.when_published(lambda: removed.append(2))
+    assert removed == [2]

@@ -100,9 +100,9 @@ def test_streaming_refuses_tied_weights_over_replicas():
     from lit_efficient.strategy.config import check_streaming_ties
 
     with pytest.raises(ValueError, match="streaming_sync=True does not support tied weights.*streaming_sync=False"):
-        check_streaming_ties(True, 4, 2, tied=True)
-    for streaming, steps, replicas, tied in [(False, 4, 2, True), (True, 4, 1, True), (True, 4, 2, False)]:
-        check_streaming_ties(streaming, steps, replicas, tied)
+        check_streaming_ties(True, 4, True, tied=True)  # replicas in the job, or torchft's replica groups
+    for streaming, steps, replicated, tied in [(False, 4, True, True), (True, 4, False, True), (True, 4, True, False)]:
+        check_streaming_ties(streaming, steps, replicated, tied)
 
 
 def test_joining_syncs_at_its_step_only_when_it_healed_from_a_live_group():
@@ -143,5 +143,7 @@ def test_joining_syncs_at_its_step_only_when_it_healed_from_a_live_group():
         return synced[0]
 
     assert join(None) == []  # its own state, at a step whose sync the checkpoint holds
-    healed = join({"pipeline": {"layout": layout}, "global_step": 12})
+    healed = join({"pipeline": {"layout": layout}, "global_step": 12, "torchft_joining": False})
     assert len(healed) == 1 and isinstance(healed[0], Due)  # the live groups' sync, at their step
+    # healed from a peer that is joining too (a whole job restarted from two checkpoints): it syncs nothing there
+    assert join({"pipeline": {"layout": layout}, "global_step": 12, "torchft_joining": True}) == []
