@@ -34,6 +34,7 @@ import dataclasses
 import difflib
 import functools
 import inspect
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -115,8 +116,10 @@ def config_fields(config_class: type) -> frozenset[str]:
 
 
 def _check_config_keys(values: Mapping[str, Any]) -> None:
-    """Refuse a config dict's keys that its class does not define: transformers keeps a misspelt key as an unused
-    attribute and builds the class's default instead (``num_hidden_layer: 4`` gives Llama's 32 layers), silently."""
+    """Refuse a config dict's keys that look like a misspelling of one of its class's fields: transformers keeps a
+    misspelt key as an unused attribute and builds the class's default instead (``num_hidden_layer: 4`` gives
+    Llama's 32 layers), silently. Other keys its class does not define (a downloaded config.json's ``n_ctx``,
+    ``task_specific_params``, ``auto_map``...) transformers accepts as they are: a warning names them."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     model_type = values["model_type"]
@@ -130,18 +133,22 @@ def _check_config_keys(values: Mapping[str, Any]) -> None:
     config_class = CONFIG_MAPPING[model_type]
     allowed = config_fields(config_class)
     unknown = [key for key in values if key not in allowed]
-    if not unknown:
-        return
-    named = []
-    for key in unknown:
-        close = difflib.get_close_matches(key, sorted(allowed), n=1)
-        named.append(f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key))
-    raise ValueError(
-        f"HFCausalLM(model={{'model_type': {model_type!r}, ...}}): {', '.join(named)} "
-        f"{'is not a field' if len(unknown) == 1 else 'are not fields'} of {config_class.__name__}: transformers "
-        f"would keep {'it' if len(unknown) == 1 else 'them'} as an unused attribute and leave the field meant at its "
-        f"default. Use {config_class.__name__}'s field names (its documentation lists them)."
-    )
+    close = {key: difflib.get_close_matches(key, sorted(allowed), n=1, cutoff=0.85) for key in unknown}
+    named = [f"{key!r} (did you mean {close[key][0]!r}?)" for key in unknown if close[key]]
+    if named:
+        raise ValueError(
+            f"HFCausalLM(model={{'model_type': {model_type!r}, ...}}): {', '.join(named)} "
+            f"{'is not a field' if len(named) == 1 else 'are not fields'} of {config_class.__name__}: transformers "
+            f"would keep {'it' if len(named) == 1 else 'them'} as an unused attribute and leave the field meant at "
+            f"its default. Use {config_class.__name__}'s field names (its documentation lists them)."
+        )
+    if unknown:
+        warnings.warn(
+            f"HFCausalLM(model={{'model_type': {model_type!r}, ...}}): {', '.join(map(repr, unknown))} "
+            f"{'is not a field' if len(unknown) == 1 else 'are not fields'} of {config_class.__name__}; transformers "
+            "keeps them as attributes, which its model does not read (a config.json's extras do this).",
+            stacklevel=3,
+        )
 
 
 def _resolve_dtype(dtype: str | torch.dtype) -> torch.dtype | str:

@@ -472,8 +472,12 @@ def test_a_config_key_its_class_does_not_define_is_refused_with_a_suggestion():
     with pytest.raises(ValueError, match=r"'num_hidden_layer' \(did you mean 'num_hidden_layers'\?\) is not a field "
                        r"of LlamaConfig: transformers would keep it as an unused attribute"):  # fmt: skip
         HFCausalLM({"model_type": "llama", "num_hidden_layer": 1, **sizes}, vocab_size=VOCAB)
-    with pytest.raises(ValueError, match=r"'hiden_size' \(did you mean 'hidden_size'\?\), 'foo' are not fields"):
+    with pytest.raises(ValueError, match=r"'hiden_size' \(did you mean 'hidden_size'\?\) is not a field"):
         HFCausalLM({"model_type": "llama", "num_hidden_layers": 1, "hiden_size": 16, "foo": 1}, vocab_size=VOCAB)
+    # A downloaded config.json's extras (GPT-2's own: n_ctx, task_specific_params) are no misspelling: named, kept
+    with pytest.warns(UserWarning, match=r"'n_ctx', 'task_specific_params' are not fields of GPT2Config"):
+        HFCausalLM({"model_type": "gpt2", "n_layer": 1, "n_embd": 16, "n_head": 2, "n_ctx": 32,
+                    "task_specific_params": {"text-generation": {"max_length": 50}}}, vocab_size=VOCAB)  # fmt: skip
     with pytest.raises(ValueError, match=r"no model type 'lama' \(did you mean 'llama'"):
         HFCausalLM({"model_type": "lama", **sizes})
     # Aliases (GPT-2's attribute_map), the generic keys, legacy rotary keys and a saved config's own keys pass.
