@@ -115,6 +115,9 @@ class GradientAccumulation(Callback):
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Again now that Lightning restored the loops: a run resumed mid-epoch is in the checkpoint's epoch, not in
+        # the epoch 0 setup saw, and Lightning skips on_train_epoch_start for the epoch it restarts in.
+        self._apply(trainer, trainer.current_epoch)
         if self._strategy_normalizes:
             return  # PACIStrategy runs the module under manual optimization itself, and normalizes
         strategy = type(trainer.strategy).__name__

@@ -921,7 +921,7 @@ class PACIStrategy(DDPStrategy):
         assert self.runtime is not None
         accumulate = max(1, trainer.accumulate_grad_batches)
         if accumulate != self.runtime.accumulate:
-            if not self.runtime.drained or batch_idx % self.runtime.accumulate:
+            if not self.runtime.drained or batch_idx % accumulate:  # a window boundary of the new N
                 raise RuntimeError(
                     f"accumulate_grad_batches changed to {accumulate} in the middle of a window; change it only at "
                     "epoch starts (GradientAccumulation(steps={epoch: N}) does)"
