@@ -13,7 +13,8 @@ events on a GPU, where host time around asynchronous kernels would measure their
 are recorded per action without waiting and read only here, at the logging interval (one host sync
 per interval, beside the gather's), and once per fit for the timeline.
 
-Metric keys (logged from global rank 0 through ``trainer.loggers``, at ``trainer.global_step``):
+Metric keys (logged from global rank 0 through ``trainer.loggers``, at the step Lightning logs the same window's
+``train_loss`` at, ``trainer.global_step - 1``):
 
 - ``pipeline/utilization_stage{s}``: busy / elapsed of stage s, averaged over its replicas;
 - ``pipeline/bubble_fraction``: 1 - the mean of the stages' utilizations;
@@ -46,6 +47,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import WandbLogger
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
@@ -187,8 +189,10 @@ class PipelineMonitor(Callback):
 
     @override
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        # Validation inside fit: keep it out of the interval's training time.
-        if trainer.training and self._eval is not None and self._eval_start is not None:
+        # Validation inside fit: keep it out of the interval's training time (``trainer.training`` is False while
+        # it runs: Lightning's stage is then VALIDATING; the sanity check runs before the interval starts).
+        fitting = trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking
+        if fitting and self._eval is not None and self._eval_start is not None:
             self._eval.add("validation", self._eval_start, self._device_clock(trainer).mark())
 
     @override
@@ -211,7 +215,8 @@ class PipelineMonitor(Callback):
         # Host sync (CUDA), once per interval: reading the runtime's stats waits for the events recorded
         # since the last log. This rank's copy of the row to the device below would wait as well.
         rows = _local_rows(trainer, runtime, self._tokens, self._samples)
-        local = torch.tensor(rows, dtype=torch.float64, device=trainer.strategy.root_device)
+        device = trainer.strategy.root_device
+        local = torch.tensor(rows, dtype=torch.float32 if device.type == "mps" else torch.float64, device=device)
         # Synchronization point every `logging_interval` optimizer steps: one all-gather of a few
         # floats per rank, at a window end (the same batch on every rank). Under PACI it stalls the
         # faster stages until the slowest reaches this batch; at one per interval (default 50 windows)
@@ -224,7 +229,7 @@ class PipelineMonitor(Callback):
             everyone = [Row(*r) for r in gathered.reshape(-1, len(Row._fields)).tolist()]
             metrics = aggregate(everyone, wall, memory_name(trainer.strategy.root_device))
             for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=trainer.global_step)
+                logger.log_metrics(metrics, step=_row_step(trainer))
         if runtime is not None:
             runtime.reset_stats()
         self._tokens = self._samples = 0
@@ -288,7 +293,7 @@ class PipelineMonitor(Callback):
         self.timeline_paths = [png_path, json_path]
         for logger in trainer.loggers:
             if isinstance(logger, WandbLogger):  # it imports wandb only inside log_image
-                logger.log_image(key="pipeline/timeline", images=[str(png_path)], step=trainer.global_step)
+                logger.log_image(key="pipeline/timeline", images=[str(png_path)], step=_row_step(trainer))
 
 
 # ------------------------------------------------------------------------ pure parts (unit-tested)
@@ -388,6 +393,12 @@ def draw_gantt(events: Sequence[TimelineEvent], path: Path) -> list[str]:
 
 
 # ------------------------------------------------------------------------ measurements of this rank
+
+
+def _row_step(trainer: Trainer) -> int:
+    """The logger step of the window that just ended: Lightning logs its ``train_loss`` and learning rates before it
+    counts the window (``_batches_that_stepped``), at ``global_step - 1``, and the rows of a window share a step."""
+    return max(0, trainer.global_step - 1)
 
 
 def _runtime(trainer: Trainer) -> StageHost | None:
