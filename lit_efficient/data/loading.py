@@ -117,9 +117,10 @@ class ResumableLoader(DataLoader):
             warnings.warn(
                 f"The checkpoint was taken {skip} batches into epoch {epoch} on {saved} data-parallel replica(s); "
                 f"this run has {replicas}, which read that epoch's order interleaved otherwise, so no count of "
-                "batches skipped here continues it exactly: the epoch restarts from its first batch (samples of it "
-                "are trained twice). To continue exactly, resume on the same number of replicas, or from a "
-                "checkpoint taken at an epoch's end.",
+                "batches skipped here continues it exactly: the loader starts the epoch again from its first batch, "
+                f"and Lightning, which counts {skip} of its batches as done, ends it {skip} batches early (samples "
+                "of it are trained twice, others not in this epoch). To continue exactly, resume on the same number "
+                "of replicas, or from a checkpoint taken at an epoch's end.",
                 stacklevel=2,
             )
             skip = 0

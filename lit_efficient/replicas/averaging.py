@@ -158,7 +158,9 @@ class ReplicaAverager:
         initial weights the anchor was built from; steps count on from the checkpoint's, so syncs stay on their
         schedule. Collective over the group, as the constructor."""
         if isinstance(self._mean, GroupMean) and not self._mean.alone:  # a changing set heals its replicas itself
-            self.bytes_communicated += broadcast_flat(self._synced_tensors(), self.group)
+            sent = broadcast_flat(self._synced_tensors(), self.group)
+            self.setup_bytes += sent  # as the constructor's: not part of the per-step traffic
+            self.bytes_communicated += sent
         self._step = int(step)
         if self._outer is None:
             return

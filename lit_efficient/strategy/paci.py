@@ -502,6 +502,7 @@ class PACIStrategy(DDPStrategy):
     @override
     def setup(self, trainer: Trainer) -> None:
         assert self.accelerator is not None and self.topology is not None
+        self.restored_window_grads = []  # a fit that failed before on_train_start left its restore's here
         # First: whatever loads the training loader during setup (configure_optimizers reading
         # trainer.estimated_stepping_batches, as GPT's default schedule does) builds it with this setting.
         keep_users_sampler(trainer, self.replica_groups if self.fault_tolerance else self.topology.num_replicas)

@@ -305,7 +305,7 @@ def load_stage_states(strategy: Any, checkpoint: dict[str, Any]) -> None:
         assert group_names is not None, "a checkpoint with optimizer_by_name needs no group names"
         return group_names
 
-    strategy.restored_window_grads = []
+    strategy.restored_window_grads = []  # only this restore's (an earlier fit's unreinstated ones never leak)
     saved_schedulers = checkpoint.get("lr_schedulers", [])
     given: set[int] = set()  # the checkpoint's tensors an earlier stage's optimizer holds now
     for hosted in strategy.hosted:

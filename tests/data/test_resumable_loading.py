@@ -97,7 +97,9 @@ def test_a_mid_epoch_state_of_another_replica_count_restarts_the_epoch_with_a_wa
     two = ResumableLoader(data.train_set, batch_size=4, sampler=replica0)
     whole = _batches(two)
     two.load_state_dict({"epoch": 0, "batches": 3, "replicas": 1})
-    with pytest.warns(UserWarning, match="on 1 data-parallel replica.*this run has 2.*the epoch restarts"):
+    with pytest.warns(
+        UserWarning, match="1 data-parallel replica.*has 2.*starts the epoch again.*ends it 3 batches early"
+    ):
         again = _batches(two)
     assert len(again) == len(whole) and all(torch.equal(a, b) for a, b in zip(again, whole, strict=True))
     two.load_state_dict({"epoch": 0, "batches": 3, "replicas": 2})  # the same count: continues exactly
