@@ -7,11 +7,13 @@ the strategy's own callback), where torchmetrics sync, how gradients are normali
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 import torch.distributed as dist
 from lightning.fabric.utilities.seed import _set_rng_states
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import Tensor
 from typing_extensions import override
 
@@ -38,6 +40,14 @@ class SyncCallbackMetrics(Callback):
             trainer.callback_metrics.update(metrics[0])
 
     @override
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        # Only the last stage (rank 0) logs the training loss: a ModelCheckpoint that monitors a training metric, or
+        # names one in its filename, found it on rank 0 alone, which then saved (a collective) while the other ranks
+        # skipped the save and trained on: a hang. Synced before any such checkpoint callback looks at it.
+        if any(_reads_metrics_now(callback, trainer) for callback in trainer.checkpoint_callbacks):
+            self._sync(trainer)
+
+    @override
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         trainer.strategy.drain()  # type: ignore[attr-defined]
 
@@ -53,6 +63,21 @@ class SyncCallbackMetrics(Callback):
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         trainer.strategy.drain()  # type: ignore[attr-defined]
+
+
+def _reads_metrics_now(callback: Any, trainer: Trainer) -> bool:
+    """Whether a step-interval ``ModelCheckpoint`` may read the callback metrics at this training batch (the same
+    answer on every rank: the step count and the callback's options; a time interval's decision is Lightning's own
+    collective, so it is synced at every step then)."""
+    if not isinstance(callback, ModelCheckpoint):
+        return False
+    named = set(re.findall(r"\{([^}:]+)", callback.filename or "")) - {"epoch", "step"}  # metrics in the name
+    if not (callback.monitor or named):
+        return False
+    if callback._train_time_interval is not None:
+        return True
+    every = callback._every_n_train_steps
+    return every >= 1 and trainer.global_step % every == 0 and callback._last_global_step_saved != trainer.global_step
 
 
 def agree_on_evaluation_results(trainer: Trainer) -> None:

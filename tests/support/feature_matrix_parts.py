@@ -395,6 +395,13 @@ def _top_k(root: Path) -> list[Callback]:
     return [ModelCheckpoint(dirpath=root / "top", monitor="val_loss", save_top_k=2, filename="{step}")]
 
 
+def _top_k_train(root: Path) -> list[Callback]:
+    """Top-k on the training loss, which only the last stage (rank 0) logs, named by it too: rank 0 alone found it
+    and saved (a collective) while the other ranks skipped the save, a hang (the strategy now syncs it first)."""
+    return [ModelCheckpoint(dirpath=root / "top", monitor="train_loss", save_top_k=2, every_n_train_steps=1,
+                            filename="{step}-{train_loss:.4f}")]  # fmt: skip
+
+
 def _kept(trainer, module) -> dict:
     """The top-k files ModelCheckpoint kept, their scores and the weights and step each holds."""
     (cb,) = trainer.checkpoint_callbacks
