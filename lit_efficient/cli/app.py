@@ -376,8 +376,8 @@ class LitEfficientCLI(LightningCLI):
                 init = logger.init_args
                 offline = bool(init.get("offline")) or "offline" in (init.get("mode"), os.environ.get("WANDB_MODE"))
                 keep_wandb_local(init.get("save_dir") or init.get("dir") or ".", offline)
-                if init.get("id") or init.get("version"):
-                    continue  # the user's own run id wins
+                if init.get("id") or init.get("version") or self.subcommand not in (None, "fit"):
+                    continue  # the user's own run id wins; an evaluation is a run of its own, not the training's
                 # One W&B run, and one checkpoint folder (<save_dir>/<project>/<run id>/checkpoints), for every
                 # attempt of a job: a restarted attempt continues the chart and finds its ckpt_path="last", where a
                 # fresh id per launch would start the run over. A run resumed by hand from a checkpoint of that

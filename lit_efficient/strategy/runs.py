@@ -66,12 +66,15 @@ def attempt_store(timeout: timedelta) -> dist.Store | None:
 def restartable_job_id() -> str | None:
     """An id every attempt of one job shares and no other job has, or None outside a restartable launcher:
     torchrun's rendezvous id (``--rdzv-id``; with ``--standalone`` the one the launcher draws once) or SLURM's
-    job id (kept by ``--requeue``). torchrun's default ``--rdzv-id`` ("none") names no job, so it is not used."""
+    job id (kept by ``--requeue``) with its step id where there is one: two ``srun`` steps of one allocation are
+    two runs, while a requeued job's steps count from 0 again, each continuing its own. torchrun's default
+    ``--rdzv-id`` ("none") names no job, so it is not used."""
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")
     if run_id and run_id != "none":
         job = f"torchrun-{run_id}"
     elif os.environ.get("SLURM_JOB_ID"):
-        job = f"slurm-{os.environ['SLURM_JOB_ID']}"
+        step = os.environ.get("SLURM_STEP_ID")
+        job = f"slurm-{os.environ['SLURM_JOB_ID']}" + (f"-{step}" if step else "")
     else:
         return None
     return re.sub(r"[^A-Za-z0-9_-]", "-", job)[:64]  # the characters and length a W&B run id may have

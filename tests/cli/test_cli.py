@@ -259,12 +259,13 @@ def test_readme_keeps_the_setup_commands_and_documents_every_option():
 @pytest.mark.parametrize(
     ("env", "want"),
     [({"TORCHELASTIC_RUN_ID": "job/7"}, "torchrun-job-7"), ({"SLURM_JOB_ID": "4242"}, "slurm-4242"),
+     ({"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "1"}, "slurm-4242-1"),  # two srun steps: two runs
      ({"TORCHELASTIC_RUN_ID": "none"}, None), ({}, None)],
 )  # fmt: skip
 def test_every_attempt_of_a_restartable_job_logs_to_one_wandb_run_and_checkpoint_folder(env, want, monkeypatch):
     """A restarted torchrun/SLURM attempt must find the checkpoints of the one before: they live under the
     W&B run's id (<save_dir>/<project>/<id>/checkpoints), which is one id per job, not a fresh one per launch."""
-    for var in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
+    for var in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_STEP_ID"):
         monkeypatch.delenv(var, raising=False)
     for var, value in env.items():
         monkeypatch.setenv(var, value)
@@ -290,6 +291,10 @@ def test_a_run_resumed_from_its_checkpoint_continues_its_wandb_run(monkeypatch):
     for other in ("last", "elsewhere/model.ckpt"):  # no run to continue: a new one, as before
         assert logger(f"--ckpt_path={other}")._wandb_init.get("id") is None
     assert logger("--trainer.logger.init_args.id=mine", "--ckpt_path=r/p/1x2y3z/checkpoints/a.ckpt").version == "mine"
+    # an evaluation of that checkpoint is a run of its own: it reopened the training run and rewrote its config
+    checkpoint = "--ckpt_path=runs-test/lit-efficient/1x2y3z/checkpoints/last.ckpt"
+    evaluated = _cli("validate", "--trainer.logger.init_args.save_dir=runs-test", checkpoint, run=True).trainer.logger
+    assert evaluated._wandb_init.get("id") is None
 
 
 def test_any_lightning_data_module_goes_through_the_cli(tmp_path, monkeypatch):
