@@ -440,13 +440,14 @@ class ActivationCheckpointing(Callback):
         if self.modules is not None:
             present = {n for m in pl_module.modules() for n in (type(m).__name__, _class_path(type(m)))}
             for name in self.modules:
-                if name not in present:
-                    close = difflib.get_close_matches(name, sorted(present), n=1)
+                # A misspelling is close to a class present; another architecture's name (a list shared by configs
+                # of several models) is not, and is let be.
+                close = difflib.get_close_matches(name, sorted(present), n=1, cutoff=0.85)
+                if name not in present and close:
                     raise ValueError(
                         f"ActivationCheckpointing(modules={self.modules}): {name!r} matches no module of "
-                        f"{type(pl_module).__name__}"
-                        + (f"; did you mean {close[0]!r}?" if close else ".")
-                        + f" Classes with parameters: {', '.join(candidate_classes(pl_module)) or 'none'}."
+                        f"{type(pl_module).__name__}; did you mean {close[0]!r}? Classes with parameters: "
+                        f"{', '.join(candidate_classes(pl_module)) or 'none'}."
                     )
         if not self._plan:
             raise ValueError(

@@ -213,7 +213,8 @@ def _to_wire(t: Tensor, wire: torch.dtype) -> Tensor:
     ``torch.finfo(float32).min``, so a masked row (left padding) became all -inf and its softmax NaN."""
     if wire == torch.bfloat16 and t.dtype == torch.float32:
         limit = torch.finfo(torch.bfloat16).max
-        return t.clamp(-limit, limit).to(wire)
+        # Finite values only: a real infinity (an overflow) stays one, for on_nonfinite to see.
+        return torch.where(t.isinf(), t, t.clamp(-limit, limit)).to(wire)
     return t.to(wire)
 
 

@@ -166,6 +166,8 @@ def test_a_misspelt_name_beside_a_match_and_an_every_n_past_the_matches_are_refu
         with pytest.raises(ValueError, match=r"every_n=5\) is past the 4 matching modules.*every_n <= 4"):
             ActivationCheckpointing(modules=modules, every_n=5).setup(trainer, model, "fit")
     ActivationCheckpointing(modules=["Block"], every_n=4).setup(trainer, model, "fit")  # the 4th: one block
+    # another architecture's class in a list shared by configs of several models is no misspelling
+    ActivationCheckpointing(modules=["Block", "LlamaDecoderLayer"]).setup(trainer, model, "fit")
 
 
 def test_refuses_a_strategy_that_already_recomputes():

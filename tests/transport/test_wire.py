@@ -65,6 +65,9 @@ def test_bf16_wire_keeps_an_attention_masks_extremes_finite(pack_below):
     assert torch.isfinite(got).all() and got[1, 0] == -torch.finfo(torch.bfloat16).max
     assert torch.isfinite(torch.softmax(got, dim=-1)).all()
     assert torch.equal(wire.round_trip(mask), got)  # one process and processes alike
+    overflow = torch.tensor([float("inf"), -float("inf"), float("nan"), 1.0])  # an overflowed activation stays so
+    (back,) = _send(wire, (overflow,))[1]
+    assert back[0] == float("inf") and back[1] == -float("inf") and back[2].isnan() and back[3] == 1.0
 
 
 def test_only_float32_or_bfloat16_on_the_wire():
