@@ -244,7 +244,7 @@ def load_config(argv: Sequence[str]) -> dict[str, Any]:
     Everything named is built by its own constructor, with its own checks; what ``fit`` would refuse (a layout
     whose world size S does not divide, N < 1, a precision PACIStrategy does not train in) is a `PlanError`,
     before any measuring."""
-    from lit_efficient.cli.app import LitEfficientCLI  # the CLI imports this module for its subcommand
+    from lit_efficient.cli.app import LitEfficientCLI  # here: LightningCLI loads only when a config is read
 
     class _Resolve(LitEfficientCLI):
         def before_instantiate_classes(self) -> None:
