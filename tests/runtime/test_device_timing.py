@@ -274,7 +274,7 @@ def test_monitor_in_one_process_logs_and_draws_every_stage(tmp_path):
     trainer.fit(model, torch.utils.data.DataLoader(_tokens(48, 16), batch_size=4))
     with open(Path(logger.log_dir) / "metrics.csv") as f:
         rows = [r for r in csv.DictReader(f) if r.get("pipeline/utilization_stage0")]
-    assert [int(r["step"]) for r in rows] == [2, 4, 6]
+    assert [int(r["step"]) for r in rows] == [1, 3, 5]  # windows 2, 4, 6 at their train_loss rows (global_step - 1)
     for row in rows:
         for s in (0, 1):
             assert 0 < float(row[f"pipeline/utilization_stage{s}"]) <= 1
