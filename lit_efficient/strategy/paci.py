@@ -928,6 +928,8 @@ class PACIStrategy(DDPStrategy):
                     "epoch starts (GradientAccumulation(steps={epoch: N}) does)"
                 )
             self.runtime.accumulate = accumulate
+            for hosted in self.hosted:  # a correction counts the window's share in N: built again for the new N
+                hosted.stage.correction = self.correction_for(hosted.index, trainer, hosted.optimizer)
         if batch_idx == 0 and self.runtime.drained:
             self.runtime.start_epoch()
 

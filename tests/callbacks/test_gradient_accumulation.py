@@ -307,3 +307,26 @@ def test_a_schedule_resumed_mid_epoch_uses_that_epochs_n(tmp_path, strategy):
     assert trainer.current_epoch == 2 and trainer.global_step == 12
     resumed, _ = fit(str(tmp_path / "ckpt" / "step=10.ckpt"))
     assert max_diff(resumed, whole) == 0.0
+
+
+def test_a_schedule_that_changes_n_under_paci_rebuilds_the_staleness_correction():
+    """PACI's default correction shrinks a young window's square by the share of the window accumulated, counted in
+    N: built at setup with epoch 0's N, it kept counting in it after {0: 2, 1: 4} moved to N=4."""
+    from lightning.pytorch.callbacks import Callback
+
+    from tests.support.gpt_runs import gpt_model, gpt_trainer, text_data
+
+    class Seen(Callback):
+        def __init__(self) -> None:
+            self.windows: dict[int, set] = {}
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            corrections = [h.stage.correction for h in trainer.strategy.hosted if h.stage.correction is not None]
+            self.windows.setdefault(trainer.current_epoch, set()).update(c.accumulate for c in corrections)
+
+    seen = Seen()
+    strategy = PACIStrategy(pipeline_stages=2, schedule="paci", sync_start_steps=0)
+    trainer = gpt_trainer(strategy, 1, 6, None, accumulate_grad_batches=1, limit_train_batches=8, max_epochs=2,
+                          callbacks=[GradientAccumulation(steps={0: 2, 1: 4}), seen])  # fmt: skip
+    trainer.fit(gpt_model(), datamodule=text_data())
+    assert seen.windows == {0: {2}, 1: {4}}
