@@ -214,7 +214,8 @@ class PipelineMonitor(Callback):
     def _log(self, trainer: Trainer, runtime: StageHost | None) -> None:
         # Host sync (CUDA), once per interval: reading the runtime's stats waits for the events recorded
         # since the last log. This rank's copy of the row to the device below would wait as well.
-        rows = _local_rows(trainer, runtime, self._tokens, self._samples)
+        assert self._eval is not None  # set in on_train_start
+        rows = _local_rows(trainer, runtime, self._tokens, self._samples, self._eval.total("validation"))
         device = trainer.strategy.root_device
         local = torch.tensor(rows, dtype=torch.float32 if device.type == "mps" else torch.float64, device=device)
         # Synchronization point every `logging_interval` optimizer steps: one all-gather of a few
@@ -405,8 +406,12 @@ def _runtime(trainer: Trainer) -> StageHost | None:
     return trainer.strategy.runtime if isinstance(trainer.strategy, PACIStrategy) else None
 
 
-def _local_rows(trainer: Trainer, runtime: StageHost | None, tokens: int, samples: int) -> list[Row]:
-    """This process's rows: one per hosted stage (one on a rank, every stage in one process)."""
+def _local_rows(
+    trainer: Trainer, runtime: StageHost | None, tokens: int, samples: int, validating: float = 0.0
+) -> list[Row]:  # fmt: skip
+    """This process's rows: one per hosted stage (one on a rank, every stage in one process). Training's alone: a
+    stage's evaluation forwards and the ``validating`` seconds of validation inside the interval, which its clock
+    spans too, are left out of its busy and elapsed time."""
     peak = _peak_bytes(trainer.strategy.root_device)
     if runtime is None:
         return [Row(0, trainer.global_rank, False, 0.0, 0.0, 0.0, 0.0, 0.0, tokens, samples, peak)]
@@ -415,9 +420,11 @@ def _local_rows(trainer: Trainer, runtime: StageHost | None, tokens: int, sample
     rows = []
     for rt in runtime.runtimes:
         s = rt.stats()
+        busy = s["busy_seconds"] - rt.stage.stats.evaluate_seconds
+        elapsed = max(0.0, s["elapsed_seconds"] - validating)
         rows.append(Row(
-            rt.stage.stage, strategy.replica, True, s["busy_seconds"], s["elapsed_seconds"], s["drift_max"],
-            rt.stage.stats.drift_sum, s["backwards"], tokens, samples, peak,
+            rt.stage.stage, strategy.replica, True, busy, elapsed, s["drift_max"], rt.stage.stats.drift_sum,
+            s["backwards"], tokens, samples, peak,
         ))  # fmt: skip
     return rows
 

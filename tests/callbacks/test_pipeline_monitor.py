@@ -304,3 +304,18 @@ def test_timeline_records_the_same_number_of_windows_after_a_resume(resumed_at, 
         if runtime.timeline is not None:
             recorded.append(step)
     assert recorded == list(range(max(resumed_at + 1, 1), max(resumed_at + 1, 1) + 4)), recorded
+
+
+def test_a_stages_row_leaves_validation_inside_fit_out(monkeypatch):
+    """A stage's runtime clock spans a validation inside fit, and its busy time counts the evaluation forwards: both
+    entered pipeline/utilization_stage{s} and the bubble fraction. The row keeps training's alone."""
+    from lit_efficient.callbacks import pipeline_monitor
+
+    stage = types.SimpleNamespace(stage=0, stats=types.SimpleNamespace(drift_sum=0.0, evaluate_seconds=1.0))
+    stats = {"busy_seconds": 3.0, "elapsed_seconds": 10.0, "drift_max": 0.0, "backwards": 4}
+    runtime = types.SimpleNamespace(runtimes=[types.SimpleNamespace(stage=stage, stats=lambda: stats)])
+    monkeypatch.setattr(pipeline_monitor, "PACIStrategy", types.SimpleNamespace)  # a stand-in strategy, set up
+    strategy = types.SimpleNamespace(replica=0, root_device=torch.device("cpu"))
+    trainer = types.SimpleNamespace(strategy=strategy, global_rank=0)
+    (row,) = pipeline_monitor._local_rows(trainer, runtime, 64, 4, validating=4.0)
+    assert (row.busy, row.elapsed) == (2.0, 6.0)  # 3 s busy less 1 s of evaluation; 10 s less 4 s of validation
