@@ -231,12 +231,13 @@ def plan_config(argv: Sequence[str], **overrides: Any) -> MemoryPlan:
         **overrides: `plan` arguments that win over the config's (``replicas``, ``shard_optimizer_state``,
             ``device_memory``).
     """
-    arguments = load_config(argv)
-    arguments.update({k: v for k, v in overrides.items() if v is not None})
+    given = {k: v for k, v in overrides.items() if v is not None}
+    arguments = load_config(argv, replicas_given="replicas" in given)
+    arguments.update(given)
     return plan(**arguments)
 
 
-def load_config(argv: Sequence[str]) -> dict[str, Any]:
+def load_config(argv: Sequence[str], replicas_given: bool = False) -> dict[str, Any]:
     """`plan`'s arguments for the config ``fit`` would run with ``argv``: the model built on the meta device
     (nothing allocated), a meta micro-batch of the data's shape, the strategy, N, the precision, the
     ActivationCheckpointing callback, the replicas (world size / S) and the accelerator.
@@ -258,7 +259,7 @@ def load_config(argv: Sequence[str]) -> dict[str, Any]:
         config = _Resolve(args=list(argv), run=False).config
     trainer = config.trainer
     strategy = _strategy(trainer.strategy)
-    replicas = _replicas(trainer, strategy)
+    replicas = 1 if replicas_given else _replicas(trainer, strategy)  # --replicas plans another world than the config's
     precision = unified_precision(trainer.precision or "32-true")
     data = _init_args(config.data)
     batch_size, block_size = int(data.get("batch_size", 16)), int(data.get("block_size", 256))

@@ -160,6 +160,9 @@ def test_plan_takes_a_gradient_accumulation_schedule_at_its_largest_n(capsys, tm
 def test_plan_counts_devices_given_on_the_command_line(capsys):
     assert plan_main(["--config", QUICKSTART, "--json", "--trainer.devices", "4"]) == 0  # a string: "4"
     assert json.loads(capsys.readouterr().out)["replicas"] == 2
+    # --replicas plans another world: the config's devices, which the stages need not divide, do not refuse it
+    assert plan_main(["--config", QUICKSTART, "--json", "--trainer.devices", "3", "--replicas", "4"]) == 0
+    assert json.loads(capsys.readouterr().out)["replicas"] == 4
 
 
 @pytest.mark.parametrize("given, unified", [("bf16", "bf16-mixed"), ("32", "32-true"), (32, "32-true")])
