@@ -9,6 +9,7 @@ interpreter, which every machine that runs this has.
 
 from __future__ import annotations
 
+import numbers
 from pathlib import Path
 from typing import Any
 
@@ -171,8 +172,12 @@ class TextDataModule(LightningDataModule):
                 f"or .bin, or path=None for the embedded corpus."
             )
         for name, value in (("block_size", block_size), ("batch_size", batch_size)):
-            if value < 1:
-                raise ValueError(f"TextDataModule({name}={value}) must be >= 1.")
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ValueError(f"TextDataModule({name}={value!r}) must be an integer >= 1.")
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+            raise ValueError(f"TextDataModule(seed={seed!r}) must be an integer.")
+        if not isinstance(val_fraction, numbers.Real) or isinstance(val_fraction, bool):
+            raise ValueError(f"TextDataModule(val_fraction={val_fraction!r}) must be a number in (0, 1), e.g. 0.05.")
         if num_workers < 0:
             raise ValueError(f"TextDataModule(num_workers={num_workers}) must be >= 0 (0: main process).")
         if not 0.0 < val_fraction < 1.0:

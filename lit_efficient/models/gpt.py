@@ -12,6 +12,7 @@ compute the same function and share `state_dict` keys (`embed.*`, `blocks.<i>.*`
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -481,9 +482,13 @@ def _check_args(
     min_lr_ratio: float,
 ) -> None:
     sizes = dict(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
-    for name, value in sizes.items():
-        if value < 1:
-            raise ValueError(f"GPT({name}={value}) must be a positive integer.")
+    for name, value in sizes.items():  # a float (n_head=2.0) passed here and failed at the first forward
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise ValueError(f"GPT({name}={value!r}) must be a positive integer.")
+    rates = dict(learning_rate=learning_rate, weight_decay=weight_decay, dropout=dropout, min_lr_ratio=min_lr_ratio)
+    for name, value in rates.items():  # NaN passes every comparison below, and inf trains to NaN weights
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+            raise ValueError(f"GPT({name}={value!r}) must be a finite number.")
     if n_embd % n_head:
         raise ValueError(
             f"GPT(n_embd={n_embd}) must be divisible by n_head={n_head}; pick n_embd as a multiple of n_head "

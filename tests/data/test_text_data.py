@@ -113,6 +113,9 @@ def test_bin_tokens_are_memory_mapped_with_their_vocabulary(tmp_path):
         (dict(max_bytes=0), "max_bytes=0"),
         (dict(vocab_size=100), "vocab_size=100"),
         (dict(path="/no/such/file.txt"), "no such file"),
+        (dict(block_size=2.5), r"block_size=2\.5\) must be an integer >= 1"),  # crashed in setup
+        (dict(seed="x"), r"seed='x'\) must be an integer"),  # crashed in the loader
+        (dict(val_fraction="0.1"), r"val_fraction='0\.1'\) must be a number in \(0, 1\)"),
     ],
 )
 def test_bad_arguments_raise(kwargs, match):

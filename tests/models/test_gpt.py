@@ -181,6 +181,10 @@ def test_encode_decode_bytes():
         (dict(warmup_steps=-1), "warmup_steps"),
         (dict(max_steps=0), "max_steps=0"),
         (dict(min_lr_ratio=1.5), "min_lr_ratio"),
+        (dict(n_head=2.0), r"n_head=2\.0\) must be a positive integer"),  # failed at the first forward
+        (dict(n_embd=8.0), r"n_embd=8\.0\) must be a positive integer"),
+        (dict(learning_rate=float("nan")), r"learning_rate=nan\) must be a finite number"),  # passed every check
+        (dict(weight_decay=float("inf")), r"weight_decay=inf\) must be a finite number"),
     ],
 )
 def test_bad_arguments_raise(overrides, match):
