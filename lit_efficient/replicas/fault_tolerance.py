@@ -53,6 +53,15 @@ def require_torchft() -> Any:
     return torchft
 
 
+def _env_int(name: str) -> int:
+    """An integer environment variable, refused with its name and value (``int()`` named neither)."""
+    value = os.environ[name]
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} must be an integer (set it to 0, 1, ... for each group).") from None
+
+
 def group_settings(group_id: int | None, groups: int | None, min_groups: int) -> tuple[int, int]:
     """(this group's index, the number of groups launched) from the arguments or torchft's variables, checked."""
     if group_id is None:
@@ -61,14 +70,14 @@ def group_settings(group_id: int | None, groups: int | None, min_groups: int) ->
                 f"fault_tolerance='torchft' needs this replica group's index: set {GROUP_ENV}=0, 1, ... for each "
                 "group's launcher (or pass replica_group_id=)."
             )
-        group_id = int(os.environ[GROUP_ENV])
+        group_id = _env_int(GROUP_ENV)
     if groups is None:
         if GROUPS_ENV not in os.environ:  # a guess would differ between groups, and so would their data shards
             raise ValueError(
                 f"fault_tolerance='torchft' needs the number of replica groups launched (each reads its own shard of "
                 f"the data): set {GROUPS_ENV} for every group's launcher, or pass replica_groups=."
             )
-        groups = int(os.environ[GROUPS_ENV])
+        groups = _env_int(GROUPS_ENV)
     if not 0 <= group_id < groups:
         raise ValueError(
             f"replica_group_id={group_id} is not one of the {groups} replica groups launched (0..{groups - 1}); "

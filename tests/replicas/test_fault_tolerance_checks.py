@@ -50,6 +50,9 @@ def test_group_index_and_count(monkeypatch):
         group_settings(2, 2, 1)
     with pytest.raises(ValueError, match="min_replica_groups=3 must be between 1 and the 2 replica groups"):
         group_settings(0, 2, 3)
+    monkeypatch.setenv("REPLICA_GROUP_ID", "first")  # int() said "invalid literal", naming no variable
+    with pytest.raises(ValueError, match="REPLICA_GROUP_ID='first' must be an integer"):
+        group_settings(None, 2, 1)
 
 
 def test_an_unreachable_lighthouse_names_the_address_and_how_to_start_one(monkeypatch):
