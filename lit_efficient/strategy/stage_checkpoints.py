@@ -335,7 +335,7 @@ def reinstate_window_gradients(strategy: Any) -> None:
     for stage, grads in strategy.restored_window_grads:
         for p, g in zip(stage.parameters(), grads, strict=True):
             if g is not None and p.grad is None:
-                p.grad = g.to(p.device)
+                p.grad = g
     strategy.restored_window_grads = []
 
 
@@ -347,8 +347,8 @@ def _load_rank_state(
     own = {k: v for k, v in state.get("accumulation", {}).items() if k in ("version", "rng")}
     if accumulation or own:
         hosted.stage.load_accumulation_state({**own, **(accumulation or {})})
-    if accumulation and "grads" in accumulation:
-        strategy.restored_window_grads.append((hosted.stage, list(accumulation["grads"])))
+    if accumulation and "grads" in accumulation:  # as the stage holds them now: on its device
+        strategy.restored_window_grads.append((hosted.stage, [p.grad for p in hosted.stage.parameters()]))
     if hosted.stage.scheduler is not None:  # every frequency counts from the run's steps, as Lightning's own
         hosted.stage.scheduler.steps = global_step
     if hosted.averager is not None and "averager" in state:

@@ -7,6 +7,7 @@ the strategy's own callback), where torchmetrics sync, how gradients are normali
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any, Literal
 
@@ -66,18 +67,19 @@ class SyncCallbackMetrics(Callback):
 
 
 def _reads_metrics_now(callback: Any, trainer: Trainer) -> bool:
-    """Whether a step-interval ``ModelCheckpoint`` may read the callback metrics at this training batch (the same
-    answer on every rank: the step count and the callback's options; a time interval's decision is Lightning's own
-    collective, so it is synced at every step then)."""
-    if not isinstance(callback, ModelCheckpoint):
+    """Whether a ``ModelCheckpoint`` reads the callback metrics at this training batch: Lightning's own test for a
+    module under manual optimization (a step multiple of ``every_n_train_steps``, a save not skipped), for a
+    checkpoint that monitors a metric or names one in its filename. The same answer on every rank."""
+    if not isinstance(callback, ModelCheckpoint) or not (callback.monitor or _metrics_named(callback.filename)):
         return False
-    named = set(re.findall(r"\{([^}:]+)", callback.filename or "")) - {"epoch", "step"}  # metrics in the name
-    if not (callback.monitor or named):
-        return False
-    if callback._train_time_interval is not None:
-        return True
     every = callback._every_n_train_steps
-    return every >= 1 and trainer.global_step % every == 0 and callback._last_global_step_saved != trainer.global_step
+    return every >= 1 and trainer.global_step % every == 0 and not callback._should_skip_saving_checkpoint(trainer)
+
+
+@functools.cache
+def _metrics_named(filename: str | None) -> bool:
+    """Whether a checkpoint filename template names a metric besides the epoch and the step (parsed once)."""
+    return bool(set(re.findall(r"\{([^}:]+)", filename or "")) - {"epoch", "step"})
 
 
 def agree_on_evaluation_results(trainer: Trainer) -> None:
