@@ -399,10 +399,15 @@ class ActivationCheckpointing(Callback):
         """The modules this callback currently wraps."""
         return list(self._wrapped)
 
-    def select(self, root: nn.Module) -> list[tuple[str, nn.Module]]:
-        """The ``(name, module)`` pairs this configuration would checkpoint in `root`, `every_n` applied."""
-        found = repeated_blocks(root) if self.modules is None else named_matches(root, self.modules)
+    def select(self, root: nn.Module, found: list[tuple[str, nn.Module]] | None = None) -> list[tuple[str, nn.Module]]:
+        """The ``(name, module)`` pairs this configuration would checkpoint in `root`, `every_n` applied to its
+        matches (``found``: `matches`, where the caller has them)."""
+        found = self.matches(root) if found is None else found
         return [pair for i, pair in enumerate(found) if (i + 1) % self.every_n == 0]
+
+    def matches(self, root: nn.Module) -> list[tuple[str, nn.Module]]:
+        """The modules of `root` this configuration names (or the repeated blocks), before `every_n`."""
+        return repeated_blocks(root) if self.modules is None else named_matches(root, self.modules)
 
     def wrap(self, root: nn.Module) -> list[str]:
         """Wrap the modules `select` picks in `root` (outside a Trainer: tests, benchmarks); returns their names."""
@@ -427,14 +432,14 @@ class ActivationCheckpointing(Callback):
         _refuse_double_recompute(trainer)  # before the strategy builds anything
         # Lightning calls callback setup before strategy.setup: this is the whole model, so `every_n`
         # counts global block indices and a pipeline rank later wraps exactly its share of the plan.
-        self._plan = [(name, type(module)) for name, module in self.select(pl_module)]
-        self._check_plan(pl_module)
+        found = self.matches(pl_module)
+        self._plan = [(name, type(module)) for name, module in self.select(pl_module, found)]
+        self._check_plan(pl_module, found)
 
-    def _check_plan(self, pl_module: LightningModule) -> None:
+    def _check_plan(self, pl_module: LightningModule, found: list[tuple[str, nn.Module]]) -> None:
         """Refuse a configuration that would silently checkpoint less than it names: an entry of ``modules`` that
         matches nothing beside ones that do (a misspelling), or an ``every_n`` past the last match. (Where nothing
         matches yet, the model may build its layers in configure_model: `on_fit_start` says so then.)"""
-        found = repeated_blocks(pl_module) if self.modules is None else named_matches(pl_module, self.modules)
         if not found:
             return
         if self.modules is not None:

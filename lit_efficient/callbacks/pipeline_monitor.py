@@ -214,8 +214,9 @@ class PipelineMonitor(Callback):
     def _log(self, trainer: Trainer, runtime: StageHost | None) -> None:
         # Host sync (CUDA), once per interval: reading the runtime's stats waits for the events recorded
         # since the last log. This rank's copy of the row to the device below would wait as well.
-        assert self._eval is not None  # set in on_train_start
-        rows = _local_rows(trainer, runtime, self._tokens, self._samples, self._eval.total("validation"))
+        assert self._interval_start is not None and self._eval is not None  # set in on_train_start
+        validating = self._eval.total("validation")
+        rows = _local_rows(trainer, runtime, self._tokens, self._samples, validating)
         device = trainer.strategy.root_device
         local = torch.tensor(rows, dtype=torch.float32 if device.type == "mps" else torch.float64, device=device)
         # Synchronization point every `logging_interval` optimizer steps: one all-gather of a few
@@ -224,8 +225,7 @@ class PipelineMonitor(Callback):
         # that costs far less than the bubble it measures. The `.tolist()` below is rank 0's host sync.
         gathered = trainer.strategy.all_gather(local) if trainer.world_size > 1 else local
         clock = self._device_clock(trainer)
-        assert self._interval_start is not None and self._eval is not None  # set in on_train_start
-        wall = clock.seconds(self._interval_start, clock.mark()) - self._eval.total("validation")
+        wall = clock.seconds(self._interval_start, clock.mark()) - validating
         if trainer.is_global_zero:
             everyone = [Row(*r) for r in gathered.reshape(-1, len(Row._fields)).tolist()]
             metrics = aggregate(everyone, wall, memory_name(trainer.strategy.root_device))
@@ -407,7 +407,7 @@ def _runtime(trainer: Trainer) -> StageHost | None:
 
 
 def _local_rows(
-    trainer: Trainer, runtime: StageHost | None, tokens: int, samples: int, validating: float = 0.0
+    trainer: Trainer, runtime: StageHost | None, tokens: int, samples: int, validating: float
 ) -> list[Row]:  # fmt: skip
     """This process's rows: one per hosted stage (one on a rank, every stage in one process). Training's alone: a
     stage's evaluation forwards and the ``validating`` seconds of validation inside the interval, which its clock

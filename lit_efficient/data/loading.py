@@ -94,18 +94,20 @@ class ResumableLoader(DataLoader):
     def _index_sampler(self) -> Any:  # DataLoader's iterators read their batch order from here
         return _SkipFirst(super()._index_sampler, self)
 
-    def _replicas(self) -> int:
-        """The replicas reading this epoch's order (Lightning's distributed wrapper knows them; 1 without it)."""
+    def _sampler_int(self, name: str) -> int | None:
+        """An integer attribute of the sampler (or the batch sampler's): ``epoch``, Lightning's distributed wrapper's
+        ``num_replicas``; None where neither has it."""
         for sampler in (self.sampler, getattr(self.batch_sampler, "sampler", None)):
-            if isinstance(getattr(sampler, "num_replicas", None), int):
-                return sampler.num_replicas  # type: ignore[union-attr]
-        return 1
+            if isinstance(getattr(sampler, name, None), int):
+                return getattr(sampler, name)
+        return None
+
+    def _replicas(self) -> int:
+        """The replicas reading this epoch's order (1 without Lightning's distributed wrapper)."""
+        return self._sampler_int("num_replicas") or 1
 
     def _sampler_epoch(self) -> int | None:
-        for sampler in (self.sampler, getattr(self.batch_sampler, "sampler", None)):
-            if isinstance(getattr(sampler, "epoch", None), int):
-                return sampler.epoch  # type: ignore[union-attr]
-        return None
+        return self._sampler_int("epoch")
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         # A generator: the body runs at the first batch, after Lightning's set_epoch for the epoch.

@@ -136,9 +136,7 @@ class ReplicaAverager:
                 stacklevel=2,
             )
         else:
-            # One model copy, once: DiLoCo anchors that start apart never meet again.
-            self.setup_bytes = broadcast_flat(self._synced_tensors(), group)
-            self.bytes_communicated += self.setup_bytes
+            self._share_weights()  # one model copy, once: DiLoCo anchors that start apart never meet again
 
         self._anchor: list[Tensor] = []
         self._outer: torch.optim.SGD | None = None
@@ -158,9 +156,7 @@ class ReplicaAverager:
         initial weights the anchor was built from; steps count on from the checkpoint's, so syncs stay on their
         schedule. Collective over the group, as the constructor."""
         if isinstance(self._mean, GroupMean) and not self._mean.alone:  # a changing set heals its replicas itself
-            sent = broadcast_flat(self._synced_tensors(), self.group)
-            self.setup_bytes += sent  # as the constructor's: not part of the per-step traffic
-            self.bytes_communicated += sent
+            self._share_weights()
         self._step = int(step)
         if self._outer is None:
             return
@@ -279,6 +275,13 @@ class ReplicaAverager:
         if not self.average_buffers:
             return []
         return [b for b in self.module.buffers() if b.is_floating_point()]
+
+    def _share_weights(self) -> None:
+        """Every replica takes the first replica's weights and buffers (collective over the group); set-up traffic,
+        not part of `bytes_per_step`."""
+        sent = broadcast_flat(self._synced_tensors(), self.group)
+        self.setup_bytes += sent
+        self.bytes_communicated += sent
 
     def _synced_tensors(self) -> list[Tensor]:
         return [p.detach() for p in self._params] + self._float_buffers()

@@ -240,12 +240,13 @@ def _check_sharding(shard: bool, local_sgd_steps: int | None, correction: str | 
         )
 
 
-def check_streaming_ties(streaming_sync: bool, local_sgd_steps: int | None, replicated: bool, tied: bool) -> None:
+def check_streaming_ties(streaming_sync: bool, replicated: bool, tied: bool) -> None:
     """Refuse streaming syncs of a model with tied weights over replicas (``replicated``: replicas in the job, or
     torchft replica groups): the first stage's copy of the tied weight (the token table) would be averaged at its
     step, the last stage's copy (the LM head) at another; each replica's two copies then differ by its own drift
-    from the mean, and no later sync brings them back together."""
-    if streaming_sync and local_sgd_steps is not None and replicated and tied:
+    from the mean, and no later sync brings them back together. (streaming_sync needs local_sgd_steps: refused
+    at construction, `check_replica_groups`.)"""
+    if streaming_sync and replicated and tied:
         raise ValueError(
             "streaming_sync=True does not support tied weights (this model shares a parameter between the first and "
             "the last stage, which would sync it at different steps and let its two copies drift apart): untie "

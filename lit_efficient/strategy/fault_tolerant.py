@@ -43,14 +43,14 @@ def start_replicas(strategy: Any, trainer: Trainer) -> TorchftReplicas:
     return replicas
 
 
-def state_for_peer(strategy: Any, trainer: Trainer, joining: Joining | None = None) -> dict[str, Any]:
+def state_for_peer(strategy: Any, trainer: Trainer, joining: Joining) -> dict[str, Any]:
     """What a healing peer rank loads: this process's stages as an in-memory checkpoint, Lightning's loops,
     callbacks and data position included (called in torchft's quorum thread while this rank waits there), and
     whether this rank is itself joining (its quorum syncs nothing then: `join_after_restore`)."""
     checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
     checkpoint = stage_checkpoints.in_memory(strategy, checkpoint)
     checkpoint["torchft"] = strategy.replicas.state_dict()
-    checkpoint["torchft_joining"] = joining is not None and joining.restore_training_state is not None
+    checkpoint["torchft_joining"] = joining.restore_training_state is not None
     return checkpoint
 
 

@@ -516,7 +516,7 @@ class PACIStrategy(DDPStrategy):
         sizes = self._stage_sizes(module, layers, trainer)
         ties = check_sharing(module, layers, sizes)  # a tied embedding: see lit_efficient.runtime.tied
         replicated = self.topology.num_replicas > 1 or self.fault_tolerance is not None  # torchft: groups apart
-        check_streaming_ties(self.streaming_sync, self.local_sgd_steps, replicated, bool(ties))
+        check_streaming_ties(self.streaming_sync, replicated, bool(ties))
         hosted = self.hosted_stages
         # One process keeps the module whole (hosting every stage moves nothing); a rank keeps its stage's layers.
         self._split = split_module(module, layers, sizes, hosted, ties)
