@@ -34,7 +34,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from lit_efficient.callbacks import activation_checkpointing as ac
 from lit_efficient.runtime.partition import partition_profiled
 from lit_efficient.runtime.topology import Topology
-from lit_efficient.strategy.config import _check_sharding, _sharding_applies
+from lit_efficient.strategy.config import _PRECISIONS, _check_sharding, _sharding_applies
 from lit_efficient.strategy.paci import PACIStrategy
 from lit_efficient.tools.fake_memory import (
     MakeOptimizer,
@@ -48,7 +48,6 @@ from lit_efficient.tools.memory_plan import MemoryPlan, StageMeasure, format_byt
 from lit_efficient.tools.window import WindowAdvice, advise_window, flush_bubble
 
 _GPU = ("gpu", "cuda")
-_PRECISIONS = ("32-true", "bf16-mixed")
 
 
 class PlanError(ValueError):
@@ -287,6 +286,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``lit-efficient plan``: print the plan (a table, or JSON with ``--json``); 0 unless it failed to plan."""
     parser = argparse.ArgumentParser(
         prog="lit-efficient plan",
+        allow_abbrev=False,  # --replica is not --replicas: an abbreviation would be taken silently (as in app.py)
         description="Per-stage memory of a training config (weights, gradients, optimizer state, activations in "
         "flight, peak) and whether it fits a device; measured on fake tensors, nothing is allocated. Every "
         "other argument (--config, --trainer.*, --model.*, --data.*) is read as `lit-efficient fit` reads it.",

@@ -162,6 +162,13 @@ def cosine_with_warmup(step: int, warmup_steps: int, max_steps: int, min_lr_rati
     return min_lr_ratio + 0.5 * (1.0 + math.cos(math.pi * progress)) * (1.0 - min_lr_ratio)
 
 
+def check_finite(owner: str, **values: Any) -> None:
+    """Refuse a rate that is not a finite number: NaN passes every range comparison, and inf trains to NaN weights."""
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+            raise ValueError(f"{owner}({name}={value!r}) must be a finite number.")
+
+
 def check_betas(owner: str, betas: Any) -> None:
     """Refuse AdamW betas that are not two values in [0, 1) now, rather than in every rank's first step."""
     try:
@@ -485,10 +492,9 @@ def _check_args(
     for name, value in sizes.items():  # a float (n_head=2.0) passed here and failed at the first forward
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
             raise ValueError(f"GPT({name}={value!r}) must be a positive integer.")
-    rates = dict(learning_rate=learning_rate, weight_decay=weight_decay, dropout=dropout, min_lr_ratio=min_lr_ratio)
-    for name, value in rates.items():  # NaN passes every comparison below, and inf trains to NaN weights
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-            raise ValueError(f"GPT({name}={value!r}) must be a finite number.")
+    check_finite(
+        "GPT", learning_rate=learning_rate, weight_decay=weight_decay, dropout=dropout, min_lr_ratio=min_lr_ratio
+    )
     if n_embd % n_head:
         raise ValueError(
             f"GPT(n_embd={n_embd}) must be divisible by n_head={n_head}; pick n_embd as a multiple of n_head "

@@ -45,7 +45,7 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lit_efficient.models.gpt import adamw_with_warmup_cosine, check_betas, warn_long_warmup
+from lit_efficient.models.gpt import adamw_with_warmup_cosine, check_betas, check_finite, warn_long_warmup
 from lit_efficient.models.hf_router import (
     RouterAux,
     reinstall_output_capture_hooks,
@@ -168,23 +168,29 @@ def load_hf_model(
     model: Any,
     vocab_size: int | None = None,
     attn_implementation: str | None = None,
-    dtype: str | torch.dtype = "float32",
+    dtype: str | torch.dtype | None = None,
 ) -> nn.Module:
     """A `PreTrainedModel` from an instance (returned as is), a config dict with ``model_type`` (random
     init), or a local folder written by ``save_pretrained``. Never downloads.
 
-    A model built or loaded here has ``dtype`` parameters: float32 by default, whatever the folder's weights are
-    stored in (most downloaded checkpoints are bfloat16, which ``from_pretrained`` would keep); "auto" keeps
-    them. An instance keeps its own dtype."""
+    A model built or loaded here has ``dtype`` parameters: float32 by default (None), whatever the folder's weights
+    are stored in (most downloaded checkpoints are bfloat16, which ``from_pretrained`` would keep); "auto" keeps
+    them. An instance keeps its own dtype: a ``dtype`` given with one is refused, not ignored."""
     try:
         from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
     except ImportError as err:  # pragma: no cover - the hf extra
         raise ImportError("HFCausalLM needs transformers: pip install 'lit-efficient[hf]'") from err
-    resolved = _resolve_dtype(dtype)
+    resolved = _resolve_dtype("float32" if dtype is None else dtype)
     kwargs: dict[str, Any] = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     # from_config builds in the config's own dtype (a folder's config.json says bfloat16) unless told; "auto" is that.
     built = kwargs if resolved == "auto" else {**kwargs, "dtype": resolved}
     if isinstance(model, PreTrainedModel):
+        if dtype is not None:
+            raise ValueError(
+                f"HFCausalLM(dtype={dtype!r}) applies to a model built or loaded here (a config dict or a folder); "
+                f"the {type(model).__name__} instance given keeps its own ({next(model.parameters()).dtype}). "
+                "Convert it first (model.to(torch.float32)) and drop dtype."
+            )
         return model
     if isinstance(model, Mapping):
         values = dict(model)
@@ -355,8 +361,9 @@ class HFCausalLM(LightningModule):
             ``max_position_embeddings`` when it has one.
         attn_implementation: ``"sdpa"``, ``"eager"``, ... for a model built here; None keeps HF's default.
         dtype: The parameters' dtype of a model built or loaded here (a config dict or a folder); an instance
-            keeps its own. ``"float32"`` (default) loads a bfloat16 checkpoint (most downloaded ones) in float32,
-            so the master weights, the accumulated gradients and the AdamW state are float32; train in bf16
+            keeps its own (a dtype given with one is refused). None (default) is ``"float32"``: a bfloat16
+            checkpoint (most downloaded ones) loads in float32, so the master weights, the accumulated gradients
+            and the AdamW state are float32; train in bf16
             with ``Trainer(precision="bf16-mixed")``. ``"bfloat16"``, ``"float16"`` or ``"auto"`` (the folder's
             own dtype) train those in that dtype: pure low-precision training, the mode the strategy refuses
             as a Trainer precision; choose it knowingly. ``"float64"`` or a torch.dtype are taken too.
@@ -375,7 +382,7 @@ class HFCausalLM(LightningModule):
         vocab_size: int | None = None,
         block_size: int | None = None,
         attn_implementation: str | None = None,
-        dtype: str | torch.dtype = "float32",
+        dtype: str | torch.dtype | None = None,
         learning_rate: float = 3e-4,
         weight_decay: float = 0.1,
         betas: tuple[float, float] = (0.9, 0.95),
@@ -384,6 +391,7 @@ class HFCausalLM(LightningModule):
         min_lr_ratio: float = 0.1,
     ) -> None:
         super().__init__()
+        check_finite("HFCausalLM", learning_rate=learning_rate, weight_decay=weight_decay, min_lr_ratio=min_lr_ratio)
         if learning_rate <= 0 or weight_decay < 0 or warmup_steps < 0 or not 0.0 <= min_lr_ratio <= 1.0:
             raise ValueError(
                 f"HFCausalLM(learning_rate={learning_rate}, weight_decay={weight_decay}, warmup_steps={warmup_steps}, "

@@ -157,6 +157,13 @@ def test_plan_takes_a_gradient_accumulation_schedule_at_its_largest_n(capsys, tm
     assert out["accumulate"] == 8 and out["context"]["accumulate_schedule"] == {"0": 2, "4": 8}
 
 
+def test_plan_takes_no_abbreviation_of_its_own_options():
+    """--replica was taken for --replicas silently; it now goes to the config's parser, which refuses it."""
+    with pytest.raises(SystemExit) as exit_info:
+        plan_main(["--config", QUICKSTART, "--json", "--replica", "4"])
+    assert exit_info.value.code == 2
+
+
 def test_plan_counts_devices_given_on_the_command_line(capsys):
     assert plan_main(["--config", QUICKSTART, "--json", "--trainer.devices", "4"]) == 0  # a string: "4"
     assert json.loads(capsys.readouterr().out)["replicas"] == 2

@@ -464,6 +464,12 @@ def test_a_bfloat16_folder_loads_in_float32_unless_asked(tmp_path):
     assert {p.dtype for p in HFCausalLM(config, vocab_size=VOCAB).parameters()} == {torch.float32}
     with pytest.raises(ValueError, match=r"dtype='fp32'\) is not a dtype to train in: use 'float32'"):
         HFCausalLM(str(tmp_path), dtype="fp32")
+    # an instance keeps its own dtype: a dtype given with it was ignored, silently; now refused
+    with pytest.raises(ValueError, match=r"dtype='bfloat16'\) applies to a model built or loaded here"):
+        HFCausalLM(module.model, dtype="bfloat16")
+    assert {p.dtype for p in HFCausalLM(module.model).parameters()} == {torch.float32}
+    with pytest.raises(ValueError, match=r"HFCausalLM\(learning_rate=nan\) must be a finite number"):
+        HFCausalLM(module.model, learning_rate=float("nan"))  # passed every comparison, as GPT's did
 
 
 def test_a_config_key_its_class_does_not_define_is_refused_with_a_suggestion():
