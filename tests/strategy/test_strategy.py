@@ -180,7 +180,8 @@ class _EveryOtherStep(GPT):
 
 
 @pytest.mark.usefixtures("one_thread")
-def test_a_scheduler_with_a_frequency_resumes_on_the_uninterrupted_runs_steps(tmp_path):
+@pytest.mark.parametrize("devices", [1, 2], ids=["one process", "processes"])
+def test_a_scheduler_with_a_frequency_resumes_on_the_uninterrupted_runs_steps(tmp_path, devices):
     """A step-interval scheduler at frequency 2 resumed after step 3: its count of the run's steps restarted at 0,
     so it stepped at 5 instead of 4 and 6, and every later learning rate was off (Lightning's own loop counts from
     the checkpoint's steps). One process, 1F1B-flush: the resumed run equals the uninterrupted one."""
@@ -188,8 +189,8 @@ def test_a_scheduler_with_a_frequency_resumes_on_the_uninterrupted_runs_steps(tm
     def fit(max_steps: int, ckpt_path: str | None = None, **kw) -> GPT:
         L.seed_everything(0)
         model = _EveryOtherStep(n_layer=2, n_head=2, n_embd=32, block_size=32, learning_rate=0.1)
-        strategy = PACIStrategy(pipeline_stages=2, schedule="1f1b_flush")
-        _trainer(strategy, 1, max_steps, **kw).fit(model, datamodule=_ordered(), ckpt_path=ckpt_path)
+        strategy = PACIStrategy(pipeline_stages=2, schedule="1f1b_flush", start_method="forkserver")
+        _trainer(strategy, devices, max_steps, **kw).fit(model, datamodule=_ordered(), ckpt_path=ckpt_path)
         return model
 
     full = fit(6)
