@@ -7,7 +7,7 @@ every micro-batch alike, ``"tokens"`` makes the step's gradient the item-weighte
 whole window, across data-parallel replicas too, and a partial last window of an epoch is
 normalized by its real size (Lightning divides it by N anyway: Lightning issue #19987).
 
-Under `PACIStrategy` the pipeline stages normalize (see ``pipeline/stage.py``); the strategy reads
+Under `PACIStrategy` the pipeline stages normalize (see ``runtime/stage.py``); the strategy reads
 N and `normalize` from this callback and the gradient hooks here stand aside.
 
 How the exact normalization works without look-ahead (single device / DDP):
@@ -98,6 +98,11 @@ class GradientAccumulation(Callback):
     def max_accumulate_grad_batches(self) -> int:
         """The largest N of the schedule."""
         return max(self._schedule.values())
+
+    @property
+    def min_accumulate_grad_batches(self) -> int:
+        """The smallest N of the schedule (PACI's tied-weight delay is built for it)."""
+        return min(self._schedule.values())
 
     # -- lifecycle ---------------------------------------------------------------------------------
 

@@ -90,7 +90,7 @@ def plan(
             temporaries span the whole stage); ``"cpu"`` as on CPU. The kernels measured are the host's.
         max_steps: What ``trainer.estimated_stepping_batches`` answers while ``configure_optimizers`` runs.
         accumulate_schedule: GradientAccumulation's ``{epoch: N}`` schedule whose largest N ``accumulate`` is; noted
-            in the plan's ``context`` (and by `describe`).
+            in the plan's ``context`` (and by `describe`); its smallest N sizes PACI's tied-weight delay line.
 
     Raises:
         PlanError: What ``fit`` would refuse, checked before anything is measured (the split, once the layers are
@@ -127,6 +127,7 @@ def plan(
         shard_optimizer_state=shard_optimizer_state, staleness_correction=strategy.staleness_correction,
         local_sgd_steps=strategy.local_sgd_steps, outer_optimizer=strategy.outer_optimizer,
         device_memory=budget, context=context,
+        smallest_accumulate=min(accumulate_schedule.values()) if accumulate_schedule else None,
     )  # fmt: skip
 
 

@@ -11,7 +11,9 @@ the same tensor). The two stages talk through `transport.process.TiedExchange` (
   unsplit model's gradient. Flush's last stage reaches its step first and waits there for stage 0,
   which it would wait for at its next forward anyway: no added idle time.
 - ``paci`` (asynchronous, delayed embedding-side gradient): at update k both stages apply
-  ``G_k = g_last_k + g_first_{k-d}`` with ``d = ceil(S / N)`` (no first-stage term for k < d). The
+  ``G_k = g_last_k + g_first_{k-d}`` with ``d = ceil(S / N)`` (no first-stage term for k < d; N the
+  smallest window of the fit where a schedule changes it: the line is built once, and a d longer than
+  the current N needs only makes the term staler, while a shorter one would make the last stage wait). The
   last stage sends ``g_last_k`` to stage 0 at its update k, which always precedes stage 0's update k;
   stage 0 sends ``g_first_k`` to the last stage, which applies it at its update k + d. ``d`` is the
   smallest delay for which that message has always been sent when the last stage needs it (stage 0

@@ -113,6 +113,7 @@ from lit_efficient.strategy.trainer_glue import (
     keep_users_sampler,
     normalize_mode,
     point_metrics_at,
+    smallest_window,
 )
 from lit_efficient.tools.window import advise_window
 from lit_efficient.transport.collectives import broadcast_flat
@@ -633,7 +634,10 @@ class PACIStrategy(DDPStrategy):
                     "staleness_correction='weight_prediction_first_step_inplace' runs the eager form instead."
                 )
             if self._split.ties and index in (0, self.pipeline_stages - 1):
-                delay = tie_delay(self.pipeline_stages, max(1, trainer.accumulate_grad_batches))
+                # For the smallest N of the fit: a schedule that lowers N later needs a longer delay line, which
+                # is not rebuilt mid-run (with the current N's the last stage would wait on stage 0, a bubble or
+                # a deadlock); a longer delay than the current N needs is only staler, never waits.
+                delay = tie_delay(self.pipeline_stages, smallest_window(trainer))
                 tied = tie_stage(stage, self._split, self.schedule, delay, links.tied(index, delay))
                 if exact_norm and links.stage_sum.can_post and stage.is_last:
                     post_norm_before_tied_exchange(stage, links.stage_sum)  # else its step and stage 0's wait

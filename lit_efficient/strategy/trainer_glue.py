@@ -146,6 +146,17 @@ def normalize_mode(trainer: Trainer) -> Literal["mean", "tokens"]:
     return "mean"
 
 
+def smallest_window(trainer: Trainer) -> int:
+    """The smallest N this fit will use: a ``GradientAccumulation`` schedule's smallest (it changes N at epoch
+    starts), else the Trainer's. What is built once for the whole fit and depends on N growing as N shrinks
+    (PACI's tied-weight delay, ceil(S / N)) is built for it."""
+    windows = [max(1, trainer.accumulate_grad_batches)]
+    for callback in trainer.callbacks:
+        if hasattr(callback, "min_accumulate_grad_batches"):
+            windows.append(callback.min_accumulate_grad_batches)
+    return min(windows)
+
+
 def point_metrics_at(module: LightningModule, group: dist.ProcessGroup) -> None:
     """torchmetrics sync over the last stage's replicas: the only ranks that update and compute them."""
     try:

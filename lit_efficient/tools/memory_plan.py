@@ -277,6 +277,7 @@ def plan_memory(
     outer_optimizer: str = "average",
     device_memory: int | None = None,
     context: dict[str, Any] | None = None,
+    smallest_accumulate: int | None = None,
 ) -> MemoryPlan:
     """The memory plan of one configuration, from the stages' measurements.
 
@@ -294,6 +295,8 @@ def plan_memory(
         outer_optimizer: ``"nesterov"`` (DiLoCo) keeps two fp32 copies of the parameters.
         device_memory: Bytes of one device, for the verdict; None for none.
         context: What was planned (model, micro-batch, precision), carried into the JSON.
+        smallest_accumulate: The smallest N of a ``{epoch: N}`` schedule whose largest is ``accumulate`` (PACI's
+            tied-weight delay line is built for it: ceil(S / N) gradients); None: ``accumulate``.
     """
     num_stages = len(measures)
     if accumulate < 1:
@@ -315,8 +318,8 @@ def plan_memory(
         if sharded and m.optimizer:
             optimizer = max(element_shares(m.optimizer_per_parameter, replicas))
             step_opt = math.ceil(m.step_transient * optimizer / m.optimizer)  # the step runs on its slice
-        extra = _extras(m, schedule, s, num_stages, accumulate, staleness_correction, replicas, local_sgd_steps,
-                        outer_optimizer)  # fmt: skip
+        extra = _extras(m, schedule, s, num_stages, smallest_accumulate or accumulate, staleness_correction,
+                        replicas, local_sgd_steps, outer_optimizer)  # fmt: skip
         step = {"optimizer": step_opt}
         if sharded:  # sharded_optimizer.py: one padded flat buffer and this replica's chunk of it, each phase
             step["gradient reduce-scatter"] = m.gradients + math.ceil(m.gradients / replicas)
@@ -372,6 +375,6 @@ def _extras(
     if local_sgd_steps is not None and replicas > 1 and outer_optimizer == "nesterov":
         extra["DiLoCo anchor + momentum"] = 2 * 4 * m.parameters  # averaging.py: two fp32 copies
     if m.tied and schedule == "paci" and stage == 0 and num_stages > 1:
-        # pipeline/tied.py: stage 0 keeps its last d = ceil(S/N) gradients of the tied weight.
+        # runtime/tied.py: stage 0 keeps its last d = ceil(S/N) gradients of the tied weight.
         extra["tied gradient delay line"] = math.ceil(num_stages / accumulate) * m.tied
     return extra

@@ -180,3 +180,31 @@ def test_gpt_tie_weights_checkpoint_resumes_on_one_device(tmp_path):
     flush = PACIStrategy(pipeline_stages=2, schedule="1f1b_flush", start_method="forkserver")
     piped = fit(flush, 2, 3, ckpt_path=tmp_path / "one" / "last.ckpt").state_dict()
     assert max((want[k] - piped[k]).abs().max().item() for k in want) <= 1e-5
+
+
+@pytest.mark.multiproc
+@pytest.mark.usefixtures("one_thread")
+def test_a_schedule_that_lowers_n_builds_the_tied_delay_for_its_smallest_n():
+    """GradientAccumulation(steps={0: 3, 1: 1}) at S=3 under PACI: the tied-weight delay ceil(S / N) is 1 in epoch
+    0 and 3 in epoch 1. Built for epoch 0's N the last stage waited on stage 0 in epoch 1 (a bubble on processes;
+    in one process "no stage hosted in this process can progress"); built for the smallest N it never waits, and
+    one process and three processes train the same weights bit for bit."""
+    import lightning as L
+
+    from lit_efficient import GradientAccumulation, PACIStrategy
+    from lit_efficient.data import TextDataModule
+    from lit_efficient.models import GPT
+
+    def fit(devices):
+        L.seed_everything(0)
+        model = GPT(n_layer=2, n_head=2, n_embd=32, block_size=32, warmup_steps=2, learning_rate=3e-3,
+                    tie_weights=True)  # fmt: skip
+        strategy = PACIStrategy(pipeline_stages=3, sync_start_steps=0, start_method="forkserver")
+        L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_epochs=2, limit_train_batches=8,
+                  callbacks=[GradientAccumulation(steps={0: 3, 1: 1})], logger=False, enable_checkpointing=False,
+                  enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0).fit(
+            model, datamodule=TextDataModule(block_size=32, batch_size=2, max_bytes=20_000, seed=1))  # fmt: skip
+        return model
+
+    one, three = fit(1).state_dict(), fit(3).state_dict()
+    assert all(torch.equal(one[k], three[k]) for k in one)
