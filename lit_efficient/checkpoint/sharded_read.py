@@ -130,11 +130,14 @@ def file_view(tree: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
         if hyper:
             pipeline["optimizer_by_name"] = {n: (g, h, state.get(n, {})) for n, (g, h) in hyper.items()}
     # A diverged replica's own weights, with its optimizer state where the folder has one (not under
-    # save_weights_only: the weights still are this replica's, not replica 0's)
+    # save_weights_only: the weights still are this replica's, not replica 0's). A parameter of the replica
+    # without optimizer state (never stepped there) has no entry in the folder (DCP keeps no empty dict): it gets
+    # ``{}`` as in the file, not replica 0's state under it.
     replicas = {}
     for key, replica in saved.get("replicas", {}).items():
-        by_name = {n: (*hyper[n], s) for n, s in replica.get("optimizer", {}).items() if n in hyper}
-        replicas[key] = {"state_dict": replica.get("state_dict", {}), "optimizer_by_name": by_name}
+        weights, states = replica.get("state_dict", {}), replica.get("optimizer", {})
+        by_name = {n: (*hyper[n], states.get(n, {})) for n in (*weights, *states) if n in hyper}
+        replicas[key] = {"state_dict": weights, "optimizer_by_name": by_name}
     pipeline["replicas"] = replicas
     out["pipeline"] = pipeline
     return out

@@ -337,6 +337,33 @@ def test_weights_only_shares_of_diverged_replicas_assemble_in_both_formats(tmp_p
     assert torch.equal(own, torch.ones(2, 2))  # replica 1 reads its own weights back
 
 
+def test_a_diverged_replicas_parameter_without_optimizer_state_reads_alike_from_both_formats(tmp_path):
+    """LocalSGD with two replicas where replica 1 never stepped one parameter (an expert no token of its data
+    reached): the file holds ``{}`` for it. The folder keeps no empty dict, and its reader used to leave the
+    name out, so the restore overlaid replica 0's Adam moments on it; both formats now give back ``{}``."""
+    base = {"global_step": 1, "loops": {}, "callbacks": {}}
+    layout = {"num_stages": 1, "num_replicas": 2, "sizes": [2], "schedule": "paci"}
+    shares = []
+    for replica in (0, 1):
+        torch.manual_seed(0)
+        part = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+        opt = torch.optim.AdamW(part.parameters(), lr=0.1)
+        x = torch.ones(1, 2)
+        (part[0](x).sum() + (part[1](x).sum() if replica == 0 else 0)).backward()
+        opt.step()
+        named = dict(zip(["0.weight", "0.bias", "1.weight", "1.bias"], part.parameters(), strict=True))
+        lightning = {"state_dict": {n: p.detach() for n, p in named.items()}, "optimizer_states": [opt.state_dict()],
+                     "lr_schedulers": []}  # fmt: skip
+        extras = {"stage": 0, "replica": replica, "accumulation": {"version": 1, "rng": None}}
+        shares.append(rank_share(lightning, _Named(named), opt, extras, True))
+    want = assemble(base, shares, layout)["pipeline"]["replicas"]["stage0-replica1"]["optimizer_by_name"]
+    assert want["1.weight"][2] == {} and want["0.weight"][2]  # never stepped on replica 1; stepped
+    sharded_write.save(tmp_path / "r.ckpt", shares, base, layout, distributed=False)
+    names = ["0.weight", "0.bias", "1.weight", "1.bias"]
+    got = sharded_read.read(tmp_path / "r.ckpt", names, names, ["stage0-replica1"], layout)
+    _assert_equal(got["pipeline"]["replicas"]["stage0-replica1"]["optimizer_by_name"], want, "replica 1's state")
+
+
 @pytest.mark.parametrize("devices", [1, 4], ids=["one process", "two replicas"])
 def test_a_mid_window_checkpoint_resumes_exactly_each_replica_with_its_own_partial_window(tmp_path, devices):
     """S=2, 1F1B-flush, saved after micro-batch 6 (the second window's third of four): the checkpoint holds each
