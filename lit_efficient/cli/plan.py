@@ -34,7 +34,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from lit_efficient.callbacks import activation_checkpointing as ac
 from lit_efficient.runtime.partition import partition_profiled
 from lit_efficient.runtime.topology import Topology
-from lit_efficient.strategy.config import _PRECISIONS, _check_sharding, _sharding_applies
+from lit_efficient.strategy.config import _PRECISIONS, _check_sharding, _sharding_applies, check_accumulate
 from lit_efficient.strategy.paci import PACIStrategy
 from lit_efficient.tools.fake_memory import (
     MakeOptimizer,
@@ -493,13 +493,10 @@ def _accumulate(trainer: Any, callbacks: dict[str, Any]) -> tuple[int, dict[int,
     """N, and the ``{epoch: N}`` schedule it is the largest N of (None without one), as fit would set it: from
     GradientAccumulation (built, so its own checks apply) when it sets steps, else the Trainer's."""
     n = trainer.accumulate_grad_batches
-    if n is None:
-        n = 1
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise PlanError(
-            f"trainer.accumulate_grad_batches={n!r}: micro-batches per optimizer step must be an integer >= 1. Set "
-            "it to N, or leave it at 1 and use GradientAccumulation(steps=N)."
-        )
+    try:  # as fit refuses it
+        check_accumulate(n, "trainer.accumulate_grad_batches={!r}:")
+    except ValueError as error:
+        raise PlanError(str(error)) from error
     for key, c in callbacks.items():
         if _class_name(c) != "GradientAccumulation":
             continue

@@ -422,6 +422,16 @@ def check_replica_groups(
         raise ValueError(f"min_replica_groups={min_replica_groups!r} must be an integer >= 1.")
 
 
+def check_accumulate(value: Any, spelled: str = "Trainer(accumulate_grad_batches={!r}):") -> None:
+    """Refuse an N that is not an integer >= 1 (True and None included, which Lightning would take as 1 or
+    refuse elsewhere); ``spelled`` names where it was set (the plan names the config key)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"{spelled.format(value)} micro-batches per optimizer step must be an integer >= 1. Set it to N, or "
+            "leave it at 1 and use GradientAccumulation(steps=N)."
+        )
+
+
 def check_before_launch(strategy: Any, trainer: Trainer) -> None:
     """Refuse a layout or accumulation setting of ``strategy`` (a `PACIStrategy`) that cannot work, before any
     process starts (the launchers above call it in the launching process; one process calls it in setup)."""
@@ -448,12 +458,7 @@ def check_before_launch(strategy: Any, trainer: Trainer) -> None:
             "data-parallel replicas. Use a number of devices that is a multiple of pipeline_stages, or "
             "pipeline_stages that divides it."
         )
-    accumulate = trainer.accumulate_grad_batches
-    if not isinstance(accumulate, int) or accumulate < 1:
-        raise ValueError(
-            f"Trainer(accumulate_grad_batches={accumulate!r}): micro-batches per optimizer step must be an "
-            "integer >= 1. Set it to N, or leave it at 1 and use GradientAccumulation(steps=N)."
-        )
+    check_accumulate(trainer.accumulate_grad_batches)
     for callback in trainer.callbacks:
         if isinstance(callback, GradientAccumulationScheduler):  # its own error blames manual optimization
             raise ValueError(

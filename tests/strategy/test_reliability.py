@@ -297,6 +297,7 @@ def test_shard_loading_obeys_weights_only(tmp_path):
     [
         (3, {}, [], r"pipeline_stages=2\) does not divide the world size 3"),
         (2, {"accumulate_grad_batches": 0}, [], r"accumulate_grad_batches=0\): .* integer >= 1"),
+        (2, {"accumulate_grad_batches": True}, [], r"accumulate_grad_batches=True\): .* integer >= 1"),
         (2, {"accumulate_grad_batches": 2}, ["ga4"], r"accumulate_grad_batches=2\) and GradientAccumulation"),
     ],
 )
