@@ -32,6 +32,8 @@ from torch.utils.checkpoint import (
 )
 from typing_extensions import override
 
+from lit_efficient.checks import is_count
+
 METRIC_KEY = "activation_checkpointing/saved_bytes"
 _MODES = ("full", "selective")
 # Attribute a wrapped module carries (a plain object, so it is neither a parameter nor a state_dict key).
@@ -358,7 +360,7 @@ class ActivationCheckpointing(Callback):
                 raise ValueError(f"ActivationCheckpointing(modules={modules!r}) must hold non-empty class names.")
         if mode not in _MODES:
             raise ValueError(f"ActivationCheckpointing(mode={mode!r}) is unknown; use 'full' or 'selective'.")
-        if isinstance(every_n, bool) or not isinstance(every_n, int) or every_n < 1:
+        if not is_count(every_n):
             raise ValueError(
                 f"ActivationCheckpointing(every_n={every_n!r}) must be an integer >= 1; 1 checkpoints every block."
             )

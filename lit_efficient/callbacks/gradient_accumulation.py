@@ -39,6 +39,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lit_efficient.checks import is_count
 from lit_efficient.runtime.stage import Normalize, item_count
 from lit_efficient.strategy.paci import PACIStrategy
 
@@ -325,12 +326,12 @@ def _check_steps(steps: Any) -> dict[int, int]:
     """The schedule ``{epoch: N}`` of ``steps``; ValueError with the value and the fix."""
 
     def positive(n: Any) -> bool:
-        return isinstance(n, int) and not isinstance(n, bool) and n >= 1
+        return is_count(n)
 
     if isinstance(steps, Mapping):
         if not steps:
             raise ValueError("steps={} is empty: give N (an integer >= 1) or a schedule like {0: 1, 4: 2}")
-        bad_keys = [k for k in steps if not isinstance(k, int) or isinstance(k, bool) or k < 0]
+        bad_keys = [k for k in steps if not is_count(k, 0)]
         if bad_keys:
             raise ValueError(f"steps={steps!r}: epochs {bad_keys} must be integers >= 0 (0-indexed epochs)")
         bad = {k: v for k, v in steps.items() if not positive(v)}

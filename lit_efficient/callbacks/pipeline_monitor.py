@@ -51,6 +51,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from lit_efficient.checks import is_count
 from lit_efficient.runtime.actions import Action
 from lit_efficient.runtime.clock import Clock, Mark, Spans, clock_for
 from lit_efficient.runtime.host import StageHost
@@ -117,7 +118,7 @@ class PipelineMonitor(Callback):
 
     def __init__(self, logging_interval: int = 50, timeline: bool = False) -> None:
         super().__init__()
-        if not isinstance(logging_interval, int) or isinstance(logging_interval, bool) or logging_interval < 1:
+        if not is_count(logging_interval):
             raise ValueError(
                 f"logging_interval={logging_interval!r} must be an integer >= 1 (optimizer steps between logs)"
             )

@@ -21,6 +21,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
+from lit_efficient.checks import is_count
 from lit_efficient.data.loading import EpochShuffle, ResumableLoader
 from lit_efficient.tools.corpus import TEXT_SUFFIXES, concat_files, embedded_corpus, folder_files
 
@@ -172,7 +173,7 @@ class TextDataModule(LightningDataModule):
                 f"or .bin, or path=None for the embedded corpus."
             )
         for name, value in (("block_size", block_size), ("batch_size", batch_size)):
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            if not is_count(value):
                 raise ValueError(f"TextDataModule({name}={value!r}) must be an integer >= 1.")
         if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
             raise ValueError(f"TextDataModule(seed={seed!r}) must be an integer.")

@@ -24,6 +24,8 @@ from torch import Tensor, nn
 from torchmetrics.text import Perplexity
 from typing_extensions import override
 
+from lit_efficient.checks import is_count
+
 # Targets equal to this are ignored by the loss and the perplexity (padding); nanoGPT's convention.
 IGNORE_INDEX = -1
 
@@ -490,7 +492,7 @@ def _check_args(
 ) -> None:
     sizes = dict(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
     for name, value in sizes.items():  # a float (n_head=2.0) passed here and failed at the first forward
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        if not is_count(value):
             raise ValueError(f"GPT({name}={value!r}) must be a positive integer.")
     check_finite(
         "GPT", learning_rate=learning_rate, weight_decay=weight_decay, dropout=dropout, min_lr_ratio=min_lr_ratio

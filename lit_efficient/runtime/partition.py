@@ -14,8 +14,8 @@ S-s micro-batches in flight, so a layer costs the least activation memory on the
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from numbers import Integral
 
+from lit_efficient.checks import is_count
 from lit_efficient.runtime.schedules import SCHEDULES, ScheduleName
 
 # fits(stage, begin, end): may layers [begin, end) form that stage?
@@ -133,7 +133,7 @@ def check_sizes(sizes: Sequence[int], num_layers: int, num_stages: int, name: st
         raise ValueError(
             f"{name}={sizes} has {len(sizes)} entries for {num_stages} pipeline stages: give one layer count per stage"
         )
-    if any(not isinstance(n, Integral) or n < 1 for n in sizes):
+    if not all(is_count(n) for n in sizes):
         raise ValueError(f"{name}={sizes} has a stage with no layers: every stage needs an integer count >= 1")
     if sum(sizes) != num_layers:
         raise ValueError(

@@ -22,6 +22,7 @@ from lightning.pytorch.strategies.launchers.multiprocessing import _GlobalStateS
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
+from lit_efficient.checks import is_count
 from lit_efficient.protocol import PIPELINE_METHODS, missing_pipeline_methods
 from lit_efficient.runtime.schedules import SCHEDULES
 from lit_efficient.runtime.staleness import CORRECTIONS, READS_MOMENTS
@@ -181,12 +182,12 @@ def _check_arguments(
     outer_lr: float,
     outer_momentum: float,
 ) -> None:
-    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+    if not is_count(stages):
         raise ValueError(f"pipeline_stages={stages!r} must be an integer >= 1")
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r} is not one of {', '.join(SCHEDULES)}")
     if isinstance(balance, list):
-        if len(balance) != stages or any(not isinstance(n, int) or n < 1 for n in balance):
+        if len(balance) != stages or not all(is_count(n) for n in balance):
             raise ValueError(f"balance={balance} must list {stages} positive layer counts, one per stage")
     elif balance not in ("parameters", "uniform", "profile"):
         raise ValueError(f"balance={balance!r} must be 'parameters', 'uniform', 'profile' or a list of layer counts")
@@ -194,11 +195,9 @@ def _check_arguments(
         raise ValueError(f"p2p_timeout={timeout} must be a positive number of seconds")
     if on_nonfinite not in ("raise", "skip"):
         raise ValueError(f"on_nonfinite={on_nonfinite!r} must be 'raise' or 'skip'")
-    if local_sgd_steps is not None and (
-        isinstance(local_sgd_steps, bool) or not isinstance(local_sgd_steps, int) or local_sgd_steps < 1
-    ):
+    if local_sgd_steps is not None and not is_count(local_sgd_steps):
         raise ValueError(f"local_sgd_steps={local_sgd_steps!r} must be None (sync every step) or an integer >= 1")
-    if not isinstance(warmup, int) or warmup < 0:
+    if not is_count(warmup, 0):
         raise ValueError(f"local_sgd_warmup_steps={warmup!r} must be an integer >= 0")
     if outer not in ("average", "nesterov"):
         raise ValueError(f"outer_optimizer={outer!r} must be 'average' or 'nesterov'")
@@ -326,7 +325,7 @@ def check_options(
         _check_compile_options(compile_layers)
     if wire_dtype not in WIRE_DTYPES:
         raise ValueError(f"wire_dtype={wire_dtype!r} must be one of {', '.join(map(repr, WIRE_DTYPES))}")
-    if not isinstance(staleness_anneal_steps, int) or staleness_anneal_steps < 1:
+    if not is_count(staleness_anneal_steps):
         raise ValueError(f"staleness_anneal_steps={staleness_anneal_steps!r} must be an integer >= 1")
     if checkpoint_format not in ("file", "sharded"):
         raise ValueError(
@@ -389,7 +388,7 @@ def check_sync_start(sync_start_steps: Any) -> None:
     """``sync_start_steps`` is ``"auto"`` or a count of optimizer steps >= 0."""
     if sync_start_steps == "auto":
         return
-    if isinstance(sync_start_steps, bool) or not isinstance(sync_start_steps, int) or sync_start_steps < 0:
+    if not is_count(sync_start_steps, 0):
         raise ValueError(
             f"sync_start_steps={sync_start_steps!r} must be 'auto' or an int >= 0 (optimizer steps run in 1F1B-flush "
             "order before PACI; 0: PACI from the first step)"
@@ -418,14 +417,14 @@ def check_replica_groups(
             "(and outer_optimizer='nesterov' for DiLoCo). Per-step gradient averaging across replica groups is "
             "not supported: it would drain the pipeline at every step."
         )
-    if not isinstance(min_replica_groups, int) or min_replica_groups < 1:
+    if not is_count(min_replica_groups):
         raise ValueError(f"min_replica_groups={min_replica_groups!r} must be an integer >= 1.")
 
 
 def check_accumulate(value: Any, spelled: str = "Trainer(accumulate_grad_batches={!r}):") -> None:
     """Refuse an N that is not an integer >= 1 (True and None included, which Lightning would take as 1 or
     refuse elsewhere); ``spelled`` names where it was set (the plan names the config key)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not is_count(value):
         raise ValueError(
             f"{spelled.format(value)} micro-batches per optimizer step must be an integer >= 1. Set it to N, or "
             "leave it at 1 and use GradientAccumulation(steps=N)."
