@@ -30,6 +30,17 @@ from typing import Any
 from torch import Tensor, nn
 
 FORMAT = 2  # `pipeline["format"]` of the single file (3: the sharded folder)
+RANK_RECORD = ("accumulation", "rng", "averager")  # a rank's own state, kept under its `rank_key` in both formats
+
+
+def rank_key(stage: int, replica: int) -> str:
+    """The key of a stage's rank in a checkpoint's ``pipeline["ranks"]`` (and ``pipeline["replicas"]``)."""
+    return f"stage{stage}-replica{replica}"
+
+
+def replica_of_key(key: str) -> int:
+    """The replica of a `rank_key`."""
+    return int(key.rpartition("-replica")[2])
 
 
 def rank_share(
@@ -80,8 +91,8 @@ def assemble(checkpoint: dict[str, Any], shares: list[dict[str, Any]], layout: d
         pipeline["param_names"] = names
         pipeline["optimizer_by_name"] = {n: st for s in primary for n, st in _by_name(s, slots).items()}
     for s in shares:
-        key = f"stage{s['stage']}-replica{s['replica']}"
-        pipeline["ranks"][key] = {k: s[k] for k in ("accumulation", "rng", "averager") if k in s}
+        key = rank_key(s["stage"], s["replica"])
+        pipeline["ranks"][key] = {k: s[k] for k in RANK_RECORD if k in s}
         if s["replica"] > 0 and "state_dict" in s:
             pipeline["replicas"][key] = {"state_dict": s["state_dict"], "optimizer_by_name": _by_name(s, slots)}
     out["pipeline"] = pipeline

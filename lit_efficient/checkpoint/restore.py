@@ -9,6 +9,8 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from lit_efficient.checkpoint.merge import replica_of_key
+
 
 def local_state_dict(checkpoint: dict[str, Any], module: nn.Module, replica_key: str | None) -> dict[str, Tensor]:
     """The checkpoint's weights for this stage's keys (a diverged replica's own, when it was saved)."""
@@ -76,7 +78,7 @@ def local_accumulation(checkpoint: dict[str, Any], names: list[str], own: str | 
     (another layout) the records of replica 0, by name over its stages, as the weights are replica 0's: the other
     replicas' partial sums are not carried over. Never one replica's sums for every replica's."""
     ranks = checkpoint.get("pipeline", {}).get("ranks", {})
-    wanted = {own} if own is not None else {key for key in ranks if key.endswith("-replica0")}
+    wanted = {own} if own is not None else {key for key in ranks if replica_of_key(key) == 0}
     records = [r for key, r in ranks.items() if key in wanted]
     windows = [r["accumulation"] for r in records if r.get("accumulation", {}).get("window") is not None]
     if not windows:

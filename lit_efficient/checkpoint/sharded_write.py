@@ -47,7 +47,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
-from lit_efficient.checkpoint.merge import assemble, to_automatic_loops
+from lit_efficient.checkpoint.merge import RANK_RECORD, assemble, rank_key, to_automatic_loops
 from lit_efficient.checkpoint.single_file import save_durably, sync_folder
 
 FORMAT = 3  # `pipeline["format"]` of a sharded checkpoint (2: the single file, 1: an earlier directory)
@@ -71,8 +71,8 @@ def partial_path(path: Path) -> Path:
 
 def rank_tree(share: dict[str, Any]) -> dict[str, Any]:
     """What one share (`checkpoint.rank_share`) writes into the folder: its tensors under the unsplit names."""
-    key = f"stage{share['stage']}-replica{share['replica']}"
-    record = {k: share[k] for k in ("accumulation", "rng", "averager") if k in share}
+    key = rank_key(share["stage"], share["replica"])
+    record = {k: share[k] for k in RANK_RECORD if k in share}
     pipeline: dict[str, Any] = {"ranks": {key: record}}
     tree: dict[str, Any] = {"pipeline": pipeline}
     by_name = _state_by_name(share)

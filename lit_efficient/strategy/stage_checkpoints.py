@@ -34,6 +34,7 @@ from lit_efficient.checkpoint.merge import (
     from_automatic_loops,
     group_key,
     merge_group_names,
+    rank_key,
     rank_share,
     regroup_schedulers,
     to_automatic_loops,
@@ -71,11 +72,6 @@ class FinalState:
 
     records: list[StageRecord]
     layout: dict[str, Any]
-
-
-def rank_key(stage: int, replica: int) -> str:
-    """The key of a stage's rank in a checkpoint's ``pipeline["ranks"]``."""
-    return f"stage{stage}-replica{replica}"
 
 
 # -- saving -----------------------------------------------------------------------------------------
