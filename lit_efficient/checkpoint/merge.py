@@ -27,7 +27,9 @@ import copy
 from collections.abc import Sequence
 from typing import Any
 
-from torch import Tensor, nn
+from torch import nn
+
+from lit_efficient.nested import map_tensors
 
 FORMAT = 2  # `pipeline["format"]` of the single file (3: the sharded folder)
 RANK_RECORD = ("accumulation", "rng", "averager")  # a rank's own state, kept under its `rank_key` in both formats
@@ -67,13 +69,13 @@ def rank_share(
     names = {id(p): n for n, p in module.named_parameters()}
     # Host copies of everything: the share is pickled to rank 0 (`gather_object`), where a CUDA storage
     # would be reopened on the sending rank's device index. Costs one device-to-host copy of what it holds.
-    share = dict(_cpu(extras), tied_copies=list(tied_copies))
+    share = dict(_on_host(extras), tied_copies=list(tied_copies))
     if keep_weights:
-        share["state_dict"] = _cpu(checkpoint["state_dict"])
+        share["state_dict"] = _on_host(checkpoint["state_dict"])
         if optimizer is not None and checkpoint.get("optimizer_states"):  # none under save_weights_only
             share["groups"] = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
-            share["optimizer"] = _cpu(checkpoint["optimizer_states"][0])
-            share["lr_schedulers"] = _cpu(checkpoint.get("lr_schedulers", []))
+            share["optimizer"] = _on_host(checkpoint["optimizer_states"][0])
+            share["lr_schedulers"] = _on_host(checkpoint.get("lr_schedulers", []))
     return share
 
 
@@ -216,17 +218,6 @@ def _by_name(share: dict[str, Any], slots: dict) -> dict[str, Any]:
     return out
 
 
-def _cpu(obj: Any) -> Any:
-    """``obj`` with every tensor in its dicts, lists and tuples detached and on the host."""
-    if isinstance(obj, Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, dict):
-        return {k: _cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_cpu(v) for v in obj)
-    return obj
-
-
 def to_automatic_loops(checkpoint: dict[str, Any]) -> dict[str, Any]:
     """Copy the optimizer-step count of the manual loop (the pipeline runs the module under manual
     optimization) into the automatic loop's, where one device and DDP read ``global_step`` from."""
@@ -255,3 +246,8 @@ def from_automatic_loops(checkpoint: dict[str, Any]) -> dict[str, Any]:
 
 _MANUAL = "epoch_loop.manual_optimization.optim_step_progress"
 _AUTOMATIC = "epoch_loop.automatic_optimization.optim_progress"
+
+
+def _on_host(obj: Any) -> Any:
+    """``obj`` with every tensor detached and on the host."""
+    return map_tensors(obj, lambda t: t.detach().cpu())

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lit_efficient.nested import map_tensors
 from lit_efficient.runtime.partition import partition_profiled
 from lit_efficient.runtime.stage import run_layers
 
@@ -90,7 +91,7 @@ def _profile(
     forward_context: Callable[[], AbstractContextManager],
     repeats: int,
 ) -> LayerProfile:
-    inputs = module.pipeline_input(_to(batch, device))  # type: ignore[attr-defined]
+    inputs = module.pipeline_input(map_tensors(batch, lambda t: t.to(device)))  # type: ignore[attr-defined]
     x = inputs if isinstance(inputs, tuple) else (inputs,)
     times, acts, params = [], [], []
     for layer in layers:
@@ -153,16 +154,6 @@ def _device_of(layer: nn.Module) -> torch.device:
     for t in (*layer.parameters(), *layer.buffers()):
         return t.device
     return torch.device("cpu")
-
-
-def _to(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device)
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_to(b, device) for b in batch)
-    if isinstance(batch, dict):
-        return {k: _to(v, device) for k, v in batch.items()}
-    return batch
 
 
 def _sync(device: torch.device) -> None:

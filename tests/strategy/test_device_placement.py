@@ -214,6 +214,25 @@ def test_profile_balance_in_one_process_fits_and_leaves_no_trace():
     assert max((a[k] - b[k]).abs().max().item() for k in a) == 0.0
 
 
+def test_profile_balance_takes_a_named_tuple_batch_as_training_does():
+    """A loader yielding named tuples trains under PACIStrategy; profiling moved the first batch with its own walk,
+    which rebuilt a named tuple from one generator argument (TypeError before any layer was timed)."""
+    from collections import namedtuple
+
+    Batch = namedtuple("Batch", ["x", "y"])
+    tokens = torch.randint(0, 256, (16, 33), generator=torch.Generator().manual_seed(0))
+    pairs = torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:])
+    loader = torch.utils.data.DataLoader(pairs, batch_size=4, collate_fn=lambda items: Batch(
+        torch.stack([x for x, _ in items]), torch.stack([y for _, y in items])))  # fmt: skip
+    model = GPT(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32)
+    trainer = Trainer(
+        accelerator="cpu", devices=1, strategy=PACIStrategy(pipeline_stages=2, balance="profile"), max_steps=2,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(model, loader)
+    assert trainer.global_step == 2
+
+
 def test_profile_layers_restores_buffers_random_streams_and_placement():
     from lit_efficient.runtime.profile import profile_layers
 
