@@ -4,7 +4,7 @@ A save still starts at the point Lightning saves (the pipeline drained, `sharded
 collective: the skeletons to global rank 0), then ``torch.distributed.checkpoint.async_save`` copies the
 rank's share into host memory and returns; a thread writes the copy and runs DCP's closing collective, on
 a gloo group of its own (the training's collectives keep theirs). When it is done, global rank 0 writes
-meta.pt and renames the folder into place (`sharded.Prepared.finish`), from that thread: the checkpoint
+meta.pt and renames the folder into place (`sharded_write.Prepared.finish`), from that thread: the checkpoint
 appears as soon as every rank's data is on disk, and until then ``ckpt_path="last"`` finds the previous
 one, whole. One save at a time: the next save, a synchronous one, and the end of training wait for the
 one in flight (and raise what it raised). A checkpoint ModelCheckpoint rotates out while a save is in flight is

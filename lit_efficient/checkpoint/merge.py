@@ -47,8 +47,7 @@ def replica_of_key(key: str) -> int:
 
 def rank_share(
     checkpoint: dict[str, Any],
-    module: nn.Module,
-    optimizer: Any,
+    group_names: list[list[str]] | None,
     extras: dict[str, Any],
     keep_weights: bool,
     tied_copies: Sequence[str] = (),
@@ -57,8 +56,8 @@ def rank_share(
 
     Args:
         checkpoint: Lightning's checkpoint dict as this rank built it (its stage's keys only).
-        module: The split module (its parameters are this stage's).
-        optimizer: This stage's optimizer, or None.
+        group_names: This stage's optimizer's parameter names per group, in its order (`names_of_groups`); None
+            without an optimizer.
         extras: ``stage``, ``replica`` and the pipeline state of this rank (accumulation, RNG, averager), on
             any device: the share holds host copies, and loading puts them back on the loading rank's device.
         keep_weights: Send weights and optimizer state (replica 0 always; other replicas when they diverge).
@@ -66,17 +65,22 @@ def rank_share(
             copy of the token table): one device's optimizer holds such a weight once, so the merged
             optimizer leaves them out (``optimizer_by_name`` keeps them, for a pipeline to resume by name).
     """
-    names = {id(p): n for n, p in module.named_parameters()}
     # Host copies of everything: the share is pickled to rank 0 (`gather_object`), where a CUDA storage
     # would be reopened on the sending rank's device index. Costs one device-to-host copy of what it holds.
     share = dict(_on_host(extras), tied_copies=list(tied_copies))
     if keep_weights:
         share["state_dict"] = _on_host(checkpoint["state_dict"])
-        if optimizer is not None and checkpoint.get("optimizer_states"):  # none under save_weights_only
-            share["groups"] = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+        if group_names is not None and checkpoint.get("optimizer_states"):  # none under save_weights_only
+            share["groups"] = [list(names) for names in group_names]
             share["optimizer"] = _on_host(checkpoint["optimizer_states"][0])
             share["lr_schedulers"] = _on_host(checkpoint.get("lr_schedulers", []))
     return share
+
+
+def names_of_groups(module: nn.Module, optimizer: Any) -> list[list[str]]:
+    """``optimizer``'s parameters per group as ``module`` names them."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    return [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
 
 
 def assemble(checkpoint: dict[str, Any], shares: list[dict[str, Any]], layout: dict[str, Any]) -> dict[str, Any]:

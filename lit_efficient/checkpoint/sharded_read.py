@@ -3,8 +3,8 @@
 A rank reads only what its stage needs: its ``state_dict`` keys (straight into its parameters), its
 parameters' optimizer state and accumulated gradients by name, its own per-rank record (random streams,
 version, averager) when the layout is the same, and the small non-tensor entries all (the layout, the
-groups, every rank's window counter). `file_view` turns that into the dict `checkpoint.assemble` makes
-for a single file, so the strategy's one load path (`strategy.checkpointing`) loads both formats alike, and a file
+groups, every rank's window counter). `file_view` turns that into the dict `merge.assemble` makes
+for a single file, so the strategy's one load path (`strategy.stage_checkpoints`) loads both formats alike, and a file
 Lightning's ``consolidate_checkpoint`` made of a folder too (`from_consolidated`).
 """
 
@@ -49,7 +49,7 @@ def read(
             are read when the layout equals ``layout``, and a diverged replica's weights.
         layout: This run's layout.
         targets: Tensors to read weights into in place, by key (the module's own): no second copy.
-        weights_only: As `checkpoint.load_file`: None tries ``weights_only=True`` first.
+        weights_only: As `single_file.load_file`: None tries ``weights_only=True`` first.
     """
     path = Path(path)
     reader = FileSystemReader(path)
@@ -103,7 +103,7 @@ def read(
 
 
 def file_view(tree: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
-    """The single file's dict (`checkpoint.assemble`'s layout) from a sharded checkpoint's tree, whole
+    """The single file's dict (`merge.assemble`'s layout) from a sharded checkpoint's tree, whole
     (consolidated) or a rank's part, so the strategy's one load path loads both alike.
 
     Args:
@@ -173,7 +173,7 @@ def _read(reader: FileSystemReader, request: dict[str, Any], weights_only: bool 
 
 
 class _Planner(DefaultLoadPlanner):
-    """DCP's planner over flat keys, unpickling non-tensor entries as `checkpoint.load_file` does (DCP's
+    """DCP's planner over flat keys, unpickling non-tensor entries as `single_file.load_file` does (DCP's
     own allows any object)."""
 
     def __init__(self, weights_only: bool | None) -> None:

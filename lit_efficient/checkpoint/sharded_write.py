@@ -70,7 +70,7 @@ def partial_path(path: Path) -> Path:
 
 
 def rank_tree(share: dict[str, Any]) -> dict[str, Any]:
-    """What one share (`checkpoint.rank_share`) writes into the folder: its tensors under the unsplit names."""
+    """What one share (`merge.rank_share`) writes into the folder: its tensors under the unsplit names."""
     key = rank_key(share["stage"], share["replica"])
     record = {k: share[k] for k in RANK_RECORD if k in share}
     pipeline: dict[str, Any] = {"ranks": {key: record}}

@@ -5,7 +5,7 @@ lighthouse (``torchft_lighthouse``) keeps the quorum of live groups. Every rank 
 group's rank 0 runs its server); rank s of every live group joins one reconfigurable process group per
 quorum, so **stage s of the live groups is stage s's replica dimension**, and a restarted rank s heals from rank
 s of a live group: its stage's weights, optimizer, LocalSGD/DiLoCo state, schedulers, step counters and the
-data position, all in the in-memory checkpoint the strategy builds for it (docs/DESIGN.md section 10).
+data position, all in the in-memory checkpoint the strategy builds for it (docs/DESIGN.md section 9).
 
 The quorum is taken at the LocalSGD/DiLoCo outer sync, at a drained point (every stage of the group at the same
 step): `TorchftReplicas.sync` takes the quorum (a joining or lagging rank heals inside it), reduces every hosted

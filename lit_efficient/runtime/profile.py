@@ -38,7 +38,7 @@ class LayerProfile:
     param_bytes: list[int]  # weights + gradients + Adam state (4x the weights)
     memory_budget: int | None  # device memory, None on CPU
 
-    def partition(self, num_stages: int, accumulate: int) -> list[int]:
+    def partition(self, num_stages: int) -> list[int]:
         """Split minimizing the slowest stage within the device's memory."""
         return partition_profiled(
             self.times, self.activation_bytes, self.param_bytes, num_stages, memory_budget=self.memory_budget

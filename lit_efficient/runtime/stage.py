@@ -422,14 +422,6 @@ class PipelineStage:
         """Weight accumulated since the last step (None when nothing was accumulated)."""
         return None if self._window is None else self._window[0]
 
-    def discard_accumulation(self) -> None:
-        """Forget in-flight micro-batches and accumulated gradients (after a failure or an aborted run)."""
-        self._in_flight.clear()
-        self._window = None
-        self._window_microbatches = 0
-        for p in self.parameters():
-            p.grad = None
-
     def accumulation_state(self) -> dict[str, Any]:
         """What a checkpoint needs besides weights and optimizer: the version, the stage's random stream,
         and the gradients and weight accumulated in a window not yet stepped."""

@@ -111,8 +111,9 @@ _WRAPPER_EQUIVALENTS = {
 }
 _NOT_USED = {
     "checkpoint_io": (
-        "PACIStrategy writes and reads its checkpoints itself (one file from global rank 0, "
-        "lit_efficient/checkpoint/merge.py) and never calls a CheckpointIO"
+        "PACIStrategy writes and reads its checkpoints itself (one file from global rank 0, or with "
+        "checkpoint_format='sharded' a folder every rank writes its share of; async_checkpoint=True writes it in "
+        "the background) and never calls a CheckpointIO"
     ),
 }
 

@@ -852,7 +852,7 @@ class PACIStrategy(DDPStrategy):
                 raise ValueError("balance='profile' needs every layer's weights on rank 0; this module was split")
             batch = first_training_batch(trainer)
             result = profile_layers(module, layers, batch, self.root_device, self.precision_plugin.forward_context)
-            sizes_box[0] = result.partition(self.pipeline_stages, trainer.accumulate_grad_batches)
+            sizes_box[0] = result.partition(self.pipeline_stages)
             times = result.stage_times(sizes_box[0])
             rank_zero_info(
                 f"PACIStrategy(balance='profile'): stage times {[f'{t * 1e3:.1f} ms' for t in times]}, predicted "

@@ -17,7 +17,6 @@ The functions take the strategy (`lit_efficient.strategy.paci.PACIStrategy`) who
 from __future__ import annotations
 
 import shutil
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_warn
-from torch import Tensor, nn
+from torch import Tensor
 
 from lit_efficient.checkpoint import sharded_read, sharded_write
 from lit_efficient.checkpoint.async_write import AsyncCheckpointer
@@ -195,20 +194,10 @@ def _view(strategy: Any, checkpoint: dict[str, Any], record: StageRecord, hosted
 
 
 def _share(view: dict[str, Any], record: StageRecord, optimizer: Any, keep_weights: bool) -> dict[str, Any]:
-    names = _RecordedNames(record.group_names, optimizer)
-    return rank_share(view, names, optimizer, record.extras, keep_weights, tied_copies=record.tied_copies)  # type: ignore[arg-type]
-
-
-class _RecordedNames:
-    """The optimizer's parameters under the record's names, where `rank_share` asks a module for them:
-    after ``fit`` the module may hold other parameter objects (rank 0's is whole again, a tied weight one)."""
-
-    def __init__(self, group_names: list[list[str]], optimizer: Any) -> None:
-        params = [p for g in optimizer.param_groups for p in g["params"]] if optimizer is not None else []
-        self.pairs = list(zip([n for names in group_names for n in names], params, strict=True))
-
-    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        return iter(self.pairs)
+    # The record's names, not the module's: after fit the module may hold other parameter objects (rank 0's
+    # is whole again, a tied weight one).
+    names = record.group_names if optimizer is not None else None
+    return rank_share(view, names, record.extras, keep_weights, tied_copies=record.tied_copies)
 
 
 def _save_weights(strategy: Any, checkpoint: dict[str, Any], path: Path) -> None:

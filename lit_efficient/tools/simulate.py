@@ -3,7 +3,7 @@
 This file owns the cost model that benchmarks and `PipelineMonitor` compare measurements against,
 and the closed forms of docs/DESIGN.md section 3 (`flush_utilization`, `paci_drift_bound`). It is pure:
 the input is per-stage action streams of `schedules.py` (or hand-written strings), or a rank-level
-`plans.Plan` (several model stages per rank, split backward), the output a `SimulationResult`.
+`schedule_plans.Plan` (several model stages per rank, split backward), the output a `SimulationResult`.
 
 Model: every rank (a stage, in a stream of `schedules.py`) runs its own list strictly in order, one
 task at a time. A task starts when its rank is free and its dependencies have finished (plus
@@ -208,10 +208,10 @@ def simulate_plan(
     step: float = 0.0,
     activation: Sequence[float] | None = None,
 ) -> SimulationResult:
-    """Simulate a rank-level `plans.Plan`; the result's "stages" are its ranks.
+    """Simulate a rank-level `schedule_plans.Plan`; the result's "stages" are its ranks.
 
     Args:
-        plan: Per rank, its tasks in order (`plans.build_plan`).
+        plan: Per rank, its tasks in order (`schedule_plans.build_plan`).
         forward: F time of one micro-batch, for every model stage or per model stage.
         backward: Full-backward (``B``) time, likewise.
         input_grad: ``I`` time; default half of ``backward``.

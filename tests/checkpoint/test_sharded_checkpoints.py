@@ -23,7 +23,7 @@ from torch import nn
 
 from lit_efficient import GradientAccumulation, PACIStrategy, consolidate_checkpoint
 from lit_efficient.checkpoint import sharded_read, sharded_write
-from lit_efficient.checkpoint.merge import assemble, rank_share
+from lit_efficient.checkpoint.merge import assemble, names_of_groups, rank_share
 from lit_efficient.checkpoint.single_file import load_file
 from lit_efficient.models import GPT
 from tests.support.checkpoints import FORMATS, SaveBothFormatsAt
@@ -273,7 +273,7 @@ def _two_stage_shares() -> tuple[dict, list[dict], dict]:
         if s == 0:
             accumulation.update(window=torch.tensor(2), grads={n: torch.full_like(p, 0.5) for n, p in named.items()})
         extras = {"stage": s, "replica": 0, "accumulation": accumulation, "rng": {"cpu": torch.get_rng_state()}}
-        shares.append(rank_share(lightning, module, opt, extras, True))
+        shares.append(rank_share(lightning, names_of_groups(module, opt), extras, True))
     base = {"global_step": 1, "loops": {}, "callbacks": {}, "lr_schedulers": shares[-1]["lr_schedulers"]}
     layout = {"num_stages": 2, "num_replicas": 1, "sizes": [2, 1], "schedule": "paci"}
     return base, shares, layout
@@ -326,7 +326,7 @@ def test_weights_only_shares_of_diverged_replicas_assemble_in_both_formats(tmp_p
         named = {"0.weight": nn.Parameter(torch.full((2, 2), float(replica)))}
         lightning = {"state_dict": {n: p.detach() for n, p in named.items()}}  # weights only: no optimizer_states
         extras = {"stage": 0, "replica": replica, "accumulation": {"version": 4, "rng": None}}
-        shares.append(rank_share(lightning, _Named(named), None, extras, True))
+        shares.append(rank_share(lightning, None, extras, True))
     single = assemble(base, shares, layout)
     assert "optimizer_states" not in single
     assert torch.equal(single["state_dict"]["0.weight"], torch.zeros(2, 2))
@@ -355,7 +355,7 @@ def test_a_diverged_replicas_parameter_without_optimizer_state_reads_alike_from_
         lightning = {"state_dict": {n: p.detach() for n, p in named.items()}, "optimizer_states": [opt.state_dict()],
                      "lr_schedulers": []}  # fmt: skip
         extras = {"stage": 0, "replica": replica, "accumulation": {"version": 1, "rng": None}}
-        shares.append(rank_share(lightning, _Named(named), opt, extras, True))
+        shares.append(rank_share(lightning, names_of_groups(_Named(named), opt), extras, True))
     want = assemble(base, shares, layout)["pipeline"]["replicas"]["stage0-replica1"]["optimizer_by_name"]
     assert want["1.weight"][2] == {} and want["0.weight"][2]  # never stepped on replica 1; stepped
     sharded_write.save(tmp_path / "r.ckpt", shares, base, layout, distributed=False)

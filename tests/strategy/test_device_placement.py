@@ -127,7 +127,7 @@ def test_rank_share_holds_only_host_tensors():
     """The share goes through `gather_object` (pickled to rank 0): a device tensor in it would be
     reopened on rank 0 at the sender's device index. Weights, optimizer state and every extra (an
     unfinished window's gradients and counters, the DiLoCo anchor and momentum) are host copies."""
-    from lit_efficient.checkpoint.merge import rank_share
+    from lit_efficient.checkpoint.merge import names_of_groups, rank_share
 
     stage, averager, module = _mid_window_stage_and_averager()
     optimizer = stage.optimizer
@@ -137,7 +137,7 @@ def test_rank_share_holds_only_host_tensors():
         "lr_schedulers": [],
     }
     extras = _on_device(_pipeline_extras(stage, averager))
-    share = rank_share(checkpoint, module, optimizer, extras, keep_weights=True)
+    share = rank_share(checkpoint, names_of_groups(module, optimizer), extras, keep_weights=True)
     tensors = [t for t in _leaves(share) if isinstance(t, torch.Tensor)]
     assert len(tensors) >= 10  # weights, grads, window, RNG, anchor, momentum
     on_device = [type(t).__name__ for t in tensors if isinstance(t, OnDevice)]

@@ -278,8 +278,10 @@ def test_the_cli_names_the_option_meant_for_a_typo_anywhere(cli_refusal, args, w
         ({"pipeline_stages": 2, "balance": [True, 1]}, r"balance=\[True, 1\] must list 2 positive layer counts"),
         ({"local_sgd_steps": 4, "local_sgd_warmup_steps": True}, "local_sgd_warmup_steps=True must be an integer"),
         ({"staleness_anneal_steps": True}, "staleness_anneal_steps=True must be an integer >= 1"),
-        ({"fault_tolerance": "torchft", "local_sgd_steps": 4, "min_replica_groups": True},
-         "min_replica_groups=True must be an integer >= 1"),
+        (
+            {"fault_tolerance": "torchft", "local_sgd_steps": 4, "min_replica_groups": True},
+            "min_replica_groups=True must be an integer >= 1",
+        ),
         ({"start_method": "Spawn"}, "start_method='Spawn' must be one of 'popen', 'spawn', 'fork', 'forkserver'"),
         ({"precision_plugin": "bf16-mixed"}, r"precision_plugin='bf16-mixed' must be a Precision.*Trainer\(precision="),
         ({"timeout": 30}, r"timeout=30 must be a timedelta or None; pass datetime.timedelta"),
