@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import inspect
 import math
 import os
+import signal
+import time
 from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
 from typing import Any
@@ -43,8 +46,37 @@ class _ChecksFirst:
         return super().launch(function, *args, trainer=trainer, **kwargs)  # type: ignore[misc]
 
 
+RANK_STOP_GRACE_S = 5.0  # after a failure: how long a started rank has to end on its own before it is killed
+
+
+def stop_started_ranks(procs: Iterable[Any], grace: float = RANK_STOP_GRACE_S, first: int | None = None) -> list[int]:
+    """End the ranks this process started (``subprocess.Popen`` or ``multiprocessing`` processes) that are still
+    running, after a failure or an interrupt here: signal ``first`` to each (SIGINT: Lightning's graceful stop), give
+    them ``grace`` seconds to end on their own (a rank that saw the failure names its cause and exits), then kill
+    the rest. Lightning stops them itself only on a KeyboardInterrupt of a ``popen`` launch; otherwise a rank hung
+    in user code, or blocked on this process, outlived the job. Returns the pids killed."""
+
+    def running(proc: Any) -> bool:
+        return proc.poll() is None if hasattr(proc, "poll") else proc.is_alive()
+
+    procs = [p for p in procs if p.pid is not None and running(p)]
+    if first is not None:
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, first)
+    deadline = time.monotonic() + grace
+    while any(running(p) for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    killed = [p.pid for p in procs if running(p)]
+    for pid in killed:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return killed
+
+
 class _CheckedScriptLauncher(_ChecksFirst, _SubprocessScriptLauncher):
-    """`_SubprocessScriptLauncher` (``start_method="popen"``, torchrun, SLURM) with the check."""
+    """`_SubprocessScriptLauncher` (``start_method="popen"``, torchrun, SLURM) with the check. The ranks it
+    starts are stopped when this process fails (`PACIStrategy.on_exception` calls `stop_started_ranks`)."""
 
 
 class _CheckedMultiProcessingLauncher(_ChecksFirst, _MultiProcessingLauncher):
@@ -65,7 +97,14 @@ class _CheckedMultiProcessingLauncher(_ChecksFirst, _MultiProcessingLauncher):
             os.environ["MASTER_PORT"] = str(self._strategy.cluster_environment.main_port)
             self._launch_environ = dict(os.environ)
             self._launch_state = _GlobalStateSnapshot.capture()
-        return super().launch(function, *args, trainer=trainer, **kwargs)
+        try:
+            return super().launch(function, *args, trainer=trainer, **kwargs)
+        except KeyboardInterrupt:
+            # An interrupt of this process alone (a notebook's "interrupt kernel", a job manager signalling the
+            # main pid) left the ranks training to max_steps while this one waited for them: stop them as a
+            # terminal's Ctrl-C would, then kill what is left.
+            stop_started_ranks(self.procs, first=signal.SIGINT)
+            raise
 
     def _wrapping_function(self, process_idx: int, trainer: Any, function: Any, args: Any, kwargs: Any, *rest: Any):
         if self._start_method == "forkserver":
@@ -76,7 +115,14 @@ class _CheckedMultiProcessingLauncher(_ChecksFirst, _MultiProcessingLauncher):
                 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
             if isinstance(self._strategy.accelerator, CPUAccelerator):
                 args, kwargs = _disable_module_memory_sharing((args, kwargs))
-        return super()._wrapping_function(process_idx, trainer, function, args, kwargs, *rest)
+        try:
+            return super()._wrapping_function(process_idx, trainer, function, args, kwargs, *rest)
+        except BaseException as exception:
+            # Lightning runs the fit of a started rank without its exception handling: the strategy's own would
+            # not run, and the rank's peers reported it as "died (killed? out of memory?)", not what it raised.
+            if trainer is not None and hasattr(trainer.strategy, "on_exception"):
+                trainer.strategy.on_exception(exception)
+            raise
 
 
 # DDPStrategy's own parameters that do something under PACIStrategy, explicit in its signature: Lightning's

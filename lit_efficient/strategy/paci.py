@@ -16,6 +16,7 @@ stop, validate and save at the same batch.
 from __future__ import annotations
 
 import atexit
+import sys
 import warnings
 from collections import deque
 from datetime import timedelta
@@ -85,6 +86,7 @@ from lit_efficient.strategy.config import (
     check_replica_groups,
     check_streaming_ties,
     check_sync_start,
+    stop_started_ranks,
 )
 from lit_efficient.strategy.divergence import LossTrend
 from lit_efficient.strategy.fault_tolerant import start_replicas
@@ -117,7 +119,7 @@ from lit_efficient.strategy.trainer_glue import (
 )
 from lit_efficient.tools.window import advise_window
 from lit_efficient.transport.collectives import broadcast_flat
-from lit_efficient.transport.failures import report_failure
+from lit_efficient.transport.failures import is_raw_comm_error, is_timeout, read_failure, report_failure
 from lit_efficient.transport.local import LocalLinks
 from lit_efficient.transport.process import LinkGroups, ProcessLinks, tie_groups
 from lit_efficient.transport.wire import WireFormat
@@ -254,8 +256,9 @@ class PACIStrategy(DDPStrategy):
             (``"32-true"`` or ``"bf16-mixed"``).
         process_group_backend: Passed to Lightning: the default process group's backend (``"nccl"``, ``"gloo"``,
             ...); None picks the device's default. Ignored with one device, where there is no process group.
-        timeout: Passed to Lightning: the default process group's timeout (collectives, start-up); a stage
-            waiting for its neighbour is bounded by ``p2p_timeout`` instead.
+        timeout: Passed to Lightning: the default process group's timeout (start-up), and every collective's
+            (the replicas' gradient average, the clipping norm, metrics, checkpoint gathers); a stage waiting
+            for its neighbour is bounded by ``p2p_timeout`` instead.
         **kwargs: Refused with a ValueError naming the closest option: anything else, Lightning's
             ``DistributedDataParallel`` options (``find_unused_parameters``, ...; the wrapper is never built,
             each stage reduces its gradients over its replica group itself) and ``checkpoint_io`` (unused).
@@ -486,13 +489,16 @@ class PACIStrategy(DDPStrategy):
         # a link on one communicator deadlock (transport.process.LinkGroups). And a receive posted ahead that
         # an exception leaves unmatched dies with its group in teardown instead of lingering on the
         # default group, where it would swallow a message of a later fit in this process.
+        # The other groups wait as long as the default one: PACIStrategy(timeout=...), not new_group's own 30
+        # minutes (a replica's gradient all-reduce, the clipping norm's sum, the signal broadcast).
         self._p2p_groups = LinkGroups.create(timeout=timedelta(seconds=self.p2p_timeout))
-        self._header_group = None if backend == "gloo" else dist.new_group(backend="gloo")
+        wait = {"timeout": self._timeout}
+        self._header_group = None if backend == "gloo" else dist.new_group(backend="gloo", **wait)
         for stage in range(self.pipeline_stages):
-            self._dp_groups[stage] = dist.new_group(self.topology.replica_ranks(stage))
+            self._dp_groups[stage] = dist.new_group(self.topology.replica_ranks(stage), **wait)
         for replica in range(self.topology.num_replicas):
-            self._pipeline_groups[replica] = dist.new_group(self.topology.pipeline_ranks(replica))
-        self._signal_group = dist.new_group(backend="gloo")
+            self._pipeline_groups[replica] = dist.new_group(self.topology.pipeline_ranks(replica), **wait)
+        self._signal_group = dist.new_group(backend="gloo", **wait)
         if self.topology.num_replicas == 1 and self._launch_streams is not None:
             keep_launch_random_streams(self._launch_streams, self._signal_group)
         if self.fault_tolerance is None:  # with it, the replicas are the other groups, not this world's
@@ -972,10 +978,25 @@ class PACIStrategy(DDPStrategy):
     def on_exception(self, exception: BaseException) -> None:
         self._failed = True
         if self.topology is not None:
-            report_failure(
-                f"stage {self.stage} (rank {self.global_rank}) raised {type(exception).__name__}: {exception}"
-            )
+            here = f"stage {self.stage} (rank {self.global_rank})"
+            if is_raw_comm_error(exception):  # a peer's failure seen here: name the cause a rank published, if any
+                cause = read_failure()
+                first_line = str(exception).strip().splitlines()[0] if str(exception).strip() else ""
+                print(
+                    f"lit-efficient: {here} lost its peers ({type(exception).__name__}: {first_line[:300]}); "
+                    + (f"the pipeline stopped because {cause}" if cause else "no rank reported a failure of its own "
+                       "(one died, was killed, or is hung or slower than the timeout)")
+                    + (". If a rank is only slow (a long validation or save on one rank), raise PACIStrategy(timeout="
+                       "timedelta(...)), which bounds every collective" if is_timeout(exception) else ""),
+                    file=sys.stderr, flush=True,
+                )  # fmt: skip
+            else:
+                detail = f": {exception}" if str(exception) else ""
+                report_failure(f"{here} raised {type(exception).__name__}{detail}")
         super().on_exception(exception)
+        # This process started the other ranks (start_method="popen"): none may outlive the job (one hung in user
+        # code, or waiting on this process, did). Those that saw the failure end on their own within the grace.
+        stop_started_ranks(getattr(self.launcher, "procs", None) or [])
 
     # -- evaluation (evaluation.py) ----------------------------------------------------------------
 

@@ -27,6 +27,22 @@ def is_timeout(err: BaseException) -> bool:
     return bool(_TIMEOUT_TEXT.search(str(err)))
 
 
+# What a rank sees when a peer's failure reaches it through a collective or a transfer, not a failure of its own.
+_LOST_PEER_TEXT = re.compile(r"connection closed|connection reset|broken pipe|timed out|timing out|operation timeout",
+                             re.IGNORECASE)  # fmt: skip
+
+
+def is_raw_comm_error(err: BaseException) -> bool:
+    """Whether ``err`` is gloo's or NCCL's own error of a lost or silent peer (from a collective or a send no
+    `PipelineCommError` names): a failure seen here, not one that started here, which a rank must not publish as
+    the run's cause (a `PipelineCommError` names the peer itself and is published)."""
+    return (
+        not isinstance(err, PipelineCommError)
+        and isinstance(err, RuntimeError)
+        and bool(_LOST_PEER_TEXT.search(str(err)))
+    )
+
+
 _printed_failure = False
 
 

@@ -313,3 +313,130 @@ def test_configuration_errors_fail_before_any_process_starts(devices, trainer_kw
         trainer.fit(_model())
     assert time.monotonic() - started < 5, "it must fail before the processes start, not in them"
     assert not torch.distributed.is_initialized()
+
+
+# -- what a failure on one process leaves behind -----------------------------------------------------------
+
+_HANG_SCRIPT = textwrap.dedent(
+    """
+    import os, sys, time
+    from datetime import timedelta
+    import torch
+    import lightning as L
+    from lightning.pytorch.callbacks import Callback
+    from lit_efficient import PACIStrategy
+    from lit_efficient.data import TextDataModule
+    from lit_efficient.models import GPT
+
+    class Misbehave(Callback):  # on rank 1 (stage 0) only, at step 2: hang in user code, or raise
+        def on_train_start(self, trainer, pl_module):
+            if sys.argv[1] == "timeouts":  # every group's, as its backend holds it
+                s = trainer.strategy
+                groups = [*s._dp_groups.values(), *s._pipeline_groups.values(), s._signal_group]
+                mine = [g for g in groups if isinstance(g, torch.distributed.ProcessGroup)]  # not a member: an int
+                waits = {str(g._get_backend(torch.device("cpu")).options._timeout) for g in mine}
+                with open(f"{sys.argv[2]}.{trainer.global_rank}", "w") as f:
+                    f.write(",".join(sorted(waits)))
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_rank == 1 and trainer.global_step == 2 and sys.argv[1] != "timeouts":
+                with open(sys.argv[2], "w") as f:
+                    f.write(str(os.getpid()))
+                if sys.argv[1] == "hang":
+                    time.sleep(600)
+                raise ValueError("boom on rank 1")
+
+    if __name__ == "__main__":
+        start_method = sys.argv[3]
+        trainer = L.Trainer(
+            accelerator="cpu", devices=2, max_steps=1 if sys.argv[1] == "timeouts" else 20, accumulate_grad_batches=2,
+            logger=False, enable_checkpointing=False, enable_progress_bar=False, limit_val_batches=0,
+            callbacks=[Misbehave()],
+            strategy=PACIStrategy(p2p_timeout=5, start_method=start_method, timeout=timedelta(seconds=37)),
+        )
+        model = GPT(n_layer=2, n_head=2, n_embd=32, block_size=32, warmup_steps=2, max_steps=20)
+        trainer.fit(model, datamodule=TextDataModule(block_size=32, batch_size=4, max_bytes=60_000))
+    """
+)
+
+
+def _run_script(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    script = tmp_path / "train.py"
+    script.write_text(_HANG_SCRIPT)
+    return subprocess.run(
+        [sys.executable, str(script), *args], cwd=tmp_path, capture_output=True, text=True, timeout=180,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is no longer running (nobody reaped it yet): /proc says so.
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().split(")")[-1].split()[0] != "Z"
+
+
+@pytest.mark.multiproc
+def test_a_rank_hung_in_user_code_does_not_outlive_the_failed_job(tmp_path):
+    """start_method="popen": rank 0 times out on the hung rank 1 and its fit raises; Lightning stops the ranks it
+    started only on a KeyboardInterrupt, so rank 1 went on sleeping, orphaned, after the user's job ended."""
+    pid_file = tmp_path / "hung.pid"
+    started = time.monotonic()
+    proc = _run_script(tmp_path, "hang", str(pid_file), "popen")
+    assert proc.returncode != 0
+    assert "waited 5s for" in proc.stderr and "stage 0 (rank 1)" in proc.stderr, proc.stderr[-3000:]
+    assert time.monotonic() - started < 120
+    hung = int(pid_file.read_text())
+    time.sleep(0.5)
+    assert not _alive(hung), f"rank 1 (pid {hung}) outlived the job"
+
+
+@pytest.mark.multiproc
+def test_a_spawned_rank_that_raises_is_named_by_its_peer(tmp_path):
+    """start_method="spawn": Lightning runs a started rank's fit without its exception handling, so the raising
+    rank published nothing and its peer said it "died (killed? out of memory?)" instead of what it raised."""
+    proc = _run_script(tmp_path, "raise", str(tmp_path / "raised.pid"), "spawn")
+    assert proc.returncode != 0
+    assert "stage 0 (rank 1) raised ValueError: boom on rank 1" in proc.stderr, proc.stderr[-3000:]
+    assert "the pipeline stopped because stage 0 (rank 1) raised ValueError" in proc.stderr, proc.stderr[-3000:]
+    assert "died (killed? out of memory?)" not in proc.stderr
+
+
+def test_started_ranks_get_a_grace_then_are_killed():
+    from lit_efficient.strategy.config import stop_started_ranks
+
+    def child(code: str) -> subprocess.Popen:
+        ready = "import signal, time; print('ready', flush=True); "
+        proc = subprocess.Popen([sys.executable, "-c", ready + code], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "ready"
+        return proc
+
+    stops = child("time.sleep(600)")  # SIGINT ends it (KeyboardInterrupt), as it ends a rank
+    stuck = child("signal.signal(signal.SIGINT, signal.SIG_IGN); time.sleep(600)")
+    started = time.monotonic()
+    killed = stop_started_ranks([stops, stuck], grace=1.0, first=signal.SIGINT)
+    assert killed == [stuck.pid] and 1.0 <= time.monotonic() - started < 5
+    assert stuck.wait(timeout=5) == -signal.SIGKILL and stops.wait(timeout=5) == -signal.SIGINT
+
+
+def test_a_raw_communication_error_is_not_published_as_the_cause():
+    from lit_efficient.transport.failures import PipelineCommError, is_raw_comm_error
+
+    assert is_raw_comm_error(RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:18325"))
+    assert is_raw_comm_error(RuntimeError("[unbound_buffer.cc:78] Timed out waiting 20000ms for recv operation"))
+    assert not is_raw_comm_error(PipelineCommError("stage 1 (rank 0) waited 5s ... stage 0 (rank 1) is hung"))
+    assert not is_raw_comm_error(ValueError("boom")) and not is_raw_comm_error(RuntimeError("CUDA out of memory"))
+
+
+@pytest.mark.multiproc
+def test_every_collective_waits_as_long_as_the_strategys_timeout(tmp_path):
+    """PACIStrategy(timeout=37 s) bounds the default group; the replicas', the pipelines' and the signal groups
+    were made with new_group's own 30 minutes, so a replica's gradient average or the clipping norm on a hung
+    peer waited half an hour whatever the user set."""
+    proc = _run_script(tmp_path, "timeouts", str(tmp_path / "waits"), "popen")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in (0, 1):
+        assert (tmp_path / f"waits.{rank}").read_text() == "0:00:37"
