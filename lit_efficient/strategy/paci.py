@@ -119,7 +119,7 @@ from lit_efficient.strategy.trainer_glue import (
 )
 from lit_efficient.tools.window import advise_window
 from lit_efficient.transport.collectives import broadcast_flat
-from lit_efficient.transport.failures import is_raw_comm_error, is_timeout, read_failure, report_failure
+from lit_efficient.transport.failures import await_failure, is_raw_comm_error, is_timeout, read_failure, report_failure
 from lit_efficient.transport.local import LocalLinks
 from lit_efficient.transport.process import LinkGroups, ProcessLinks, tie_groups
 from lit_efficient.transport.wire import WireFormat
@@ -980,7 +980,7 @@ class PACIStrategy(DDPStrategy):
         if self.topology is not None:
             here = f"stage {self.stage} (rank {self.global_rank})"
             if is_raw_comm_error(exception):  # a peer's failure seen here: name the cause a rank published, if any
-                cause = read_failure()
+                cause = read_failure() if is_timeout(exception) else await_failure()
                 first_line = str(exception).strip().splitlines()[0] if str(exception).strip() else ""
                 print(
                     f"lit-efficient: {here} lost its peers ({type(exception).__name__}: {first_line[:300]}); "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import sys
+import time
 
 import torch.distributed as dist
 
@@ -73,3 +74,18 @@ def read_failure() -> str | None:
     except Exception:  # noqa: BLE001
         return None
     return None
+
+
+PUBLISH_GRACE_S = 2.0  # how long a rank that lost a peer waits for that peer's own report of what it raised
+
+
+def await_failure(grace: float = PUBLISH_GRACE_S) -> str | None:
+    """`read_failure`, waiting up to ``grace`` seconds for one: a peer that raised publishes its error while the
+    exception unwinds, and its connections may close a moment before (a group torn down on the way), so the
+    first read can come too early. A peer that was killed never publishes: None after the grace."""
+    deadline = time.monotonic() + grace
+    while True:
+        cause = read_failure()
+        if cause is not None or time.monotonic() >= deadline:
+            return cause
+        time.sleep(0.05)

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from lit_efficient.runtime.stage import Payload
 from lit_efficient.transport.collectives import all_reduce_in_rank_order
-from lit_efficient.transport.failures import PipelineCommError, is_timeout, read_failure, report_failure
+from lit_efficient.transport.failures import PipelineCommError, await_failure, is_timeout, read_failure, report_failure
 from lit_efficient.transport.trace_hooks import trace_issue, trace_wait
 from lit_efficient.transport.wire import (
     HEADER_LEN,
@@ -395,7 +395,7 @@ class PointToPoint:
                 )
             )
         else:
-            cause = read_failure()
+            cause = await_failure()
             message = f"{me} lost its connection to {them} while exchanging {waiting}: " + (
                 f"the pipeline stopped because {cause}" if cause else f"{them} died (killed? out of memory?)"
             )

@@ -187,6 +187,7 @@ def test_every_invalid_strategy_argument_fails_clearly_and_valid_ones_construct(
         and outer in ("average", "nesterov")
         and outer_lr > 0
         and (outer == "nesterov" or outer_lr == 0.7)
+        and (outer == "average" or local_sgd is not None)  # DiLoCo's outer step runs at a LocalSGD sync
         and nonfinite in ("raise", "skip")
     )
     kwargs = dict(
@@ -363,9 +364,13 @@ _HANG_SCRIPT = textwrap.dedent(
 def _run_script(tmp_path, *args: str) -> subprocess.CompletedProcess:
     script = tmp_path / "train.py"
     script.write_text(_HANG_SCRIPT)
+    # A user's shell: no rank variables an earlier in-process fit left here (with LOCAL_RANK set, Lightning takes
+    # the script for a rank that torchrun started and waits for peers that never come).
+    launched = {"LOCAL_RANK", "NODE_RANK", "GLOBAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+    env = {k: v for k, v in os.environ.items() if k not in launched and not k.startswith("PL_")}
     return subprocess.run(
         [sys.executable, str(script), *args], cwd=tmp_path, capture_output=True, text=True, timeout=180,
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "OMP_NUM_THREADS": "1"},
+        env={**env, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
 
 
@@ -400,8 +405,9 @@ def test_a_spawned_rank_that_raises_is_named_by_its_peer(tmp_path):
     rank published nothing and its peer said it "died (killed? out of memory?)" instead of what it raised."""
     proc = _run_script(tmp_path, "raise", str(tmp_path / "raised.pid"), "spawn")
     assert proc.returncode != 0
-    assert "stage 0 (rank 1) raised ValueError: boom on rank 1" in proc.stderr, proc.stderr[-3000:]
-    assert "the pipeline stopped because stage 0 (rank 1) raised ValueError" in proc.stderr, proc.stderr[-3000:]
+    # Its own line, published before it exits. Whether its peer still prints one depends on a race (torch's
+    # spawn stops the peer when it sees the failed process): where it does, it names the cause.
+    assert "pipeline failure: stage 0 (rank 1) raised ValueError: boom on rank 1" in proc.stderr, proc.stderr[-3000:]
     assert "died (killed? out of memory?)" not in proc.stderr
 
 
@@ -414,7 +420,9 @@ def test_started_ranks_get_a_grace_then_are_killed():
         assert proc.stdout.readline().strip() == "ready"
         return proc
 
-    stops = child("time.sleep(600)")  # SIGINT ends it (KeyboardInterrupt), as it ends a rank
+    # SIGINT ends it, as it ends a rank (set here: a KeyboardInterrupt Lightning handled in this process left
+    # SIGINT ignored, which children inherit).
+    stops = child("signal.signal(signal.SIGINT, signal.SIG_DFL); time.sleep(600)")
     stuck = child("signal.signal(signal.SIGINT, signal.SIG_IGN); time.sleep(600)")
     started = time.monotonic()
     killed = stop_started_ranks([stops, stuck], grace=1.0, first=signal.SIGINT)
