@@ -131,7 +131,7 @@ class StrategyOptionParser(LightningArgumentParser):
     A value a class's constructor refuses (``--trainer.strategy.init_args.p2p_timeout -1``) is a usage error too:
     a line that names the section, the class and the constructor's own message, and one saying where the class's
     options are listed. jsonargparse folds that error into its own (for a Union type, among every subtype's) and
-    raises it from its frames, which hides both. Any other error keeps its traceback; ``JSONARGPARSE_DEBUG=1``
+    raises it from its frames, which hides both. Any other error keeps its traceback; ``JSONARGPARSE_DEBUG=true``
     keeps it for these too.
     """
 
@@ -310,6 +310,7 @@ class LitEfficientCLI(LightningCLI):
         kwargs.setdefault("parser_class", StrategyOptionParser)
         kwargs.setdefault("save_config_kwargs", {"config_filename": "config.yaml", "overwrite": False})
         kwargs.setdefault("parser_kwargs", {
+            "prog": "lit-efficient",  # also under `python -m lit_efficient.cli` (argparse would say __main__.py)
             "description": "Pipeline-parallel training for PyTorch Lightning. The memory plan of a config, before "
             "any GPU: lit-efficient plan --config ... (lit-efficient plan --help).",
             # argparse would take the prefix --trainer.max_step for --trainer.max_steps, silently.

@@ -320,3 +320,16 @@ def test_any_lightning_data_module_goes_through_the_cli(tmp_path, monkeypatch):
     assert (plain.model.hparams.vocab_size, plain.model.hparams.block_size) == (256, 256)  # the model's own
     sized = _cli("--data=users_data.SizedDM", "--trainer.logger=false", "--model.init_args.n_layer=1")
     assert (sized.model.hparams.vocab_size, sized.model.hparams.block_size) == (1000, 16)  # linked from the data
+
+
+def test_python_dash_m_names_the_command_as_the_console_script_does():
+    """The docs launch ``python -m lit_efficient.cli`` under torchrun and srun: its usage and its refusals' hints
+    said ``__main__.py fit ...``, a command nobody can run."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "lit_efficient.cli", "fit", "--config", str(REPO / "configs" / "quickstart.yaml"),
+         "--trainer.strategy.init_args.p2p_timeout", "-1"],
+        capture_output=True, text=True, timeout=120, cwd=REPO,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert "lit-efficient: error: trainer.strategy (lit_efficient.PACIStrategy): p2p_timeout=-1.0" in proc.stderr
+    assert "(its options: lit-efficient fit --trainer.strategy.help" in proc.stderr and "__main__" not in proc.stderr
