@@ -286,8 +286,6 @@ class GPT(LightningModule):
             max_steps,
             min_lr_ratio,
         )
-        if max_steps is not None:
-            warn_long_warmup("GPT", warmup_steps, max_steps, f"max_steps={max_steps}")
         self.save_hyperparameters()
         self.embed = GPTEmbedding(vocab_size, block_size, n_embd, dropout)
         self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout, bias) for _ in range(n_layer))
@@ -476,6 +474,35 @@ class GPT(LightningModule):
         return bytes(values).decode("utf-8", errors="replace")
 
 
+def check_recipe(
+    owner: str,
+    learning_rate: float,
+    weight_decay: float,
+    betas: Any,
+    warmup_steps: int,
+    max_steps: int | None,
+    min_lr_ratio: float,
+) -> None:
+    """Refuse a bad argument of `adamw_with_warmup_cosine`'s recipe in ``owner``'s constructor (GPT, HFCausalLM),
+    naming it, and warn when ``max_steps`` is given and the warmup lasts all of it."""
+    check_finite(owner, learning_rate=learning_rate, weight_decay=weight_decay, min_lr_ratio=min_lr_ratio)
+    if learning_rate <= 0:
+        raise ValueError(f"{owner}(learning_rate={learning_rate}) must be > 0 (3e-4 is a good start).")
+    if weight_decay < 0:
+        raise ValueError(f"{owner}(weight_decay={weight_decay}) must be >= 0; 0 disables decay.")
+    check_betas(owner, betas)
+    if not is_count(warmup_steps, 0):
+        raise ValueError(f"{owner}(warmup_steps={warmup_steps!r}) must be an integer >= 0.")
+    if max_steps is not None and not is_count(max_steps):
+        raise ValueError(
+            f"{owner}(max_steps={max_steps!r}) must be an integer >= 1, or None to use the Trainer's estimate."
+        )
+    if not 0.0 <= min_lr_ratio <= 1.0:
+        raise ValueError(f"{owner}(min_lr_ratio={min_lr_ratio}) must be in [0, 1] (the final LR / peak LR).")
+    if max_steps is not None:
+        warn_long_warmup(owner, warmup_steps, max_steps, f"max_steps={max_steps}")
+
+
 def _check_args(
     vocab_size: int,
     block_size: int,
@@ -494,9 +521,7 @@ def _check_args(
     for name, value in sizes.items():  # a float (n_head=2.0) passed here and failed at the first forward
         if not is_count(value):
             raise ValueError(f"GPT({name}={value!r}) must be a positive integer.")
-    check_finite(
-        "GPT", learning_rate=learning_rate, weight_decay=weight_decay, dropout=dropout, min_lr_ratio=min_lr_ratio
-    )
+    check_finite("GPT", dropout=dropout)
     if n_embd % n_head:
         raise ValueError(
             f"GPT(n_embd={n_embd}) must be divisible by n_head={n_head}; pick n_embd as a multiple of n_head "
@@ -504,14 +529,4 @@ def _check_args(
         )
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"GPT(dropout={dropout}) must be in [0, 1); 0 disables dropout.")
-    if learning_rate <= 0:
-        raise ValueError(f"GPT(learning_rate={learning_rate}) must be > 0 (3e-4 is a good start).")
-    if weight_decay < 0:
-        raise ValueError(f"GPT(weight_decay={weight_decay}) must be >= 0; 0 disables decay.")
-    check_betas("GPT", betas)
-    if warmup_steps < 0:
-        raise ValueError(f"GPT(warmup_steps={warmup_steps}) must be >= 0.")
-    if max_steps is not None and max_steps < 1:
-        raise ValueError(f"GPT(max_steps={max_steps}) must be >= 1, or None to use the Trainer's estimate.")
-    if not 0.0 <= min_lr_ratio <= 1.0:
-        raise ValueError(f"GPT(min_lr_ratio={min_lr_ratio}) must be in [0, 1] (the final LR / peak LR).")
+    check_recipe("GPT", learning_rate, weight_decay, betas, warmup_steps, max_steps, min_lr_ratio)

@@ -45,7 +45,7 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lit_efficient.models.gpt import adamw_with_warmup_cosine, check_betas, check_finite, warn_long_warmup
+from lit_efficient.models.gpt import adamw_with_warmup_cosine, check_recipe
 from lit_efficient.models.hf_router import (
     RouterAux,
     reinstall_output_capture_hooks,
@@ -391,18 +391,7 @@ class HFCausalLM(LightningModule):
         min_lr_ratio: float = 0.1,
     ) -> None:
         super().__init__()
-        check_finite("HFCausalLM", learning_rate=learning_rate, weight_decay=weight_decay, min_lr_ratio=min_lr_ratio)
-        if learning_rate <= 0 or weight_decay < 0 or warmup_steps < 0 or not 0.0 <= min_lr_ratio <= 1.0:
-            raise ValueError(
-                f"HFCausalLM(learning_rate={learning_rate}, weight_decay={weight_decay}, warmup_steps={warmup_steps}, "
-                f"min_lr_ratio={min_lr_ratio}): need learning_rate > 0, weight_decay >= 0, warmup_steps >= 0 and "
-                "min_lr_ratio in [0, 1]"
-            )
-        check_betas("HFCausalLM", betas)
-        if max_steps is not None and max_steps < 1:
-            raise ValueError(f"HFCausalLM(max_steps={max_steps}) must be >= 1, or None to use the Trainer's estimate.")
-        if max_steps is not None:
-            warn_long_warmup("HFCausalLM", warmup_steps, max_steps, f"max_steps={max_steps}")
+        check_recipe("HFCausalLM", learning_rate, weight_decay, betas, warmup_steps, max_steps, min_lr_ratio)
         self.model = load_hf_model(model, vocab_size, attn_implementation, dtype)
         _check_has_a_head(self.model)
         # The data's sizes only when given (as TextDataModule saves its vocab_size): Lightning refuses a key that the

@@ -206,8 +206,9 @@ class PACIStrategy(DDPStrategy):
             apply or undo instead of ~9, ``"weight_prediction_first_step_compiled"``, compiled at each stage's first
             stale forward, eager with a warning if compiling fails); off with any other optimizer, with Adam/AdamW's
             ``amsgrad`` or ``maximize`` (an update it does not model; the synchronous start still runs there), or
-            with a sharded optimizer state. Measured (BENCHMARKS.md, "PACI at depth"): plain PACI ends 13-21% above flush's loss at S=8 N=8
-            lr 2e-3, the default with ``sync_start_steps`` below within 0.3% (3 seeds). None (or ``"none"``): plain
+            with a sharded optimizer state. Measured (BENCHMARKS.md, "PACI at depth"): plain PACI ends 13-21% above
+            flush's loss at S=8 N=8 lr 2e-3, the default with ``sync_start_steps`` below within 0.3% (3 seeds). None
+            (or ``"none"``): plain
             PACI, the rule of docs/DESIGN.md section 3. ``"lr_scale"`` scales each stale stage's learning rate by
             ``(1 + d_s) ** -(1 - min(1, k / staleness_anneal_steps))`` with d_s = ceil((S-1-s)/N) and k its step
             (PipeMare).

@@ -180,6 +180,7 @@ def test_encode_decode_bytes():
         (dict(betas=0.9), r"betas=0\.9\) must be two values in \[0, 1\)"),  # was a TypeError from len()
         (dict(warmup_steps=-1), "warmup_steps"),
         (dict(max_steps=0), "max_steps=0"),
+        (dict(warmup_steps=2.5), r"warmup_steps=2\.5\) must be an integer >= 0"),
         (dict(min_lr_ratio=1.5), "min_lr_ratio"),
         (dict(n_head=2.0), r"n_head=2\.0\) must be a positive integer"),  # failed at the first forward
         (dict(n_embd=8.0), r"n_embd=8\.0\) must be a positive integer"),

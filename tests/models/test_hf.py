@@ -513,6 +513,21 @@ def test_betas_outside_two_values_in_0_1_are_refused_at_construction(betas):
         HFCausalLM(gpt2(), betas=betas)
 
 
+@pytest.mark.parametrize(
+    ("overrides", "said"),
+    [
+        (dict(learning_rate=0.0), r"HFCausalLM\(learning_rate=0\.0\) must be > 0"),
+        (dict(warmup_steps=2.5), r"HFCausalLM\(warmup_steps=2\.5\) must be an integer >= 0"),
+        (dict(max_steps=True), r"HFCausalLM\(max_steps=True\) must be an integer >= 1"),
+    ],
+)
+def test_the_recipe_is_checked_as_gpt_checks_it(overrides, said):
+    """One check of the AdamW + warmup + cosine recipe for both models (`models.gpt.check_recipe`): HFCausalLM
+    named four arguments at once for one bad value, and took a fractional warmup or max_steps=True."""
+    with pytest.raises(ValueError, match=said):
+        HFCausalLM(gpt2(), **overrides)
+
+
 def test_a_warmup_as_long_as_max_steps_warns():
     with pytest.warns(UserWarning, match=r"HFCausalLM\(warmup_steps=100\) is not below the run's 10 optimizer steps"):
         HFCausalLM(gpt2(), max_steps=10)
