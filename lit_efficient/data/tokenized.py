@@ -21,7 +21,7 @@ import numpy as np
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lit_efficient.data.text import TextDataModule
+from lit_efficient.data.text import TextDataModule, read_token_file
 from lit_efficient.tools.corpus import TEXT_SUFFIXES, folder_files, stdlib_files
 
 # Text is tokenized in pieces of about this many bytes, cut at line ends: a whole corpus in one call would hold
@@ -144,7 +144,7 @@ class TokenizedDataModule(TextDataModule):
         """Where the ids are (to be) written for these inputs: hashed once per module (a 151k-entry vocabulary and
         the standard library's ~800 files are no per-call read; ``prepare_data`` and ``tokens`` both ask)."""
         tok = self.tokenizer
-        files = documents_files(self._source)
+        files = self._files
         key = json.dumps({
             "format": _FORMAT, "tokenizer": type(tok).__name__, "vocab": sorted(tok.get_vocab().items()),
             "special": sorted(map(str, tok.all_special_tokens)), "eos": tok.eos_token_id, "max_bytes": self.max_bytes,
@@ -152,6 +152,11 @@ class TokenizedDataModule(TextDataModule):
         })  # fmt: skip
         digest = hashlib.sha256(key.encode()).hexdigest()[:20]
         return self.cache_dir / f"tokens-{digest}.{self._dtype.name}.bin"
+
+    @functools.cached_property
+    def _files(self) -> list[Path]:
+        """The files `documents` reads (listed once: the cache key and the max_bytes notice both need them)."""
+        return documents_files(self._source)
 
     @property
     def _dtype(self) -> np.dtype:
@@ -192,7 +197,7 @@ class TokenizedDataModule(TextDataModule):
             if size == 0:
                 source = f"path={self.path!r}" if self.path is not None else "the embedded corpus"
                 raise ValueError(f"TokenizedDataModule: {source} gave no tokens; give a path with some text in it.")
-            self._tokens = np.memmap(target, dtype=self._dtype, mode="r")
+            self._tokens = read_token_file(target)  # named .uint16.bin / .uint32.bin: its dtype is in its name
             self._say_if_capped()
         return self._tokens
 
@@ -203,7 +208,7 @@ class TokenizedDataModule(TextDataModule):
     def _say_if_capped(self) -> None:
         """Say when ``max_bytes`` cut the text (from the files' sizes: nothing is read again), on every run that
         reads a token file, written now or before: the rest of the user's text is never trained on."""
-        total = sum(p.stat().st_size for p in documents_files(self._source))
+        total = sum(p.stat().st_size for p in self._files)
         if self.max_bytes is None or total <= self.max_bytes:
             return
         message = (
