@@ -29,8 +29,11 @@ def is_timeout(err: BaseException) -> bool:
 
 
 # What a rank sees when a peer's failure reaches it through a collective or a transfer, not a failure of its own.
-_LOST_PEER_TEXT = re.compile(r"connection closed|connection reset|broken pipe|timed out|timing out|operation timeout",
-                             re.IGNORECASE)  # fmt: skip
+_LOST_PEER_TEXT = re.compile(
+    r"connection closed|connection reset|broken pipe|remote process exited|network error|timed out|timing out"
+    r"|operation timeout",
+    re.IGNORECASE,
+)
 
 
 def is_raw_comm_error(err: BaseException) -> bool:

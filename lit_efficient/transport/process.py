@@ -363,7 +363,10 @@ class PointToPoint:
 
     def _isend(self, t: Tensor, dst: int, microbatch: int, what: str, device: bool) -> None:
         group = self._groups.carrying(self.rank, dst) if device else self._header_group_of(self.rank, dst)
-        work = dist.isend(t, dst, group=group)
+        try:
+            work = dist.isend(t, dst, group=group)
+        except RuntimeError as err:  # gloo raises at the send itself when the peer is gone
+            raise PipelineCommError(self._explain(dst, microbatch, what, err)) from err
         label = f"{what} of micro-batch {microbatch}" if device else f"header of {what} of micro-batch {microbatch}"
         trace_issue(work, "send", dst, group, t, device=device, role="p2p" if device else "header", what=label)
         self._sends.add(work, t, dst, microbatch, what, device)

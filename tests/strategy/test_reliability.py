@@ -436,7 +436,28 @@ def test_a_raw_communication_error_is_not_published_as_the_cause():
     assert is_raw_comm_error(RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:18325"))
     assert is_raw_comm_error(RuntimeError("[unbound_buffer.cc:78] Timed out waiting 20000ms for recv operation"))
     assert not is_raw_comm_error(PipelineCommError("stage 1 (rank 0) waited 5s ... stage 0 (rank 1) is hung"))
+    assert is_raw_comm_error(RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:1970, remote process exited or ..."))
     assert not is_raw_comm_error(ValueError("boom")) and not is_raw_comm_error(RuntimeError("CUDA out of memory"))
+
+
+def test_a_send_to_a_dead_peer_is_named_like_a_receive_from_one(monkeypatch):
+    """gloo raises at ``isend`` itself once the peer is gone: the raw error reached the user, and the rank
+    published it as the run's cause."""
+    from lit_efficient.transport import failures, process
+
+    def closed(*args, **kwargs):
+        raise RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:18325")
+
+    monkeypatch.setattr(process.dist, "isend", closed)
+    monkeypatch.setattr(failures, "read_failure", lambda: None)
+    monkeypatch.setattr(process, "report_failure", lambda message: None)
+    monkeypatch.setattr(process, "await_failure", lambda: None)
+    p2p = process.PointToPoint.__new__(process.PointToPoint)
+    p2p.stage, p2p.rank, p2p._stage_of_rank = 1, 0, lambda rank: 0
+    p2p._groups = type("Groups", (), {"carrying": lambda self, src, dst: None})()
+    said = r"stage 1 \(rank 0\) lost its connection to stage 0 \(rank 1\) while exchanging activations of micro-batch 3"
+    with pytest.raises(failures.PipelineCommError, match=said + r": stage 0 \(rank 1\) died"):
+        p2p._isend(torch.zeros(2), 1, 3, "activations", device=True)
 
 
 @pytest.mark.multiproc
