@@ -101,8 +101,8 @@ class _CheckedMultiProcessingLauncher(_ChecksFirst, _MultiProcessingLauncher):
             return super().launch(function, *args, trainer=trainer, **kwargs)
         except KeyboardInterrupt:
             # An interrupt of this process alone (a notebook's "interrupt kernel", a job manager signalling the
-            # main pid) left the ranks training to max_steps while this one waited for them: stop them as a
-            # terminal's Ctrl-C would, then kill what is left.
+            # main pid) left the ranks training until this process exited (torch's parent-death signal): stop them
+            # now, as a terminal's Ctrl-C would, then kill what is left.
             stop_started_ranks(self.procs, first=signal.SIGINT)
             raise
 

@@ -25,6 +25,8 @@ from lit_efficient.data import TextDataModule
 from lit_efficient.models import GPT
 from lit_efficient.runtime.topology import Topology
 from lit_efficient.strategy.config import _warn_single_replica
+from tests.support.gpt_runs import gpt_trainer as _trainer
+from tests.support.gpt_runs import max_diff as _max_diff
 from tests.support.multiproc import SpawnedDDP
 
 BLOCK = 32
@@ -57,22 +59,6 @@ class _OrderedData(TextDataModule):
     def train_dataloader(self):
         subset = torch.utils.data.Subset(self.train_set, range(2 * 12 * self.batch_size))
         return torch.utils.data.DataLoader(subset, batch_size=self.batch_size, shuffle=False)
-
-
-def _trainer(strategy, devices: int, max_steps: int, **kw) -> L.Trainer:
-    args = dict(
-        accelerator="cpu", devices=devices, strategy=strategy, max_steps=max_steps, accumulate_grad_batches=4,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        limit_val_batches=0,
-    )  # fmt: skip
-    args.update(kw)
-    return L.Trainer(**args)
-
-
-def _max_diff(a: GPT, b: GPT) -> float:
-    sa, sb = a.state_dict(), b.state_dict()
-    assert sa.keys() == sb.keys()
-    return max((sa[k].float() - sb[k].float()).abs().max().item() for k in sa)
 
 
 def _digest(params) -> str:

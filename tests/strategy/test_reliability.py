@@ -340,6 +340,11 @@ _HANG_SCRIPT = textwrap.dedent(
                     f.write(",".join(sorted(waits)))
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if sys.argv[1] == "train_on":  # every rank says it is training, and trains on
+                if trainer.global_step == 2 and batch_idx % 2 == 0:
+                    with open(f"{sys.argv[2]}.{trainer.global_rank}", "w") as f:
+                        f.write(str(os.getpid()))
+                return
             if trainer.global_rank == 1 and trainer.global_step == 2 and sys.argv[1] != "timeouts":
                 with open(sys.argv[2], "w") as f:
                     f.write(str(os.getpid()))
@@ -350,7 +355,8 @@ _HANG_SCRIPT = textwrap.dedent(
     if __name__ == "__main__":
         start_method = sys.argv[3]
         trainer = L.Trainer(
-            accelerator="cpu", devices=2, max_steps=1 if sys.argv[1] == "timeouts" else 20, accumulate_grad_batches=2,
+            accelerator="cpu", devices=2, max_steps={"timeouts": 1, "train_on": 100_000}.get(sys.argv[1], 20),
+            accumulate_grad_batches=2,
             logger=False, enable_checkpointing=False, enable_progress_bar=False, limit_val_batches=0,
             callbacks=[Misbehave()],
             strategy=PACIStrategy(p2p_timeout=5, start_method=start_method, timeout=timedelta(seconds=37)),
@@ -361,17 +367,20 @@ _HANG_SCRIPT = textwrap.dedent(
 )
 
 
-def _run_script(tmp_path, *args: str) -> subprocess.CompletedProcess:
+def _script_command(tmp_path, *args: str) -> tuple[list[str], dict[str, str]]:
     script = tmp_path / "train.py"
     script.write_text(_HANG_SCRIPT)
     # A user's shell: no rank variables an earlier in-process fit left here (with LOCAL_RANK set, Lightning takes
     # the script for a rank that torchrun started and waits for peers that never come).
     launched = {"LOCAL_RANK", "NODE_RANK", "GLOBAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
     env = {k: v for k, v in os.environ.items() if k not in launched and not k.startswith("PL_")}
-    return subprocess.run(
-        [sys.executable, str(script), *args], cwd=tmp_path, capture_output=True, text=True, timeout=180,
-        env={**env, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
+    env.update(PYTHONPATH=str(Path(__file__).resolve().parents[2]), OMP_NUM_THREADS="1")
+    return [sys.executable, str(script), *args], env
+
+
+def _run_script(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    command, env = _script_command(tmp_path, *args)
+    return subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=180, env=env)
 
 
 def _alive(pid: int) -> bool:
@@ -469,3 +478,33 @@ def test_every_collective_waits_as_long_as_the_strategys_timeout(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     for rank in (0, 1):
         assert (tmp_path / f"waits.{rank}").read_text() == "0:00:37"
+
+
+@pytest.mark.multiproc
+def test_an_interrupt_of_the_launching_process_alone_stops_spawned_ranks(tmp_path):
+    """A notebook's "interrupt kernel" (SIGINT to the process that called fit, not to its ranks) under
+    start_method="spawn": no rank outlives it. Lightning stops only a popen launch's ranks; the launcher stops these
+    at the interrupt (without it they train on until the interrupted process exits and torch's parent-death signal
+    reaches them: a few seconds here, where a short run could also finish; this test checks the outcome, not which
+    of the two ends them)."""
+    command, env = _script_command(tmp_path, "train_on", str(tmp_path / "rank"), "spawn")
+    log = (tmp_path / "stderr").open("w")  # a file, not a pipe: a pipe nobody reads would fill and stop the ranks
+    proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=log,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
+    try:
+        pid_files = [tmp_path / f"rank.{r}" for r in (0, 1)]
+        deadline = time.monotonic() + 120
+        while not all(f.exists() and f.read_text() for f in pid_files) and time.monotonic() < deadline:
+            assert proc.poll() is None, (tmp_path / "stderr").read_text()[-3000:]
+            time.sleep(0.2)
+        ranks = [int(f.read_text()) for f in pid_files]
+        interrupted = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+        assert time.monotonic() - interrupted < 20, "the ranks trained on after the interrupt"
+        time.sleep(0.5)
+        assert not any(_alive(pid) for pid in ranks), "a rank outlived the interrupted launch"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
