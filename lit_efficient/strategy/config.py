@@ -122,6 +122,13 @@ class _CheckedMultiProcessingLauncher(_ChecksFirst, _MultiProcessingLauncher):
             # not run, and the rank's peers reported it as "died (killed? out of memory?)", not what it raised.
             if trainer is not None and hasattr(trainer.strategy, "on_exception"):
                 trainer.strategy.on_exception(exception)
+            if isinstance(exception, SystemExit):
+                # torch's spawn takes a rank's SystemExit for a clean exit (Lightning's SIGTERMException is one), and
+                # the launching process then waited forever for that rank's results: a SIGTERM to the ranks hung it.
+                raise RuntimeError(
+                    f"rank {process_idx} stopped with {type(exception).__name__}"
+                    + (" (it received SIGTERM)" if type(exception).__name__ == "SIGTERMException" else "")
+                ) from exception
             raise
 
 

@@ -253,7 +253,26 @@ def replace_sigterm_barrier(
                 raise SIGTERMException()
 
     loop._broadcast_sigterm_tensor = broadcast_sigterm
+    _notify_sigterm_without_a_barrier(trainer)
     return pending
+
+
+def _notify_sigterm_without_a_barrier(trainer: Trainer) -> None:
+    """Lightning's SIGTERM handler does what this one does and then broadcasts the flag on the default group and
+    waits for it. Under this strategy no rank joins that broadcast (the per-window one of `replace_sigterm_barrier`
+    spreads rank 0's flag), so a signalled rank sat in it until the group's timeout or a kill: when torch's spawn
+    stops the survivors of a failed rank with SIGTERM they were killed 30 s later. Lightning registers the handler
+    after the strategy's setup, from this attribute."""
+    connector = trainer._signal_connector
+    if not hasattr(connector, "_sigterm_notifier_fn"):
+        return
+
+    def notify(signum: Any, frame: Any) -> None:
+        if not connector.received_sigterm and trainer.strategy.launcher is not None:
+            trainer.strategy.launcher.kill(signum)  # the ranks this process started, as Lightning's handler does
+        connector.received_sigterm = True
+
+    connector._sigterm_notifier_fn = notify
 
 
 def _squared_norm(params: list[torch.nn.Parameter], device: torch.device) -> Tensor:

@@ -320,7 +320,7 @@ def test_configuration_errors_fail_before_any_process_starts(devices, trainer_kw
 
 _HANG_SCRIPT = textwrap.dedent(
     """
-    import os, sys, time
+    import os, signal, sys, time
     from datetime import timedelta
     import torch
     import lightning as L
@@ -340,6 +340,15 @@ _HANG_SCRIPT = textwrap.dedent(
                     f.write(",".join(sorted(waits)))
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if sys.argv[1] == "sigterm":  # every rank is told to stop (a preemption, a job manager)
+                if trainer.global_step == 2 and batch_idx % 2 == 0 and not getattr(self, "sent", False):
+                    self.sent = True
+                    os.kill(os.getpid(), signal.SIGTERM)
+                return
+            if sys.argv[1] == "raise_on_4":  # 4 stages; stage 1 (rank 2) raises
+                if trainer.global_rank == 2 and trainer.global_step == 2:
+                    raise ValueError("boom on rank 2")
+                return
             if sys.argv[1] == "train_on":  # every rank says it is training, and trains on
                 if trainer.global_step == 2 and batch_idx % 2 == 0:
                     with open(f"{sys.argv[2]}.{trainer.global_rank}", "w") as f:
@@ -354,12 +363,15 @@ _HANG_SCRIPT = textwrap.dedent(
 
     if __name__ == "__main__":
         start_method = sys.argv[3]
+        stages = 4 if sys.argv[1] == "raise_on_4" else 2
         trainer = L.Trainer(
-            accelerator="cpu", devices=2, max_steps={"timeouts": 1, "train_on": 100_000}.get(sys.argv[1], 20),
+            accelerator="cpu", devices=stages, max_steps={"timeouts": 1, "train_on": 100_000}.get(sys.argv[1], 20),
             accumulate_grad_batches=2,
             logger=False, enable_checkpointing=False, enable_progress_bar=False, limit_val_batches=0,
             callbacks=[Misbehave()],
-            strategy=PACIStrategy(p2p_timeout=5, start_method=start_method, timeout=timedelta(seconds=37)),
+            strategy=PACIStrategy(
+                pipeline_stages=stages, p2p_timeout=5, start_method=start_method, timeout=timedelta(seconds=37)
+            ),
         )
         model = GPT(n_layer=2, n_head=2, n_embd=32, block_size=32, warmup_steps=2, max_steps=20)
         trainer.fit(model, datamodule=TextDataModule(block_size=32, batch_size=4, max_bytes=60_000))
@@ -508,3 +520,27 @@ def test_an_interrupt_of_the_launching_process_alone_stops_spawned_ranks(tmp_pat
         if proc.poll() is None:
             proc.kill()
         log.close()
+
+
+@pytest.mark.multiproc
+def test_a_sigterm_to_every_spawned_rank_ends_the_launch(tmp_path):
+    """Lightning's SIGTERMException is a SystemExit, which torch's spawn takes for a clean exit: the launching
+    process then waited forever for the ranks' results (the fit hung after a SIGTERM to its ranks)."""
+    started = time.monotonic()
+    proc = _run_script(tmp_path, "sigterm", str(tmp_path / "unused"), "spawn")
+    assert proc.returncode != 0
+    assert "stopped with SIGTERMException (it received SIGTERM)" in proc.stderr, proc.stderr[-3000:]
+    assert time.monotonic() - started < 120
+
+
+@pytest.mark.multiproc
+def test_the_survivors_of_a_failed_spawned_rank_stop_without_lightnings_sigterm_barrier(tmp_path):
+    """torch's spawn stops the survivors of a failed rank with SIGTERM; Lightning's handler then broadcast on the
+    default group and waited, where no rank joins under this strategy: with 4 ranks the survivors sat there until
+    torch killed them 30 s later."""
+    started = time.monotonic()
+    proc = _run_script(tmp_path, "raise_on_4", str(tmp_path / "unused"), "spawn")
+    elapsed = time.monotonic() - started
+    assert proc.returncode != 0 and "stage 1 (rank 2) raised ValueError: boom on rank 2" in proc.stderr
+    assert "forcefully exiting via SIGKILL" not in proc.stderr, proc.stderr[-3000:]
+    assert elapsed < 45, f"{elapsed:.0f} s: the survivors waited for torch's 30 s kill"
