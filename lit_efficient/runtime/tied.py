@@ -20,7 +20,8 @@ the same tensor). The two stages talk through `transport.process.TiedExchange` (
   starts micro-batch ``(k+1)N - 1`` only after finishing window ``k - d``), so neither stage ever
   waits on the other: PACI stays bubble-free. Staleness bound: the embedding-side term of update k
   is ``d`` updates late and was itself computed with weights up to ``ceil((S-1)/N)`` versions old
-  (stage 0's drift bound), so at most ``ceil(S/N) + ceil((S-1)/N)`` versions (2 once N >= S); the
+  (stage 0's drift bound), so at most ``d + ceil((S-1)/N)`` versions (2 once N >= S without a schedule;
+  with one, d is its smallest N's); the
   LM-head-side term has no staleness (drift 0 on the last stage). Cost: stage 0 keeps the last
   ``d`` gradients of the parameter (d x its size) and the ``d`` gradients still in flight at the end
   of training are never applied; after resuming from a checkpoint both stages restart the delay

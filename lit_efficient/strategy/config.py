@@ -8,6 +8,8 @@ import inspect
 import math
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
@@ -74,9 +76,50 @@ def stop_started_ranks(procs: Iterable[Any], grace: float = RANK_STOP_GRACE_S, f
     return killed
 
 
+_REAPER = """
+import os, signal, sys, time
+parent, grace, pids = int(sys.argv[1]), float(sys.argv[2]), [int(p) for p in sys.argv[3:]]
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (exited, not yet reaped) is not running
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
+while alive(parent):
+    time.sleep(0.1)
+deadline = time.monotonic() + grace
+while any(alive(p) for p in pids) and time.monotonic() < deadline:
+    time.sleep(0.1)
+for pid in pids:
+    if alive(pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+            print(f"lit-efficient: rank process {pid} had not ended {grace:.0f} s after the failed launching "
+                  "process; killed it", file=sys.stderr, flush=True)
+        except ProcessLookupError:
+            pass
+"""
+
+
+def reap_started_ranks_after_exit(procs: Iterable[Any], grace: float = RANK_STOP_GRACE_S) -> None:
+    """After a failure in the process that started ``procs`` (``start_method="popen"``): a detached watcher kills those
+    still running ``grace`` seconds after this process has exited. Not here and now: the ranks wait on this
+    process's connections, which close only when it exits; then each sees its peer gone, names the cause and ends
+    on its own. One hung in user code, which Lightning would leave running, is killed."""
+    pids = [str(p.pid) for p in procs if p.pid is not None and p.poll() is None]
+    if pids:
+        subprocess.Popen(
+            [sys.executable, "-c", _REAPER, str(os.getpid()), str(grace), *pids], start_new_session=True,
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        )  # fmt: skip
+
+
 class _CheckedScriptLauncher(_ChecksFirst, _SubprocessScriptLauncher):
-    """`_SubprocessScriptLauncher` (``start_method="popen"``, torchrun, SLURM) with the check. The ranks it
-    starts are stopped when this process fails (`PACIStrategy.on_exception` calls `stop_started_ranks`)."""
+    """`_SubprocessScriptLauncher` (``start_method="popen"``, torchrun, SLURM) with the check. The ranks it starts
+    do not outlive a failure of this process (`PACIStrategy.on_exception` calls `reap_started_ranks_after_exit`)."""
 
 
 class _CheckedMultiProcessingLauncher(_ChecksFirst, _MultiProcessingLauncher):

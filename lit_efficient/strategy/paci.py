@@ -86,7 +86,7 @@ from lit_efficient.strategy.config import (
     check_replica_groups,
     check_streaming_ties,
     check_sync_start,
-    stop_started_ranks,
+    reap_started_ranks_after_exit,
 )
 from lit_efficient.strategy.divergence import LossTrend
 from lit_efficient.strategy.fault_tolerant import start_replicas
@@ -491,8 +491,8 @@ class PACIStrategy(DDPStrategy):
         # a link on one communicator deadlock (transport.process.LinkGroups). And a receive posted ahead that
         # an exception leaves unmatched dies with its group in teardown instead of lingering on the
         # default group, where it would swallow a message of a later fit in this process.
-        # The other groups wait as long as the default one: PACIStrategy(timeout=...), not new_group's own 30
-        # minutes (a replica's gradient all-reduce, the clipping norm's sum, the signal broadcast).
+        # The other groups wait as long as the default one: PACIStrategy(timeout=...), not new_group's own default
+        # (30 minutes on gloo, 10 on NCCL): a replica's gradient all-reduce, the clipping norm's sum, the signal.
         self._p2p_groups = LinkGroups.create(timeout=timedelta(seconds=self.p2p_timeout))
         wait = {"timeout": self._timeout}
         self._header_group = None if backend == "gloo" else dist.new_group(backend="gloo", **wait)
@@ -981,7 +981,7 @@ class PACIStrategy(DDPStrategy):
         self._failed = True
         if self.topology is not None:
             here = f"stage {self.stage} (rank {self.global_rank})"
-            if is_raw_comm_error(exception):  # a peer's failure seen here: name the cause a rank published, if any
+            if not self.in_process and is_raw_comm_error(exception):  # a peer's failure seen here: name its cause
                 cause = read_failure() if is_timeout(exception) else await_failure()
                 first_line = str(exception).strip().splitlines()[0] if str(exception).strip() else ""
                 print(
@@ -996,9 +996,10 @@ class PACIStrategy(DDPStrategy):
                 detail = f": {exception}" if str(exception) else ""
                 report_failure(f"{here} raised {type(exception).__name__}{detail}")
         super().on_exception(exception)
-        # This process started the other ranks (start_method="popen"): none may outlive the job (one hung in user
-        # code, or waiting on this process, did). Those that saw the failure end on their own within the grace.
-        stop_started_ranks(getattr(self.launcher, "procs", None) or [])
+        if isinstance(self.launcher, _CheckedScriptLauncher) and self.launcher.procs:
+            # This process started the other ranks (start_method="popen"): none may outlive the job (one hung in
+            # user code did). A watcher kills them after this process has exited and they had time to end.
+            reap_started_ranks_after_exit(self.launcher.procs)
 
     # -- evaluation (evaluation.py) ----------------------------------------------------------------
 

@@ -197,6 +197,12 @@ def _share(view: dict[str, Any], record: StageRecord, optimizer: Any, keep_weigh
     # The record's names, not the module's: after fit the module may hold other parameter objects (rank 0's
     # is whole again, a tied weight one).
     names = record.group_names if optimizer is not None else None
+    if names is not None and [len(n) for n in names] != [len(g["params"]) for g in optimizer.param_groups]:
+        raise RuntimeError(
+            f"stage {record.stage}: the recorded parameter names per group ({[len(n) for n in names]}) do not match "
+            f"its optimizer's groups ({[len(g['params']) for g in optimizer.param_groups]}): the optimizer was "
+            "changed after setup; a checkpoint would misname its state"
+        )
     return rank_share(view, names, record.extras, keep_weights, tied_copies=record.tied_copies)
 
 

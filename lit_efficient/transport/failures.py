@@ -36,15 +36,21 @@ _LOST_PEER_TEXT = re.compile(
 )
 
 
+# Where such an error comes from: torch.distributed's own errors, or gloo's and NCCL's (a plain RuntimeError whose
+# text names its source file: "[.../gloo/transport/tcp/pair.cc:553] Connection closed by peer").
+_COMM_SOURCE_TEXT = re.compile(r"gloo|nccl|c10d|ProcessGroup", re.IGNORECASE)
+
+
 def is_raw_comm_error(err: BaseException) -> bool:
     """Whether ``err`` is gloo's or NCCL's own error of a lost or silent peer (from a collective or a send no
     `PipelineCommError` names): a failure seen here, not one that started here, which a rank must not publish as
-    the run's cause (a `PipelineCommError` names the peer itself and is published)."""
-    return (
-        not isinstance(err, PipelineCommError)
-        and isinstance(err, RuntimeError)
-        and bool(_LOST_PEER_TEXT.search(str(err)))
-    )
+    the run's cause (a `PipelineCommError` names the peer itself and is published). Another library's timeout
+    (a DataLoader's) is a failure of this rank's own."""
+    if isinstance(err, PipelineCommError) or not isinstance(err, RuntimeError):
+        return False
+    text = str(err)
+    from_comm = isinstance(err, dist.DistError) or bool(_COMM_SOURCE_TEXT.search(text))
+    return from_comm and bool(_LOST_PEER_TEXT.search(text))
 
 
 _printed_failure = False
@@ -71,11 +77,16 @@ def report_failure(message: str) -> None:
 def read_failure() -> str | None:
     """The first failure published by any rank, if one was and the store is still reachable."""
     try:
-        store = dist.distributed_c10d._get_default_store()
-        if store.check([_ABORT_KEY]):
-            return store.get(_ABORT_KEY).decode() or None
+        return _published()
     except Exception:  # noqa: BLE001
         return None
+
+
+def _published() -> str | None:
+    """The first failure published, or None; raises when the store cannot be read (gone with its host)."""
+    store = dist.distributed_c10d._get_default_store()
+    if store.check([_ABORT_KEY]):
+        return store.get(_ABORT_KEY).decode() or None
     return None
 
 
@@ -88,7 +99,10 @@ def await_failure(grace: float = PUBLISH_GRACE_S) -> str | None:
     first read can come too early. A peer that was killed never publishes: None after the grace."""
     deadline = time.monotonic() + grace
     while True:
-        cause = read_failure()
+        try:
+            cause = _published()
+        except Exception:  # noqa: BLE001 - the store is gone with its host: nothing more will be published
+            return None
         if cause is not None or time.monotonic() >= deadline:
             return cause
         time.sleep(0.05)

@@ -465,7 +465,10 @@ class TiedExchange:
         """Start sending ``t`` to the peer; ``t`` must not be changed until `flush` (or a later send) reaps it."""
         self._sends.next_message(self.peer)
         group = self._groups.carrying(self.rank, self.peer)
-        work = dist.isend(t, self.peer, group=group)
+        try:
+            work = dist.isend(t, self.peer, group=group)
+        except RuntimeError as err:  # gloo raises at the send itself when the peer is gone
+            raise PipelineCommError(self._explain("send", err)) from err
         trace_issue(work, "send", self.peer, group, t, device=True, role="tied", what="tied-weight gradient")
         self._sends.add(work, t, self.peer, -1, "send", t.device.type != "cpu")
         self.bytes_sent += t.numel() * t.element_size()
@@ -492,10 +495,20 @@ class TiedExchange:
             else:
                 work.wait(self._timeout)
         except RuntimeError as err:
-            raise PipelineCommError(
-                f"stage {self.stage} (rank {self.rank}) failed the tied-weight gradient {what} with stage "
-                f"{self.peer_stage} (rank {self.peer}): {err}"
-            ) from err
+            raise PipelineCommError(self._explain(what, err)) from err
+
+    def _explain(self, what: str, err: RuntimeError) -> str:
+        """As `PointToPoint._explain`: the cause a peer published (waited for: it may publish a moment after its
+        connections close) rather than this rank's view of it; only a lost peer, not a timeout, is published."""
+        them = f"stage {self.peer_stage} (rank {self.peer})"
+        head = f"stage {self.stage} (rank {self.rank}) failed the tied-weight gradient {what} with {them}"
+        if is_timeout(err):
+            cause = read_failure()
+            return f"{head}: " + (f"the pipeline stopped because {cause}" if cause else f"{err}")
+        cause = await_failure()
+        message = f"{head}: " + (f"the pipeline stopped because {cause}" if cause else f"{them} died ({err})")
+        report_failure(message)
+        return message
 
 
 class GroupStageSum:

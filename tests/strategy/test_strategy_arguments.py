@@ -278,6 +278,8 @@ def test_the_cli_names_the_option_meant_for_a_typo_anywhere(cli_refusal, args, w
         ({"pipeline_stages": 2, "balance": [True, 1]}, r"balance=\[True, 1\] must list 2 positive layer counts"),
         ({"local_sgd_steps": 4, "local_sgd_warmup_steps": True}, "local_sgd_warmup_steps=True must be an integer"),
         ({"staleness_anneal_steps": True}, "staleness_anneal_steps=True must be an integer >= 1"),
+        # A numpy integer is refused too: accepted, it failed in fit (int.bit_length) and in weights-only loading.
+        ({"pipeline_stages": __import__("numpy").int64(2)}, r"pipeline_stages=np\.int64\(2\) must be an integer >= 1"),
         (
             {"fault_tolerance": "torchft", "local_sgd_steps": 4, "min_replica_groups": True},
             "min_replica_groups=True must be an integer >= 1",
