@@ -556,8 +556,11 @@ def test_a_sigterm_to_every_spawned_rank_ends_the_launch(tmp_path):
 @pytest.mark.multiproc
 def test_the_survivors_of_a_failed_spawned_rank_stop_without_lightnings_sigterm_barrier(tmp_path):
     """torch's spawn stops the survivors of a failed rank with SIGTERM; Lightning's handler then broadcast on the
-    default group and waited, where no rank joins under this strategy: with 4 ranks the survivors sat there until
-    torch killed them 30 s later."""
+    default group and waited, where no rank joins under this strategy: with 4 ranks and a failure inside a layer's
+    forward (the failure audit's script) the survivors sat there until torch killed them 30 s later (55 s -> 23 s
+    with the handler replaced). Here, a failure in a callback, the survivors usually end before torch's kill with or
+    without it (30 s against 20 s measured): this checks the outcome (the cause named, no forced kill, no minute-long
+    stop), not the handler alone."""
     started = time.monotonic()
     proc = _run_script(tmp_path, "raise_on_4", str(tmp_path / "unused"), "spawn")
     elapsed = time.monotonic() - started
