@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Sequence
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, get_args
 
 import torch
 import torch.distributed as dist
@@ -35,7 +35,7 @@ from torch.distributed import ProcessGroup
 from lit_efficient.transport.collectives import all_reduce_flat, broadcast_flat
 
 OuterOptimizer = Literal["average", "nesterov"]
-_OUTER_OPTIMIZERS = ("average", "nesterov")
+OUTER_OPTIMIZERS: tuple[str, ...] = get_args(OuterOptimizer)
 
 
 class ReplicaAverager:
@@ -99,8 +99,8 @@ class ReplicaAverager:
             raise ValueError(f"sync_every={sync_every} must be >= 1; use 1 to synchronize after every step.")
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps={warmup_steps} must be >= 0; use 0 for no warm-up.")
-        if outer_optimizer not in _OUTER_OPTIMIZERS:
-            raise ValueError(f"outer_optimizer={outer_optimizer!r} is unknown; choose one of {_OUTER_OPTIMIZERS}.")
+        if outer_optimizer not in OUTER_OPTIMIZERS:
+            raise ValueError(f"outer_optimizer={outer_optimizer!r} is unknown; choose one of {OUTER_OPTIMIZERS}.")
         if not outer_lr > 0:
             raise ValueError(
                 f"outer_lr={outer_lr} must be > 0; DiLoCo uses 0.7, 1.0 with momentum 0 is plain averaging."

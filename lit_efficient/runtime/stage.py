@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 from torch import Tensor, nn
@@ -164,7 +164,7 @@ class PipelineStage:
     ) -> None:
         if normalize not in ("mean", "tokens"):
             raise ValueError(f"normalize={normalize!r} is not one of 'mean', 'tokens'")
-        if on_nonfinite not in ("raise", "skip"):
+        if on_nonfinite not in get_args(OnNonFinite):
             raise ValueError(f"on_nonfinite={on_nonfinite!r} is not one of 'raise', 'skip'")
         self.layers = list(layers)
         self._callables: list[Any] = list(self.layers)  # what runs: the layers, or their compiled forms

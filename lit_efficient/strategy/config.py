@@ -13,7 +13,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
-from typing import Any
+from typing import Any, get_args
 
 import torch
 from lightning.fabric.plugins import ClusterEnvironment, TorchCheckpointIO
@@ -29,7 +29,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lit_efficient.checks import is_count
 from lit_efficient.protocol import PIPELINE_METHODS, missing_pipeline_methods
+from lit_efficient.replicas.averaging import OUTER_OPTIMIZERS
 from lit_efficient.runtime.schedules import SCHEDULES
+from lit_efficient.runtime.stage import OnNonFinite
 from lit_efficient.runtime.staleness import CORRECTIONS, READS_MOMENTS
 from lit_efficient.runtime.topology import Topology
 
@@ -290,13 +292,13 @@ def _check_arguments(
         raise ValueError(f"balance={balance!r} must be 'parameters', 'uniform', 'profile' or a list of layer counts")
     if not timeout > 0 or math.isinf(timeout):
         raise ValueError(f"p2p_timeout={timeout} must be a positive number of seconds")
-    if on_nonfinite not in ("raise", "skip"):
+    if on_nonfinite not in get_args(OnNonFinite):
         raise ValueError(f"on_nonfinite={on_nonfinite!r} must be 'raise' or 'skip'")
     if local_sgd_steps is not None and not is_count(local_sgd_steps):
         raise ValueError(f"local_sgd_steps={local_sgd_steps!r} must be None (sync every step) or an integer >= 1")
     if not is_count(warmup, 0):
         raise ValueError(f"local_sgd_warmup_steps={warmup!r} must be an integer >= 0")
-    if outer not in ("average", "nesterov"):
+    if outer not in OUTER_OPTIMIZERS:
         raise ValueError(f"outer_optimizer={outer!r} must be 'average' or 'nesterov'")
     if outer == "average" and (outer_lr != 0.7 or outer_momentum != 0.9):
         raise ValueError(

@@ -41,7 +41,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lit_efficient.checkpoint.async_write import AsyncCheckpointer
-from lit_efficient.replicas.averaging import ReplicaAverager, stream_offset, sync_due
+from lit_efficient.replicas.averaging import OuterOptimizer, ReplicaAverager, stream_offset, sync_due
 from lit_efficient.replicas.fault_tolerance import TorchftReplicas, group_settings, lighthouse_address, require_torchft
 from lit_efficient.replicas.sharded_optimizer import ShardedOptimizer
 from lit_efficient.runtime.host import StageHost
@@ -281,7 +281,7 @@ class PACIStrategy(DDPStrategy):
         async_checkpoint: bool = False,
         local_sgd_steps: int | None = None,
         local_sgd_warmup_steps: int = 0,
-        outer_optimizer: Literal["average", "nesterov"] = "average",
+        outer_optimizer: OuterOptimizer = "average",
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
         average_buffers: bool = True,
