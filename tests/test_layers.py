@@ -18,7 +18,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "lit_efficient"
 # Layer of each top-level part of the package: a module may import its own layer and the layers below.
 LAYERS = {
-    "runtime": 0, "protocol": 0, "checks": 0, "nested": 0,
+    "runtime": 0, "protocol": 0, "checks": 0, "nested": 0, "rank_reaper": 0,
     "transport": 1,
     "replicas": 2, "checkpoint": 2,
     "tools": 3,

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import difflib
 import inspect
 import math
 import os
 import signal
-import subprocess
-import sys
-import time
 from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
 from typing import Any, get_args
@@ -25,8 +21,10 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.launchers.multiprocessing import _GlobalStateSnapshot
 from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.nn.parallel import DistributedDataParallel
 
+from lit_efficient import rank_reaper
 from lit_efficient.checks import is_count
 from lit_efficient.protocol import PIPELINE_METHODS, missing_pipeline_methods
 from lit_efficient.replicas.averaging import OUTER_OPTIMIZERS
@@ -50,78 +48,9 @@ class _ChecksFirst:
         return super().launch(function, *args, trainer=trainer, **kwargs)  # type: ignore[misc]
 
 
-RANK_STOP_GRACE_S = 5.0  # after a failure: how long a started rank has to end on its own before it is killed
-
-
-def stop_started_ranks(procs: Iterable[Any], grace: float = RANK_STOP_GRACE_S, first: int | None = None) -> list[int]:
-    """End the ranks this process started (``subprocess.Popen`` or ``multiprocessing`` processes) that are still
-    running, after a failure or an interrupt here: signal ``first`` to each (SIGINT: Lightning's graceful stop), give
-    them ``grace`` seconds to end on their own (a rank that saw the failure names its cause and exits), then kill
-    the rest. Lightning stops them itself only on a KeyboardInterrupt of a ``popen`` launch; otherwise a rank hung
-    in user code, or blocked on this process, outlived the job. Returns the pids killed."""
-
-    def running(proc: Any) -> bool:
-        return proc.poll() is None if hasattr(proc, "poll") else proc.is_alive()
-
-    procs = [p for p in procs if p.pid is not None and running(p)]
-    if first is not None:
-        for proc in procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.pid, first)
-    deadline = time.monotonic() + grace
-    while any(running(p) for p in procs) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    killed = [p.pid for p in procs if running(p)]
-    for pid in killed:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    return killed
-
-
-_REAPER = """
-import os, signal, sys, time
-parent, grace, pids = int(sys.argv[1]), float(sys.argv[2]), [int(p) for p in sys.argv[3:]]
-def alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie (exited, not yet reaped) is not running
-        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
-while alive(parent):
-    time.sleep(0.1)
-deadline = time.monotonic() + grace
-while any(alive(p) for p in pids) and time.monotonic() < deadline:
-    time.sleep(0.1)
-for pid in pids:
-    if alive(pid):
-        try:
-            os.kill(pid, signal.SIGKILL)
-            print(f"lit-efficient: rank process {pid} had not ended {grace:.0f} s after the failed launching "
-                  "process; killed it", file=sys.stderr, flush=True)
-        except ProcessLookupError:
-            pass
-"""
-
-
-def reap_started_ranks_after_exit(procs: Iterable[Any], grace: float = RANK_STOP_GRACE_S) -> None:
-    """After a failure in the process that started ``procs`` (``start_method="popen"``): a detached watcher kills those
-    still running ``grace`` seconds after this process has exited. Not here and now: the ranks wait on this
-    process's connections, which close only when it exits; then each sees its peer gone, names the cause and ends
-    on its own. One hung in user code, which Lightning would leave running, is killed."""
-    pids = [str(p.pid) for p in procs if p.pid is not None and p.poll() is None]
-    if pids:
-        subprocess.Popen(
-            [sys.executable, "-c", _REAPER, str(os.getpid()), str(grace), *pids], start_new_session=True,
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-        )  # fmt: skip
-
-
 class _CheckedScriptLauncher(_ChecksFirst, _SubprocessScriptLauncher):
     """`_SubprocessScriptLauncher` (``start_method="popen"``, torchrun, SLURM) with the check. The ranks it starts
-    do not outlive a failure of this process (`PACIStrategy.on_exception` calls `reap_started_ranks_after_exit`)."""
+    do not outlive a failure of this process (`PACIStrategy.on_exception` starts `rank_reaper.watch_after_exit`)."""
 
 
 class _CheckedMultiProcessingLauncher(_ChecksFirst, _MultiProcessingLauncher):
@@ -148,7 +77,7 @@ class _CheckedMultiProcessingLauncher(_ChecksFirst, _MultiProcessingLauncher):
             # An interrupt of this process alone (a notebook's "interrupt kernel", a job manager signalling the
             # main pid) left the ranks training until this process exited (torch's parent-death signal): stop them
             # now, as a terminal's Ctrl-C would, then kill what is left.
-            stop_started_ranks(self.procs, first=signal.SIGINT)
+            rank_reaper.stop([p.pid for p in self.procs if p.pid is not None], first=signal.SIGINT)
             raise
 
     def _wrapping_function(self, process_idx: int, trainer: Any, function: Any, args: Any, kwargs: Any, *rest: Any):
@@ -172,7 +101,7 @@ class _CheckedMultiProcessingLauncher(_ChecksFirst, _MultiProcessingLauncher):
                 # the launching process then waited forever for that rank's results: a SIGTERM to the ranks hung it.
                 raise RuntimeError(
                     f"rank {process_idx} stopped with {type(exception).__name__}"
-                    + (" (it received SIGTERM)" if type(exception).__name__ == "SIGTERMException" else "")
+                    + (" (it received SIGTERM)" if isinstance(exception, SIGTERMException) else "")
                 ) from exception
             raise
 

@@ -40,6 +40,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
+from lit_efficient import rank_reaper
 from lit_efficient.checkpoint.async_write import AsyncCheckpointer
 from lit_efficient.replicas.averaging import OuterOptimizer, ReplicaAverager, stream_offset, sync_due
 from lit_efficient.replicas.fault_tolerance import TorchftReplicas, group_settings, lighthouse_address, require_torchft
@@ -86,7 +87,6 @@ from lit_efficient.strategy.config import (
     check_replica_groups,
     check_streaming_ties,
     check_sync_start,
-    reap_started_ranks_after_exit,
 )
 from lit_efficient.strategy.divergence import LossTrend
 from lit_efficient.strategy.fault_tolerant import start_replicas
@@ -999,7 +999,7 @@ class PACIStrategy(DDPStrategy):
         if isinstance(self.launcher, _CheckedScriptLauncher) and self.launcher.procs:
             # This process started the other ranks (start_method="popen"): none may outlive the job (one hung in
             # user code did). A watcher kills them after this process has exited and they had time to end.
-            reap_started_ranks_after_exit(self.launcher.procs)
+            rank_reaper.watch_after_exit([p.pid for p in self.launcher.procs if p.poll() is None])
 
     # -- evaluation (evaluation.py) ----------------------------------------------------------------
 

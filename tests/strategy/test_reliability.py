@@ -462,7 +462,7 @@ def test_a_spawned_rank_that_raises_is_named_by_its_peer(tmp_path):
 
 
 def test_started_ranks_get_a_grace_then_are_killed():
-    from lit_efficient.strategy.config import stop_started_ranks
+    from lit_efficient.rank_reaper import stop
 
     def child(code: str) -> subprocess.Popen:
         ready = "import signal, time; print('ready', flush=True); "
@@ -475,7 +475,7 @@ def test_started_ranks_get_a_grace_then_are_killed():
     stops = child("signal.signal(signal.SIGINT, signal.SIG_DFL); time.sleep(600)")
     stuck = child("signal.signal(signal.SIGINT, signal.SIG_IGN); time.sleep(600)")
     started = time.monotonic()
-    killed = stop_started_ranks([stops, stuck], grace=1.0, first=signal.SIGINT)
+    killed = stop([stops.pid, stuck.pid], grace=1.0, first=signal.SIGINT)
     assert killed == [stuck.pid] and 1.0 <= time.monotonic() - started < 5
     assert stuck.wait(timeout=5) == -signal.SIGKILL and stops.wait(timeout=5) == -signal.SIGINT
 
