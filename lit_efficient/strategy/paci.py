@@ -16,7 +16,6 @@ stop, validate and save at the same batch.
 from __future__ import annotations
 
 import atexit
-import sys
 import warnings
 from collections import deque
 from datetime import timedelta
@@ -119,7 +118,7 @@ from lit_efficient.strategy.trainer_glue import (
 )
 from lit_efficient.tools.window import advise_window
 from lit_efficient.transport.collectives import broadcast_flat
-from lit_efficient.transport.failures import await_failure, is_raw_comm_error, is_timeout, read_failure, report_failure
+from lit_efficient.transport.failures import is_raw_comm_error, report_failure, report_lost_peers
 from lit_efficient.transport.local import LocalLinks
 from lit_efficient.transport.process import LinkGroups, ProcessLinks, tie_groups
 from lit_efficient.transport.wire import WireFormat
@@ -982,16 +981,7 @@ class PACIStrategy(DDPStrategy):
         if self.topology is not None:
             here = f"stage {self.stage} (rank {self.global_rank})"
             if not self.in_process and is_raw_comm_error(exception):  # a peer's failure seen here: name its cause
-                cause = read_failure() if is_timeout(exception) else await_failure()
-                first_line = str(exception).strip().splitlines()[0] if str(exception).strip() else ""
-                print(
-                    f"lit-efficient: {here} lost its peers ({type(exception).__name__}: {first_line[:300]}); "
-                    + (f"the pipeline stopped because {cause}" if cause else "no rank reported a failure of its own "
-                       "(one died, was killed, or is hung or slower than the timeout)")
-                    + (". If a rank is only slow (a long validation or save on one rank), raise PACIStrategy(timeout="
-                       "timedelta(...)), which bounds every collective" if is_timeout(exception) else ""),
-                    file=sys.stderr, flush=True,
-                )  # fmt: skip
+                report_lost_peers(here, exception)
             else:
                 detail = f": {exception}" if str(exception) else ""
                 report_failure(f"{here} raised {type(exception).__name__}{detail}")

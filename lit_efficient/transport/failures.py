@@ -106,3 +106,21 @@ def await_failure(grace: float = PUBLISH_GRACE_S) -> str | None:
         if cause is not None or time.monotonic() >= deadline:
             return cause
         time.sleep(0.05)
+
+
+def report_lost_peers(here: str, err: BaseException) -> None:
+    """Print what ``here`` (``stage s (rank r)``) saw: a raw communication error (`is_raw_comm_error`), with the
+    cause a peer published (awaited, unless it timed out: a timeout's cause may never be published) and, for a
+    timeout, the option that bounds it. Not published: it is not this rank's failure."""
+    timed_out = is_timeout(err)
+    cause = read_failure() if timed_out else await_failure()
+    text = str(err).strip()
+    first_line = text.splitlines()[0][:300] if text else ""
+    print(
+        f"lit-efficient: {here} lost its peers ({type(err).__name__}: {first_line}); "
+        + (f"the pipeline stopped because {cause}" if cause else "no rank reported a failure of its own "
+           "(one died, was killed, or is hung or slower than the timeout)")
+        + (". If a rank is only slow (a long validation or save on one rank), raise PACIStrategy(timeout="
+           "timedelta(...)), which bounds every collective" if timed_out else ""),
+        file=sys.stderr, flush=True,
+    )  # fmt: skip

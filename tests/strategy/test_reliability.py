@@ -567,3 +567,19 @@ def test_the_survivors_of_a_failed_spawned_rank_stop_without_lightnings_sigterm_
     assert proc.returncode != 0 and "stage 1 (rank 2) raised ValueError: boom on rank 2" in proc.stderr
     assert "forcefully exiting via SIGKILL" not in proc.stderr, proc.stderr[-3000:]
     assert elapsed < 45, f"{elapsed:.0f} s: the survivors waited for torch's 30 s kill"
+
+
+def test_a_rank_that_lost_its_peers_names_the_published_cause_and_for_a_timeout_the_option(monkeypatch, capsys):
+    from lit_efficient.transport import failures
+
+    monkeypatch.setattr(failures, "await_failure", lambda: "stage 0 (rank 1) raised ValueError: boom")
+    monkeypatch.setattr(failures, "read_failure", lambda: None)  # a timeout's cause: nothing published yet
+    gloo = "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/"
+    failures.report_lost_peers("stage 1 (rank 0)", RuntimeError(gloo + "pair.cc:553] Connection closed by peer"))
+    closed = capsys.readouterr().err
+    assert "stage 1 (rank 0) lost its peers" in closed
+    assert "the pipeline stopped because stage 0 (rank 1) raised ValueError: boom" in closed
+    assert "PACIStrategy(timeout=" not in closed
+    failures.report_lost_peers("stage 1 (rank 0)", RuntimeError(gloo + "unbound_buffer.cc:78] Timed out waiting"))
+    timed_out = capsys.readouterr().err
+    assert "no rank reported a failure of its own" in timed_out and "raise PACIStrategy(timeout=" in timed_out
