@@ -1,6 +1,7 @@
 """Ending the rank processes a launch started, when it failed or was interrupted: one mechanism for the launching
-process (now, `stop`) and for a detached watcher that outlives it (``python -m lit_efficient.rank_reaper``).
-Standard library only: the watcher starts in a fraction of a second and holds no torch."""
+process (now, `stop`), for a detached watcher that outlives it (``python -m lit_efficient.rank_reaper``), and for the
+thread that watches the ranks while it trains (`RankObserver`). Standard library only: the watcher starts in a
+fraction of a second and holds no torch."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import contextlib
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Sequence
+from subprocess import Popen
 
 GRACE_S = 5.0  # how long a started rank has to end on its own before it is killed
 
@@ -55,6 +58,50 @@ def watch_after_exit(pids: Sequence[int], grace: float = GRACE_S) -> None:
             [sys.executable, "-m", "lit_efficient.rank_reaper", str(os.getpid()), str(grace), *map(str, pids)],
             start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
         )  # fmt: skip
+
+
+_KILL = getattr(signal, "SIGKILL", signal.SIGTERM)  # Windows has no SIGKILL (Lightning's observer does the same)
+
+
+class RankObserver(threading.Thread):
+    """Watches, from the launching process (rank 0 of a ``start_method="popen"`` launch), the rank processes it
+    started, in place of Lightning's observer. That one SIGKILLs this process 5 s after any rank exits non-zero:
+    unless rank 0 had already raised by then, the user's ``fit`` raised nothing, their ``finally`` blocks did not
+    run and the shell said "Killed" (the cause only in the failed rank's own line).
+
+    Here the failed rank's peers are killed after ``grace`` seconds, as Lightning kills them (a receive from them
+    then fails at once), and this process has ``patience`` seconds in all to raise the failure on its own: its
+    next transfer finds the peer gone and names the cause the peer published. `stand_down` (the strategy's
+    exception handler) ends the watch. Only a process still running after ``patience`` (hung in user code, or
+    computing that long alone) is killed, saying why."""
+
+    def __init__(self, procs: Sequence[Popen], poll: float = 1.0, grace: float = GRACE_S, patience: float = 30.0):
+        super().__init__(daemon=True, name="lit-efficient-rank-observer")  # ends with this process
+        self._procs, self._poll, self._grace, self._patience = list(procs), poll, grace, patience
+        self._done = threading.Event()
+
+    def stand_down(self) -> None:
+        """This process raised (its handler runs): it stops on its own, so it must not be killed."""
+        self._done.set()
+
+    def run(self) -> None:
+        failed = None
+        while failed is None and not self._done.wait(self._poll):
+            codes = [proc.poll() for proc in self._procs]
+            if all(code == 0 for code in codes):
+                return  # every rank ended well: nothing left to watch
+            failed = next((proc for proc, code in zip(self._procs, codes, strict=True) if code), None)
+        if failed is None or self._done.wait(self._grace):
+            return
+        for proc in self._procs:
+            if proc.poll() is None:
+                _signal(proc.pid, _KILL)
+        if self._done.wait(max(self._patience - self._grace, 0.0)):
+            return
+        print(f"lit-efficient: rank process {failed.pid} exited with code {failed.returncode} and this process "
+              f"(rank 0) had not stopped {self._patience:.0f} s later (hung in user code?); killing it",
+              file=sys.stderr, flush=True)  # fmt: skip
+        _signal(os.getpid(), _KILL)
 
 
 def _signal(pid: int, signum: int) -> None:

@@ -14,6 +14,7 @@ from typing import Any, get_args
 import torch
 from lightning.fabric.plugins import ClusterEnvironment, TorchCheckpointIO
 from lightning.fabric.strategies.launchers.multiprocessing import _disable_module_memory_sharing
+from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.callbacks import GradientAccumulationScheduler, ModelCheckpoint
@@ -43,14 +44,33 @@ class _ChecksFirst:
     Classes, not a wrapped method: the spawn launcher pickles the strategy and its launcher."""
 
     def launch(self, function: Any, *args: Any, trainer: Trainer | None = None, **kwargs: Any) -> Any:
+        self._check(trainer)
+        return super().launch(function, *args, trainer=trainer, **kwargs)  # type: ignore[misc]
+
+    @staticmethod
+    def _check(trainer: Trainer | None) -> None:
         if trainer is not None and hasattr(trainer.strategy, "_check_before_launch"):
             trainer.strategy._check_before_launch(trainer)
-        return super().launch(function, *args, trainer=trainer, **kwargs)  # type: ignore[misc]
 
 
 class _CheckedScriptLauncher(_ChecksFirst, _SubprocessScriptLauncher):
-    """`_SubprocessScriptLauncher` (``start_method="popen"``, torchrun, SLURM) with the check. The ranks it starts
-    do not outlive a failure of this process (`PACIStrategy.on_exception` starts `rank_reaper.watch_after_exit`)."""
+    """`_SubprocessScriptLauncher` (``start_method="popen"``, torchrun, SLURM) with the check, and the ranks it
+    starts watched by `rank_reaper.RankObserver`, not Lightning's observer (which SIGKILLs this process when a
+    rank fails, before it can raise the failure). They do not outlive a failure of this process either
+    (`PACIStrategy.on_exception` starts `rank_reaper.watch_after_exit`)."""
+
+    observer: rank_reaper.RankObserver | None = None
+
+    def launch(self, function: Any, *args: Any, trainer: Trainer | None = None, **kwargs: Any) -> Any:
+        # Lightning's launch, with the check first and this package's observer.
+        self._check(trainer)
+        self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
+        if not self.cluster_environment.creates_processes_externally:
+            self._call_children_scripts()
+            self.observer = rank_reaper.RankObserver(self.procs)
+            self.observer.start()
+        _set_num_threads_if_needed(num_processes=self.num_processes)
+        return function(*args, **kwargs)
 
 
 class _CheckedMultiProcessingLauncher(_ChecksFirst, _MultiProcessingLauncher):

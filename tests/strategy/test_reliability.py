@@ -349,6 +349,14 @@ _HANG_SCRIPT = textwrap.dedent(
                 if trainer.global_rank == 0 and trainer.global_step == 2:
                     raise ValueError("boom on rank 0")
                 return
+            if sys.argv[1] == "raise_while_0_computes":  # rank 1 raises while rank 0 is busy alone for 8 s
+                if trainer.global_step == 2 and not getattr(self, "done", False):
+                    self.done = True
+                    if trainer.global_rank == 0:
+                        time.sleep(8)
+                    else:
+                        raise ValueError("boom on rank 1")
+                return
             if sys.argv[1] == "raise_on_4":  # 4 stages; stage 1 (rank 2) raises
                 if trainer.global_rank == 2 and trainer.global_step == 2:
                     raise ValueError("boom on rank 2")
@@ -450,6 +458,17 @@ def test_when_the_launching_process_fails_its_ranks_name_the_cause_and_end_on_th
 
 
 @pytest.mark.multiproc
+def test_a_rank_that_fails_while_the_launching_process_computes_makes_its_fit_raise(tmp_path):
+    """start_method="popen": Lightning's observer SIGKILLed the launching process 5 s after a rank exited non-zero,
+    unless it had raised by then: busy alone (a long step, a save), its fit raised nothing, the user's ``finally``
+    did not run and the shell said "Killed" (rc 137). Now it raises the failure, naming the cause."""
+    proc = _run_script(tmp_path, "raise_while_0_computes", str(tmp_path / "run"), "popen")
+    assert proc.returncode == 1, (proc.returncode, proc.stderr[-3000:])
+    assert "Traceback" in proc.stderr and "killing it" not in proc.stderr
+    assert "the pipeline stopped because stage 0 (rank 1) raised ValueError: boom on rank 1" in proc.stderr
+
+
+@pytest.mark.multiproc
 def test_a_spawned_rank_that_raises_is_named_by_its_peer(tmp_path):
     """start_method="spawn": Lightning runs a started rank's fit without its exception handling, so the raising
     rank published nothing and its peer said it "died (killed? out of memory?)" instead of what it raised."""
@@ -478,6 +497,33 @@ def test_started_ranks_get_a_grace_then_are_killed():
     killed = stop([stops.pid, stuck.pid], grace=1.0, first=signal.SIGINT)
     assert killed == [stuck.pid] and 1.0 <= time.monotonic() - started < 5
     assert stuck.wait(timeout=5) == -signal.SIGKILL and stops.wait(timeout=5) == -signal.SIGINT
+
+
+@pytest.mark.parametrize("stands_down", [False, True])
+def test_the_launching_process_is_killed_only_when_it_does_not_stop_after_a_rank_failed(stands_down):
+    """`RankObserver`'s last resort: a launching process still running ``patience`` seconds after a rank failed
+    (hung in user code) is killed, saying why; one whose strategy stood the observer down (it raised and handles
+    the failure: a notebook, a ``try``) lives on."""
+    script = textwrap.dedent(
+        f"""
+        import subprocess, sys, time
+        from lit_efficient.rank_reaper import RankObserver
+        rank = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+        observer = RankObserver([rank], poll=0.05, grace=0.2, patience=1.0)
+        observer.start()
+        rank.wait()
+        if {stands_down}:
+            observer.stand_down()
+        time.sleep(3)
+        print("lived on")
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    if stands_down:
+        assert proc.returncode == 0 and "lived on" in proc.stdout, proc.stderr
+    else:
+        assert proc.returncode == -signal.SIGKILL and "lived on" not in proc.stdout
+        assert "exited with code 3 and this process (rank 0) had not stopped 1 s later" in proc.stderr
 
 
 def test_a_raw_communication_error_is_not_published_as_the_cause():
