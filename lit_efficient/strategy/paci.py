@@ -45,7 +45,6 @@ from lit_efficient.replicas.averaging import OuterOptimizer, ReplicaAverager, st
 from lit_efficient.replicas.fault_tolerance import TorchftReplicas, group_settings, lighthouse_address, require_torchft
 from lit_efficient.replicas.sharded_optimizer import ShardedOptimizer
 from lit_efficient.runtime.host import StageHost
-from lit_efficient.runtime.interpreter import PipelineRuntime
 from lit_efficient.runtime.partition import check_sizes, partition_balanced, partition_uniform, predicted_utilization
 from lit_efficient.runtime.profile import profile_layers
 from lit_efficient.runtime.schedules import SCHEDULES, ScheduleName
@@ -119,6 +118,7 @@ from lit_efficient.strategy.trainer_glue import (
 from lit_efficient.tools.window import advise_window
 from lit_efficient.transport.collectives import broadcast_flat
 from lit_efficient.transport.failures import is_raw_comm_error, report_failure, report_lost_peers
+from lit_efficient.transport.hosting import host_stages
 from lit_efficient.transport.local import LocalLinks
 from lit_efficient.transport.process import LinkGroups, ProcessLinks, tie_groups
 from lit_efficient.transport.wire import WireFormat
@@ -560,17 +560,10 @@ class PACIStrategy(DDPStrategy):
         self.sync_start = self._resolve_sync_start(trainer, [part.lightning[0] for part in stages]) if fitting else 0
         self._in_sync_start = self.sync_start > 0
         order: ScheduleName = "1f1b_flush" if self._in_sync_start else self.schedule
-        runtimes = []
-        for part in stages:
-            stage = part.stage
-            prev_rank, next_rank = self.topology.neighbours(links.rank_of(stage.stage))
-            input_fn = module.pipeline_input if stage.is_first else None
-            runtime = PipelineRuntime(stage, order, accumulate, input_fn, links.p2p(stage.stage), prev_rank,
-                                      next_rank)  # fmt: skip
-            runtimes.append(runtime)
-        self.runtime = StageHost(runtimes)
-        links.attach(self.runtime)
-        self.hosted = [HostedStage(runtime, *part.lightning) for runtime, part in zip(runtimes, stages, strict=True)]
+        self.runtime = host_stages([part.stage for part in stages], order, accumulate, module.pipeline_input, links)
+        self.hosted = [
+            HostedStage(runtime, *part.lightning) for runtime, part in zip(self.runtime.runtimes, stages, strict=True)
+        ]
         if fitting:
             # Lightning and every callback see what global rank 0 shows them: its stage's optimizer and schedulers
             # (in one process the last stage's), so LearningRateMonitor's keys are the same in both hostings.

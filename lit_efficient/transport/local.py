@@ -14,12 +14,13 @@ from collections.abc import Callable, Sequence
 from torch import Tensor
 
 from lit_efficient.runtime.host import StageHost
-from lit_efficient.runtime.interpreter import InputFn, PipelineRuntime
+from lit_efficient.runtime.interpreter import InputFn
 from lit_efficient.runtime.schedules import ScheduleName
 from lit_efficient.runtime.stage import Payload, PipelineStage
 from lit_efficient.runtime.topology import Topology
 from lit_efficient.transport.collectives import sum_in_order
 from lit_efficient.transport.failures import PipelineCommError
+from lit_efficient.transport.hosting import host_stages
 from lit_efficient.transport.wire import WireFormat
 
 
@@ -122,19 +123,11 @@ def local_pipeline(
     input_fn: InputFn,
     wire: WireFormat | None = None,
 ) -> StageHost:
-    """Runtimes for ``stages`` (stage 0 first) over one `LocalExchange`, each playing the rank it would
-    have in a one-replica pipeline of processes, driven by one `StageHost`. ``wire``: the processes' wire
-    format (bf16 on the wire rounds the boundary tensors here as it would there)."""
-    topo = Topology(len(stages))
-    exchange = LocalExchange(wire)
-    runtimes = []
-    for stage in stages:
-        rank = topo.rank_of(stage.stage)
-        prev_rank, next_rank = topo.neighbours(rank)
-        comm = exchange.endpoint(rank, stage.stage, topo.stage_of) if len(stages) > 1 else None
-        first_input = input_fn if stage.is_first else None
-        runtimes.append(PipelineRuntime(stage, schedule, accumulate, first_input, comm, prev_rank, next_rank))
-    return StageHost(runtimes)
+    """Runtimes for ``stages`` (stage 0 first) over one process's `LocalLinks`, each playing the rank it would
+    have in a one-replica pipeline of processes, driven by one `StageHost` (`hosting.host_stages`, as the
+    strategy builds them). ``wire``: the processes' wire format (bf16 on the wire rounds the boundary tensors
+    here as it would there)."""
+    return host_stages(stages, schedule, accumulate, input_fn, LocalLinks(len(stages), wire))
 
 
 class LocalStageSum:
