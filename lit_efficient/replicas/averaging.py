@@ -32,10 +32,21 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
+from lit_efficient.checks import is_count
 from lit_efficient.transport.collectives import all_reduce_flat, broadcast_flat
 
 OuterOptimizer = Literal["average", "nesterov"]
 OUTER_OPTIMIZERS: tuple[str, ...] = get_args(OuterOptimizer)
+
+
+def check_outer_optimizer(outer_optimizer: str, outer_lr: float, outer_momentum: float) -> None:
+    """The one check of the outer optimizer's arguments (`ReplicaAverager`'s and PACIStrategy's, same names)."""
+    if outer_optimizer not in OUTER_OPTIMIZERS:
+        raise ValueError(f"outer_optimizer={outer_optimizer!r} is unknown; choose one of {OUTER_OPTIMIZERS}.")
+    if not outer_lr > 0:
+        raise ValueError(f"outer_lr={outer_lr} must be > 0; DiLoCo uses 0.7, 1.0 with momentum 0 is plain averaging.")
+    if not 0 <= outer_momentum < 1:
+        raise ValueError(f"outer_momentum={outer_momentum} must be in [0, 1); DiLoCo uses 0.9, 0 disables it.")
 
 
 class ReplicaAverager:
@@ -95,18 +106,11 @@ class ReplicaAverager:
         mean: ReplicaMean | None = None,
         offset: int = 0,
     ) -> None:
-        if sync_every < 1:
-            raise ValueError(f"sync_every={sync_every} must be >= 1; use 1 to synchronize after every step.")
-        if warmup_steps < 0:
-            raise ValueError(f"warmup_steps={warmup_steps} must be >= 0; use 0 for no warm-up.")
-        if outer_optimizer not in OUTER_OPTIMIZERS:
-            raise ValueError(f"outer_optimizer={outer_optimizer!r} is unknown; choose one of {OUTER_OPTIMIZERS}.")
-        if not outer_lr > 0:
-            raise ValueError(
-                f"outer_lr={outer_lr} must be > 0; DiLoCo uses 0.7, 1.0 with momentum 0 is plain averaging."
-            )
-        if not 0 <= outer_momentum < 1:
-            raise ValueError(f"outer_momentum={outer_momentum} must be in [0, 1); DiLoCo uses 0.9, 0 disables it.")
+        if not is_count(sync_every):
+            raise ValueError(f"sync_every={sync_every!r} must be an integer >= 1; 1 synchronizes after every step.")
+        if not is_count(warmup_steps, 0):
+            raise ValueError(f"warmup_steps={warmup_steps!r} must be an integer >= 0; use 0 for no warm-up.")
+        check_outer_optimizer(outer_optimizer, outer_lr, outer_momentum)
         self.module = module
         self.group = group
         self.sync_every = sync_every

@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lit_efficient import rank_reaper
 from lit_efficient.checks import is_count
 from lit_efficient.protocol import PIPELINE_METHODS, missing_pipeline_methods
-from lit_efficient.replicas.averaging import OUTER_OPTIMIZERS
+from lit_efficient.replicas.averaging import check_outer_optimizer
 from lit_efficient.runtime.schedules import SCHEDULES
 from lit_efficient.runtime.stage import OnNonFinite
 from lit_efficient.runtime.staleness import CORRECTIONS, READS_MOMENTS
@@ -247,17 +247,12 @@ def _check_arguments(
         raise ValueError(f"local_sgd_steps={local_sgd_steps!r} must be None (sync every step) or an integer >= 1")
     if not is_count(warmup, 0):
         raise ValueError(f"local_sgd_warmup_steps={warmup!r} must be an integer >= 0")
-    if outer not in OUTER_OPTIMIZERS:
-        raise ValueError(f"outer_optimizer={outer!r} must be 'average' or 'nesterov'")
+    check_outer_optimizer(outer, outer_lr, outer_momentum)
     if outer == "average" and (outer_lr != 0.7 or outer_momentum != 0.9):
         raise ValueError(
             f"outer_lr={outer_lr} / outer_momentum={outer_momentum} only apply to DiLoCo: "
             "set outer_optimizer='nesterov', or leave them at their defaults"
         )
-    if not outer_lr > 0:
-        raise ValueError(f"outer_lr={outer_lr} must be > 0")
-    if not 0 <= outer_momentum < 1:
-        raise ValueError(f"outer_momentum={outer_momentum} must be in [0, 1)")
     if local_sgd_steps is None and (outer != "average" or warmup != 0):
         asked = f"outer_optimizer={outer!r}" if outer != "average" else f"local_sgd_warmup_steps={warmup}"
         raise ValueError(
