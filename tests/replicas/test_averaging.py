@@ -358,7 +358,7 @@ def test_single_replica_state_dict_round_trip() -> None:
     ("kwargs", "match"),
     [
         ({"sync_every": 0}, "sync_every=0"),
-        ({"sync_every": 2.5}, "sync_every=2.5 must be an integer"),  # a float was taken (and synced at no step)
+        ({"sync_every": 2.5}, "sync_every=2.5 must be an integer"),  # was taken: a sync every 5 steps
         ({"sync_every": True}, "sync_every=True must be an integer"),
         ({"sync_every": 2, "warmup_steps": -1}, "warmup_steps=-1"),
         ({"sync_every": 2, "outer_lr": 0.0}, "outer_lr=0.0"),
