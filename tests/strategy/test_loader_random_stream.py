@@ -75,27 +75,34 @@ from lit_efficient import PACIStrategy
 from tests.strategy.test_loader_random_stream import _Batches, _fit
 
 if __name__ == "__main__":
-    out, mode, seed = Path(sys.argv[1]), sys.argv[2], sys.argv[3] == "seed"
-    # the default start_method, "popen": every rank runs this script, as under torchrun
-    _fit(seed, _Batches(out), devices=2, strategy=PACIStrategy(pipeline_stages=2, schedule="1f1b_flush"))
+    out = Path(sys.argv[1])
+    # The default start_method, "popen": every rank runs this script, as under torchrun. First a fit without
+    # seed_everything, in processes fresh as a user's (each rank's stream is its own draw), then one with it (one
+    # launch for both: the second fit runs on the ranks the first started).
+    for seed in (False, True):
+        strategy = PACIStrategy(pipeline_stages=2, schedule="1f1b_flush")
+        _fit(seed, _Batches(out / ("seed" if seed else "noseed")), devices=2, strategy=strategy)
 """
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("seed", ["seed", "noseed"])
-def test_every_stage_reads_the_batches_one_device_reads(tmp_path: Path, seed: str) -> None:
+def test_every_stage_reads_the_batches_one_device_reads(tmp_path: Path) -> None:
     script = tmp_path / "run.py"
     script.write_text(_SCRIPT.format(repo=str(REPO)))
+    for seed in ("seed", "noseed"):
+        (tmp_path / seed).mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_", "MASTER_", "PL_"))}
+    env.pop("LOCAL_RANK", None)  # left by an earlier in-process fit: Lightning would take the script for a rank
     env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", MPLCONFIGDIR=str(tmp_path / "mpl"))
-    done = subprocess.run([sys.executable, str(script), str(tmp_path), "pipeline", seed], env=env, cwd=tmp_path,
+    done = subprocess.run([sys.executable, str(script), str(tmp_path)], env=env, cwd=tmp_path,
                           capture_output=True, text=True, timeout=240)  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    ranks = [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(2)]
-    assert len(ranks[0]) == 8
-    assert ranks[0] == ranks[1], "the stages of one pipeline read different batches"
-    if seed == "seed":  # one device after seed_everything(0) reads the same order in any process: this one's
-        single = _Batches()
-        _fit(True, single, devices=1)
-        assert ranks[0] == single.seen
-    # Without seed_everything one device's order is a fresh draw: nothing to compare the pipeline's with.
+    for seed in ("noseed", "seed"):
+        ranks = [json.loads(Path(tmp_path, seed, f"rank{r}.json").read_text()) for r in range(2)]
+        assert len(ranks[0]) == 8
+        assert ranks[0] == ranks[1], f"{seed}: the stages of one pipeline read different batches"
+    # One device after seed_everything(0) reads the same order in any process: this one's. Without
+    # seed_everything one device's order is a fresh draw: nothing to compare the pipeline's with.
+    single = _Batches()
+    _fit(True, single, devices=1)
+    assert ranks[0] == single.seen
