@@ -65,23 +65,29 @@ _KILL = getattr(signal, "SIGKILL", signal.SIGTERM)  # Windows has no SIGKILL (Li
 
 class RankObserver(threading.Thread):
     """Watches, from the launching process (rank 0 of a ``start_method="popen"`` launch), the rank processes it
-    started, in place of Lightning's observer. That one SIGKILLs this process 5 s after any rank exits non-zero:
-    unless rank 0 had already raised by then, the user's ``fit`` raised nothing, their ``finally`` blocks did not
-    run and the shell said "Killed" (the cause only in the failed rank's own line).
+    started, in place of Lightning's observer. That one SIGKILLs this process within 5 s after any rank exits
+    non-zero: unless rank 0 had already raised by then, the user's ``fit`` raised nothing, their ``finally`` blocks
+    did not run and the shell said "Killed" (the cause only in the failed rank's own line).
 
     Here the failed rank's peers are killed after ``grace`` seconds, as Lightning kills them (a receive from them
     then fails at once), and this process has ``patience`` seconds in all to raise the failure on its own: its
-    next transfer finds the peer gone and names the cause the peer published. `stand_down` (the strategy's
-    exception handler) ends the watch. Only a process still running after ``patience`` (hung in user code, or
-    computing that long alone) is killed, saying why."""
+    next transfer finds the peer gone and names the cause the peer published. Its raising ends the watch
+    (`stand_down_observers`, from the launcher, before Lightning's exception handling and its callbacks' hooks):
+    what it does next (an ``except``, a sweep's next trial) is the user's, and is not cut short. Only a process
+    still running after ``patience`` without having raised (hung, or busy alone that long) is killed, saying why."""
 
     def __init__(self, procs: Sequence[Popen], poll: float = 1.0, grace: float = GRACE_S, patience: float = 30.0):
         super().__init__(daemon=True, name="lit-efficient-rank-observer")  # ends with this process
         self._procs, self._poll, self._grace, self._patience = list(procs), poll, grace, patience
         self._done = threading.Event()
 
+    def start(self) -> None:
+        _OBSERVERS.append(self)
+        super().start()
+
     def stand_down(self) -> None:
-        """This process raised (its handler runs): it stops on its own, so it must not be killed."""
+        """This process raised the failure: it handles it (a script's ``except``/``finally``, a sweep's next trial)
+        and must not be killed for it. The watch ends: what it does next is the user's code."""
         self._done.set()
 
     def run(self) -> None:
@@ -94,14 +100,22 @@ class RankObserver(threading.Thread):
         if failed is None or self._done.wait(self._grace):
             return
         for proc in self._procs:
-            if proc.poll() is None:
-                _signal(proc.pid, _KILL)
+            proc.kill()  # nothing if it has exited (Popen polls first), on every platform
         if self._done.wait(max(self._patience - self._grace, 0.0)):
             return
         print(f"lit-efficient: rank process {failed.pid} exited with code {failed.returncode} and this process "
-              f"(rank 0) had not stopped {self._patience:.0f} s later (hung in user code?); killing it",
+              f"(rank 0) had not raised {self._patience:.0f} s later (hung, or busy alone that long); killing it",
               file=sys.stderr, flush=True)  # fmt: skip
         _signal(os.getpid(), _KILL)
+
+
+_OBSERVERS: list[RankObserver] = []  # of this process: a later Trainer's launch starts none, yet may fail
+
+
+def stand_down_observers() -> None:
+    """`RankObserver.stand_down` for every observer this process started (the launching process raised)."""
+    for observer in _OBSERVERS:
+        observer.stand_down()
 
 
 def _signal(pid: int, signum: int) -> None:

@@ -59,18 +59,23 @@ class _CheckedScriptLauncher(_ChecksFirst, _SubprocessScriptLauncher):
     rank fails, before it can raise the failure). They do not outlive a failure of this process either
     (`PACIStrategy.on_exception` starts `rank_reaper.watch_after_exit`)."""
 
-    observer: rank_reaper.RankObserver | None = None
-
     def launch(self, function: Any, *args: Any, trainer: Trainer | None = None, **kwargs: Any) -> Any:
-        # Lightning's launch, with the check first and this package's observer.
+        # Lightning's launch (2.6's `_SubprocessScriptLauncher.launch`, line for line), with the check first and this
+        # package's observer.
         self._check(trainer)
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         if not self.cluster_environment.creates_processes_externally:
             self._call_children_scripts()
-            self.observer = rank_reaper.RankObserver(self.procs)
-            self.observer.start()
+            rank_reaper.RankObserver(self.procs).start()
         _set_num_threads_if_needed(num_processes=self.num_processes)
-        return function(*args, **kwargs)
+        try:
+            return function(*args, **kwargs)
+        except BaseException:
+            # This process raises the failure: from here on it is not to be killed for it (its callbacks'
+            # on_exception hooks, a save, the user's except/finally run next). Also under a later Trainer of the
+            # same script, which launches nothing: the first launch's observer watches its ranks still.
+            rank_reaper.stand_down_observers()
+            raise
 
 
 class _CheckedMultiProcessingLauncher(_ChecksFirst, _MultiProcessingLauncher):
@@ -247,12 +252,12 @@ def _check_arguments(
         raise ValueError(f"local_sgd_steps={local_sgd_steps!r} must be None (sync every step) or an integer >= 1")
     if not is_count(warmup, 0):
         raise ValueError(f"local_sgd_warmup_steps={warmup!r} must be an integer >= 0")
-    check_outer_optimizer(outer, outer_lr, outer_momentum)
-    if outer == "average" and (outer_lr != 0.7 or outer_momentum != 0.9):
+    if outer == "average" and (outer_lr != 0.7 or outer_momentum != 0.9):  # before their ranges: the first fix
         raise ValueError(
             f"outer_lr={outer_lr} / outer_momentum={outer_momentum} only apply to DiLoCo: "
             "set outer_optimizer='nesterov', or leave them at their defaults"
         )
+    check_outer_optimizer(outer, outer_lr, outer_momentum)
     if local_sgd_steps is None and (outer != "average" or warmup != 0):
         asked = f"outer_optimizer={outer!r}" if outer != "average" else f"local_sgd_warmup_steps={warmup}"
         raise ValueError(

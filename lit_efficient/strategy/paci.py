@@ -979,8 +979,6 @@ class PACIStrategy(DDPStrategy):
                 report_failure(f"{here} raised {type(exception).__name__}{detail}")
         super().on_exception(exception)
         if isinstance(self.launcher, _CheckedScriptLauncher) and self.launcher.procs:
-            if self.launcher.observer is not None:
-                self.launcher.observer.stand_down()  # this process raises the failure: not to be killed for it
             # This process started the other ranks (start_method="popen"): none may outlive the job (one hung in
             # user code did). A watcher kills them after this process has exited and they had time to end.
             rank_reaper.watch_after_exit([p.pid for p in self.launcher.procs if p.poll() is None])

@@ -276,30 +276,42 @@ def test_every_attempt_of_a_restartable_job_logs_to_one_wandb_run_and_checkpoint
     assert given.version == "mine"  # the user's own id wins
 
 
-def test_a_resumed_offline_run_continues_its_chart_in_a_second_folder_of_the_same_run(tmp_path, monkeypatch):
+@pytest.fixture
+def wandb_in_this_process(monkeypatch):
+    """W&B started in the test process, ended after the test whatever happens: no run left open for a later
+    WandbLogger to attach to, no service left running, and the variables it and the CLI set undone."""
     import wandb
 
-    """A user's day with the default offline W&B: fit, then resume from the run's last.ckpt. The resumed launch
-    writes a second offline folder of the same run id (`wandb sync` uploads a run's folders in order of start),
-    whose rows continue the chart's step axis (trainer/global_step, what W&B plots every metric against) where
-    the first folder's end, in the one checkpoint folder of that run."""
-    for var in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR",
-                "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR", "WANDB_MODE"):  # fmt: skip
-        monkeypatch.delenv(var, raising=False)
-        monkeypatch.setenv(var, "")  # registered, so the CLI's own setting is undone after the test
+    for var in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR",
+                "WANDB_MODE", "WANDB_SERVICE"):  # fmt: skip
+        monkeypatch.setenv(var, "")  # registered, so monkeypatch restores it (or its absence) after the test
         monkeypatch.delenv(var)
+    yield wandb
+    wandb.finish()
+    wandb.teardown()
+
+
+def test_a_resumed_offline_run_continues_its_chart_in_a_second_folder_of_the_same_run(
+    tmp_path, monkeypatch, wandb_in_this_process
+):
+    """A user's day with the default offline W&B: fit, then resume from the run's last.ckpt. The resumed launch
+    writes a second offline folder of the same run id, whose rows continue the chart's step axis
+    (trainer/global_step, what W&B plots every metric against) where the first folder's end, in the one
+    checkpoint folder of that run."""
+    for var in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
+        monkeypatch.delenv(var, raising=False)
     monkeypatch.chdir(tmp_path)
     run = [*TINY, "--trainer.strategy=lit_efficient.PACIStrategy", "--trainer.strategy.pipeline_stages=2",
            "--trainer.log_every_n_steps=1", "--trainer.val_check_interval=2", "--model.init_args.warmup_steps=1",
            "--trainer.callbacks+=ModelCheckpoint", "--trainer.callbacks.save_last=true"]  # fmt: skip
     _cli("fit", *run, "--trainer.max_steps=2", run=True)
-    wandb.finish()  # as the first launch's process ends
+    wandb_in_this_process.finish()  # as the first launch's process ends
     (last,) = (tmp_path / "runs" / "lit-efficient").glob("*/checkpoints/last.ckpt")
     _cli("fit", *run, "--trainer.max_steps=4", f"--ckpt_path={last}", run=True)
-    wandb.finish()  # its log is complete once the run ends
+    wandb_in_this_process.finish()  # its log is complete once the run ends
     first, resumed = sorted((tmp_path / "runs" / "wandb").glob("offline-run-*"))
     run_id = last.parents[1].name
-    assert first.name.endswith(run_id) and resumed.name.endswith(run_id)
+    assert f"-{run_id}" in first.name and f"-{run_id}" in resumed.name  # W&B may add "-1" to a name taken
     steps = [
         [row["trainer/global_step"] for row in read_offline_run(d)[1] if "train_loss" in row] for d in (first, resumed)
     ]

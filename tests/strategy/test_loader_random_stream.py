@@ -92,7 +92,8 @@ def test_every_stage_reads_the_batches_one_device_reads(tmp_path: Path) -> None:
     for seed in ("seed", "noseed"):
         (tmp_path / seed).mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_", "MASTER_", "PL_"))}
-    env.pop("LOCAL_RANK", None)  # left by an earlier in-process fit: Lightning would take the script for a rank
+    for var in ("LOCAL_RANK", "NODE_RANK", "GLOBAL_RANK", "WORLD_SIZE"):  # left by an earlier in-process fit:
+        env.pop(var, None)  # Lightning would take the script for a rank that torchrun started
     env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", MPLCONFIGDIR=str(tmp_path / "mpl"))
     done = subprocess.run([sys.executable, str(script), str(tmp_path)], env=env, cwd=tmp_path,
                           capture_output=True, text=True, timeout=240)  # fmt: skip

@@ -493,13 +493,12 @@ def test_the_launching_process_is_killed_only_when_it_does_not_stop_after_a_rank
     script = textwrap.dedent(
         f"""
         import subprocess, sys, time
-        from lit_efficient.rank_reaper import RankObserver
+        from lit_efficient.rank_reaper import RankObserver, stand_down_observers
         rank = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
-        observer = RankObserver([rank], poll=0.05, grace=0.2, patience=1.0)
-        observer.start()
+        RankObserver([rank], poll=0.05, grace=0.2, patience=1.0).start()
         rank.wait()
         if {stands_down}:
-            observer.stand_down()
+            stand_down_observers()  # as the launcher does when the launching process raises
         time.sleep(3)
         print("lived on")
         """
@@ -509,7 +508,7 @@ def test_the_launching_process_is_killed_only_when_it_does_not_stop_after_a_rank
         assert proc.returncode == 0 and "lived on" in proc.stdout, proc.stderr
     else:
         assert proc.returncode == -signal.SIGKILL and "lived on" not in proc.stdout
-        assert "exited with code 3 and this process (rank 0) had not stopped 1 s later" in proc.stderr
+        assert "exited with code 3 and this process (rank 0) had not raised 1 s later" in proc.stderr
 
 
 def test_a_raw_communication_error_is_not_published_as_the_cause():
