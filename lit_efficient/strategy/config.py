@@ -17,7 +17,13 @@ from lightning.fabric.strategies.launchers.multiprocessing import _disable_modul
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import CPUAccelerator
-from lightning.pytorch.callbacks import GradientAccumulationScheduler, ModelCheckpoint
+from lightning.pytorch.callbacks import (
+    GradientAccumulationScheduler,
+    LearningRateFinder,
+    ModelCheckpoint,
+    StochasticWeightAveraging,
+    WeightAveraging,
+)
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.launchers.multiprocessing import _GlobalStateSnapshot
@@ -513,6 +519,26 @@ def check_before_launch(strategy: Any, trainer: Trainer) -> None:
                 "PACIStrategy, which runs the module under manual optimization (the stages step themselves). "
                 f"Use lit_efficient.GradientAccumulation(steps={callback.scheduling}): the same {{epoch: N}} "
                 "schedule, which the pipeline reads."
+            )
+        if isinstance(callback, StochasticWeightAveraging):
+            raise ValueError(
+                "StochasticWeightAveraging is not supported under PACIStrategy: it replaces the LR schedule by one "
+                "the stages' own optimizers never see and averages a copy of the whole module, which on a rank holds "
+                "only its stage (in one process it trained other weights than one device, silently). Use "
+                "lightning.pytorch.callbacks.EMAWeightAveraging in one process (devices=1), or drop the callback."
+            )
+        if isinstance(callback, WeightAveraging) and world > 1:
+            raise ValueError(
+                f"{type(callback).__name__} is not supported on processes under PACIStrategy: it averages a copy "
+                "of the whole module, and a rank holds only its stage's layers. It trains as on one device with "
+                "the whole pipeline in one process (devices=1); on processes, drop the callback."
+            )
+        if isinstance(callback, LearningRateFinder):  # Tuner(trainer).lr_find adds one
+            raise ValueError(
+                "LearningRateFinder / Tuner.lr_find is not supported under PACIStrategy: its rising learning rate "
+                "reaches neither the stages' optimizers nor their steps (it recorded min_lr throughout and "
+                "suggested it). Find the rate on plain Lightning with the same module (a Trainer without this "
+                "strategy, devices=1: 1F1B-flush trains exactly as one device), then train with PACIStrategy."
             )
         check = getattr(callback, "check_accumulation_source", None)
         if callable(check):

@@ -1116,6 +1116,16 @@ class PACIStrategy(DDPStrategy):
         return super().reduce(tensor, group=group, reduce_op=reduce_op)
 
     @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        # As `reduce`: a module's ``self.all_gather`` runs where its evaluation step runs, on the last stage of each
+        # replica only; over the world it waited forever for the other stages (a hang SIGTERM did not end). Over
+        # this stage's replicas, it gathers each replica's share, as under DDP. LightningModule.all_gather passes
+        # the world for "no group given": the world is the default here too.
+        if (group is None or group is dist.group.WORLD) and self.topology is not None and self._dp_groups:
+            group = self._dp_groups[self.stage]
+        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+
+    @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         if not dist.is_initialized():
             return decision  # in one process: nobody to agree with

@@ -40,7 +40,10 @@ import torch
 from lightning.pytorch.callbacks import (
     Callback,
     EarlyStopping,
+    EMAWeightAveraging,
     GradientAccumulationScheduler,
+    LearningRateFinder,
+    StochasticWeightAveraging,
 )
 
 from lit_efficient import ActivationCheckpointing, GradientAccumulation
@@ -229,6 +232,13 @@ ROWS: list[Row] = [
     Row("EarlyStopping", trainer=dict(VAL, max_steps=8, val_check_interval=2),
         callbacks=lambda root: [EarlyStopping("val_loss", min_delta=10.0, patience=1)], observe=_stopped,
         check=_stopped_early),
+    Row("EMAWeightAveraging", callbacks=lambda root: [EMAWeightAveraging()],
+        note="one process only: refused on processes, where a rank holds only its stage"),
+    Row("StochasticWeightAveraging", how=ERROR + "StochasticWeightAveraging is not supported under PACIStrategy",
+        trainer=EPOCHS, callbacks=lambda root: [StochasticWeightAveraging(swa_lrs=1e-3, swa_epoch_start=1)]),
+    Row("Tuner.lr_find (LearningRateFinder)",
+        how=ERROR + "LearningRateFinder / Tuner.lr_find is not supported under PACIStrategy",
+        callbacks=lambda root: [LearningRateFinder(num_training_steps=4)]),
     Row("ModelCheckpoint top-k on val_loss", trainer=dict(VAL, max_steps=4, val_check_interval=2,
         enable_checkpointing=True), callbacks=_top_k, observe=_kept, check=_two_kept, processes=True),
     Row("ModelCheckpoint top-k on train_loss, every step", trainer=dict(max_steps=4, enable_checkpointing=True),

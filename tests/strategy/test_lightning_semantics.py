@@ -201,13 +201,20 @@ def _fit_with_data(module, strategy, devices, accumulate, max_steps, **kw):
 
 
 class _LogsFromPipelineLoss(GPT):
-    """Logs a per-micro-batch metric where PACIStrategy runs it: in pipeline_loss, on the last stage."""
+    """Logs a per-micro-batch metric where PACIStrategy runs it: in pipeline_loss, on the last stage; and, in
+    validation, what ``self.all_gather`` gives (only the last stage runs the evaluation step)."""
 
     def pipeline_loss(self, output, batch):
         loss, items = super().pipeline_loss(output, batch)
         if self.trainer.training:
             self.log("train_items", items.float(), on_step=True, batch_size=batch[0].shape[0])
         return loss, items
+
+    def validation_step(self, batch, batch_idx):
+        gathered = self.all_gather(torch.tensor([float(batch_idx) + 1.0]))
+        self.log("gathered_sum", gathered.sum(), batch_size=batch[0].shape[0])
+        self.log("gathered_count", float(gathered.numel()), batch_size=batch[0].shape[0])
+        return super().validation_step(batch, batch_idx)
 
 
 class _RecordMetrics(L.Callback):
@@ -221,14 +228,20 @@ class _RecordMetrics(L.Callback):
 
 
 def test_metrics_logged_in_pipeline_loss_reach_the_logger(tmp_path):
+    """And ``self.all_gather`` in validation_step gathers over the last stage's replicas (one here, as on one
+    device: each replica's share, as under DDP): over the world it waited forever for stage 0, which never runs
+    the evaluation step."""
     module = _model()
     module.__class__ = _LogsFromPipelineLoss
     out = tmp_path / "metrics.json"
     strategy = PACIStrategy(pipeline_stages=2, schedule="paci", start_method="forkserver")
-    _fit_with_data(module, strategy, 2, 2, 3, limit_val_batches=0, callbacks=[_RecordMetrics(out)])
+    _fit_with_data(
+        module, strategy, 2, 2, 3, limit_val_batches=1, val_check_interval=2, callbacks=[_RecordMetrics(out)]
+    )
     metrics = json.loads(out.read_text())
     assert metrics["train_items"] == 4 * 32  # batch_size x block tokens, every micro-batch
     assert "train_loss" in metrics
+    assert metrics["gathered_count"] == 1.0 and metrics["gathered_sum"] == 1.0
 
 
 class _RecordSteps(L.Callback):

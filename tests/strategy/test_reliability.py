@@ -300,11 +300,16 @@ def test_shard_loading_obeys_weights_only(tmp_path):
         (2, {"accumulate_grad_batches": 0}, [], r"accumulate_grad_batches=0\): .* integer >= 1"),
         (2, {"accumulate_grad_batches": True}, [], r"accumulate_grad_batches=True\): .* integer >= 1"),
         (2, {"accumulate_grad_batches": 2}, ["ga4"], r"accumulate_grad_batches=2\) and GradientAccumulation"),
+        # a copy of the whole module where a rank holds its stage: a shape error mid-fit
+        (2, {}, ["ema"], r"EMAWeightAveraging is not supported on processes under PACIStrategy"),
     ],
 )
 def test_configuration_errors_fail_before_any_process_starts(devices, trainer_kw, callbacks, match):
     """One message from the launching process, before it starts any rank (which would each raise)."""
-    cbs = [GradientAccumulation(steps=4) for name in callbacks if name == "ga4"]
+    from lightning.pytorch.callbacks import EMAWeightAveraging
+
+    made = {"ga4": lambda: GradientAccumulation(steps=4), "ema": EMAWeightAveraging}
+    cbs = [made[name]() for name in callbacks]
     strategy = PACIStrategy(pipeline_stages=2, start_method="forkserver")
     trainer = L.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, max_steps=1, logger=False, callbacks=cbs, **trainer_kw
