@@ -971,7 +971,13 @@ class PACIStrategy(DDPStrategy):
     def on_exception(self, exception: BaseException) -> None:
         self._failed = True
         if self.topology is not None:
-            here = f"stage {self.stage} (rank {self.global_rank})"
+            # In one process every stage runs here, and which one raised is in the traceback: no stage is named (the
+            # last stage was, for a failure in stage 0's backward).
+            here = (
+                f"the pipeline of {self.pipeline_stages} stages in this process"
+                if self.in_process
+                else (f"stage {self.stage} (rank {self.global_rank})")
+            )
             if not self.in_process and is_raw_comm_error(exception):  # a peer's failure seen here: name its cause
                 report_lost_peers(here, exception)
             else:

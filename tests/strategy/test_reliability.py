@@ -101,6 +101,25 @@ class _CrashWhileSaving(PACIStrategy):
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
 
+def test_a_failure_in_one_process_names_no_stage(monkeypatch, capsys):
+    """In one process every stage runs here, and the traceback says which one raised: the failure line named
+    the last stage for a failure in stage 0's backward (a NaN gradient under detect_anomaly)."""
+    from lit_efficient.transport import failures
+
+    monkeypatch.setattr(failures, "_printed_failure", False)  # the first failure of this process is printed
+
+    class Boom(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx == 1:
+                raise ValueError("boom")
+
+    trainer = _trainer(PACIStrategy(pipeline_stages=2), 1, 4, callbacks=[Boom()])
+    with pytest.raises(ValueError, match="boom"):
+        trainer.fit(_model(), datamodule=_ordered())
+    err = capsys.readouterr().err
+    assert "pipeline failure: the pipeline of 2 stages in this process raised ValueError: boom" in err, err[-2000:]
+
+
 @pytest.mark.multiproc
 def test_crash_while_saving_keeps_the_previous_checkpoint(tmp_path):
     full = _model()
