@@ -1123,11 +1123,12 @@ class PACIStrategy(DDPStrategy):
 
     @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
-        # As `reduce`: a module's ``self.all_gather`` runs where its evaluation step runs, on the last stage of each
-        # replica only; over the world it waited forever for the other stages (a hang SIGTERM did not end). Over
-        # this stage's replicas, it gathers each replica's share, as under DDP. LightningModule.all_gather passes
-        # the world for "no group given": the world is the default here too.
-        if (group is None or group is dist.group.WORLD) and self.topology is not None and self._dp_groups:
+        # A module's ``self.all_gather`` runs where its step runs (an evaluation step, pipeline_loss: the last stage
+        # of each replica only); over the world it waited forever for the other stages (a hang SIGTERM did not end).
+        # LightningModule.all_gather passes the world's group object when given none: that call gathers over this
+        # stage's replicas, each replica's share as under DDP (as `reduce` does). The strategy's own default (None)
+        # stays the world: callbacks call it on every rank (PipelineMonitor gathers every stage's timings).
+        if group is dist.group.WORLD and self.topology is not None and self._dp_groups:
             group = self._dp_groups[self.stage]
         return super().all_gather(tensor, group=group, sync_grads=sync_grads)
 
