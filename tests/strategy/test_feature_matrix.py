@@ -232,7 +232,7 @@ ROWS: list[Row] = [
     Row("EarlyStopping", trainer=dict(VAL, max_steps=8, val_check_interval=2),
         callbacks=lambda root: [EarlyStopping("val_loss", min_delta=10.0, patience=1)], observe=_stopped,
         check=_stopped_early),
-    Row("EMAWeightAveraging", callbacks=lambda root: [EMAWeightAveraging()],
+    Row("EMAWeightAveraging", trainer=dict(VAL, val_check_interval=2), callbacks=lambda root: [EMAWeightAveraging()],
         note="one process only: refused on processes, where a rank holds only its stage"),
     Row("StochasticWeightAveraging", how=ERROR + "StochasticWeightAveraging is not supported under PACIStrategy",
         trainer=EPOCHS, callbacks=lambda root: [StochasticWeightAveraging(swa_lrs=1e-3, swa_epoch_start=1)]),

@@ -214,6 +214,7 @@ class _LogsFromPipelineLoss(GPT):
         gathered = self.all_gather(torch.tensor([float(batch_idx) + 1.0]))
         self.log("gathered_sum", gathered.sum(), batch_size=batch[0].shape[0])
         self.log("gathered_count", float(gathered.numel()), batch_size=batch[0].shape[0])
+        self.log("gathered_dim", float(gathered.dim()), batch_size=batch[0].shape[0])  # stacked: (replicas, 1)
         return super().validation_step(batch, batch_idx)
 
 
@@ -241,7 +242,7 @@ def test_metrics_logged_in_pipeline_loss_reach_the_logger(tmp_path):
     metrics = json.loads(out.read_text())
     assert metrics["train_items"] == 4 * 32  # batch_size x block tokens, every micro-batch
     assert "train_loss" in metrics
-    assert metrics["gathered_count"] == 1.0 and metrics["gathered_sum"] == 1.0
+    assert metrics["gathered_count"] == 1.0 and metrics["gathered_sum"] == 1.0 and metrics["gathered_dim"] == 2.0
 
 
 class _RecordSteps(L.Callback):
