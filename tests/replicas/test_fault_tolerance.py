@@ -46,6 +46,13 @@ class _Timeline(Callback):
         if trainer.global_rank == 0:
             seen = {"step": trainer.global_step, "at": time.time()}
             Path(self.out, f"start-{self.group}-{self.attempt}.json").write_text(json.dumps(seen))
+        if self.group == 1 and self.attempt == 0:
+            # Group 1 waits for group 0 to be training: on a busy machine group 0 started seconds late, and group
+            # 1's fast quorums (torchft: the previous participants, all present) ran all 20 steps without it, so
+            # the two never synced together and the kill below never came.
+            deadline = time.monotonic() + 120
+            while not Path(self.out, "start-0-0.json").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_rank == 0 and (not self.steps or self.steps[-1][0] != trainer.global_step):
