@@ -108,6 +108,22 @@ def await_failure(grace: float = PUBLISH_GRACE_S) -> str | None:
         time.sleep(0.05)
 
 
+def explain_link_failure(err: BaseException, timed_out: tuple[str, str], lost: tuple[str, str]) -> str:
+    """The message of a transfer that failed with ``err``, for a stage link and the tied-weight exchange alike:
+    ``head: the pipeline stopped because <the cause a rank published>``, else ``head: fallback``, with ``(head,
+    fallback)`` from ``timed_out`` or ``lost``. A timeout reads what is published now (a stage further up may have
+    timed out on the real culprit first) and is not published itself: it may be an innocent rank waiting on a chain
+    that ends at the hung one. A lost peer awaits the peer's own report (it may publish a moment after its
+    connections close) and, confirmed, is published as the run's cause."""
+    is_late = is_timeout(err)
+    head, fallback = timed_out if is_late else lost
+    cause = read_failure() if is_late else await_failure()
+    message = f"{head}: " + (f"the pipeline stopped because {cause}" if cause else fallback)
+    if not is_late:
+        report_failure(message)
+    return message
+
+
 def report_lost_peers(here: str, err: BaseException) -> None:
     """Print what ``here`` (``stage s (rank r)``) saw: a raw communication error (`is_raw_comm_error`), with the
     cause a peer published (awaited, unless it timed out: a timeout's cause may never be published) and, for a

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from lit_efficient.runtime.stage import Payload
 from lit_efficient.transport.collectives import all_reduce_in_rank_order
-from lit_efficient.transport.failures import PipelineCommError, await_failure, is_timeout, read_failure, report_failure
+from lit_efficient.transport.failures import PipelineCommError, explain_link_failure
 from lit_efficient.transport.trace_hooks import trace_issue, trace_wait
 from lit_efficient.transport.wire import (
     HEADER_LEN,
@@ -386,27 +386,17 @@ class PointToPoint:
         me = f"stage {self.stage} (rank {self.rank})"
         them = f"stage {self._stage_of_rank(peer)} (rank {peer})"
         waiting = f"{what} of micro-batch {microbatch}"
-        timed_out = is_timeout(err)
-        if timed_out:
-            cause = read_failure()  # a stage further up may have timed out on the real culprit first
-            message = (
-                f"{me} waited {self._timeout.total_seconds():.0f}s for {waiting} with {them} and got nothing: "
-                + (
-                    f"the pipeline stopped because {cause}"
-                    if cause
-                    else "that stage is hung or much slower. If it is only slow, raise PACIStrategy(p2p_timeout=...)."
-                )
-            )
-        else:
-            cause = await_failure()
-            message = f"{me} lost its connection to {them} while exchanging {waiting}: " + (
-                f"the pipeline stopped because {cause}" if cause else f"{them} died (killed? out of memory?)"
-            )
-        if not timed_out:
-            # Only a confirmed failure is published: a timeout may be an innocent rank waiting on a
-            # chain that ends at the hung stage, and must not be named as the cause to the others.
-            report_failure(message)
-        return message
+        return explain_link_failure(
+            err,
+            timed_out=(
+                f"{me} waited {self._timeout.total_seconds():.0f}s for {waiting} with {them} and got nothing",
+                "that stage is hung or much slower. If it is only slow, raise PACIStrategy(p2p_timeout=...).",
+            ),
+            lost=(
+                f"{me} lost its connection to {them} while exchanging {waiting}",
+                f"{them} died (killed? out of memory?)",
+            ),
+        )
 
 
 class TiedExchange:
@@ -498,17 +488,9 @@ class TiedExchange:
             raise PipelineCommError(self._explain(what, err)) from err
 
     def _explain(self, what: str, err: RuntimeError) -> str:
-        """As `PointToPoint._explain`: the cause a peer published (waited for: it may publish a moment after its
-        connections close) rather than this rank's view of it; only a lost peer, not a timeout, is published."""
         them = f"stage {self.peer_stage} (rank {self.peer})"
         head = f"stage {self.stage} (rank {self.rank}) failed the tied-weight gradient {what} with {them}"
-        if is_timeout(err):
-            cause = read_failure()
-            return f"{head}: " + (f"the pipeline stopped because {cause}" if cause else f"{err}")
-        cause = await_failure()
-        message = f"{head}: " + (f"the pipeline stopped because {cause}" if cause else f"{them} died ({err})")
-        report_failure(message)
-        return message
+        return explain_link_failure(err, timed_out=(head, f"{err}"), lost=(head, f"{them} died ({err})"))
 
 
 class GroupStageSum:

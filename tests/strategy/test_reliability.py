@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import lightning as L
@@ -557,10 +558,10 @@ def test_a_send_to_a_dead_peer_is_named_like_a_receive_from_one(monkeypatch):
 
     monkeypatch.setattr(process.dist, "isend", closed)
     monkeypatch.setattr(failures, "read_failure", lambda: None)
-    monkeypatch.setattr(process, "report_failure", lambda message: None)
-    monkeypatch.setattr(process, "await_failure", lambda: None)
+    monkeypatch.setattr(failures, "report_failure", lambda message: None)
+    monkeypatch.setattr(failures, "await_failure", lambda: None)
     p2p = process.PointToPoint.__new__(process.PointToPoint)
-    p2p.stage, p2p.rank, p2p._stage_of_rank = 1, 0, lambda rank: 0
+    p2p.stage, p2p.rank, p2p._stage_of_rank, p2p._timeout = 1, 0, lambda rank: 0, timedelta(seconds=5)
     p2p._groups = type("Groups", (), {"carrying": lambda self, src, dst: None})()
     said = r"stage 1 \(rank 0\) lost its connection to stage 0 \(rank 1\) while exchanging activations of micro-batch 3"
     with pytest.raises(failures.PipelineCommError, match=said + r": stage 0 \(rank 1\) died"):
