@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from subprocess import Popen
 
 GRACE_S = 5.0  # how long a started rank has to end on its own before it is killed
+_KILL = getattr(signal, "SIGKILL", signal.SIGTERM)  # Windows has no SIGKILL (Lightning's observer does the same)
 
 
 def alive(pid: int) -> bool:
@@ -44,7 +45,7 @@ def stop(pids: Sequence[int], grace: float = GRACE_S, first: int | None = None, 
         time.sleep(0.05)
     killed = [p for p in running if alive(p)]
     for pid in killed:
-        _signal(pid, signal.SIGKILL)
+        _signal(pid, _KILL)
     return killed
 
 
@@ -58,9 +59,6 @@ def watch_after_exit(pids: Sequence[int], grace: float = GRACE_S) -> None:
             [sys.executable, "-m", "lit_efficient.rank_reaper", str(os.getpid()), str(grace), *map(str, pids)],
             start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
         )  # fmt: skip
-
-
-_KILL = getattr(signal, "SIGKILL", signal.SIGTERM)  # Windows has no SIGKILL (Lightning's observer does the same)
 
 
 class RankObserver(threading.Thread):

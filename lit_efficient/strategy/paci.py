@@ -976,7 +976,7 @@ class PACIStrategy(DDPStrategy):
             here = (
                 f"the pipeline of {self.pipeline_stages} stages in this process"
                 if self.in_process
-                else (f"stage {self.stage} (rank {self.global_rank})")
+                else f"stage {self.stage} (rank {self.global_rank})"
             )
             if not self.in_process and is_raw_comm_error(exception):  # a peer's failure seen here: name its cause
                 report_lost_peers(here, exception)
