@@ -1,9 +1,12 @@
-"""Lightning's model summary of a split module: the whole model's totals, not the share of rank 0's stage.
+"""Lightning's model summary of a split module: the whole model's table, not the share of rank 0's stage.
 
 Lightning's `ModelSummary` callback counts ``pl_module.parameters()`` at ``on_fit_start``, after the strategy has
-split the module: on processes rank 0 showed its stage's share as "Total params" (90.7K of a 164.9K model).
-`PACIStrategy` gives the stock summary callbacks (plain and Rich) this subclass in ``setup``, as it does the
-progress bars; the table's rows stay the module's children as this rank holds them.
+split the module: on processes rank 0 showed its stage's share as "Total params" (90.7K of a 164.9K model), and
+its rows the layers it holds, a layer of another stage as an empty ``LayerOnOtherStage`` (the rows did not add up
+to the total). `PACIStrategy` gives the stock summary callbacks (plain and Rich) this subclass in ``setup``, as it
+does the progress bars: every row counts and names its layers as the unsplit module has them (a placeholder by the
+structure it keeps), the totals count the whole model, a tied parameter once. One process holds every layer and
+prints what plain Lightning prints.
 """
 
 from __future__ import annotations
@@ -14,32 +17,67 @@ from typing import Any
 
 from lightning.pytorch.callbacks import ModelSummary
 
+from lit_efficient.runtime.split import LayerOnOtherStage, whole_model_parameters
 
-class _WholeTotals:
-    """A Lightning summary whose totals and size are the whole model's; everything else is the summary's own."""
 
-    def __init__(self, summary: Any, total: int, trainable: int) -> None:
-        self._summary, self.total_parameters, self.trainable_parameters = summary, total, trainable
+@cache
+def _whole_model_table(kind: type) -> type:
+    """``kind`` (the summary class Lightning built) with its rows and totals read as the unsplit module has them."""
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._summary, name)
+    class WholeModelSummary(kind):
+        _whole_totals: tuple[int, int]
 
-    @property
-    def model_size(self) -> float:
-        return self.total_parameters * self._summary._precision_megabytes
+        @property
+        def layer_types(self) -> list[str]:
+            return [type(_as_unsplit(layer._module)).__name__ for layer in self._layer_summary.values()]
+
+        @property
+        def param_nums(self) -> list[int]:
+            # Each row on its own, as Lightning counts it: a parameter tied across two rows is in both.
+            return [whole_model_parameters(layer._module)[0] for layer in self._layer_summary.values()]
+
+        @property
+        def total_training_modes(self) -> dict[str, int]:
+            modes = [m.training for m in _unsplit_modules(self._model)][1:]  # the root module is not counted
+            return {"train": modes.count(True), "eval": modes.count(False)}
+
+        @property
+        def total_parameters(self) -> int:
+            return self._whole_totals[0]
+
+        @property
+        def trainable_parameters(self) -> int:
+            return self._whole_totals[1]
+
+    WholeModelSummary.__name__ = WholeModelSummary.__qualname__ = kind.__name__
+    return WholeModelSummary
+
+
+def _as_unsplit(module: Any) -> Any:
+    return module.structure if isinstance(module, LayerOnOtherStage) else module
+
+
+def _unsplit_modules(module: Any) -> list[Any]:
+    """``module.modules()`` with every placeholder's structure in its place."""
+    found = []
+    for m in module.modules():
+        found.extend(m.structure.modules() if isinstance(m, LayerOnOtherStage) else [m])
+    return found
 
 
 @cache
 def _whole_model_summary(kind: type[ModelSummary]) -> type[ModelSummary]:
     def _summary(self: ModelSummary, trainer: Any, pl_module: Any) -> Any:
         summary = kind._summary(self, trainer, pl_module)
-        return _WholeTotals(summary, *self._whole_model_parameters())
+        summary.__class__ = _whole_model_table(type(summary))
+        summary._whole_totals = self._whole_model_parameters()
+        return summary
 
     return type(kind.__name__, (kind,), {"_summary": _summary, "__module__": kind.__module__})
 
 
 def count_the_whole_model(trainer: Any, counts: Callable[[], tuple[int, int]]) -> None:
-    """Give the trainer's summary callbacks the whole model's totals, ``counts()`` when they summarize."""
+    """Give the trainer's summary callbacks the whole model's table, ``counts()`` as its totals."""
     for callback in trainer.callbacks:
         if isinstance(callback, ModelSummary):
             if not getattr(callback, "_whole_model_parameters", None):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 
 from lit_efficient.strategy.progress import StepAwareRichProgressBar, StepAwareTQDMProgressBar, swap_stock_progress_bar
@@ -60,19 +61,32 @@ def _summarized(rank: int, world: int, frozen: bool) -> dict:
     trainer.fit(model, datamodule=text_data())
     (callback,) = [c for c in trainer.callbacks if isinstance(c, ModelSummary)]
     summary = callback._summary(trainer, model)
-    return {"total": summary.total_parameters, "trainable": summary.trainable_parameters, "mb": summary.model_size}
+    table = {k: v for k, v in summary._get_summary_data() if k in _COLUMNS}
+    return {"total": summary.total_parameters, "trainable": summary.trainable_parameters, "mb": summary.model_size,
+            "table": table, "modes": summary.total_training_modes}  # fmt: skip
 
 
-def test_the_model_summary_on_processes_counts_the_whole_model():
-    """Under PACI on processes Lightning's summary showed rank 0's stage as "Total params" (90.7K of a 164.9K model):
-    every rank now shows the whole model's totals, a tied embedding once, a frozen table as non-trainable."""
+_COLUMNS = ("Name", "Type", "Params", "Mode")
+
+
+@pytest.mark.multiproc
+def test_the_model_summary_on_processes_is_the_unsplit_models():
+    """Under PACI on processes Lightning's summary showed rank 0's stage as "Total params" (90.7K of a 164.9K model),
+    and rows that did not add up to the totals: the layers of the other stage as an empty ``LayerOnOtherStage``.
+    Every rank now shows plain Lightning's table of the unsplit model (names, types, parameters per row, modes),
+    the whole model's totals, a tied embedding once, a frozen table as non-trainable."""
+    from lightning.pytorch.utilities.model_summary import summarize
+
     from tests.support.gpt_runs import gpt_model
     from tests.support.multiproc import spawn, values
 
     whole = gpt_model(tie_weights=True)
+    plain = summarize(whole, max_depth=1)
+    table = {k: v for k, v in plain._get_summary_data() if k in _COLUMNS}
     total = sum(p.numel() for p in whole.parameters())
     frozen = whole.embed.wpe.weight.numel()
     for freeze in (False, True):
         for got in values(spawn(_summarized, 2, freeze, torchrun_env=True)):
             assert got["total"] == total and got["trainable"] == total - (frozen if freeze else 0), got
             assert abs(got["mb"] - total * 4 / 1e6) < 1e-9
+            assert got["table"] == table and got["modes"] == plain.total_training_modes, (got, table)
