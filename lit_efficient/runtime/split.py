@@ -138,22 +138,6 @@ def _parameters_of(layer: nn.Module) -> int:
     return own + sum(p.numel() for part in away for p in part.parameters())
 
 
-def whole_model_parameters(module: nn.Module, ties: Sequence[Tie] = ()) -> tuple[int, int]:
-    """(all, trainable) parameters of the unsplit module, counted on any process of a split one: the parts here and
-    the structure of every placeholder, each name once, a tied parameter once (as ``module.parameters()`` of the
-    whole module counts it; the pipeline holds a copy on each of the two stages)."""
-    aliases = {tie.alias for tie in ties}
-    named = dict(module.named_parameters(remove_duplicate=False))
-    for path, m in module.named_modules():
-        if isinstance(m, LayerOnOtherStage):
-            named.update({f"{path}.{name}": p for name, p in m.structure.named_parameters(remove_duplicate=False)})
-    unique: dict[int, nn.Parameter] = {}
-    for name, p in named.items():
-        if name not in aliases:
-            unique.setdefault(id(p), p)
-    return sum(p.numel() for p in unique.values()), sum(p.numel() for p in unique.values() if p.requires_grad)
-
-
 def check_sharing(module: nn.Module, layers: Sequence[nn.Module], sizes: Sequence[int]) -> list[Tie]:
     """The parameters shared across stages, each a `Tie` of the first and the last layer; raises for any
     other sharing (between other layers on different stages, or by more than two layers)."""

@@ -58,7 +58,6 @@ from lit_efficient.runtime.split import (
     separate_tied_copies,
     split_module,
     tie_again,
-    whole_model_parameters,
 )
 from lit_efficient.runtime.stage import PipelineStage
 from lit_efficient.runtime.staleness import (
@@ -700,7 +699,7 @@ class PACIStrategy(DDPStrategy):
             warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
         swap_stock_progress_bar(trainer)
         split = self._split
-        count_the_whole_model(trainer, lambda: whole_model_parameters(module, split.ties if split else ()))
+        count_the_whole_model(trainer, lambda: split.ties if split else ())
         if not any(isinstance(cb, SyncCallbackMetrics) for cb in trainer.callbacks):
             trainer.callbacks.insert(0, SyncCallbackMetrics())
         agree_on_evaluation_results(trainer)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+import torch
 from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 
 from lit_efficient.strategy.progress import StepAwareRichProgressBar, StepAwareTQDMProgressBar, swap_stock_progress_bar
@@ -61,12 +62,14 @@ def _summarized(rank: int, world: int, frozen: bool) -> dict:
     trainer.fit(model, datamodule=text_data())
     (callback,) = [c for c in trainer.callbacks if isinstance(c, ModelSummary)]
     summary = callback._summary(trainer, model)
-    table = {k: v for k, v in summary._get_summary_data() if k in _COLUMNS}
+    callback._max_depth = -1  # every module a row, those of the other stage's layers too
     return {"total": summary.total_parameters, "trainable": summary.trainable_parameters, "mb": summary.model_size,
-            "table": table, "modes": summary.total_training_modes}  # fmt: skip
+            "table": _table(summary), "modes": summary.total_training_modes,
+            "deep": _table(callback._summary(trainer, model))}  # fmt: skip
 
 
-_COLUMNS = ("Name", "Type", "Params", "Mode")
+def _table(summary) -> dict[str, list[str]]:
+    return {k: v for k, v in summary._get_summary_data() if k in ("Name", "Type", "Params", "Mode")}
 
 
 @pytest.mark.multiproc
@@ -81,8 +84,8 @@ def test_the_model_summary_on_processes_is_the_unsplit_models():
     from tests.support.multiproc import spawn, values
 
     whole = gpt_model(tie_weights=True)
-    plain = summarize(whole, max_depth=1)
-    table = {k: v for k, v in plain._get_summary_data() if k in _COLUMNS}
+    plain, deep = summarize(whole, max_depth=1), _table(summarize(whole, max_depth=-1))
+    table = _table(plain)
     total = sum(p.numel() for p in whole.parameters())
     frozen = whole.embed.wpe.weight.numel()
     for freeze in (False, True):
@@ -90,3 +93,34 @@ def test_the_model_summary_on_processes_is_the_unsplit_models():
             assert got["total"] == total and got["trainable"] == total - (frozen if freeze else 0), got
             assert abs(got["mb"] - total * 4 / 1e6) < 1e-9
             assert got["table"] == table and got["modes"] == plain.total_training_modes, (got, table)
+            assert got["deep"] == deep, (got["deep"], deep)
+
+
+def test_the_model_summary_in_one_process_counts_a_tied_weight_once_in_the_row_that_holds_both_copies():
+    """One process holds both stages, the last with its own copy of a tied weight: a Hugging Face model is one row
+    (``model``) holding the embedding and the head, which counted the weight twice, as two parameters."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelSummary
+    from lightning.pytorch.utilities.model_summary import summarize
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from lit_efficient import PACIStrategy
+    from lit_efficient.models import HFCausalLM
+    from tests.support.gpt_runs import gpt_trainer, text_data
+
+    def tied_gpt2() -> HFCausalLM:
+        config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=256, n_positions=32, tie_word_embeddings=True)
+        torch.manual_seed(0)
+        return HFCausalLM(GPT2LMHeadModel(config), warmup_steps=0, max_steps=1)
+
+    class AsPrinted(L.Callback):  # the summary of on_fit_start, while the copies are apart (fit ties them again)
+        def on_fit_start(self, trainer, pl_module):
+            (callback,) = [c for c in trainer.callbacks if isinstance(c, ModelSummary)]
+            summary = callback._summary(trainer, pl_module)
+            self.table, self.total = _table(summary), summary.total_parameters
+
+    printed = AsPrinted()
+    trainer = gpt_trainer(PACIStrategy(pipeline_stages=2), 1, 1, enable_model_summary=True, callbacks=[printed])
+    trainer.fit(tied_gpt2(), datamodule=text_data())
+    plain = summarize(tied_gpt2(), max_depth=1)
+    assert (printed.table, printed.total) == (_table(plain), plain.total_parameters)
