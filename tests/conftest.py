@@ -6,6 +6,9 @@ from it, instead of each spawned rank importing torch and Lightning afresh (abou
 on these machines, most of a multi-process test's time). Set here, before any server starts, with no
 import of Lightning: importing it before pytest's log capture is installed would turn off the
 propagation of Lightning's log records that tests read through ``caplog``.
+
+The suite runs on two pytest-xdist workers (pyproject's ``-n auto --dist loadgroup``; ``-n 0`` runs it serially),
+arranged at the end of this file: which tests may run beside which.
 """
 
 import multiprocessing
@@ -16,6 +19,7 @@ multiprocessing.set_forkserver_preload(
 
 
 import os  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -47,3 +51,112 @@ def demo_model(tmp_path_factory):
     from tests.support.examples import own_hf_model
 
     return own_hf_model().make_demo_folder(tmp_path_factory.mktemp("my_model"), vocab_size=300, text_bytes=300_000)
+
+
+# -- two tests at a time (pyproject's addopts: ``-n auto --dist loadgroup``) ------------------------------------------
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config):
+    """Two workers: these machines have two cores, and the multi-process tests run serially left one of them idle
+    37% of the suite's time, waiting on timeouts by design or on a one-thread rank. More would put several
+    computing multi-process tests on two cores; one core gets one worker. PYTEST_XDIST_AUTO_NUM_WORKERS wins."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None  # xdist's own hook reads it
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return min(2, cores)
+
+
+# Multi-process tests that mostly wait by design (a peer's timeout, a grace period, a kill): 73% of the hung-rank
+# test's time has a core idle. Their group runs beside the other multi-process tests' group.
+_WAITING_FILES = {Path(__file__).parent / "strategy" / "test_reliability.py"}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Two groups of ``multiproc`` tests, each on one worker, one test after another (xdist's ``loadgroup``; its
+    own hook reads the mark after this one): the tests that wait on failures, and the others. At most one test
+    that computes on several ranks runs at a time; a worker takes in-process tests when its group is done."""
+    for item in items:
+        if item.get_closest_marker("multiproc"):
+            waiting = Path(item.path) in _WAITING_FILES
+            item.add_marker(pytest.mark.xdist_group("failures" if waiting else "processes"))
+
+
+_running: list = [None]  # the test item running in this process
+
+
+def _ranks_only_in_multiproc_tests() -> None:
+    """A test that starts ranks (a forkserver's or spawned process) without the ``multiproc`` mark would run them
+    outside its group, beside another test's ranks, and in the quick subset: it fails, saying so."""
+    import multiprocessing.context
+    import multiprocessing.process
+
+    start = multiprocessing.process.BaseProcess.start
+    kinds = (multiprocessing.context.ForkServerProcess, multiprocessing.context.SpawnProcess)
+
+    def checked_start(self):
+        item = _running[0]
+        loader = getattr(getattr(self, "_target", None), "__module__", "").startswith("torch.utils.data")
+        if isinstance(self, kinds) and not loader and item is not None and not item.get_closest_marker("multiproc"):
+            raise RuntimeError(f"{item.nodeid} starts processes: mark it @pytest.mark.multiproc (tests/conftest.py)")
+        return start(self)
+
+    multiprocessing.process.BaseProcess.start = checked_start
+
+
+_ranks_only_in_multiproc_tests()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Each test, setup to teardown: known to the rank check above, and sharing the machine as it may."""
+    _running[0] = item
+    try:
+        yield from _sharing_the_machine(item)
+    finally:
+        _running[0] = None
+
+
+def _sharing_the_machine(item):
+    """A test marked ``alone`` runs with no other test beside it: a timing it checks against a model would read the
+    other worker's load. The other tests share the machine. A readers-writer lock on files of this run (in the
+    folder of its workers' temporary folders), with a turnstile so that a waiting ``alone`` test is not starved by
+    the other worker's stream of short tests. POSIX record locks (``lockf``): a DataLoader worker forked during a
+    test does not inherit them, so it cannot hold the machine after its test. A lock not had in 15 minutes is
+    given up with a warning (the test then runs beside the other worker): a wedged peer must not hang the suite."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:  # not under xdist: every test runs alone anyway
+        yield
+        return
+    import fcntl
+
+    folder = item.config._tmp_path_factory.getbasetemp().parent  # one per run, shared by its workers
+    alone = item.get_closest_marker("alone") is not None
+    with open(folder / "tests.turnstile", "a+") as turnstile, open(folder / "tests.machine", "a+") as machine:
+        held = _lock(turnstile, fcntl.LOCK_EX, item)
+        held = _lock(machine, fcntl.LOCK_EX if alone else fcntl.LOCK_SH, item) and held
+        if held and not alone:
+            fcntl.lockf(turnstile, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.lockf(machine, fcntl.LOCK_UN)
+            fcntl.lockf(turnstile, fcntl.LOCK_UN)
+
+
+def _lock(file, kind: int, item, patience: float = 900.0) -> bool:
+    import fcntl
+    import time
+    import warnings
+
+    deadline = time.monotonic() + patience
+    while True:
+        try:
+            fcntl.lockf(file, kind | fcntl.LOCK_NB)
+            return True
+        except OSError:
+            if time.monotonic() > deadline:
+                message = f"{item.nodeid}: no test lock after {patience:.0f} s; running beside the other worker"
+                warnings.warn(message, stacklevel=2)
+                return False
+            time.sleep(0.05)

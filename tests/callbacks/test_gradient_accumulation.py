@@ -284,7 +284,7 @@ def test_state_dict_round_trip():
     assert other.state_dict() == {"steps": 3, "normalize": "mean"}  # this run's arguments win
 
 
-@pytest.mark.parametrize("strategy", ["auto", "pipeline", "processes"])
+@pytest.mark.parametrize("strategy", ["auto", "pipeline", pytest.param("processes", marks=pytest.mark.multiproc)])
 def test_a_schedule_resumed_mid_epoch_uses_that_epochs_n(tmp_path, strategy):
     """{0: 1, 1: 2}, resumed from step 10 (two windows into epoch 1): setup saw epoch 0 (Lightning restores the loops
     after it) and Lightning skips on_train_epoch_start for the epoch it restarts in, so the rest of epoch 1 ran with

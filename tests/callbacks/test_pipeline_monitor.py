@@ -174,6 +174,7 @@ class _Probe(L.Callback):
 
 
 @pytest.mark.multiproc
+@pytest.mark.alone  # its utilization is checked against the simulator: no other test on the cores
 def test_pipeline_run_logs_every_key_matches_simulator_and_draws_timeline(tmp_path):
     """One spawned PACI run (2 balanced stages, N=4, M=32 micro-batches, one epoch) checks three things.
 

@@ -402,6 +402,7 @@ def _fit_then_evaluate(rank: int, world: int, root: str) -> dict:
     return {"losses": losses, "predictions": predictions}
 
 
+@pytest.mark.multiproc
 def test_evaluating_after_fit_on_processes_answers_as_one_device(tmp_path):
     """Lightning's most common pattern, fit then validate/test/predict on the same Trainer, under PACI on two
     processes: a Hugging Face model's layers are discovered once, not again on a rank whose module is split (that

@@ -203,6 +203,7 @@ def test_trainer_on_one_device_equals_processes(tmp_path, stages, schedule, reco
     assert json.loads(Path(tmp_path, "procs/stage0.json").read_text())["compiled"] is compiled
 
 
+@pytest.mark.multiproc
 def test_resume_across_layouts(tmp_path):
     """A one-process checkpoint resumes in one process and on S processes, along the uninterrupted trajectory.
     (The other direction follows: the Trainer test above finds the two layouts' checkpoint files identical.)"""
