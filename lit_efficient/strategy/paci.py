@@ -107,6 +107,7 @@ from lit_efficient.strategy.trainer_glue import (
     agree_on_evaluation_results,
     batch_size_of,
     carry_step_count_to_automatic,
+    check_stages_read_alike,
     first_training_batch,
     keep_launch_random_streams,
     keep_users_sampler,
@@ -334,6 +335,7 @@ class PACIStrategy(DDPStrategy):
         self._compiled_steps: dict[str, Any] = {}  # a torch.compile-d module's steps, set aside while it trains
         self.on_nonfinite = on_nonfinite
         self._loss_trend = LossTrend()
+        self._first_batch_unchecked = False
         self.checkpoint_format = checkpoint_format
         self.async_checkpoint = async_checkpoint
         self.local_sgd_steps = local_sgd_steps
@@ -538,6 +540,7 @@ class PACIStrategy(DDPStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             self._loss_trend = LossTrend()  # a blow-up of this fit's loss against its own trend: one warning
+            self._first_batch_unchecked = not self.in_process  # one process reads one stream
             self._was_automatic = module.automatic_optimization
             module.automatic_optimization = False  # the stages zero, accumulate and step themselves
             if ties and {0, self.pipeline_stages - 1} <= set(hosted):
@@ -869,6 +872,9 @@ class PACIStrategy(DDPStrategy):
         loop = trainer.fit_loop.epoch_loop
         log_once_per_optimizer_step(trainer)  # rows as one device writes them under accumulation
         self._update_accumulation(trainer, batch_idx)
+        if self._first_batch_unchecked:
+            self._first_batch_unchecked = False
+            check_stages_read_alike(batch, self.topology, self._signal_group)
         if self._in_sync_start and trainer.global_step >= self.sync_start and self.runtime.drained:
             self._end_sync_start()
         loss = self.runtime.feed(batch, batch_idx)

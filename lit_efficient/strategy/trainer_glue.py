@@ -2,15 +2,18 @@
 
 The sampler a one-replica pipeline keeps (the user's own), the random streams every stage starts from, the
 step count Lightning reads after fit, the callback metrics every rank must agree on (`SyncCallbackMetrics`,
-the strategy's own callback), where torchmetrics sync, how gradients are normalized, and a batch's size.
+the strategy's own callback), where torchmetrics sync, how gradients are normalized, a batch's size, and the
+check that the stages of a pipeline read the same batches.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import re
 from typing import Any, Literal
 
+import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.seed import _set_rng_states
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -19,6 +22,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lit_efficient.runtime.profile import first_batch
+from lit_efficient.runtime.topology import Topology
 
 
 class SyncCallbackMetrics(Callback):
@@ -187,3 +191,41 @@ def first_tensor(batch: Any) -> Tensor | None:
 def batch_size_of(batch: Any) -> int | None:
     first = first_tensor(batch)
     return None if first is None else int(first.shape[0])
+
+
+def check_stages_read_alike(batch: Any, topology: Topology, group: dist.ProcessGroup) -> None:
+    """Raise on every rank when the stages of a pipeline read different first training batches. Stage 0 computes
+    on its batch's inputs and the last stage scores the result against its own batch's labels: batches that
+    differ train on mismatched pairs, silently. The strategy gives every rank rank 0's random streams and the
+    same loader, so this catches data that each process draws or orders on its own (a generator seeded from the
+    OS, a file listing in another order). Once per fit, at its first batch: a collective of every rank."""
+    every: list[Any] = [None] * topology.world_size
+    dist.all_gather_object(every, batch_fingerprint(batch), group=group)
+    for replica in range(topology.num_replicas):
+        first = topology.rank_of(0, replica)
+        differ = [r for r in topology.pipeline_ranks(replica) if every[r] != every[first]]
+        if differ:
+            stages = ", ".join(f"stage {topology.stage_of(r)} (rank {r})" for r in differ)
+            raise RuntimeError(
+                f"PACIStrategy: the stages of a pipeline read different first training batches: stage 0 (rank "
+                f"{first}) and {stages}. Stage 0 computes on its batch and the last stage scores against its own "
+                "batch's labels, so every stage must read the same batches in the same order (the strategy gives "
+                "every rank rank 0's random streams and the user's loader). Look for data each process draws or "
+                "orders on its own: a generator seeded from the OS (np.random.default_rng(), random.Random()) in "
+                "a Dataset, collate_fn or setup(), files listed in a process-dependent order; seed it from "
+                "torch.initial_seed() or sort it."
+            )
+
+
+def batch_fingerprint(batch: Any) -> str:
+    """A digest of a batch's structure and its tensors' bytes, equal on two processes for equal batches."""
+    leaves, spec = torch.utils._pytree.tree_flatten(batch)
+    digest = hashlib.blake2b(str(spec).encode(), digest_size=16)
+    for leaf in leaves:
+        if isinstance(leaf, Tensor):
+            t = leaf.detach().cpu().contiguous().reshape(-1)
+            digest.update(f"{t.dtype}{tuple(leaf.shape)}".encode())
+            digest.update(t.view(torch.uint8).numpy().tobytes())
+        elif isinstance(leaf, (str, bytes, int, float, bool, type(None))):  # not an object's address-bearing repr
+            digest.update(repr(leaf).encode())
+    return digest.hexdigest()

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import lightning.pytorch as L
+import numpy as np
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
@@ -46,7 +47,13 @@ def _loader() -> DataLoader:
     return DataLoader(TensorDataset(x, x.roll(-1, 1)), batch_size=2, shuffle=True)  # no generator: global stream
 
 
-def _fit(seed: bool, callback: Callback, **kw) -> None:
+def _own_draws_loader() -> DataLoader:
+    """Data drawn from a generator the process seeds from the OS: another batch on every rank that builds it."""
+    x = torch.from_numpy(np.random.default_rng().integers(0, 256, (48, 8)))
+    return DataLoader(TensorDataset(x, x.roll(-1, 1)), batch_size=2)
+
+
+def _fit(seed: bool, callback: Callback, loader=_loader, **kw) -> None:
     if seed:
         L.seed_everything(0)
     model = GPT(n_layer=2, n_head=2, n_embd=32, block_size=8, vocab_size=256, warmup_steps=1, max_steps=4)
@@ -54,7 +61,7 @@ def _fit(seed: bool, callback: Callback, **kw) -> None:
         accelerator="cpu", max_steps=4, accumulate_grad_batches=2, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[callback], **kw,
     )  # fmt: skip
-    trainer.fit(model, _loader())
+    trainer.fit(model, loader())
 
 
 @pytest.mark.usefixtures("one_thread")
@@ -68,20 +75,25 @@ def test_one_process_pipeline_reads_the_loader_as_one_device_does() -> None:
 
 REPO = Path(__file__).resolve().parents[2]
 _SCRIPT = """
-import sys
+import os, sys
 sys.path.insert(0, {repo!r})
 from pathlib import Path
 from lit_efficient import PACIStrategy
-from tests.strategy.test_loader_random_stream import _Batches, _fit
+from tests.strategy.test_loader_random_stream import _Batches, _fit, _own_draws_loader
 
 if __name__ == "__main__":
     out = Path(sys.argv[1])
     # The default start_method, "popen": every rank runs this script, as under torchrun. First a fit without
     # seed_everything, in processes fresh as a user's (each rank's stream is its own draw), then one with it (one
-    # launch for both: the second fit runs on the ranks the first started).
+    # launch for all: the later fits run on the ranks the first started).
     for seed in (False, True):
         strategy = PACIStrategy(pipeline_stages=2, schedule="1f1b_flush")
         _fit(seed, _Batches(out / ("seed" if seed else "noseed")), devices=2, strategy=strategy)
+    # Then data each rank draws on its own: every rank must refuse it at the first batch, naming the cause.
+    try:
+        _fit(True, _Batches(), _own_draws_loader, devices=2, strategy=PACIStrategy(pipeline_stages=2))
+    except RuntimeError as err:
+        (out / f"refused{{os.environ.get('LOCAL_RANK', '0')}}.txt").write_text(str(err))
 """
 
 
@@ -98,6 +110,9 @@ def test_every_stage_reads_the_batches_one_device_reads(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, str(script), str(tmp_path)], env=env, cwd=tmp_path,
                           capture_output=True, text=True, timeout=240)  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for r in range(2):  # a pipeline fed other batches on each stage trained on mismatched pairs, silently
+        refused = (tmp_path / f"refused{r}.txt").read_text()
+        assert "read different first training batches: stage 0 (rank 1) and stage 1 (rank 0)" in refused, refused
     for seed in ("noseed", "seed"):
         ranks = [json.loads(Path(tmp_path, seed, f"rank{r}.json").read_text()) for r in range(2)]
         assert len(ranks[0]) == 8
