@@ -335,7 +335,7 @@ class PACIStrategy(DDPStrategy):
         self._compiled_steps: dict[str, Any] = {}  # a torch.compile-d module's steps, set aside while it trains
         self.on_nonfinite = on_nonfinite
         self._loss_trend = LossTrend()
-        self._first_batch_unchecked = False
+        self._first_batch_unchecked = self._first_eval_batch_unchecked = False
         self.checkpoint_format = checkpoint_format
         self.async_checkpoint = async_checkpoint
         self.local_sgd_steps = local_sgd_steps
@@ -874,7 +874,7 @@ class PACIStrategy(DDPStrategy):
         self._update_accumulation(trainer, batch_idx)
         if self._first_batch_unchecked:
             self._first_batch_unchecked = False
-            check_stages_read_alike(batch, self.topology, self._signal_group)
+            check_stages_read_alike(batch, self.topology, self._signal_group, "training")
         if self._in_sync_start and trainer.global_step >= self.sync_start and self.runtime.drained:
             self._end_sync_start()
         loss = self.runtime.feed(batch, batch_idx)
@@ -1013,6 +1013,7 @@ class PACIStrategy(DDPStrategy):
     def _start_evaluation(self) -> None:
         self.drain()
         self._eval_index = 0
+        self._first_eval_batch_unchecked = not self.in_process  # each evaluation's first batch, as a fit's
 
     @override
     def on_validation_start(self) -> None:
@@ -1043,6 +1044,9 @@ class PACIStrategy(DDPStrategy):
 
     def _evaluation_step(self, hook: str, batch: Any, *args: Any, **kwargs: Any) -> Any:
         assert self.runtime is not None
+        if self._first_eval_batch_unchecked:
+            self._first_eval_batch_unchecked = False
+            check_stages_read_alike(batch, self.topology, self._signal_group, hook.removesuffix("_step"))
         outputs = self.runtime.evaluate(batch, self._eval_index)
         self._eval_index += 1
         if outputs is None:

@@ -53,7 +53,7 @@ def _own_draws_loader() -> DataLoader:
     return DataLoader(TensorDataset(x, x.roll(-1, 1)), batch_size=2)
 
 
-def _fit(seed: bool, callback: Callback, loader=_loader, **kw) -> None:
+def _fit(seed: bool, callback: Callback, loader=_loader, val=None, **kw) -> None:
     if seed:
         L.seed_everything(0)
     model = GPT(n_layer=2, n_head=2, n_embd=32, block_size=8, vocab_size=256, warmup_steps=1, max_steps=4)
@@ -61,7 +61,7 @@ def _fit(seed: bool, callback: Callback, loader=_loader, **kw) -> None:
         accelerator="cpu", max_steps=4, accumulate_grad_batches=2, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[callback], **kw,
     )  # fmt: skip
-    trainer.fit(model, loader())
+    trainer.fit(model, loader(), val() if val else None)
 
 
 @pytest.mark.usefixtures("one_thread")
@@ -79,7 +79,7 @@ import os, sys
 sys.path.insert(0, {repo!r})
 from pathlib import Path
 from lit_efficient import PACIStrategy
-from tests.strategy.test_loader_random_stream import _Batches, _fit, _own_draws_loader
+from tests.strategy.test_loader_random_stream import _Batches, _fit, _loader, _own_draws_loader
 
 if __name__ == "__main__":
     out = Path(sys.argv[1])
@@ -89,11 +89,15 @@ if __name__ == "__main__":
     for seed in (False, True):
         strategy = PACIStrategy(pipeline_stages=2, schedule="1f1b_flush")
         _fit(seed, _Batches(out / ("seed" if seed else "noseed")), devices=2, strategy=strategy)
-    # Then data each rank draws on its own: every rank must refuse it at the first batch, naming the cause.
-    try:
-        _fit(True, _Batches(), _own_draws_loader, devices=2, strategy=PACIStrategy(pipeline_stages=2))
-    except RuntimeError as err:
-        (out / f"refused{{os.environ.get('LOCAL_RANK', '0')}}.txt").write_text(str(err))
+    # Then data each rank draws on its own: every rank must refuse it at the first batch, naming the cause; for
+    # training data (after the sanity check's validation batches, which agree), and for validation data.
+    rank = os.environ.get("LOCAL_RANK", "0")
+    cases = (("train", dict(loader=_own_draws_loader, val=_loader)), ("val", dict(val=_own_draws_loader)))
+    for kind, loaders in cases:
+        try:
+            _fit(True, _Batches(), devices=2, strategy=PACIStrategy(pipeline_stages=2), **loaders)
+        except RuntimeError as err:
+            (out / f"refused_{{kind}}{{rank}}.txt").write_text(str(err))
 """
 
 
@@ -111,8 +115,9 @@ def test_every_stage_reads_the_batches_one_device_reads(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=240)  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     for r in range(2):  # a pipeline fed other batches on each stage trained on mismatched pairs, silently
-        refused = (tmp_path / f"refused{r}.txt").read_text()
-        assert "read different first training batches: stage 0 (rank 1) and stage 1 (rank 0)" in refused, refused
+        for kind, loop in (("train", "training"), ("val", "validation")):
+            refused = (tmp_path / f"refused_{kind}{r}.txt").read_text()
+            assert f"read different first {loop} batches: stage 0 (rank 1) and stage 1 (rank 0)" in refused, refused
     for seed in ("noseed", "seed"):
         ranks = [json.loads(Path(tmp_path, seed, f"rank{r}.json").read_text()) for r in range(2)]
         assert len(ranks[0]) == 8
