@@ -81,6 +81,8 @@ def pytest_collection_modifyitems(config, items):
         if item.get_closest_marker("multiproc"):
             waiting = Path(item.path) in _WAITING_FILES
             item.add_marker(pytest.mark.xdist_group("failures" if waiting else "processes"))
+        elif item.get_closest_marker("gpu"):  # one device, and a CUDA clock checked against sleeps: one at a time
+            item.add_marker(pytest.mark.xdist_group("gpu"))
 
 
 _running: list = [None]  # the test item running in this process
