@@ -224,7 +224,8 @@ def batch_fingerprint(batch: Any) -> str:
     digest = hashlib.blake2b(str(spec).encode(), digest_size=16)
     for leaf in leaves:
         if isinstance(leaf, Tensor):
-            t = leaf.detach().cpu().contiguous().reshape(-1)
+            t = leaf.detach().cpu()
+            t = (t if t.layout == torch.strided else t.to_dense()).contiguous().reshape(-1)
             digest.update(f"{t.dtype}{tuple(leaf.shape)}".encode())
             digest.update(t.view(torch.uint8).numpy().tobytes())
         elif isinstance(leaf, (str, bytes, int, float, bool, type(None))):  # not an object's address-bearing repr

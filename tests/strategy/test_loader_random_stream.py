@@ -127,3 +127,25 @@ def test_every_stage_reads_the_batches_one_device_reads(tmp_path: Path) -> None:
     single = _Batches()
     _fit(True, single, devices=1)
     assert ranks[0] == single.seen
+
+
+def test_a_batch_digest_sees_every_byte_shape_and_key_and_no_object_address() -> None:
+    from lit_efficient.strategy.trainer_glue import batch_fingerprint
+
+    ids = torch.arange(12).reshape(3, 4)
+    batch = {"input_ids": ids, "labels": ids.roll(-1, 1), "note": "row", "meta": object()}
+    same = {"input_ids": ids.clone(), "labels": ids.roll(-1, 1).clone(), "note": "row", "meta": object()}
+    assert batch_fingerprint(batch) == batch_fingerprint(same)  # two processes' objects differ by address only
+    one_byte = dict(same, labels=same["labels"].clone().index_put_((torch.tensor(0), torch.tensor(0)), torch.tensor(7)))
+    for other in (
+        one_byte,
+        dict(same, input_ids=ids.reshape(4, 3)),
+        dict(same, note="row2"),
+        {"inputs": ids, "labels": ids.roll(-1, 1), "note": "row", "meta": None},
+        (ids, ids.roll(-1, 1)),
+    ):
+        assert batch_fingerprint(other) != batch_fingerprint(batch), other
+    sparse = torch.eye(3).to_sparse()  # a layout without contiguous bytes: digested as its dense values
+    assert batch_fingerprint(sparse) == batch_fingerprint(torch.eye(3).to_sparse())
+    assert batch_fingerprint(sparse) != batch_fingerprint((2 * torch.eye(3)).to_sparse())
+    assert batch_fingerprint(torch.zeros(2, dtype=torch.bfloat16)) != batch_fingerprint(torch.zeros(2))
