@@ -101,7 +101,7 @@ from lit_efficient.strategy.step_hooks import (
     step_schedulers,
 )
 from lit_efficient.strategy.step_logging import log_once_per_optimizer_step
-from lit_efficient.strategy.summary import count_the_whole_model
+from lit_efficient.strategy.summary import summarize_the_unsplit_model
 from lit_efficient.strategy.trainer_glue import (
     SyncCallbackMetrics,
     agree_on_evaluation_results,
@@ -702,7 +702,7 @@ class PACIStrategy(DDPStrategy):
             warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
         swap_stock_progress_bar(trainer)
         split = self._split
-        count_the_whole_model(trainer, lambda: split.ties if split else ())
+        summarize_the_unsplit_model(trainer, lambda: split.ties if split else ())
         if not any(isinstance(cb, SyncCallbackMetrics) for cb in trainer.callbacks):
             trainer.callbacks.insert(0, SyncCallbackMetrics())
         agree_on_evaluation_results(trainer)

@@ -22,7 +22,7 @@ from torch import nn
 from lit_efficient.runtime.split import LayerOnOtherStage, Tie
 
 
-def unsplit_named_modules(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
+def _unsplit_named_modules(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     """``module.named_modules()`` with every placeholder's structure in its place, each module once."""
     seen: set[int] = set()
 
@@ -35,14 +35,14 @@ def unsplit_named_modules(module: nn.Module, prefix: str = "") -> Iterator[tuple
         for name, child in m.named_children():
             yield from walk(child, f"{path}.{name}" if path else name)
 
-    yield from walk(module, prefix)
+    yield from walk(module, "")
 
 
 def _parameters(module: nn.Module, path: str, ties: Sequence[Tie]) -> dict[int, nn.Parameter]:
     """The parameters of the unsplit module's ``module`` (at ``path`` in the root), each once: a tied parameter's
     second copy is left out where its first copy is in ``module`` too, as the unsplit module holds one."""
     named = {}
-    for where, m in unsplit_named_modules(module):
+    for where, m in _unsplit_named_modules(module):
         for name, p in m.named_parameters(recurse=False):
             named[f"{where}.{name}" if where else name] = p
     inside = [(tie.name, tie.alias) for tie in ties]
@@ -70,7 +70,7 @@ def _whole_model_table(kind: type[Summary]) -> type[Summary]:
         def named_modules(self) -> list[tuple[str, nn.Module]]:
             if self._max_depth == 0:
                 return []
-            mods = list(unsplit_named_modules(self._model))[1:]  # the root module is not a row
+            mods = list(_unsplit_named_modules(self._model))[1:]  # the root module is not a row
             return [(n, m) for n, m in mods if self._max_depth < 0 or n.count(".") < self._max_depth]
 
         @property
@@ -79,7 +79,7 @@ def _whole_model_table(kind: type[Summary]) -> type[Summary]:
 
         @property
         def total_training_modes(self) -> dict[str, int]:
-            modes = [m.training for _, m in unsplit_named_modules(self._model)][1:]
+            modes = [m.training for _, m in _unsplit_named_modules(self._model)][1:]
             return {"train": modes.count(True), "eval": modes.count(False)}
 
         @property
@@ -106,7 +106,7 @@ def _whole_model_summary(kind: type[ModelSummary]) -> type[ModelSummary]:
     return type(kind.__name__, (kind,), {"_summary": _summary, "__module__": kind.__module__})
 
 
-def count_the_whole_model(trainer: Any, ties: Callable[[], Sequence[Tie]]) -> None:
+def summarize_the_unsplit_model(trainer: Any, ties: Callable[[], Sequence[Tie]]) -> None:
     """Give the trainer's summary callbacks the unsplit model's table; ``ties()``: the split's tied parameters."""
     for callback in trainer.callbacks:
         if isinstance(callback, ModelSummary):

@@ -19,6 +19,7 @@ from lightning.fabric.utilities.seed import _set_rng_states
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import Tensor
+from torch.utils._pytree import tree_flatten  # as tools/fake_memory.py
 from typing_extensions import override
 
 from lit_efficient.runtime.profile import first_batch
@@ -220,7 +221,7 @@ def check_stages_read_alike(batch: Any, topology: Topology, group: dist.ProcessG
 
 def batch_fingerprint(batch: Any) -> str:
     """A digest of a batch's structure and its tensors' bytes, equal on two processes for equal batches."""
-    leaves, spec = torch.utils._pytree.tree_flatten(batch)
+    leaves, spec = tree_flatten(batch)
     digest = hashlib.blake2b(str(spec).encode(), digest_size=16)
     for leaf in leaves:
         if isinstance(leaf, Tensor):
