@@ -228,21 +228,24 @@ class _RecordMetrics(L.Callback):
             self.path.write_text(json.dumps(metrics))
 
 
-def test_metrics_logged_in_pipeline_loss_reach_the_logger(tmp_path):
-    """And ``self.all_gather`` in validation_step gathers over the last stage's replicas (one here, as on one
-    device: each replica's share, as under DDP): over the world it waited forever for stage 0, which never runs
-    the evaluation step."""
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_metrics_logged_in_pipeline_loss_reach_the_logger(tmp_path, replicas):
+    """And ``self.all_gather`` in validation_step gathers over the last stage's replicas (one: as on one device;
+    two: each replica's share, as under DDP): over the world it waited forever for stage 0, which never runs the
+    evaluation step."""
     module = _model()
     module.__class__ = _LogsFromPipelineLoss
     out = tmp_path / "metrics.json"
     strategy = PACIStrategy(pipeline_stages=2, schedule="paci", start_method="forkserver")
     _fit_with_data(
-        module, strategy, 2, 2, 3, limit_val_batches=1, val_check_interval=2, callbacks=[_RecordMetrics(out)]
+        module, strategy, 2 * replicas, 2, 3, limit_val_batches=1, val_check_interval=2, callbacks=[_RecordMetrics(out)]
     )
     metrics = json.loads(out.read_text())
     assert metrics["train_items"] == 4 * 32  # batch_size x block tokens, every micro-batch
     assert "train_loss" in metrics
-    assert metrics["gathered_count"] == 1.0 and metrics["gathered_sum"] == 1.0 and metrics["gathered_dim"] == 2.0
+    # Each replica's first validation batch (batch_idx 0, so 1.0), one row per replica of the last stage.
+    assert metrics["gathered_count"] == replicas and metrics["gathered_sum"] == replicas, metrics
+    assert metrics["gathered_dim"] == 2.0
 
 
 class _RecordSteps(L.Callback):
