@@ -496,16 +496,18 @@ def test_a_rank_that_fails_while_the_launching_process_computes_makes_its_fit_ra
 def test_started_ranks_get_a_grace_then_are_killed():
     from lit_efficient.rank_reaper import stop
 
-    def child(code: str) -> subprocess.Popen:
-        ready = "import signal, time; print('ready', flush=True); "
-        proc = subprocess.Popen([sys.executable, "-c", ready + code], stdout=subprocess.PIPE, text=True)
+    def child(on_sigint: str) -> subprocess.Popen:
+        # "ready" only once the handler is set: said before it, a loaded machine delivered the SIGINT to the stuck
+        # child while its handler was still Python's (a KeyboardInterrupt ended it, and nothing was left to kill).
+        code = f"import signal, time; signal.signal(signal.SIGINT, signal.{on_sigint}); print('ready', flush=True); "
+        proc = subprocess.Popen([sys.executable, "-c", code + "time.sleep(600)"], stdout=subprocess.PIPE, text=True)
         assert proc.stdout.readline().strip() == "ready"
         return proc
 
     # SIGINT ends it, as it ends a rank (set here: a KeyboardInterrupt Lightning handled in this process left
     # SIGINT ignored, which children inherit).
-    stops = child("signal.signal(signal.SIGINT, signal.SIG_DFL); time.sleep(600)")
-    stuck = child("signal.signal(signal.SIGINT, signal.SIG_IGN); time.sleep(600)")
+    stops = child("SIG_DFL")
+    stuck = child("SIG_IGN")
     started = time.monotonic()
     killed = stop([stops.pid, stuck.pid], grace=1.0, first=signal.SIGINT)
     assert killed == [stuck.pid] and 1.0 <= time.monotonic() - started < 5
