@@ -43,6 +43,25 @@ def one_thread():
         os.environ["OMP_NUM_THREADS"] = env
 
 
+@pytest.fixture(autouse=True)
+def _environment_as_found():
+    """Each test leaves this process's environment and thread count as it found them. Lightning's launchers write
+    MASTER_PORT (and LOCAL_RANK, WORLD_SIZE, ...) here and never take them out: every later fit in the worker then
+    bound that same port number, which the other worker's gloo may have taken meanwhile ("address already in use").
+    A test that set OMP_NUM_THREADS or torch's threads changed the numbers of whichever tests came after it."""
+    import torch
+
+    environ, threads = dict(os.environ), torch.get_num_threads()
+    yield
+    for key in set(os.environ) - set(environ):
+        del os.environ[key]
+    for key, value in environ.items():
+        if os.environ.get(key) != value:
+            os.environ[key] = value
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def demo_model(tmp_path_factory):
     """examples/own_hf_model.py's stand-in for a downloaded model: a small Qwen2 and its BPE tokenizer in one

@@ -3,8 +3,8 @@
 Each group is its own torch elastic agent (what ``torchrun`` runs: `elastic_launch`, as in
 tests/checkpoint/test_restart.py) with ``REPLICA_GROUP_ID`` set; a torchft lighthouse (its Rust server, in this
 process) keeps the quorum. Rank 1 of group 1 SIGKILLs itself on its first attempt, a step after the groups'
-first sync together; its agent restarts the group (whose workers wait 2 s first, as a replacement takes a while),
-which heals from group 0 at group 0's next sync. Group 0
+first sync together; its agent restarts the group (whose workers wait for group 0's next two steps first, as a
+replacement takes a while), which heals from group 0 at group 0's next sync. Group 0
 never stops: it keeps stepping while group 1 is down (paced a little so it is still running when group 1 comes
 back), and both groups end at the same step with identical weights.
 """
@@ -29,7 +29,7 @@ from tests.support.multiproc import START_METHOD, _free_port
 
 pytestmark = pytest.mark.multiproc
 
-STEPS, SYNC_EVERY, PACE, RESTART_DELAY = 20, 2, 0.35, 2.0
+STEPS, SYNC_EVERY, PACE, STEPS_WHILE_DOWN = 20, 2, 0.35, 2
 
 
 class _Timeline(Callback):
@@ -58,6 +58,8 @@ class _Timeline(Callback):
         if trainer.global_rank == 0 and (not self.steps or self.steps[-1][0] != trainer.global_step):
             self.steps.append((trainer.global_step, time.time()))
             if self.group == 0:
+                with Path(self.out, "progress-0.txt").open("a") as progress:
+                    progress.write(f"{trainer.global_step} {self.steps[-1][1]}\n")
                 time.sleep(PACE)  # still running when group 1 is back
         # Killed once both groups have synced together (they start at different times on a busy machine).
         together = trainer.strategy.replicas.participants == 2
@@ -75,10 +77,7 @@ class _Timeline(Callback):
 def _worker(out: str, group: int) -> None:
     torch.set_num_threads(1)
     if int(os.environ["TORCHELASTIC_RESTART_COUNT"]) > 0:
-        # A replacement takes a while to come back (a node, a container): down for longer than the lighthouse's
-        # heartbeat and join timeouts, so group 0's steps without it are measurable on a fast machine too (restarted
-        # in 1.7 s, group 1 was taken into the quorum group 0 was still forming: one step of group 0 while down).
-        time.sleep(RESTART_DELAY)
+        _stay_down(Path(out))
     strategy = PACIStrategy(
         pipeline_stages=2, local_sgd_steps=SYNC_EVERY, outer_optimizer="nesterov", fault_tolerance="torchft",
         replica_groups=2, p2p_timeout=60,
@@ -93,6 +92,21 @@ def _worker(out: str, group: int) -> None:
     trainer.fit(model, datamodule=text_data())
     if trainer.global_rank == 0:  # the whole model after fit
         torch.save(model.state_dict(), Path(out, f"weights-{group}.pt"))
+
+
+def _stay_down(out: Path) -> None:
+    """A replacement takes a while to come back (a node, a container): the restarted group waits until group 0 has
+    stepped ``STEPS_WHILE_DOWN`` times since the kill (a fixed 2 s sleep left one step on a loaded machine, and a
+    1.7 s restart was taken into the quorum group 0 was still forming). A group 0 that stopped while group 1 was
+    down never gets there: after two minutes group 1 comes back anyway and the test's count fails."""
+    killed = json.loads(Path(out, "killed.json").read_text())["at"]
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        progress = Path(out, "progress-0.txt")
+        lines = progress.read_text().splitlines() if progress.exists() else []
+        if sum(float(line.split()[1]) > killed for line in lines if len(line.split()) == 2) >= STEPS_WHILE_DOWN:
+            return
+        time.sleep(0.05)
 
 
 def _agent(out: str, group: int, max_restarts: int, environ: dict) -> None:
@@ -136,7 +150,7 @@ def test_a_killed_group_heals_from_the_live_one_which_never_stops(tmp_path):
     assert healed["step"] >= kill["step"] and healed["step"] % SYNC_EVERY == 0
     # Group 0 never stopped: it took steps between the kill and group 1's return.
     while_down = [step for step, at in steps0 if killed < at < healed["at"]]
-    assert len(while_down) >= 2, (while_down, killed, healed, steps0)
+    assert len(while_down) >= STEPS_WHILE_DOWN, (while_down, killed, healed, steps0)
     assert steps0[-1][0] == STEPS
     # Both groups end at the same step with the same weights (the last step is a sync).
     weights = [gpt_model(), gpt_model()]
