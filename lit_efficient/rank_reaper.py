@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from subprocess import Popen
 
 GRACE_S = 5.0  # how long a started rank has to end on its own before it is killed
+LINGER_S = 10.0  # how long a failed launching process waits at exit for its ranks to read its failure and end
 _KILL = getattr(signal, "SIGKILL", signal.SIGTERM)  # Windows has no SIGKILL (Lightning's observer does the same)
 
 
@@ -49,16 +50,27 @@ def stop(pids: Sequence[int], grace: float = GRACE_S, first: int | None = None, 
     return killed
 
 
-def watch_after_exit(pids: Sequence[int], grace: float = GRACE_S) -> None:
+def watch_after_exit(pids: Sequence[int], grace: float = GRACE_S, linger: float = LINGER_S) -> None:
     """Start a detached watcher that runs `stop` on ``pids`` once this process has exited (its connections, on
-    which the ranks wait, close only then)."""
+    which the ranks wait, close only then), and keep this process, at its exit, up to ``linger`` seconds more
+    while they end: it hosts the rendezvous store, where it published its failure. A rank busy with a long step
+    when this process raised reached its next transfer after this process had gone, found the store gone with it,
+    and said "died (killed? out of memory?)" instead of what was raised."""
     if pids:
+        import atexit
         import subprocess
 
         subprocess.Popen(
             [sys.executable, "-m", "lit_efficient.rank_reaper", str(os.getpid()), str(grace), *map(str, pids)],
             start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
         )  # fmt: skip
+        atexit.register(_await_exits, list(pids), linger)
+
+
+def _await_exits(pids: Sequence[int], patience: float) -> None:
+    deadline = time.monotonic() + patience
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 class RankObserver(threading.Thread):

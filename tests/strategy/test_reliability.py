@@ -374,6 +374,9 @@ _HANG_SCRIPT = textwrap.dedent(
             if sys.argv[1] == "raise_on_0":  # the launching process itself (the last stage) raises
                 if trainer.global_rank == 0 and trainer.global_step == 2:
                     raise ValueError("boom on rank 0")
+                if trainer.global_rank == 1 and trainer.global_step == 2 and not getattr(self, "done", False):
+                    self.done = True  # busy alone meanwhile (a long step): its next transfer comes seconds later
+                    time.sleep(4)
                 return
             if sys.argv[1] == "raise_while_0_computes":  # rank 1 raises while rank 0 is busy alone for 8 s
                 if trainer.global_step == 2 and not getattr(self, "done", False):
