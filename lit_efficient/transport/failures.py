@@ -55,6 +55,22 @@ def is_raw_comm_error(err: BaseException) -> bool:
 
 _printed_failure = False
 
+# Set once the store's host was found gone (rank 0 died): each further access would only fail again, and torch
+# prints each failure as a warning with a 30-line C++ stack (three of them buried the one line that names the
+# cause). For the rest of this process: the store is a run's, and a rank that lost its host ends with that run.
+_store_gone = False
+
+
+def _store():
+    if _store_gone:
+        raise ConnectionError("the rendezvous store's host is gone")
+    return dist.distributed_c10d._get_default_store()
+
+
+def _store_failed(err: BaseException) -> None:
+    global _store_gone
+    _store_gone = _store_gone or isinstance(err, dist.DistError)  # not "no process group": that is no store at all
+
 
 def report_failure(message: str) -> None:
     """Publish the first failure of the run in the rendezvous store, so peers can name the cause, and
@@ -68,23 +84,23 @@ def report_failure(message: str) -> None:
         _printed_failure = True
         print(f"lit-efficient: pipeline failure: {message}", file=sys.stderr, flush=True)
     try:
-        store = dist.distributed_c10d._get_default_store()
-        store.compare_set(_ABORT_KEY, "", message)
-    except Exception:  # noqa: BLE001 - reporting must never hide the original error
-        pass
+        _store().compare_set(_ABORT_KEY, "", message)
+    except Exception as err:  # noqa: BLE001 - reporting must never hide the original error
+        _store_failed(err)
 
 
 def read_failure() -> str | None:
     """The first failure published by any rank, if one was and the store is still reachable."""
     try:
         return _published()
-    except Exception:  # noqa: BLE001
+    except Exception as err:  # noqa: BLE001
+        _store_failed(err)
         return None
 
 
 def _published() -> str | None:
     """The first failure published, or None; raises when the store cannot be read (gone with its host)."""
-    store = dist.distributed_c10d._get_default_store()
+    store = _store()
     if store.check([_ABORT_KEY]):
         return store.get(_ABORT_KEY).decode() or None
     return None
@@ -101,7 +117,8 @@ def await_failure(grace: float = PUBLISH_GRACE_S) -> str | None:
     while True:
         try:
             cause = _published()
-        except Exception:  # noqa: BLE001 - the store is gone with its host: nothing more will be published
+        except Exception as err:  # noqa: BLE001 - the store is gone with its host: nothing more will be published
+            _store_failed(err)
             return None
         if cause is not None or time.monotonic() >= deadline:
             return cause

@@ -640,6 +640,40 @@ def test_the_survivors_of_a_failed_spawned_rank_stop_without_lightnings_sigterm_
     assert elapsed < 30, f"{elapsed:.0f} s after the failure: the survivors waited for torch's 30 s kill"
 
 
+def test_a_store_found_gone_is_not_asked_again(monkeypatch, capsys):
+    """A rank whose store host died (rank 0 killed) read the store three times on its way out (the cause, then two
+    publications): torch printed each failure with a 30-line C++ stack, burying the line that names the cause."""
+    from lit_efficient.transport import failures
+
+    calls = []
+
+    class GoneStore:
+        def __getattr__(self, name):
+            def failing(*args):
+                calls.append(name)
+                raise torch.distributed.DistNetworkError("Broken pipe")
+
+            return failing
+
+    monkeypatch.setattr(failures, "_store_gone", False)
+    monkeypatch.setattr(failures, "_printed_failure", False)
+    monkeypatch.setattr(failures.dist.distributed_c10d, "_get_default_store", lambda: GoneStore())
+    assert failures.await_failure(grace=0.0) is None and calls == ["check"]
+    failures.report_failure("stage 0 (rank 1) lost its connection to stage 1 (rank 0)")
+    assert failures.read_failure() is None and calls == ["check"]
+    assert "pipeline failure: stage 0 (rank 1) lost its connection" in capsys.readouterr().err  # said, once
+
+    # No process group is no store at all, not a store gone: a later run's store is still asked.
+    monkeypatch.setattr(failures, "_store_gone", False)
+
+    def no_group():
+        raise RuntimeError("Default process group has not been initialized")
+
+    monkeypatch.setattr(failures.dist.distributed_c10d, "_get_default_store", no_group)
+    assert failures.read_failure() is None and not failures._store_gone
+    assert failures.await_failure(grace=0.0) is None and not failures._store_gone
+
+
 def test_a_rank_that_lost_its_peers_names_the_published_cause_and_for_a_timeout_the_option(monkeypatch, capsys):
     from lit_efficient.transport import failures
 
