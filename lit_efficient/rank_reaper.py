@@ -11,7 +11,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from subprocess import Popen
 
 GRACE_S = 5.0  # how long a started rank has to end on its own before it is killed
@@ -50,12 +50,19 @@ def stop(pids: Sequence[int], grace: float = GRACE_S, first: int | None = None, 
     return killed
 
 
-def watch_after_exit(pids: Sequence[int], grace: float = GRACE_S, linger: float = LINGER_S) -> None:
+def watch_after_exit(
+    pids: Sequence[int],
+    grace: float = GRACE_S,
+    linger: float | None = None,
+    release: Callable[[], object] | None = None,
+) -> None:
     """Start a detached watcher that runs `stop` on ``pids`` once this process has exited (its connections, on
     which the ranks wait, close only then), and keep this process, at its exit, up to ``linger`` seconds more
     while they end: it hosts the rendezvous store, where it published its failure. A rank busy with a long step
     when this process raised reached its next transfer after this process had gone, found the store gone with it,
-    and said "died (killed? out of memory?)" instead of what was raised."""
+    and said "died (killed? out of memory?)" instead of what was raised. ``release``, called at exit before the
+    wait, lets go of what the ranks may be waiting on here and returns what must stay alive meanwhile (the
+    store). ``linger`` defaults to `LINGER_S`, read at the call."""
     if pids:
         import atexit
         import subprocess
@@ -64,13 +71,15 @@ def watch_after_exit(pids: Sequence[int], grace: float = GRACE_S, linger: float 
             [sys.executable, "-m", "lit_efficient.rank_reaper", str(os.getpid()), str(grace), *map(str, pids)],
             start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
         )  # fmt: skip
-        atexit.register(_await_exits, list(pids), linger)
+        atexit.register(_linger, list(pids), LINGER_S if linger is None else linger, release)
 
 
-def _await_exits(pids: Sequence[int], patience: float) -> None:
+def _linger(pids: Sequence[int], patience: float, release: Callable[[], object] | None) -> None:
+    kept = release() if release is not None else None  # alive until the ranks have ended (or the patience)
     deadline = time.monotonic() + patience
     while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
+    del kept
 
 
 class RankObserver(threading.Thread):

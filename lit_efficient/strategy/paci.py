@@ -117,7 +117,12 @@ from lit_efficient.strategy.trainer_glue import (
 )
 from lit_efficient.tools.window import advise_window
 from lit_efficient.transport.collectives import broadcast_flat
-from lit_efficient.transport.failures import is_raw_comm_error, report_failure, report_lost_peers
+from lit_efficient.transport.failures import (
+    is_raw_comm_error,
+    release_peers_keeping_the_store,
+    report_failure,
+    report_lost_peers,
+)
 from lit_efficient.transport.hosting import host_stages
 from lit_efficient.transport.local import LocalLinks
 from lit_efficient.transport.process import LinkGroups, ProcessLinks, tie_groups
@@ -992,7 +997,8 @@ class PACIStrategy(DDPStrategy):
         if isinstance(self.launcher, _CheckedScriptLauncher) and self.launcher.procs:
             # This process started the other ranks (start_method="popen"): none may outlive the job (one hung in
             # user code did). A watcher kills them after this process has exited and they had time to end.
-            rank_reaper.watch_after_exit([p.pid for p in self.launcher.procs if p.poll() is None])
+            running = [p.pid for p in self.launcher.procs if p.poll() is None]
+            rank_reaper.watch_after_exit(running, release=release_peers_keeping_the_store)
 
     # -- evaluation (evaluation.py) ----------------------------------------------------------------
 

@@ -106,6 +106,23 @@ def _published() -> str | None:
     return None
 
 
+def release_peers_keeping_the_store() -> object | None:
+    """For the exit of a failed process that hosts the rendezvous store (rank 0 of a ``start_method="popen"``
+    launch): close its default group's connections, so that a rank waiting on it (a barrier: a save's, a
+    callback's) fails at once and not only when this process exits, and return the store, which the caller keeps
+    alive while that rank reads the failure published there. gloo only: an NCCL group with work in flight may block
+    its destruction (and its peers would not see it close before their own timeout anyway)."""
+    try:
+        if not dist.is_initialized():
+            return None
+        store = dist.distributed_c10d._get_default_store()
+        if dist.get_backend() == "gloo":
+            dist.destroy_process_group()
+        return store
+    except Exception:  # noqa: BLE001 - an exit's courtesy to the peers: never an error of its own
+        return None
+
+
 PUBLISH_GRACE_S = 2.0  # how long a rank that lost a peer waits for that peer's own report of what it raised
 
 

@@ -351,7 +351,7 @@ _HANG_SCRIPT = textwrap.dedent(
     import torch
     import lightning as L
     from lightning.pytorch.callbacks import Callback
-    from lit_efficient import PACIStrategy
+    from lit_efficient import PACIStrategy, rank_reaper
     from lit_efficient.data import TextDataModule
     from lit_efficient.models import GPT
 
@@ -377,6 +377,20 @@ _HANG_SCRIPT = textwrap.dedent(
                 if trainer.global_rank == 1 and trainer.global_step == 2 and not getattr(self, "done", False):
                     self.done = True  # busy alone meanwhile (a long step): its next transfer comes seconds later
                     time.sleep(4)
+                return
+            if sys.argv[1] == "raise_on_0_at_barrier":  # rank 1 waits in a barrier (a save's) when rank 0 raises
+                if trainer.global_step == 2 and not getattr(self, "done", False):
+                    self.done = True
+                    if trainer.global_rank == 0:
+                        rank_reaper.LINGER_S = 60.0  # a barrier held until the exit would be held a minute
+                        with open(f"{sys.argv[2]}.raised", "w") as f:
+                            f.write(repr(time.time()))
+                        raise ValueError("boom on rank 0")
+                    try:
+                        trainer.strategy.barrier("a save's")
+                    finally:
+                        with open(f"{sys.argv[2]}.released", "w") as f:
+                            f.write(repr(time.time()))
                 return
             if sys.argv[1] == "raise_while_0_computes":  # rank 1 raises while rank 0 is busy alone for 8 s
                 if trainer.global_step == 2 and not getattr(self, "done", False):
@@ -485,6 +499,22 @@ def test_when_the_launching_process_fails_its_ranks_name_the_cause_and_end_on_th
     assert "stage 0 (rank 1) lost its connection to stage 1 (rank 0)" in proc.stderr, proc.stderr[-3000:]
     assert "the pipeline stopped because stage 1 (rank 0) raised ValueError" in proc.stderr
     assert "killed it" not in proc.stderr
+
+
+@pytest.mark.multiproc
+def test_a_rank_waiting_in_a_barrier_when_the_launching_process_fails_names_the_cause_at_once(tmp_path):
+    """A barrier waits on the default group, which a failed process kept until its exit: rank 1 learned of the
+    failure only then, with the store gone, and said "no rank reported a failure of its own". The launching process
+    now closes that group at exit, keeps the store, and waits (up to 10 s) for its ranks to end."""
+    proc = _run_script(tmp_path, "raise_on_0_at_barrier", str(tmp_path / "run"), "popen")
+    assert proc.returncode != 0 and "stage 1 (rank 0) raised ValueError: boom on rank 0" in proc.stderr
+    raised, released = (float((tmp_path / f"run.{event}").read_text()) for event in ("raised", "released"))
+    assert released - raised < 30, "rank 1 waited in the barrier until the launching process's exit (60 s here)"
+    said = "stage 0 (rank 1) lost its peers (RuntimeError: "
+    assert said in proc.stderr, proc.stderr[-3000:]
+    named = proc.stderr[proc.stderr.index(said) :].splitlines()[0]
+    assert "the pipeline stopped because stage 1 (rank 0) raised ValueError: boom on rank 0" in named, named
+    assert "killed it" not in proc.stderr  # it ended on its own, within the launching process's wait
 
 
 @pytest.mark.multiproc
