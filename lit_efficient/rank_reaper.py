@@ -51,34 +51,45 @@ def stop(pids: Sequence[int], grace: float = GRACE_S, first: int | None = None, 
 
 
 def watch_after_exit(
-    pids: Sequence[int],
+    procs: Sequence[Popen],
     grace: float = GRACE_S,
     linger: float | None = None,
     release: Callable[[], object] | None = None,
 ) -> None:
-    """Start a detached watcher that runs `stop` on ``pids`` once this process has exited (its connections, on
-    which the ranks wait, close only then), and keep this process, at its exit, up to ``linger`` seconds more
-    while they end: it hosts the rendezvous store, where it published its failure. A rank busy with a long step
-    when this process raised reached its next transfer after this process had gone, found the store gone with it,
-    and said "died (killed? out of memory?)" instead of what was raised. ``release``, called at exit before the
-    wait, lets go of what the ranks may be waiting on here and returns what must stay alive meanwhile (the
-    store). ``linger`` defaults to `LINGER_S`, read at the call."""
-    if pids:
+    """Start a detached watcher that runs `stop` on the rank processes ``procs`` still running once this process
+    has exited (its connections, on which the ranks wait, close only then), and keep this process, when it begins
+    its exit, up to ``linger`` seconds (`LINGER_S`, read at the call) while they end: it hosts the rendezvous store,
+    where it published its failure. A rank busy with a long step when this process raised reached its next transfer
+    after this process had gone, found the store gone with it, and said "died (killed? out of memory?)" instead of
+    what was raised. ``release``, called first, lets go of what the ranks may wait on here and returns what must
+    stay alive meanwhile (the store); when it returns None there is nothing to read, and no wait. A rank already
+    watched (a failed Trainer used again) is not watched twice."""
+    running = [p for p in procs if p.poll() is None and p.pid not in _WATCHED]
+    if running:
         import atexit
         import subprocess
 
+        _WATCHED.update(p.pid for p in running)
+        pids = [str(p.pid) for p in running]
         subprocess.Popen(
-            [sys.executable, "-m", "lit_efficient.rank_reaper", str(os.getpid()), str(grace), *map(str, pids)],
+            [sys.executable, "-m", "lit_efficient.rank_reaper", str(os.getpid()), str(grace), *pids],
             start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
         )  # fmt: skip
-        atexit.register(_linger, list(pids), LINGER_S if linger is None else linger, release)
+        atexit.register(_linger, running, LINGER_S if linger is None else linger, release)
 
 
-def _linger(pids: Sequence[int], patience: float, release: Callable[[], object] | None) -> None:
-    kept = release() if release is not None else None  # alive until the ranks have ended (or the patience)
-    deadline = time.monotonic() + patience
-    while any(alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
+_WATCHED: set[int] = set()  # rank pids this process has a watcher for
+
+
+def _linger(procs: Sequence[Popen], linger: float, release: Callable[[], object] | None) -> None:
+    kept = release() if release is not None else None  # alive until the ranks have ended (or ``linger``)
+    if release is not None and kept is None:
+        return
+    # An exit's courtesy to the ranks: a Ctrl-C here ends the wait, not with a traceback from an exit hook.
+    with contextlib.suppress(KeyboardInterrupt):
+        deadline = time.monotonic() + linger
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.05)
     del kept
 
 

@@ -43,12 +43,22 @@ def one_thread():
         os.environ["OMP_NUM_THREADS"] = env
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _environment_as_found_by_the_module():
+    """`_environment_as_found` for a module's fixtures (a module-scoped fit writes MASTER_PORT before any test)."""
+    yield from _environment_restored()
+
+
 @pytest.fixture(autouse=True)
 def _environment_as_found():
     """Each test leaves this process's environment and thread count as it found them. Lightning's launchers write
     MASTER_PORT (and LOCAL_RANK, WORLD_SIZE, ...) here and never take them out: every later fit in the worker then
     bound that same port number, which the other worker's gloo may have taken meanwhile ("address already in use").
     A test that set OMP_NUM_THREADS or torch's threads changed the numbers of whichever tests came after it."""
+    yield from _environment_restored()
+
+
+def _environment_restored():
     import torch
 
     environ, threads = dict(os.environ), torch.get_num_threads()

@@ -996,9 +996,9 @@ class PACIStrategy(DDPStrategy):
         super().on_exception(exception)
         if isinstance(self.launcher, _CheckedScriptLauncher) and self.launcher.procs:
             # This process started the other ranks (start_method="popen"): none may outlive the job (one hung in
-            # user code did). A watcher kills them after this process has exited and they had time to end.
-            running = [p.pid for p in self.launcher.procs if p.poll() is None]
-            rank_reaper.watch_after_exit(running, release=release_peers_keeping_the_store)
+            # user code did). A watcher kills them after this process has exited and they had time to end. It
+            # hosts the store too: at its exit it lets go of the default group and waits for them to read the cause.
+            rank_reaper.watch_after_exit(self.launcher.procs, release=release_peers_keeping_the_store)
 
     # -- evaluation (evaluation.py) ----------------------------------------------------------------
 

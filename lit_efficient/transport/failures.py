@@ -3,6 +3,7 @@ for every rank (so a peer that times out names the real culprit, not itself)."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import sys
 import time
@@ -55,21 +56,24 @@ def is_raw_comm_error(err: BaseException) -> bool:
 
 _printed_failure = False
 
-# Set once the store's host was found gone (rank 0 died): each further access would only fail again, and torch
-# prints each failure as a warning with a 30-line C++ stack (three of them buried the one line that names the
-# cause). For the rest of this process: the store is a run's, and a rank that lost its host ends with that run.
-_store_gone = False
+# The store whose host was found gone (rank 0 died): each further access would only fail again, and torch prints
+# each failure as a warning with a 30-line C++ stack (three of them buried the one line that names the cause). Only
+# that store: a later group's (a script that initializes again) is asked as any other.
+_gone_store: object | None = None
 
 
 def _store():
-    if _store_gone:
+    store = dist.distributed_c10d._get_default_store()
+    if store is _gone_store:
         raise ConnectionError("the rendezvous store's host is gone")
-    return dist.distributed_c10d._get_default_store()
+    return store
 
 
 def _store_failed(err: BaseException) -> None:
-    global _store_gone
-    _store_gone = _store_gone or isinstance(err, dist.DistError)  # not "no process group": that is no store at all
+    global _gone_store
+    if isinstance(err, dist.DistError):  # not "no process group": that is no store at all
+        with contextlib.suppress(Exception):
+            _gone_store = dist.distributed_c10d._get_default_store()
 
 
 def report_failure(message: str) -> None:
@@ -109,14 +113,15 @@ def _published() -> str | None:
 def release_peers_keeping_the_store() -> object | None:
     """For the exit of a failed process that hosts the rendezvous store (rank 0 of a ``start_method="popen"``
     launch): close its default group's connections, so that a rank waiting on it (a barrier: a save's, a
-    callback's) fails at once and not only when this process exits, and return the store, which the caller keeps
-    alive while that rank reads the failure published there. gloo only: an NCCL group with work in flight may block
-    its destruction (and its peers would not see it close before their own timeout anyway)."""
+    callback's) fails as this process begins its exit, not after its wait for the ranks, and return the store,
+    which the caller keeps alive while that rank reads the failure published there. gloo only: an NCCL group with
+    work in flight may block its destruction (and its peers would not see it close before their own timeout)."""
     try:
         if not dist.is_initialized():
             return None
         store = dist.distributed_c10d._get_default_store()
-        if dist.get_backend() == "gloo":
+        backends = {name.rsplit(":", 1)[-1] for name in str(dist.get_backend()).split(",")}  # "cpu:gloo,cuda:nccl"
+        if backends == {"gloo"}:
             dist.destroy_process_group()
         return store
     except Exception:  # noqa: BLE001 - an exit's courtesy to the peers: never an error of its own
