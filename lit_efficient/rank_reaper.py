@@ -50,15 +50,15 @@ def stop(pids: Sequence[int], grace: float = GRACE_S, first: int | None = None, 
     return killed
 
 
+_WATCHED: set[int] = set()  # rank pids this process has a watcher for
+
+
 def watch_after_exit(
-    procs: Sequence[Popen],
-    grace: float = GRACE_S,
-    linger: float | None = None,
-    release: Callable[[], object] | None = None,
+    procs: Sequence[Popen], grace: float = GRACE_S, release: Callable[[], object] | None = None
 ) -> None:
     """Start a detached watcher that runs `stop` on the rank processes ``procs`` still running once this process
     has exited (its connections, on which the ranks wait, close only then), and keep this process, when it begins
-    its exit, up to ``linger`` seconds (`LINGER_S`, read at the call) while they end: it hosts the rendezvous store,
+    its exit, up to `LINGER_S` seconds (read at the call) while they end: it hosts the rendezvous store,
     where it published its failure. A rank busy with a long step when this process raised reached its next transfer
     after this process had gone, found the store gone with it, and said "died (killed? out of memory?)" instead of
     what was raised. ``release``, called first, lets go of what the ranks may wait on here and returns what must
@@ -75,10 +75,7 @@ def watch_after_exit(
             [sys.executable, "-m", "lit_efficient.rank_reaper", str(os.getpid()), str(grace), *pids],
             start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
         )  # fmt: skip
-        atexit.register(_linger, running, LINGER_S if linger is None else linger, release)
-
-
-_WATCHED: set[int] = set()  # rank pids this process has a watcher for
+        atexit.register(_linger, running, LINGER_S, release)
 
 
 def _linger(procs: Sequence[Popen], linger: float, release: Callable[[], object] | None) -> None:

@@ -29,18 +29,12 @@ def one_thread():
     """One thread here and in every rank (``pytestmark = pytest.mark.usefixtures("one_thread")``): one device,
     one process and S processes then agree bit for bit under 1F1B-flush (a matmul's reduction order depends
     on the thread count). The ranks read OMP_NUM_THREADS (PACIStrategy's forkserver launcher applies it);
-    without it they keep the thread count of the forkserver, which depends on which test started it."""
+    without it they keep the thread count of the forkserver, which depends on which test started it. Both are
+    put back after the module by `_environment_as_found_by_the_module`."""
     import torch
 
-    before, env = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-    if env is None:
-        os.environ.pop("OMP_NUM_THREADS", None)
-    else:
-        os.environ["OMP_NUM_THREADS"] = env
 
 
 @pytest.fixture(autouse=True, scope="module")

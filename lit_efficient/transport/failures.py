@@ -95,11 +95,7 @@ def report_failure(message: str) -> None:
 
 def read_failure() -> str | None:
     """The first failure published by any rank, if one was and the store is still reachable."""
-    try:
-        return _published()
-    except Exception as err:  # noqa: BLE001
-        _store_failed(err)
-        return None
+    return await_failure(grace=0.0)
 
 
 def _published() -> str | None:

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lit_efficient import GradientAccumulation, PACIStrategy
+from lit_efficient import GradientAccumulation, PACIStrategy, rank_reaper
 from tests.support.gpt_runs import gpt_model as _model
 from tests.support.gpt_runs import gpt_trainer as _trainer
 from tests.support.gpt_runs import max_diff as _max_diff
@@ -458,16 +458,6 @@ def _run_script(tmp_path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=180, env=env)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie is no longer running (nobody reaped it yet): /proc says so.
-    stat = Path(f"/proc/{pid}/stat")
-    return stat.exists() and stat.read_text().split(")")[-1].split()[0] != "Z"
-
-
 @pytest.mark.multiproc
 def test_a_rank_hung_in_user_code_does_not_outlive_the_failed_job(tmp_path):
     """start_method="popen": rank 0 times out on the hung rank 1 and its fit raises; Lightning stops the ranks it
@@ -480,7 +470,7 @@ def test_a_rank_hung_in_user_code_does_not_outlive_the_failed_job(tmp_path):
     assert time.time() - pid_file.stat().st_mtime < 60
     hung = int(pid_file.read_text())
     time.sleep(0.5)
-    assert not _alive(hung), f"rank 1 (pid {hung}) outlived the job"
+    assert not rank_reaper.alive(hung), f"rank 1 (pid {hung}) outlived the job"
     assert f"rank process {hung} had not ended 5 s after the failed launching process; killed it" in proc.stderr
 
 
@@ -631,7 +621,7 @@ def test_an_interrupt_of_the_launching_process_alone_stops_spawned_ranks(tmp_pat
             time.sleep(0.2)
         assert marker.exists() and proc.poll() is None, "fit did not return to the (living) kernel"
         time.sleep(1.0)
-        assert not any(_alive(pid) for pid in ranks), "a rank trained on after the interrupt"
+        assert not any(rank_reaper.alive(pid) for pid in ranks), "a rank trained on after the interrupt"
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -715,7 +705,6 @@ def test_a_failed_launching_process_lets_go_of_its_group_keeps_its_store_and_wai
     """What the launching process does at its exit after a failure, in this process: the default group closed
     (a rank in a barrier then fails at once), the published cause still readable from the store kept, a wait that
     ends when the ranks do; and no wait where there is no store to read."""
-    from lit_efficient import rank_reaper
     from lit_efficient.transport import failures
 
     dist = torch.distributed
