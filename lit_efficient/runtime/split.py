@@ -167,6 +167,22 @@ def check_sharing(module: nn.Module, layers: Sequence[nn.Module], sizes: Sequenc
     return ties
 
 
+_RECORDED_TIES = "_lit_efficient_ties"  # on a module split by a run: the ties that run found (see `find_ties`)
+
+
+def find_ties(module: nn.Module, layers: Sequence[nn.Module], sizes: Sequence[int]) -> list[Tie]:
+    """The weights shared across stages (`check_sharing`). On a module that an earlier run on processes left split
+    on this rank (every rank but global rank 0 keeps its stage's layers after fit), another stage's parts are
+    placeholders without parameters and a weight tied to one of them cannot be seen: that run's ties, which
+    `split_module` recorded on the module, are still its ties (a second fit, or Tuner.lr_find then fit)."""
+    recorded = module.__dict__.get(_RECORDED_TIES)
+    slots = layer_slots(module, layers)
+    left_split = any(isinstance(_get(parent, name), LayerOnOtherStage) for _, parent, name in slots)
+    if left_split and recorded is not None:
+        return list(recorded)
+    return check_sharing(module, layers, sizes)
+
+
 def split_module(
     module: nn.Module,
     layers: Sequence[nn.Module],
@@ -178,6 +194,7 @@ def split_module(
     record. Hosting every stage moves nothing."""
     slots = layer_slots(module, layers)
     split = Split(list(sizes), sorted(hosted), slots, list(ties))
+    module.__dict__[_RECORDED_TIES] = list(ties)  # not an attribute torch sees: no state, no submodule
     # A part two layers share (nanochat's weightless norm, before the first layer and after the last) stays where a
     # hosted layer uses it; replaced by the other layer's placeholder, it failed the hosted layer on that rank.
     used_here = {(id(parent), name) for i, parent, name in slots if split.hosts(i)}

@@ -51,8 +51,8 @@ from lit_efficient.runtime.schedules import SCHEDULES, ScheduleName
 from lit_efficient.runtime.split import (
     LayerOnOtherStage,
     Split,
-    check_sharing,
     check_stage_parameters,
+    find_ties,
     layer_parameter_counts,
     only_stage,
     separate_tied_copies,
@@ -527,7 +527,7 @@ class PACIStrategy(DDPStrategy):
         _check_module(module, self.precision_plugin)
         layers = list(module.pipeline_layers())
         sizes = self._stage_sizes(module, layers, trainer)
-        ties = check_sharing(module, layers, sizes)  # a tied embedding: see lit_efficient.runtime.tied
+        ties = find_ties(module, layers, sizes)  # a tied embedding: see lit_efficient.runtime.tied
         replicated = self.topology.num_replicas > 1 or self.fault_tolerance is not None  # torchft: groups apart
         check_streaming_ties(self.streaming_sync, replicated, bool(ties))
         hosted = self.hosted_stages
