@@ -98,6 +98,11 @@ class TiedWeight:
         self.updates = 0
         self._own: deque[Tensor] = deque()  # first stage, paci: its gradients not yet applied
 
+    def restart(self) -> None:
+        """Start the delay line again, as a resumed run does (a training run after `finish_tied`)."""
+        self.updates = 0
+        self._own.clear()
+
     def __call__(self) -> None:
         p = self.param
         if p.grad is None:

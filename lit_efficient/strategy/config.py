@@ -527,19 +527,20 @@ def check_before_launch(strategy: Any, trainer: Trainer) -> None:
                 "only its stage (in one process it trained other weights than one device, silently). Use "
                 "lightning.pytorch.callbacks.EMAWeightAveraging in one process (devices=1), or drop the callback."
             )
+        replicated = world > strategy.pipeline_stages
+        if isinstance(callback, LearningRateFinder) and strategy.shard_optimizer_state and replicated:
+            raise ValueError(
+                "LearningRateFinder / Tuner.lr_find does not work with PACIStrategy(shard_optimizer_state=True) on "
+                "replicas: Lightning's finder builds its scheduler on the optimizer it is shown, which must be a "
+                "torch Optimizer, and there that is the sharded state (ShardedOptimizer). The rates, losses and "
+                "suggestion do not depend on sharding: find the rate with shard_optimizer_state=False, then train "
+                "with it on."
+            )
         if isinstance(callback, WeightAveraging) and world > 1 and strategy.pipeline_stages > 1:
             raise ValueError(
                 f"{type(callback).__name__} is not supported on processes under PACIStrategy: it averages a copy "
                 "of the whole module, and a rank holds only its stage's layers. It trains as on one device with "
                 "the whole pipeline in one process (devices=1); on processes, drop the callback."
-            )
-        if isinstance(callback, LearningRateFinder):  # Tuner(trainer).lr_find adds one
-            raise ValueError(
-                "LearningRateFinder / Tuner.lr_find is not supported under PACIStrategy: its rising learning rate "
-                "reaches neither the stages' optimizers nor their steps (it recorded min_lr throughout and "
-                "suggested it). Find the rate on plain Lightning with the same module (a Trainer without this "
-                "strategy, devices=1: 1F1B-flush trains exactly as one device), then train with PACIStrategy on a "
-                "new Trainer (one that ran Tuner.lr_find keeps its LearningRateFinder callback)."
             )
         check = getattr(callback, "check_accumulation_source", None)
         if callable(check):

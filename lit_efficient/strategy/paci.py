@@ -88,6 +88,12 @@ from lit_efficient.strategy.config import (
 from lit_efficient.strategy.divergence import LossTrend
 from lit_efficient.strategy.fault_tolerant import start_replicas
 from lit_efficient.strategy.hosting import HostedStage, gather_model_on_rank_zero
+from lit_efficient.strategy.lr_finder import (
+    apply_suggestion,
+    follow_shown_schedulers,
+    restore_own_schedulers,
+    share_finder_loss,
+)
 from lit_efficient.strategy.module_hooks import drain_before, undo_drain_before, warn_uncalled_hooks
 from lit_efficient.strategy.progress import swap_stock_progress_bar
 from lit_efficient.strategy.runs import attempt_store
@@ -340,6 +346,10 @@ class PACIStrategy(DDPStrategy):
         self._compiled_steps: dict[str, Any] = {}  # a torch.compile-d module's steps, set aside while it trains
         self.on_nonfinite = on_nonfinite
         self._loss_trend = LossTrend()
+        # Lightning's learning-rate finder (lr_finder.py): the stages' own step schedulers while a finder's run
+        # steps its schedulers instead, and whether one ran in this fit (its suggestion goes to every stage).
+        self._own_schedulers: list[Any] | None = None
+        self._finder_ran = False
         self._first_batch_unchecked = self._first_eval_batch_unchecked = False
         self.checkpoint_format = checkpoint_format
         self.async_checkpoint = async_checkpoint
@@ -544,7 +554,7 @@ class PACIStrategy(DDPStrategy):
             broadcast_flat(list({id(t): t for t in own}.values()), self._dp_groups[self.stage])
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
-            self._loss_trend = LossTrend()  # a blow-up of this fit's loss against its own trend: one warning
+            self._finder_ran = False
             self._first_batch_unchecked = not self.in_process  # one process reads one stream
             self._was_automatic = module.automatic_optimization
             module.automatic_optimization = False  # the stages zero, accumulate and step themselves
@@ -895,6 +905,8 @@ class PACIStrategy(DDPStrategy):
             # step (global_step) here; the stages step their optimizers on their own schedule.
             self._lightning_optimizers[0].step()
             self._log_averaging()
+            if self._own_schedulers is not None and not self.in_process:  # the finder reads a loss on every rank
+                loss = share_finder_loss(loss, self._signal_group)
         if loss is None:
             return None
         if window_end:
@@ -906,7 +918,9 @@ class PACIStrategy(DDPStrategy):
             module.log(
                 "train_loss", value, prog_bar=True, on_step=True, on_epoch=False, batch_size=batch_size_of(batch)
             )
-            if self.schedule == "paci" and (warning := self._loss_trend.observe(trainer.global_step, float(value))):
+            # Not in the finder's run: it raises the rate until the loss blows up, on purpose.
+            watched = self.schedule == "paci" and self._own_schedulers is None
+            if watched and (warning := self._loss_trend.observe(trainer.global_step, float(value))):
                 rank_zero_warn(warning)
         return {"loss": loss}
 
@@ -959,7 +973,27 @@ class PACIStrategy(DDPStrategy):
     def on_train_start(self) -> None:
         self.final_state = None  # what a save after the previous fit used is not this fit's
         stage_checkpoints.reinstate_window_gradients(self)  # Lightning zeroed them since the restore
+        self._start_run(self.lightning_module.trainer)
         super().on_train_start()
+
+    def _start_run(self, trainer: Trainer) -> None:
+        """What a training run starts from, also for a second run of the same fit (the learning-rate finder's, then
+        the fit's, after the finder restored its checkpoint): the schedulers Lightning shows, the synchronous start
+        from the run's step, the tied weights' delay line (as after a resume: its first d updates use the LM-head
+        term only), the loss trend."""
+        self._own_schedulers = follow_shown_schedulers(self.hosted, self.optimizers[0], self.lr_scheduler_configs)
+        if self._own_schedulers is not None:
+            self._finder_ran = True
+        elif self._finder_ran:
+            self._finder_ran = False
+            apply_suggestion(trainer, self.hosted)
+        assert self.runtime is not None
+        if trainer.global_step < self.sync_start and not self._in_sync_start:  # a finder's run before rewound it
+            self.runtime.switch_schedule("1f1b_flush")
+            self._in_sync_start = True
+        for tied in (t for h in self.hosted for t in h.tied):
+            tied.restart()
+        self._loss_trend = LossTrend()  # a blow-up of this run's loss against its own trend: one warning
 
     @override
     def on_train_end(self) -> None:
@@ -968,6 +1002,9 @@ class PACIStrategy(DDPStrategy):
             # Before fit takes the stages apart: for trainer.save_checkpoint after fit.
             self.final_state = stage_checkpoints.final_state(self)
         finish_tied([t for h in self.hosted for t in h.tied])
+        if self._own_schedulers is not None:  # the finder's run is over: it restores the stages' step counts next
+            restore_own_schedulers(self.hosted, self._own_schedulers)
+            self._own_schedulers = None
         # Every rank started the same broadcasts; wait for the last ones so no asynchronous work is
         # left in flight when the process group is torn down (a pending gloo work at exit aborts).
         while self._sigterm_pending:

@@ -324,15 +324,18 @@ def test_shard_loading_obeys_weights_only(tmp_path):
         (2, {"accumulate_grad_batches": 2}, ["ga4"], r"accumulate_grad_batches=2\) and GradientAccumulation"),
         # a copy of the whole module where a rank holds its stage: a shape error mid-fit
         (2, {}, ["ema"], r"EMAWeightAveraging is not supported on processes under PACIStrategy"),
+        # Lightning's finder builds a torch LR scheduler on the optimizer it is shown: a TypeError on every rank
+        (4, {}, ["lr_find"], r"Tuner.lr_find does not work with PACIStrategy\(shard_optimizer_state=True\)"),
     ],
 )
 def test_configuration_errors_fail_before_any_process_starts(devices, trainer_kw, callbacks, match):
     """One message from the launching process, before it starts any rank (which would each raise)."""
-    from lightning.pytorch.callbacks import EMAWeightAveraging
+    from lightning.pytorch.callbacks import EMAWeightAveraging, LearningRateFinder
 
-    made = {"ga4": lambda: GradientAccumulation(steps=4), "ema": EMAWeightAveraging}
+    made = {"ga4": lambda: GradientAccumulation(steps=4), "ema": EMAWeightAveraging, "lr_find": LearningRateFinder}
     cbs = [made[name]() for name in callbacks]
-    strategy = PACIStrategy(pipeline_stages=2, start_method="forkserver")
+    shard = "lr_find" in callbacks  # the finder is refused only where the optimizer state is split over replicas
+    strategy = PACIStrategy(pipeline_stages=2, start_method="forkserver", shard_optimizer_state=shard)
     trainer = L.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, max_steps=1, logger=False, callbacks=cbs, **trainer_kw
     )

@@ -17,8 +17,15 @@ from typing import TYPE_CHECKING, Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback, EarlyStopping, LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.callbacks import (
+    Callback,
+    EarlyStopping,
+    LearningRateFinder,
+    LearningRateMonitor,
+    ModelCheckpoint,
+)
 from lightning.pytorch.loggers import Logger
+from lightning.pytorch.tuner import Tuner
 from torch.utils.data import DataLoader, IterableDataset
 
 from lit_efficient import PACIStrategy
@@ -338,6 +345,38 @@ def _fit_then_evaluate(run: _Run):
     returned.append(trainer.predict(module, datamodule=run.row.data()))
     returned.append(trainer.validate(module, datamodule=run.row.data()))
     return trainer, module, returned
+
+
+FINDER = dict(min_lr=1e-5, max_lr=1.0)  # 14 rates: enough for a suggestion (it skips the first 10 and the last)
+
+
+def _finder_record(finder: Any, trainer: L.Trainer, module: Any) -> dict:
+    """What Lightning's learning-rate finder recorded and suggested, and the rate it set on the module. Its losses as
+    one device records them: there a step's loss divided by N, the pipeline's outputs hold the loss itself
+    (lit_efficient/strategy/lr_finder.py; N = 2 divides exactly)."""
+    per_step = N if isinstance(trainer.strategy, PACIStrategy) else 1
+    return {
+        "lr": finder.results["lr"], "loss": [v / per_step for v in finder.results["loss"]],
+        "suggestion": finder.suggestion(), "module lr": module.hparams.learning_rate,
+    }  # fmt: skip
+
+
+def _lr_finder(root: Path) -> list[Callback]:
+    return [LearningRateFinder(num_training_steps=14, **FINDER)]
+
+
+def _found(trainer, module) -> dict:
+    (finder,) = [c for c in trainer.callbacks if isinstance(c, LearningRateFinder)]
+    return _finder_record(finder.optimal_lr, trainer, module)
+
+
+def _tuned(run: _Run):
+    """Lightning's tuner on the row's Trainer, then fit on the same Trainer at the rate it set on the module."""
+    trainer, module = run.trainer(), run.row.module()
+    finder = Tuner(trainer).lr_find(module, datamodule=run.row.data(), num_training=14, **FINDER)
+    record = _finder_record(finder, trainer, module)
+    run.fit(trainer, module)
+    return trainer, module, record
 
 
 def _resume(run: _Run):
