@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import LearningRateFinder
-from lightning.pytorch.tuner.lr_finder import _ExponentialLR, _LinearLR
+from lightning.pytorch.tuner.lr_finder import _ExponentialLR, _LinearLR, _LRCallback
 
 from lit_efficient.strategy.hosting import HostedStage
 from lit_efficient.strategy.step_hooks import _SchedulerGroup
@@ -70,6 +70,14 @@ def _like(config: Any, optimizer: Any) -> Any:
     for group in optimizer.param_groups:
         group["lr"] = group["initial_lr"] = finder.base_lrs[0]
     return dataclasses.replace(config, scheduler=type(finder)(optimizer, finder.end_lr, finder.num_iter))
+
+
+def one_progress_bar(trainer: Trainer) -> None:
+    """The finder's progress bar on global rank 0 only, as Lightning's own bars (every rank drew one)."""
+    if trainer.global_rank != 0:
+        for callback in trainer.callbacks:  # type: ignore[attr-defined]
+            if isinstance(callback, _LRCallback):
+                callback.progress_bar_refresh_rate = 0
 
 
 def restore_own_schedulers(hosted: list[HostedStage], own: list[Any]) -> None:

@@ -91,6 +91,7 @@ from lit_efficient.strategy.hosting import HostedStage, gather_model_on_rank_zer
 from lit_efficient.strategy.lr_finder import (
     apply_suggestion,
     follow_shown_schedulers,
+    one_progress_bar,
     restore_own_schedulers,
     share_finder_loss,
 )
@@ -984,6 +985,7 @@ class PACIStrategy(DDPStrategy):
         self._own_schedulers = follow_shown_schedulers(self.hosted, self.optimizers[0], self.lr_scheduler_configs)
         if self._own_schedulers is not None:
             self._finder_ran = True
+            one_progress_bar(trainer)
         elif self._finder_ran:
             self._finder_ran = False
             apply_suggestion(trainer, self.hosted)
