@@ -888,9 +888,9 @@ class PACIStrategy(DDPStrategy):
         loop = trainer.fit_loop.epoch_loop
         log_once_per_optimizer_step(trainer)  # rows as one device writes them under accumulation
         self._update_accumulation(trainer, batch_idx)
-        if self._first_batch_unchecked:
+        if self._first_batch_unchecked or (batch_idx == 0 and not self.in_process):  # the fit's, each epoch's
             self._first_batch_unchecked = False
-            check_stages_read_alike(batch, self.topology, self._signal_group, "training")
+            check_stages_read_alike(batch, self.topology, self._signal_group, "training", trainer.current_epoch)
         if self._in_sync_start and trainer.global_step >= self.sync_start and self.runtime.drained:
             self._end_sync_start()
         loss = self.runtime.feed(batch, batch_idx)

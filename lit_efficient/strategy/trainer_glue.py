@@ -194,13 +194,17 @@ def batch_size_of(batch: Any) -> int | None:
     return None if first is None else int(first.shape[0])
 
 
-def check_stages_read_alike(batch: Any, topology: Topology, group: dist.ProcessGroup, loop: str) -> None:
+def check_stages_read_alike(
+    batch: Any, topology: Topology, group: dist.ProcessGroup, loop: str, epoch: int | None = None
+) -> None:
     """Raise on every rank when the stages of a pipeline read different first batches of a ``loop`` ("training",
-    "validation", ...). Stage 0 computes on its batch's inputs and the last stage scores the result against its
-    own batch's labels: batches that differ train (or evaluate) on mismatched pairs, silently. The strategy gives
-    every rank rank 0's random streams and the same loader, so this catches data that each process draws or
-    orders on its own (a generator seeded from the OS, a file listing in another order). At the first batch of a
-    fit and of each evaluation: a collective of every rank."""
+    "validation", ...; of training ``epoch``). Stage 0 computes on its batch's inputs and the last stage scores the
+    result against its own batch's labels: batches that differ train (or evaluate) on mismatched pairs, silently.
+    The strategy gives every rank rank 0's random streams and the same loader, so this catches data that each
+    process draws or orders on its own (a generator seeded from the OS, a file listing in another order, an
+    epoch's reshuffle drawn from a stream the ranks consumed differently). At the first batch of a fit, of each
+    training epoch and of each evaluation: a collective of every rank."""
+    of_epoch = f" of epoch {epoch}" if epoch else ""
     every: list[Any] = [None] * topology.world_size
     dist.all_gather_object(every, batch_fingerprint(batch), group=group)
     for replica in range(topology.num_replicas):
@@ -209,7 +213,7 @@ def check_stages_read_alike(batch: Any, topology: Topology, group: dist.ProcessG
         if differ:
             stages = ", ".join(f"stage {topology.stage_of(r)} (rank {r})" for r in differ)
             raise RuntimeError(
-                f"PACIStrategy: the stages of a pipeline read different first {loop} batches: stage 0 (rank "
+                f"PACIStrategy: the stages of a pipeline read different first {loop} batches{of_epoch}: stage 0 (rank "
                 f"{first}) and {stages}. Stage 0 computes on its batch and the last stage scores against its own "
                 "batch's labels, so every stage must read the same batches in the same order (the strategy gives "
                 "every rank rank 0's random streams and the user's loader). Look for data each process draws or "

@@ -53,6 +53,27 @@ def _own_draws_loader() -> DataLoader:
     return DataLoader(TensorDataset(x, x.roll(-1, 1)), batch_size=2)
 
 
+class _OwnOrderFromTheSecondPass(torch.utils.data.Sampler):
+    """The dataset in order on its first pass; on later ones a permutation from a generator each process seeds from
+    the OS (an epoch's reshuffle the ranks draw apart): the stages agree on the first epoch only."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.passes = n, 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        self.passes += 1
+        order = range(self.n) if self.passes == 1 else np.random.default_rng().permutation(self.n).tolist()
+        return iter(order)
+
+
+def _reshuffled_apart_loader() -> DataLoader:
+    data = _loader().dataset
+    return DataLoader(data, batch_size=2, sampler=_OwnOrderFromTheSecondPass(len(data)))
+
+
 def _fit(seed: bool, callback: Callback, loader=_loader, val=None, **kw) -> None:
     if seed:
         L.seed_everything(0)
@@ -79,7 +100,8 @@ import os, sys
 sys.path.insert(0, {repo!r})
 from pathlib import Path
 from lit_efficient import PACIStrategy
-from tests.strategy.test_loader_random_stream import _Batches, _fit, _loader, _own_draws_loader
+from tests.strategy.test_loader_random_stream import _Batches, _fit, _loader
+from tests.strategy.test_loader_random_stream import _own_draws_loader, _reshuffled_apart_loader
 
 if __name__ == "__main__":
     out = Path(sys.argv[1])
@@ -90,9 +112,13 @@ if __name__ == "__main__":
         strategy = PACIStrategy(pipeline_stages=2, schedule="1f1b_flush")
         _fit(seed, _Batches(out / ("seed" if seed else "noseed")), devices=2, strategy=strategy)
     # Then data each rank draws on its own: every rank must refuse it at the first batch, naming the cause; for
-    # training data (after the sanity check's validation batches, which agree), and for validation data.
+    # training data (after the sanity check's validation batches, which agree), for validation data, and for an
+    # epoch's reshuffle the ranks draw apart (the first epoch of 2 windows agrees, the second does not).
     rank = os.environ.get("LOCAL_RANK", "0")
-    cases = (("train", dict(loader=_own_draws_loader, val=_loader)), ("val", dict(val=_own_draws_loader)))
+    cases = (
+        ("train", dict(loader=_own_draws_loader, val=_loader)), ("val", dict(val=_own_draws_loader)),
+        ("epoch", dict(loader=_reshuffled_apart_loader, limit_train_batches=4)),
+    )
     for kind, loaders in cases:
         try:
             _fit(True, _Batches(), devices=2, strategy=PACIStrategy(pipeline_stages=2), **loaders)
@@ -115,9 +141,10 @@ def test_every_stage_reads_the_batches_one_device_reads(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=240)  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     for r in range(2):  # a pipeline fed other batches on each stage trained on mismatched pairs, silently
-        for kind, loop in (("train", "training"), ("val", "validation")):
+        for kind, batches in (("train", "training batches"), ("val", "validation batches"),
+                              ("epoch", "training batches of epoch 1")):  # fmt: skip
             refused = (tmp_path / f"refused_{kind}{r}.txt").read_text()
-            assert f"read different first {loop} batches: stage 0 (rank 1) and stage 1 (rank 0)" in refused, refused
+            assert f"read different first {batches}: stage 0 (rank 1) and stage 1 (rank 0)" in refused, refused
     for seed in ("noseed", "seed"):
         ranks = [json.loads(Path(tmp_path, seed, f"rank{r}.json").read_text()) for r in range(2)]
         assert len(ranks[0]) == 8
