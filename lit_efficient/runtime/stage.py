@@ -182,7 +182,7 @@ class PipelineStage:
         self.normalize = normalize
         self.forward_context = forward_context
         self.device = torch.device(device)
-        self.on_nonfinite = on_nonfinite
+        self.on_nonfinite: OnNonFinite | Literal["step"] = on_nonfinite  # "step": one device's way, set for a run
         self.first_layer = first_layer
         self.version = 0
         # This stage's own random stream (dropout masks), forked from the process's at construction and
@@ -366,7 +366,7 @@ class PipelineStage:
         # backward has finished, so the device idles for one optimizer launch (well under a millisecond)
         # per N micro-batches of compute.
         downstream_bad, own_bad, first_bad = torch.stack([totals[1], own, totals[2]]).tolist()
-        if not downstream_bad and not own_bad:
+        if (not downstream_bad and not own_bad) or self.on_nonfinite == "step":  # "step": Lightning's LR finder's run
             return True
         where = f"stage {self.stage} (layers from {self.first_layer}), optimizer step {window}"
         if downstream_bad:

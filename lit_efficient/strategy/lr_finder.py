@@ -7,10 +7,14 @@ checkpoint and, with ``update_attr``, sets the suggested rate on the module and 
 the pipeline every stage steps its own optimizer with its own schedulers, so the strategy carries what the finder
 does to the stage Lightning shows over to every hosted stage:
 
-- `follow_shown_schedulers`, at the start of each training run: schedulers Lightning shows that are not the
-  stages' own are the finder's; every hosted stage steps one like it (on processes each rank's finder replaced its
-  own stage's, in one process the others get a copy on their optimizers, starting at the same rate). At the run's
-  end `restore_own_schedulers` gives each stage its own back, before the finder's restore sets their step counts.
+- `start_finder_run`, at the start of each training run: schedulers Lightning shows that are not the stages' own
+  are the finder's; every hosted stage steps one like it (on processes each rank's finder replaced its own stage's,
+  in one process the others get a copy on their optimizers, starting at the same rate), and steps on a non-finite
+  loss or gradient as one device does (the finder raises the rate until the loss blows up; one device records the
+  NaN and goes on, ``on_nonfinite="raise"`` would end the user's fit). The stages' epoch-interval schedulers do not
+  step in that run (Lightning takes the user's schedulers away for it). At the run's end `end_finder_run` gives
+  each stage its own schedulers and setting back, before the finder's restore sets their step counts; the run
+  that follows (the fit's, or the rest of the one a finder was called in, at an epoch's start) starts again.
 - `share_finder_loss`: Lightning's finder reads a loss on every rank at each window's end (and broadcasts rank 0's
   decision to stop), as under DDP, where every rank has one; on processes the stages before the last have none,
   so during the finder's run every rank gets global rank 0's (the last stage of replica 0, whose loss the finder's
@@ -26,6 +30,7 @@ the stop and the suggestion are the same: the suggestion looks for the steepest 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,10 +45,18 @@ from lit_efficient.strategy.step_hooks import _SchedulerGroup
 FINDER_SCHEDULERS = (_LinearLR, _ExponentialLR)  # what `_LRFinder._exchange_scheduler` installs
 
 
-def follow_shown_schedulers(hosted: list[HostedStage], shown_optimizer: Any, shown: list[Any]) -> list[Any] | None:
-    """When the schedulers Lightning shows (``shown``, on ``shown_optimizer``) are not the stages' own: every hosted
-    stage steps one like them for this run; returns the stages' own step schedulers (for `restore_own_schedulers`),
-    or None when there was nothing to follow."""
+@dataclass
+class FinderRun:
+    """What a finder's run changed on the hosted stages, given back by `end_finder_run`."""
+
+    schedulers: list[Any]  # each stage's own step schedulers
+    on_nonfinite: list[str]  # each stage's own setting
+
+
+def start_finder_run(hosted: list[HostedStage], shown_optimizer: Any, shown: list[Any]) -> FinderRun | None:
+    """When the schedulers Lightning shows (``shown``, on ``shown_optimizer``) are not the stages' own: a finder's
+    run, for which every hosted stage steps one like them and steps on non-finite values; None when they are the
+    stages' own (a run of the user's)."""
     showing = next((h for h in hosted if h.optimizer is shown_optimizer), None)
     if showing is None or list(shown) == list(showing.scheduler_configs):
         return None
@@ -55,11 +68,12 @@ def follow_shown_schedulers(hosted: list[HostedStage], shown_optimizer: Any, sho
                 "schedulers, and the strategy carries over only Lightning's learning-rate finder's. Return the "
                 "schedulers from configure_optimizers instead, where every stage builds its own."
             )
-    own = [h.stage.scheduler for h in hosted]
+    run = FinderRun([h.stage.scheduler for h in hosted], [h.stage.on_nonfinite for h in hosted])
     for h in hosted:
         configs = shown if h is showing else [_like(config, h.optimizer) for config in shown]
         h.stage.scheduler = _SchedulerGroup(configs)
-    return own
+        h.stage.on_nonfinite = "step"
+    return run
 
 
 def _like(config: Any, optimizer: Any) -> Any:
@@ -80,10 +94,10 @@ def one_progress_bar(trainer: Trainer) -> None:
                 callback.progress_bar_refresh_rate = 0
 
 
-def restore_own_schedulers(hosted: list[HostedStage], own: list[Any]) -> None:
-    """Each hosted stage steps its own schedulers again (``own``, from `follow_shown_schedulers`)."""
-    for h, scheduler in zip(hosted, own, strict=True):
-        h.stage.scheduler = scheduler
+def end_finder_run(hosted: list[HostedStage], run: FinderRun) -> None:
+    """Each hosted stage steps its own schedulers again, with its own ``on_nonfinite``."""
+    for h, scheduler, setting in zip(hosted, run.schedulers, run.on_nonfinite, strict=True):
+        h.stage.scheduler, h.stage.on_nonfinite = scheduler, setting
 
 
 def share_finder_loss(loss: torch.Tensor | None, group: dist.ProcessGroup | None) -> torch.Tensor:

@@ -89,11 +89,12 @@ from lit_efficient.strategy.divergence import LossTrend
 from lit_efficient.strategy.fault_tolerant import start_replicas
 from lit_efficient.strategy.hosting import HostedStage, gather_model_on_rank_zero
 from lit_efficient.strategy.lr_finder import (
+    FinderRun,
     apply_suggestion,
-    follow_shown_schedulers,
+    end_finder_run,
     one_progress_bar,
-    restore_own_schedulers,
     share_finder_loss,
+    start_finder_run,
 )
 from lit_efficient.strategy.module_hooks import drain_before, undo_drain_before, warn_uncalled_hooks
 from lit_efficient.strategy.progress import swap_stock_progress_bar
@@ -347,10 +348,10 @@ class PACIStrategy(DDPStrategy):
         self._compiled_steps: dict[str, Any] = {}  # a torch.compile-d module's steps, set aside while it trains
         self.on_nonfinite = on_nonfinite
         self._loss_trend = LossTrend()
-        # Lightning's learning-rate finder (lr_finder.py): the stages' own step schedulers while a finder's run
-        # steps its schedulers instead, and whether one ran in this fit (its suggestion goes to every stage).
-        self._own_schedulers: list[Any] | None = None
-        self._finder_ran = False
+        # Lightning's learning-rate finder (lr_finder.py): what its run changed on the stages while it runs, whether
+        # one ran in this fit (its suggestion goes to every stage), and whether the run after it is still to start.
+        self._finder_run: FinderRun | None = None
+        self._finder_ran = self._run_to_start = False
         self._first_batch_unchecked = self._first_eval_batch_unchecked = False
         self.checkpoint_format = checkpoint_format
         self.async_checkpoint = async_checkpoint
@@ -384,7 +385,7 @@ class PACIStrategy(DDPStrategy):
         self._signal_group: dist.ProcessGroup | None = None
         self._tie_groups: dict[int, LinkGroups] = {}
         self._launch_streams: dict[str, Any] | None = None
-        self._sigterm_pending: deque[tuple[dist.Work, Tensor]] = deque()
+        self._sigterm_pending: deque[tuple[dist.Work, Tensor, int]] = deque()
         self._was_automatic = True
         self._eval_index = 0
         self._failed = False
@@ -539,6 +540,10 @@ class PACIStrategy(DDPStrategy):
         layers = list(module.pipeline_layers())
         sizes = self._stage_sizes(module, layers, trainer)
         ties = find_ties(module, layers, sizes)  # a tied embedding: see lit_efficient.runtime.tied
+        if not self.in_process:  # the ranks must agree (a collective follows): global rank 0's, whole after a fit
+            shared = [ties]
+            dist.broadcast_object_list(shared, src=0, group=self._signal_group)
+            ties = shared[0]
         replicated = self.topology.num_replicas > 1 or self.fault_tolerance is not None  # torchft: groups apart
         check_streaming_ties(self.streaming_sync, replicated, bool(ties))
         hosted = self.hosted_stages
@@ -555,7 +560,7 @@ class PACIStrategy(DDPStrategy):
             broadcast_flat(list({id(t): t for t in own}.values()), self._dp_groups[self.stage])
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
-            self._finder_ran = False
+            self._finder_ran = self._run_to_start = False
             self._first_batch_unchecked = not self.in_process  # one process reads one stream
             self._was_automatic = module.automatic_optimization
             module.automatic_optimization = False  # the stages zero, accumulate and step themselves
@@ -885,6 +890,8 @@ class PACIStrategy(DDPStrategy):
     def training_step(self, batch: Any, batch_idx: int, *args: Any) -> Any:
         assert self.runtime is not None
         module, trainer = self.lightning_module, self.lightning_module.trainer
+        if self._run_to_start:  # a learning-rate finder ran inside this run (at an epoch's start) and restored
+            self._start_run(trainer)
         loop = trainer.fit_loop.epoch_loop
         log_once_per_optimizer_step(trainer)  # rows as one device writes them under accumulation
         self._update_accumulation(trainer, batch_idx)
@@ -898,7 +905,7 @@ class PACIStrategy(DDPStrategy):
         if epoch_end:
             self.runtime.drain(step_partial_window=True)
             for config in (c for h in self.hosted for c in h.epoch_schedulers):  # each rank steps its stage's
-                if (trainer.current_epoch + 1) % config.frequency == 0:
+                if (trainer.current_epoch + 1) % config.frequency == 0 and self._finder_run is None:
                     config.scheduler.step()
         window_end = not loop._should_accumulate()
         if window_end:
@@ -906,7 +913,7 @@ class PACIStrategy(DDPStrategy):
             # step (global_step) here; the stages step their optimizers on their own schedule.
             self._lightning_optimizers[0].step()
             self._log_averaging()
-            if self._own_schedulers is not None and not self.in_process:  # the finder reads a loss on every rank
+            if self._finder_run is not None and not self.in_process:  # the finder reads a loss on every rank
                 loss = share_finder_loss(loss, self._signal_group)
         if loss is None:
             return None
@@ -920,7 +927,7 @@ class PACIStrategy(DDPStrategy):
                 "train_loss", value, prog_bar=True, on_step=True, on_epoch=False, batch_size=batch_size_of(batch)
             )
             # Not in the finder's run: it raises the rate until the loss blows up, on purpose.
-            watched = self.schedule == "paci" and self._own_schedulers is None
+            watched = self.schedule == "paci" and self._finder_run is None
             if watched and (warning := self._loss_trend.observe(trainer.global_step, float(value))):
                 rank_zero_warn(warning)
         return {"loss": loss}
@@ -972,18 +979,20 @@ class PACIStrategy(DDPStrategy):
 
     @override
     def on_train_start(self) -> None:
-        self.final_state = None  # what a save after the previous fit used is not this fit's
-        stage_checkpoints.reinstate_window_gradients(self)  # Lightning zeroed them since the restore
         self._start_run(self.lightning_module.trainer)
         super().on_train_start()
 
     def _start_run(self, trainer: Trainer) -> None:
         """What a training run starts from, also for a second run of the same fit (the learning-rate finder's, then
-        the fit's, after the finder restored its checkpoint): the schedulers Lightning shows, the synchronous start
-        from the run's step, the tied weights' delay line (as after a resume: its first d updates use the LM-head
-        term only), the loss trend."""
-        self._own_schedulers = follow_shown_schedulers(self.hosted, self.optimizers[0], self.lr_scheduler_configs)
-        if self._own_schedulers is not None:
+        the fit's or the rest of the one the finder was called in, after the finder restored its checkpoint): the
+        accumulated gradients a restore brought, the schedulers Lightning shows, the synchronous start from the
+        run's step, the tied weights' delay line (as after a resume: its first d updates use the LM-head term only),
+        the loss trend."""
+        self._run_to_start = False
+        self.final_state = None  # what a save after the previous fit used is not this fit's
+        stage_checkpoints.reinstate_window_gradients(self)  # Lightning zeroed them since the restore
+        self._finder_run = start_finder_run(self.hosted, self.optimizers[0], self.lr_scheduler_configs)
+        if self._finder_run is not None:
             self._finder_ran = True
             one_progress_bar(trainer)
         elif self._finder_ran:
@@ -1004,13 +1013,14 @@ class PACIStrategy(DDPStrategy):
             # Before fit takes the stages apart: for trainer.save_checkpoint after fit.
             self.final_state = stage_checkpoints.final_state(self)
         finish_tied([t for h in self.hosted for t in h.tied])
-        if self._own_schedulers is not None:  # the finder's run is over: it restores the stages' step counts next
-            restore_own_schedulers(self.hosted, self._own_schedulers)
-            self._own_schedulers = None
+        if self._finder_run is not None:  # the finder's run is over: it restores the stages' step counts next
+            end_finder_run(self.hosted, self._finder_run)
+            self._finder_run = None
+            self._run_to_start = True  # at the next batch, unless the fit's on_train_start comes first
         # Every rank started the same broadcasts; wait for the last ones so no asynchronous work is
         # left in flight when the process group is torn down (a pending gloo work at exit aborts).
         while self._sigterm_pending:
-            work, _ = self._sigterm_pending.popleft()
+            work, _, _ = self._sigterm_pending.popleft()
             work.wait()
         if self.async_checkpointer is not None:  # last: it raises what a background save raised
             checkpointer, self.async_checkpointer = self.async_checkpointer, None

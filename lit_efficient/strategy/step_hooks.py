@@ -219,9 +219,10 @@ def post_norm_before_tied_exchange(stage: PipelineStage, stage_sum: Any) -> None
 
 def replace_sigterm_barrier(
     trainer: Trainer, lag: int, group: dist.ProcessGroup | None
-) -> deque[tuple[dist.Work, Tensor]]:
+) -> deque[tuple[dist.Work, Tensor, int]]:
     """Make Lightning's per-batch SIGTERM broadcast asynchronous, lagged, and once per window; returns the
-    broadcasts in flight (the strategy finishes them in ``on_train_end``: no collective outlives training).
+    broadcasts in flight, each with the batch count it started at (the strategy finishes them in
+    ``on_train_end``: no collective outlives a training run, and the next run starts with none).
 
     Lightning broadcasts rank 0's SIGTERM flag before every training batch and waits for it: a
     barrier per micro-batch, which ties stage 0 to the last stage and undoes PACI's overlap
@@ -232,22 +233,19 @@ def replace_sigterm_barrier(
     micro-batches ahead of the last). All ranks start and read the same broadcasts at the same
     batches, so they still stop together.
     """
-    pending: deque[tuple[dist.Work, Tensor]] = deque()
+    pending: deque[tuple[dist.Work, Tensor, int]] = deque()
     loop = trainer.fit_loop.epoch_loop
     if not hasattr(loop, "_broadcast_sigterm_tensor") or trainer.world_size == 1:
         return pending
-    started_at: deque[int] = deque()  # the batch count at which each pending broadcast started
     batches = [0]
 
     def broadcast_sigterm() -> None:
         batches[0] += 1
         if (loop.batch_idx + 1) % max(1, trainer.accumulate_grad_batches) == 0:  # a window's first batch
             flag = torch.tensor([int(bool(getattr(trainer, "received_sigterm", False)))], dtype=torch.int32)
-            pending.append((dist.broadcast(flag, src=0, group=group, async_op=True), flag))
-            started_at.append(batches[0])
-        while started_at and started_at[0] <= batches[0] - lag:
-            started_at.popleft()
-            work, seen = pending.popleft()
+            pending.append((dist.broadcast(flag, src=0, group=group, async_op=True), flag, batches[0]))
+        while pending and pending[0][2] <= batches[0] - lag:
+            work, seen, _ = pending.popleft()
             work.wait()
             if int(seen[0]) == 1:  # a CPU tensor: no device synchronization
                 raise SIGTERMException()

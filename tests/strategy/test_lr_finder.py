@@ -14,7 +14,7 @@ from lightning.pytorch.tuner import Tuner
 
 from lit_efficient import PACIStrategy
 from tests.support.compare import assert_same
-from tests.support.gpt_runs import gpt_model, gpt_trainer, max_diff, text_data
+from tests.support.gpt_runs import gpt_model, gpt_trainer, max_diff, ordered_data, text_data
 from tests.support.multiproc import spawn, values
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -45,6 +45,28 @@ def test_the_fit_after_the_finder_is_the_fit_without_it(tmp_path):
     assert not [m for m in said if "diverging" in m], said
 
 
+class _AtEpochStart(LearningRateFinder):
+    """Lightning's documented pattern for finding the rate again while fine-tuning (`LearningRateFinder`'s
+    docstring): the finder at an epoch's start, inside the fit's training run, not before it."""
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        return
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        if trainer.current_epoch == 0:
+            self.lr_find(trainer, pl_module)
+
+
+def test_a_finder_inside_the_fits_run_leaves_it_as_without_it(tmp_path):
+    """The finder's run ends inside the fit's: the rest of the fit starts again from the restored checkpoint at its
+    next batch (the synchronous start, the tied weight's delay line: else a deadlock), as a fit after it does."""
+    finder = _AtEpochStart(num_training_steps=8, min_lr=1e-4, max_lr=1e-2, early_stop_threshold=None, update_attr=False)
+    found, _ = _fit(tmp_path / "found", [finder])
+    plain, _ = _fit(tmp_path / "plain", [])
+    assert len(finder.optimal_lr.results["lr"]) == 8
+    assert max_diff(found, plain) == 0.0
+
+
 class _OwnScheduler(Callback):
     """Replaces the schedulers Lightning shows by a StepLR of its own when training starts."""
 
@@ -62,16 +84,23 @@ def test_a_scheduler_replaced_after_setup_other_than_the_finders_is_refused(tmp_
 
 
 def _tuned_then_fit(devices: int, root: str) -> dict | None:
-    """Lightning's tuner, then fit on the same Trainer and module: PACI, a tied weight; what global rank 0 has."""
+    """Lightning's tuner, then fit on the same Trainer and module (PACI, a tied weight); then the finder as a
+    callback at fit start, whose run ends in an epoch's partial window (epochs of 12 micro-batches in windows of
+    5, 5 and 2: N > S), and the rest of that fit. What global rank 0 has."""
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     model = gpt_model(tie_weights=True)
     trainer = gpt_trainer(PACIStrategy(pipeline_stages=2, sync_start_steps=2), devices, 4, root)
     finder = Tuner(trainer).lr_find(model, datamodule=text_data(), num_training=14, min_lr=1e-5, max_lr=1.0)
     trainer.fit(model, datamodule=text_data())
+    in_fit = LearningRateFinder(num_training_steps=3, early_stop_threshold=None, update_attr=False)
+    other = gpt_model()
+    strategy = PACIStrategy(pipeline_stages=2, sync_start_steps=0)
+    gpt_trainer(strategy, devices, 8, root, accumulate_grad_batches=5, callbacks=[in_fit]).fit(other, ordered_data())
     if trainer.global_rank:
         return None
     seen = {"lr": finder.results["lr"], "loss": finder.results["loss"], "suggestion": finder.suggestion()}
-    return {**seen, "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    weights = [{k: v.detach().clone() for k, v in m.state_dict().items()} for m in (model, other)]
+    return {**seen, "weights": weights, "in fit": in_fit.optimal_lr.results}
 
 
 def _on_ranks(rank: int, world: int, root: str) -> dict | None:
@@ -80,11 +109,13 @@ def _on_ranks(rank: int, world: int, root: str) -> dict | None:
 
 
 @pytest.mark.multiproc
-def test_tuner_then_fit_on_processes_is_one_process_with_a_tied_weight(tmp_path):
-    """The user's day with a tied embedding on two processes: the tuner's fit, then fit on the same Trainer and
-    module. After a fit every rank but 0 keeps only its stage's layers, so the second fit's rank 1 could not see
-    the tie any more and the ranks disagreed on the process groups to make: a hang, which a second fit without
-    the tuner met as well. Bit for bit the same as in one process."""
+def test_the_finder_then_fit_on_processes_is_one_process(tmp_path):
+    """The user's day on two processes: the tuner's fit, then fit on the same Trainer and module with a tied
+    embedding. After a fit every rank but 0 keeps only its stage's layers, so the second fit's rank 1 could not
+    see the tie any more and the ranks disagreed on the process groups to make: a hang, which a second fit without
+    the tuner met as well. Then the finder inside a fit: the lagged SIGTERM broadcasts of its run are finished
+    with their batch counts before the fit's run (the counts were left behind once: an IndexError on every rank
+    at the fit's second batch). Bit for bit the same as in one process."""
     got = values(spawn(_on_ranks, 2, str(tmp_path / "processes"), timeout=240, torchrun_env=True))[0]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

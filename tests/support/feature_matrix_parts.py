@@ -9,6 +9,7 @@ DataLoaders, an IterableDataset, workers, a loader that resumes mid-epoch).
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -355,14 +356,24 @@ def _finder_record(finder: Any, trainer: L.Trainer, module: Any) -> dict:
     one device records them: there a step's loss divided by N, the pipeline's outputs hold the loss itself
     (lit_efficient/strategy/lr_finder.py; N = 2 divides exactly)."""
     per_step = N if isinstance(trainer.strategy, PACIStrategy) else 1
+    losses = [v / per_step if math.isfinite(v) else repr(v) for v in finder.results["loss"]]  # nan != nan
     return {
-        "lr": finder.results["lr"], "loss": [v / per_step for v in finder.results["loss"]],
+        "lr": finder.results["lr"], "loss": losses,
         "suggestion": finder.suggestion(), "module lr": module.hparams.learning_rate,
     }  # fmt: skip
 
 
 def _lr_finder(root: Path) -> list[Callback]:
     return [LearningRateFinder(num_training_steps=14, **FINDER)]
+
+
+def _lr_finder_to_nan(root: Path) -> list[Callback]:
+    """Up to a rate where the loss turns NaN, without the early stop: one device records NaN and goes on."""
+    return [LearningRateFinder(num_training_steps=14, min_lr=1e-3, max_lr=1e8, early_stop_threshold=None)]
+
+
+def _found_nan(piped: dict, ref: dict) -> None:
+    assert "nan" in piped["observed"]["loss"], piped["observed"]["loss"]
 
 
 def _found(trainer, module) -> dict:
