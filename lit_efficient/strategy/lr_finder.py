@@ -40,9 +40,10 @@ from lightning.pytorch.callbacks import LearningRateFinder
 from lightning.pytorch.tuner.lr_finder import _ExponentialLR, _LinearLR, _LRCallback
 
 from lit_efficient.strategy.hosting import HostedStage
-from lit_efficient.strategy.step_hooks import _SchedulerGroup
+from lit_efficient.strategy.step_hooks import step_schedulers
 
-FINDER_SCHEDULERS = (_LinearLR, _ExponentialLR)  # what `_LRFinder._exchange_scheduler` installs
+# What `_LRFinder._exchange_scheduler` installs (Lightning's private names: the finder has no public type for them)
+FINDER_SCHEDULERS = (_LinearLR, _ExponentialLR)
 
 
 @dataclass
@@ -71,7 +72,7 @@ def start_finder_run(hosted: list[HostedStage], shown_optimizer: Any, shown: lis
     run = FinderRun([h.stage.scheduler for h in hosted], [h.stage.on_nonfinite for h in hosted])
     for h in hosted:
         configs = shown if h is showing else [_like(config, h.optimizer) for config in shown]
-        h.stage.scheduler = _SchedulerGroup(configs)
+        h.stage.scheduler, _ = step_schedulers(configs)  # all of the finder's step with the stage's steps
         h.stage.on_nonfinite = "step"
     return run
 
