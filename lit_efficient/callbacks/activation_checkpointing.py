@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import LearningRateFinder
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from torch.autograd.graph import saved_tensors_hooks
@@ -368,6 +369,7 @@ class ActivationCheckpointing(Callback):
         self.every_n = every_n
         self._switch = _Switch(bool(enabled), mode)
         self._wrapped: list[nn.Module] = []
+        self._finders: list[LearningRateFinder] = []  # whose lr_find wraps first (`_wrap_before_finders`)
         self._plan: list[tuple[str, type]] = []  # made on the unsplit model in setup()
         self._meter: SavedActivationMeter | None = None
         self._batches = 0
@@ -437,6 +439,23 @@ class ActivationCheckpointing(Callback):
         found = self.matches(pl_module)
         self._plan = [(name, type(module)) for name, module in self.select(pl_module, found)]
         self._check_plan(pl_module, found)
+        self._wrap_before_finders(trainer)
+
+    def _wrap_before_finders(self, trainer: Trainer) -> None:
+        """Wrap the blocks before a learning-rate finder's training run, not after: Lightning moves the finder to the
+        front of the callbacks, so its run (in its `on_fit_start`) came before this callback's `on_fit_start`
+        and trained without activation checkpointing, which a model that fits only with it cannot. Each finder's
+        ``lr_find`` wraps first (`on_fit_start` is idempotent); `teardown` gives the finder its own back."""
+        for finder in (c for c in trainer.callbacks if isinstance(c, LearningRateFinder)):  # type: ignore[attr-defined]
+            if "lr_find" in finder.__dict__:
+                continue  # already preceded by this (or another) ActivationCheckpointing
+
+            def lr_find(trainer: Trainer, pl_module: LightningModule, _finder: Any = finder) -> None:
+                self.on_fit_start(trainer, pl_module)
+                type(_finder).lr_find(_finder, trainer, pl_module)
+
+            finder.__dict__["lr_find"] = lr_find
+            self._finders.append(finder)
 
     def _check_plan(self, pl_module: LightningModule, found: list[tuple[str, nn.Module]]) -> None:
         """Refuse a configuration that would silently checkpoint less than it names: an entry of ``modules`` that
@@ -529,6 +548,9 @@ class ActivationCheckpointing(Callback):
         self._stop_meter()
         if stage == "fit":
             self.unwrap()
+            for finder in self._finders:
+                finder.__dict__.pop("lr_find", None)
+            self._finders.clear()
 
     @override
     def state_dict(self) -> dict[str, Any]:

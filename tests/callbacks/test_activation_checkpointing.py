@@ -33,8 +33,8 @@ def random_batch(batch_size: int = 4, seq_len: int = 32) -> tuple[torch.Tensor, 
 
 
 def fake_trainer(**strategy_attrs) -> SimpleNamespace:
-    # The hooks used here read only trainer.strategy; a stub keeps these tests free of Trainer setup.
-    return SimpleNamespace(strategy=SimpleNamespace(**strategy_attrs))
+    # The hooks used here read only trainer.strategy and trainer.callbacks: a stub, free of Trainer setup.
+    return SimpleNamespace(strategy=SimpleNamespace(**strategy_attrs), callbacks=[])
 
 
 class Placeholder(nn.Module):

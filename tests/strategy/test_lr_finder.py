@@ -67,6 +67,34 @@ def test_a_finder_inside_the_fits_run_leaves_it_as_without_it(tmp_path):
     assert max_diff(found, plain) == 0.0
 
 
+@pytest.mark.parametrize("via", ["tuner", "callback"])
+def test_the_finders_run_trains_with_activation_checkpointing(tmp_path, monkeypatch, via):
+    """Lightning moves the finder to the front of the callbacks, so its run came before ActivationCheckpointing's
+    on_fit_start wrapped the blocks: 0 of 2 blocks wrapped, a model that fits only with it could not find its
+    rate. Every block is wrapped when the finder's run starts; the finder is itself again after fit."""
+    import lightning.pytorch.tuner.lr_finder as lr_finder
+
+    from lit_efficient import ActivationCheckpointing
+    from lit_efficient.callbacks.activation_checkpointing import is_wrapped
+
+    wrapped, exchange = [], lr_finder._LRFinder._exchange_scheduler
+
+    def counted(self, trainer):  # the finder swaps the schedulers right before its run
+        wrapped.append(sum(is_wrapped(m) for m in trainer.lightning_module.modules()))
+        exchange(self, trainer)
+
+    monkeypatch.setattr(lr_finder._LRFinder, "_exchange_scheduler", counted)
+    finder = LearningRateFinder(num_training_steps=4, early_stop_threshold=None, update_attr=False)
+    callbacks = [ActivationCheckpointing()] + ([finder] if via == "callback" else [])
+    trainer = gpt_trainer(PACIStrategy(pipeline_stages=2), 1, 2, tmp_path, callbacks=callbacks)
+    if via == "tuner":
+        Tuner(trainer).lr_find(gpt_model(), datamodule=text_data(), num_training=4, early_stop_threshold=None)
+    else:
+        trainer.fit(gpt_model(), datamodule=text_data())
+    assert wrapped == [2]  # the GPT's two blocks
+    assert "lr_find" not in finder.__dict__
+
+
 class _OwnScheduler(Callback):
     """Replaces the schedulers Lightning shows by a StepLR of its own when training starts."""
 
