@@ -348,10 +348,10 @@ class PACIStrategy(DDPStrategy):
         self._compiled_steps: dict[str, Any] = {}  # a torch.compile-d module's steps, set aside while it trains
         self.on_nonfinite = on_nonfinite
         self._loss_trend = LossTrend()
-        # Lightning's learning-rate finder (lr_finder.py): what its run changed on the stages while it runs, whether
-        # one ran in this fit (its suggestion goes to every stage), and whether the run after it is still to start.
+        # Lightning's learning-rate finder (lr_finder.py): what its run changed on the stages while it runs, and
+        # whether one has ended and the run after it is still to start (from its restore, with its suggestion).
         self._finder_run: FinderRun | None = None
-        self._finder_ran = self._run_to_start = False
+        self._after_finder = False
         self._first_batch_unchecked = self._first_eval_batch_unchecked = False
         self.checkpoint_format = checkpoint_format
         self.async_checkpoint = async_checkpoint
@@ -540,10 +540,6 @@ class PACIStrategy(DDPStrategy):
         layers = list(module.pipeline_layers())
         sizes = self._stage_sizes(module, layers, trainer)
         ties = find_ties(module, layers, sizes)  # a tied embedding: see lit_efficient.runtime.tied
-        if not self.in_process:  # the ranks must agree (a collective follows): global rank 0's, whole after a fit
-            shared = [ties]
-            dist.broadcast_object_list(shared, src=0, group=self._signal_group)
-            ties = shared[0]
         replicated = self.topology.num_replicas > 1 or self.fault_tolerance is not None  # torchft: groups apart
         check_streaming_ties(self.streaming_sync, replicated, bool(ties))
         hosted = self.hosted_stages
@@ -560,7 +556,7 @@ class PACIStrategy(DDPStrategy):
             broadcast_flat(list({id(t): t for t in own}.values()), self._dp_groups[self.stage])
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
-            self._finder_ran = self._run_to_start = False
+            self._after_finder = False
             self._first_batch_unchecked = not self.in_process  # one process reads one stream
             self._was_automatic = module.automatic_optimization
             module.automatic_optimization = False  # the stages zero, accumulate and step themselves
@@ -890,7 +886,7 @@ class PACIStrategy(DDPStrategy):
     def training_step(self, batch: Any, batch_idx: int, *args: Any) -> Any:
         assert self.runtime is not None
         module, trainer = self.lightning_module, self.lightning_module.trainer
-        if self._run_to_start:  # a learning-rate finder ran inside this run (at an epoch's start) and restored
+        if self._after_finder:  # a learning-rate finder ran inside this run (at an epoch's start) and restored
             self._start_run(trainer)
         loop = trainer.fit_loop.epoch_loop
         log_once_per_optimizer_step(trainer)  # rows as one device writes them under accumulation
@@ -904,8 +900,9 @@ class PACIStrategy(DDPStrategy):
         epoch_end = loop._num_ready_batches_reached()
         if epoch_end:
             self.runtime.drain(step_partial_window=True)
-            for config in (c for h in self.hosted for c in h.epoch_schedulers):  # each rank steps its stage's
-                if (trainer.current_epoch + 1) % config.frequency == 0 and self._finder_run is None:
+            # Each rank steps its stage's; none in a learning-rate finder's run (one device's finder removes them).
+            for config in (c for h in self.hosted for c in h.epoch_schedulers if self._finder_run is None):
+                if (trainer.current_epoch + 1) % config.frequency == 0:
                     config.scheduler.step()
         window_end = not loop._should_accumulate()
         if window_end:
@@ -988,15 +985,13 @@ class PACIStrategy(DDPStrategy):
         accumulated gradients a restore brought, the schedulers Lightning shows, the synchronous start from the
         run's step, the tied weights' delay line (as after a resume: its first d updates use the LM-head term only),
         the loss trend."""
-        self._run_to_start = False
+        after_finder, self._after_finder = self._after_finder, False
         self.final_state = None  # what a save after the previous fit used is not this fit's
         stage_checkpoints.reinstate_window_gradients(self)  # Lightning zeroed them since the restore
         self._finder_run = start_finder_run(self.hosted, self.optimizers[0], self.lr_scheduler_configs)
         if self._finder_run is not None:
-            self._finder_ran = True
             one_progress_bar(trainer)
-        elif self._finder_ran:
-            self._finder_ran = False
+        elif after_finder:
             apply_suggestion(trainer, self.hosted)
         assert self.runtime is not None
         if trainer.global_step < self.sync_start and not self._in_sync_start:  # a finder's run before rewound it
@@ -1016,7 +1011,7 @@ class PACIStrategy(DDPStrategy):
         if self._finder_run is not None:  # the finder's run is over: it restores the stages' step counts next
             end_finder_run(self.hosted, self._finder_run)
             self._finder_run = None
-            self._run_to_start = True  # at the next batch, unless the fit's on_train_start comes first
+            self._after_finder = True  # the next run starts at the next batch, unless its on_train_start comes first
         # Every rank started the same broadcasts; wait for the last ones so no asynchronous work is
         # left in flight when the process group is torn down (a pending gloo work at exit aborts).
         while self._sigterm_pending:
