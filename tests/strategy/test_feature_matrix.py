@@ -244,6 +244,8 @@ ROWS: list[Row] = [
         observe=_found, strategy=dict(sync_start_steps=2), processes=True,
         note="every stage steps the finder's rates; its recorded losses are N x one device's (which divides a "
         "step's loss by N); paci runs its synchronous start again after the finder's run"),
+    Row("LearningRateFinder with validation inside fit", trainer=dict(VAL, val_check_interval=4),
+        callbacks=_lr_finder, observe=_found, note="the finder's run validates as the fit does, drained first"),
     Row("LearningRateFinder with an epoch-interval LR scheduler", module=_as(_EpochLR),
         trainer=dict(max_steps=-1, max_epochs=8, limit_train_batches=4), callbacks=_lr_finder, observe=_found,
         note="the user's schedulers rest during the finder's run, as on one device"),
