@@ -41,21 +41,24 @@ def stop(pids: Sequence[int], grace: float = GRACE_S, first: int | None = None, 
     if first is not None:
         for pid in running:
             _signal(pid, first)
-    deadline = time.monotonic() + grace
-    while any(alive(p) for p in running) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    _await_exits(running, grace)
     killed = [p for p in running if alive(p)]
     for pid in killed:
         _signal(pid, _KILL)
     return killed
 
 
+def _await_exits(pids: Sequence[int], seconds: float) -> None:
+    """Return once none of ``pids`` runs, or after ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 _WATCHED: set[int] = set()  # rank pids this process has a watcher for
 
 
-def watch_after_exit(
-    procs: Sequence[Popen], grace: float = GRACE_S, release: Callable[[], object] | None = None
-) -> None:
+def watch_after_exit(procs: Sequence[Popen], release: Callable[[], object], grace: float = GRACE_S) -> None:
     """Start a detached watcher that runs `stop` on the rank processes ``procs`` still running once this process
     has exited (its connections, on which the ranks wait, close only then), and keep this process, when it begins
     its exit, up to `LINGER_S` seconds (read at the call) while they end: it hosts the rendezvous store,
@@ -78,15 +81,13 @@ def watch_after_exit(
         atexit.register(_linger, running, LINGER_S, release)
 
 
-def _linger(procs: Sequence[Popen], linger: float, release: Callable[[], object] | None) -> None:
-    kept = release() if release is not None else None  # alive until the ranks have ended (or ``linger``)
-    if release is not None and kept is None:
+def _linger(procs: Sequence[Popen], linger: float, release: Callable[[], object]) -> None:
+    kept = release()  # alive until the ranks have ended (or ``linger``)
+    if kept is None:
         return
     # An exit's courtesy to the ranks: a Ctrl-C here ends the wait, not with a traceback from an exit hook.
     with contextlib.suppress(KeyboardInterrupt):
-        deadline = time.monotonic() + linger
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        _await_exits([p.pid for p in procs], linger)
     del kept
 
 
