@@ -71,7 +71,7 @@ def _store():
 
 def _store_failed(err: BaseException) -> None:
     global _gone_store
-    if isinstance(err, dist.DistError):  # not "no process group": that is no store at all
+    if isinstance(err, dist.DistError):  # the store's host unreachable; another error leaves the store asked
         with contextlib.suppress(Exception):
             _gone_store = dist.distributed_c10d._get_default_store()
 

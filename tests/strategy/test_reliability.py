@@ -316,26 +316,31 @@ def test_shard_loading_obeys_weights_only(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("devices", "trainer_kw", "callbacks", "match"),
+    ("devices", "trainer_kw", "strategy_kw", "callbacks", "match"),
     [
-        (3, {}, [], r"pipeline_stages=2\) does not divide the world size 3"),
-        (2, {"accumulate_grad_batches": 0}, [], r"accumulate_grad_batches=0\): .* integer >= 1"),
-        (2, {"accumulate_grad_batches": True}, [], r"accumulate_grad_batches=True\): .* integer >= 1"),
-        (2, {"accumulate_grad_batches": 2}, ["ga4"], r"accumulate_grad_batches=2\) and GradientAccumulation"),
+        (3, {}, {}, [], r"pipeline_stages=2\) does not divide the world size 3"),
+        (2, {"accumulate_grad_batches": 0}, {}, [], r"accumulate_grad_batches=0\): .* integer >= 1"),
+        (2, {"accumulate_grad_batches": True}, {}, [], r"accumulate_grad_batches=True\): .* integer >= 1"),
+        (2, {"accumulate_grad_batches": 2}, {}, ["ga4"], r"accumulate_grad_batches=2\) and GradientAccumulation"),
         # a copy of the whole module where a rank holds its stage: a shape error mid-fit
-        (2, {}, ["ema"], r"EMAWeightAveraging is not supported on processes under PACIStrategy"),
+        (2, {}, {}, ["ema"], r"EMAWeightAveraging is not supported on processes under PACIStrategy"),
         # Lightning's finder builds a torch LR scheduler on the optimizer it is shown: a TypeError on every rank
-        (4, {}, ["lr_find"], r"Tuner.lr_find does not work with PACIStrategy\(shard_optimizer_state=True\)"),
+        (
+            4,
+            {},
+            {"shard_optimizer_state": True},
+            ["lr_find"],
+            r"Tuner.lr_find does not work with PACIStrategy\(shard_optimizer_state=True\)",
+        ),
     ],
 )
-def test_configuration_errors_fail_before_any_process_starts(devices, trainer_kw, callbacks, match):
+def test_configuration_errors_fail_before_any_process_starts(devices, trainer_kw, strategy_kw, callbacks, match):
     """One message from the launching process, before it starts any rank (which would each raise)."""
     from lightning.pytorch.callbacks import EMAWeightAveraging, LearningRateFinder
 
     made = {"ga4": lambda: GradientAccumulation(steps=4), "ema": EMAWeightAveraging, "lr_find": LearningRateFinder}
     cbs = [made[name]() for name in callbacks]
-    shard = "lr_find" in callbacks  # the finder is refused only where the optimizer state is split over replicas
-    strategy = PACIStrategy(pipeline_stages=2, start_method="forkserver", shard_optimizer_state=shard)
+    strategy = PACIStrategy(pipeline_stages=2, start_method="forkserver", **strategy_kw)
     trainer = L.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, max_steps=1, logger=False, callbacks=cbs, **trainer_kw
     )
@@ -703,13 +708,27 @@ def test_a_store_found_gone_is_not_asked_again(monkeypatch, capsys):
     assert failures.read_failure() is None and failures._gone_store is None
     assert failures.await_failure(grace=0.0) is None and failures._gone_store is None
 
+    # A live store's error that is not a lost connection (not a DistError) does not mark it gone.
+    class FaultyStore:
+        def check(self, keys):
+            raise RuntimeError("a value the store could not decode")
 
-def test_a_failed_launching_process_lets_go_of_its_group_keeps_its_store_and_waits_for_its_ranks(tmp_path):
+        def compare_set(self, key, expected, value):
+            raise RuntimeError("a value the store could not decode")
+
+    faulty = FaultyStore()
+    monkeypatch.setattr(failures.dist.distributed_c10d, "_get_default_store", lambda: faulty)
+    failures.report_failure("stage 0 (rank 1) raised ValueError: boom")
+    assert failures._gone_store is None
+
+
+def test_a_failed_launching_process_lets_go_of_its_group_keeps_its_store_and_waits_for_its_ranks(tmp_path, monkeypatch):
     """What the launching process does at its exit after a failure, in this process: the default group closed
     (a rank in a barrier then fails at once), the published cause still readable from the store kept, a wait that
     ends when the ranks do; and no wait where there is no store to read."""
     from lit_efficient.transport import failures
 
+    monkeypatch.setattr(failures, "_printed_failure", False)  # what this test prints stays this test's
     dist = torch.distributed
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
     try:
@@ -720,7 +739,7 @@ def test_a_failed_launching_process_lets_go_of_its_group_keeps_its_store_and_wai
         if dist.is_initialized():
             dist.destroy_process_group()
     assert kept is not None and closed
-    assert kept.get("lit_efficient/abort") == b"stage 1 (rank 0) raised ValueError: boom"
+    assert kept.get(failures._ABORT_KEY) == b"stage 1 (rank 0) raised ValueError: boom"
     assert failures.release_peers_keeping_the_store() is None  # nothing left to keep
 
     rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.0)"])
