@@ -403,12 +403,12 @@ def _fit_then_evaluate(rank: int, world: int, root: str) -> dict:
 
 
 @pytest.mark.multiproc
+@pytest.mark.usefixtures("one_thread")  # as the ranks: compared bit for bit below
 def test_evaluating_after_fit_on_processes_answers_as_one_device(tmp_path):
     """Lightning's most common pattern, fit then validate/test/predict on the same Trainer, under PACI on two
     processes: a Hugging Face model's layers are discovered once, not again on a rank whose module is split (that
     crashed rank 1 naming a layer on the other stage). Every rank gets the results (only the last stage logs
     them: rank 1's validate()[0]["val_loss"] was a KeyError), and they are one device's on the trained weights."""
-    torch.set_num_threads(1)  # as the ranks: compared bit for bit below (the thread count is restored after the test)
     last, first = values(spawn(_fit_then_evaluate, 2, str(tmp_path), timeout=240, torchrun_env=True))
     assert last["losses"] == first["losses"]
     val, test, val_again = last["losses"]

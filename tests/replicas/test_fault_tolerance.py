@@ -29,7 +29,7 @@ from tests.support.multiproc import START_METHOD, _free_port
 
 pytestmark = pytest.mark.multiproc
 
-STEPS, SYNC_EVERY, PACE, ALONE_PACE, STEPS_WHILE_DOWN = 20, 2, 0.35, 2.0, 2
+STEPS, SYNC_EVERY, PACE, ALONE_PACE, STEPS_WHILE_DOWN = 20, 2, 0.35, 6.0, 2
 
 
 class _Timeline(Callback):
@@ -54,13 +54,16 @@ class _Timeline(Callback):
                 with Path(self.out, "progress-0.txt").open("a") as progress:
                     progress.write(f"{trainer.global_step} {self.steps[-1][1]}\n")
                 time.sleep(PACE)  # still running when group 1 is back
-            elif self.attempt == 0 and not Path(self.out, "start-0-0.json").exists():
+            elif self.attempt == 0:
                 # Group 1 alone, group 0 not training yet (it started seconds late on a busy machine): slowed, so
-                # that it does not run all its steps before the two can sync (it did). A step's sleep, never a wait:
-                # torchft forms a quorum only from more than half of the groups that heartbeat, so group 0's first
-                # quorum needs group 1's next request; a group 1 blocked until group 0 trained never made it (both
-                # timed out at 60 s, seen once in a fresh environment).
-                time.sleep(ALONE_PACE)
+                # that it does not run all its steps before the two can sync (it did). A bounded wait per step, never
+                # an open one: torchft forms a quorum only from more than half of the groups that heartbeat, so
+                # group 0's first quorum needs group 1's next request; a group 1 blocked until group 0 trained never
+                # made it (both timed out at 60 s, seen once in a fresh environment). It ends once group 0 starts.
+                started = Path(self.out, "start-0-0.json")
+                deadline = time.monotonic() + ALONE_PACE
+                while not started.exists() and time.monotonic() < deadline:
+                    time.sleep(0.05)
         # Killed once both groups have synced together (they start at different times on a busy machine).
         together = trainer.strategy.replicas.participants == 2
         if self.group == 1 and self.attempt == 0 and trainer.global_rank == 1 and together and self.synced_at is None:
