@@ -95,6 +95,26 @@ def test_the_finders_run_trains_with_activation_checkpointing(tmp_path, monkeypa
     assert "lr_find" not in finder.__dict__
 
 
+def test_a_hugging_face_model_after_the_tuner_fits_as_without_it(tmp_path):
+    """A foreign model (a Hugging Face GPT-2 config, its embedding tied to its LM head, split by adapter layers):
+    Lightning's tuner, then fit on the same Trainer, equals the fit without the tuner (PACI, one process)."""
+    from lit_efficient.models import HFCausalLM
+
+    config = {"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 256, "n_positions": 32,
+              "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}  # fmt: skip
+    weights = []
+    for tuned in (True, False):
+        torch.manual_seed(0)
+        model = HFCausalLM(config, warmup_steps=2, max_steps=20)
+        trainer = gpt_trainer(PACIStrategy(pipeline_stages=2, sync_start_steps=2), 1, 4, tmp_path / str(tuned))
+        if tuned:
+            kw = dict(num_training=14, min_lr=1e-5, max_lr=1.0, update_attr=False)
+            assert Tuner(trainer).lr_find(model, datamodule=text_data(), **kw).suggestion() is not None
+        trainer.fit(model, datamodule=text_data())
+        weights.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+    assert_same(weights[0], weights[1], "after the tuner against without it")
+
+
 class _OwnScheduler(Callback):
     """Replaces the schedulers Lightning shows by a StepLR of its own when training starts."""
 
