@@ -29,6 +29,7 @@ from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _Su
 from lightning.pytorch.strategies.launchers.multiprocessing import _GlobalStateSnapshot
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.nn.parallel import DistributedDataParallel
 
 from lit_efficient import rank_reaper
@@ -336,6 +337,32 @@ def _warn_single_replica(local_sgd_steps: int | None, topology: Topology) -> Non
         )
 
 
+def check_layers(pipeline_stages: int, balance: Any, layers: list) -> None:
+    """Refuse more stages than ``pipeline_layers()`` has layers, or an explicit split that does not fit them; the
+    message lists the layers (a GPT(n_layer=4) has 6: its embedding and head are layers too)."""
+    if pipeline_stages > len(layers):
+        raise ValueError(
+            f"PACIStrategy(pipeline_stages={pipeline_stages}) exceeds the {len(layers)} layers of pipeline_layers() "
+            f"({describe_layers(layers)}): use at most {len(layers)} stages, or split the model into more layers"
+        )
+    if isinstance(balance, list) and sum(balance) != len(layers):  # its length and entries: checked in __init__
+        raise ValueError(
+            f"PACIStrategy(balance={balance}) sums to {sum(balance)} layers, but pipeline_layers() has {len(layers)} "
+            f"({describe_layers(layers)}): make the counts add up to {len(layers)}"
+        )
+
+
+def describe_layers(layers: list) -> str:
+    """``[GPTEmbedding, Block, Block, GPTHead]`` -> ``"GPTEmbedding, 2 x Block, GPTHead"``."""
+    runs: list[list[Any]] = []
+    for name in (type(layer).__name__ for layer in layers):
+        if runs and runs[-1][0] == name:
+            runs[-1][1] += 1
+        else:
+            runs.append([name, 1])
+    return ", ".join(name if count == 1 else f"{count} x {name}" for name, count in runs)
+
+
 def _check_module(module: LightningModule, precision: Precision) -> None:
     missing = missing_pipeline_methods(module)
     if missing:
@@ -552,3 +579,7 @@ def check_before_launch(strategy: Any, trainer: Trainer) -> None:
                 "no checkpoint and trains from scratch. Use save_last=True (a copy, written after the save in "
                 "flight), or async_checkpoint=False."
             )
+    module = trainer.lightning_module
+    _check_module(module, strategy.precision_plugin)
+    if not is_overridden("configure_model", module):  # else its layers exist only after configure_model, in setup
+        check_layers(strategy.pipeline_stages, strategy.balance, list(module.pipeline_layers()))

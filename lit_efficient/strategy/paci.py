@@ -72,7 +72,6 @@ from lit_efficient.runtime.topology import Topology
 from lit_efficient.strategy import evaluation, stage_checkpoints
 from lit_efficient.strategy.config import (
     WIRE_DTYPES,
-    _check_module,
     _CheckedMultiProcessingLauncher,
     _CheckedScriptLauncher,
     _refuse_unknown,
@@ -80,6 +79,7 @@ from lit_efficient.strategy.config import (
     _warn_single_replica,
     check_before_launch,
     check_kinds,
+    check_layers,
     check_options,
     check_replica_groups,
     check_streaming_ties,
@@ -536,7 +536,6 @@ class PACIStrategy(DDPStrategy):
         self.accelerator.setup(trainer)
         module = self.lightning_module
         assert module is not None
-        _check_module(module, self.precision_plugin)
         layers = list(module.pipeline_layers())
         sizes = self._stage_sizes(module, layers, trainer)
         ties = find_ties(module, layers, sizes)  # a tied embedding: see lit_efficient.runtime.tied
@@ -845,12 +844,8 @@ class PACIStrategy(DDPStrategy):
         return only_stage(self._split, index)
 
     def _stage_sizes(self, module: LightningModule, layers: list, trainer: Trainer) -> list[int]:
+        check_layers(self.pipeline_stages, self.balance, layers)  # before launch too, unless configure_model builds
         counts = layer_parameter_counts(module, layers)
-        if self.pipeline_stages > len(layers):
-            raise ValueError(
-                f"pipeline_stages={self.pipeline_stages} exceeds the {len(layers)} layers of pipeline_layers(): "
-                f"use at most {len(layers)} stages, or split the model into more layers"
-            )
         if isinstance(self.balance, list):
             sizes = check_sizes(self.balance, len(layers), self.pipeline_stages, name="PACIStrategy(balance)")
         elif self.balance == "uniform":

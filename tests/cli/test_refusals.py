@@ -108,7 +108,8 @@ def _no_measuring(monkeypatch):
     "args, message",
     [
         (["--trainer.strategy.init_args.pipeline_stages", "10", "--trainer.devices", "10"],
-         "pipeline_stages=10 exceeds the 6 layers of pipeline_layers()"),
+         "PACIStrategy(pipeline_stages=10) exceeds the 6 layers of pipeline_layers() (GPTEmbedding, 4 x Block, "
+         "GPTHead)"),
         (["--replicas", "0"], "argument --replicas: '0' is not a number of replicas: an integer >= 1"),
         (["--device-memory", "80gigs"], "argument --device-memory: cannot read '80gigs' as a size"),
         (["--device-memory", "0"], "'0' is no device memory"),

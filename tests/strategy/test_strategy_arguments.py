@@ -124,6 +124,40 @@ def test_a_checkpoint_io_plugin_is_refused_before_training_not_ignored(devices, 
     assert trainer.global_step == 0
 
 
+@pytest.mark.parametrize(
+    "strategy_kw, devices, n_layer, refused",
+    [
+        ({"pipeline_stages": 2, "balance": [1, 1]}, 2, 2,
+         r"PACIStrategy\(balance=\[1, 1\]\) sums to 2 layers, but pipeline_layers\(\) has 4 \(GPTEmbedding, 2 x Block, "
+         r"GPTHead\): make the counts add up to 4"),
+        ({"pipeline_stages": 4}, 4, 1,
+         r"pipeline_stages=4\) exceeds the 3 layers of pipeline_layers\(\) \(GPTEmbedding, Block, GPTHead\): use at "
+         "most 3 stages"),
+    ],
+)  # fmt: skip
+def test_a_split_that_does_not_fit_the_layers_is_refused_before_any_rank_starts(
+    monkeypatch, tmp_path, strategy_kw, devices, n_layer, refused
+):
+    """Refused in setup, it was one traceback per rank and the failure summary (the same message five times at
+    S=2); the launching process now counts the layers (the module's, built before setup unless configure_model
+    builds them)."""
+    from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+
+    from lit_efficient.models import GPT
+
+    def launched(*args, **kwargs):
+        raise AssertionError("a rank was started before the refusal")
+
+    monkeypatch.setattr(_SubprocessScriptLauncher, "_call_children_scripts", launched)  # the default: popen
+    trainer = L.Trainer(
+        accelerator="cpu", devices=devices, strategy=PACIStrategy(**strategy_kw), max_steps=1,
+        default_root_dir=tmp_path, logger=False, enable_progress_bar=False,
+    )  # fmt: skip
+    model = GPT(n_layer=n_layer, n_head=2, n_embd=16, block_size=8)
+    with pytest.raises(ValueError, match=refused):
+        trainer.fit(model, train_dataloaders=[(torch.zeros(2, 8, dtype=torch.long),) * 2])
+
+
 def test_every_ddp_strategy_parameter_is_passed_through_or_refused():
     # A Lightning release that adds a DDPStrategy parameter fails here until it is sorted into one or the other.
     ddp = [n for n in inspect.signature(DDPStrategy.__init__).parameters if n not in ("self", "kwargs")]
