@@ -67,10 +67,12 @@ class StageRecord:
 
 @dataclass(frozen=True)
 class FinalState:
-    """The records of this process's stages at the end of training, and the layout they were trained in."""
+    """The records of this process's stages at the end of training, the layout they were trained in, and the stages
+    themselves (their optimizers and schedulers: a validate, test or predict after fit builds stages without them)."""
 
     records: list[StageRecord]
     layout: dict[str, Any]
+    hosted: list[HostedStage]
 
 
 # -- saving -----------------------------------------------------------------------------------------
@@ -121,7 +123,7 @@ def final_state(strategy: Any) -> FinalState:
     for hosted in strategy.hosted:  # a sharded optimizer gathers its state while its replica group exists
         if isinstance(hosted.optimizer, ShardedOptimizer):
             hosted.optimizer.keep_consolidated()
-    return FinalState(live_records(strategy), strategy.layout())
+    return FinalState(live_records(strategy), strategy.layout(), list(strategy.hosted))
 
 
 def save(strategy: Any, checkpoint: dict[str, Any], filepath: Any) -> None:
@@ -131,16 +133,19 @@ def save(strategy: Any, checkpoint: dict[str, Any], filepath: Any) -> None:
     path = Path(filepath)
     if strategy.topology is None:  # never set up here: the parent of spawned ranks, after fit
         return _save_weights(strategy, checkpoint, path)
-    live = strategy.runtime is not None
+    # Training stages (fit's, running): saved as they are. Otherwise (after fit, or during or after a validate, test
+    # or predict, whose stages have no optimizer) the stages fit ended with.
+    live = strategy.runtime is not None and strategy.hosted[0].optimizer is not None
     final = strategy.final_state
     if not live and final is None:
         raise RuntimeError(
-            "PACIStrategy cannot save a checkpoint here: its stages are gone and training did not end normally "
-            "(a failed fit keeps no final state). Save during fit with ModelCheckpoint, and resume from that."
+            "PACIStrategy cannot save a checkpoint here: no fit's stages are left to save (training did not end "
+            "normally, or no fit ran: a failed fit keeps no final state, and validate, test and predict train no "
+            "optimizer). Save during fit with ModelCheckpoint, and resume from that."
         )
     records = live_records(strategy) if live else final.records
     layout = strategy.layout() if live else final.layout
-    shares, base = _shares(strategy, checkpoint, records)
+    shares, base = _shares(strategy, checkpoint, records, strategy.hosted if live else final.hosted)
     distributed = not strategy.in_process
     group = strategy.cpu_group if distributed else None
     saver = strategy.async_checkpointer
@@ -162,21 +167,20 @@ def save(strategy: Any, checkpoint: dict[str, Any], filepath: Any) -> None:
 def in_memory(strategy: Any, checkpoint: dict[str, Any]) -> dict[str, Any]:
     """This process's stages as the dict a resume loads, built in memory from Lightning's ``checkpoint``: what a
     healing peer rank of another replica group loads (`strategy.fault_tolerant`), by the shares a save writes."""
-    shares, base = _shares(strategy, checkpoint, live_records(strategy))
+    shares, base = _shares(strategy, checkpoint, live_records(strategy), strategy.hosted)
     return assemble(base, shares, strategy.layout())
 
 
-def _shares(strategy: Any, checkpoint: dict[str, Any], records: list[StageRecord]) -> tuple[list[dict], dict]:
-    """Every hosted stage's share, and Lightning's dict as this process's last hosted stage built it (on global
-    rank 0, the last stage's: the base of a file)."""
+def _shares(
+    strategy: Any, checkpoint: dict[str, Any], records: list[StageRecord], hosted: list[HostedStage]
+) -> tuple[list[dict], dict]:
+    """Every hosted stage's share (``records`` and ``hosted``: of the same stages), and Lightning's dict as this
+    process's last hosted stage built it (on global rank 0, the last stage's: the base of a file)."""
     diverged = strategy.local_sgd_steps is not None and strategy.topology.num_replicas > 1
-    views = [
-        _view(strategy, checkpoint, r, h, h is strategy.hosted[-1])
-        for r, h in zip(records, strategy.hosted, strict=True)
-    ]
+    views = [_view(strategy, checkpoint, r, h, h is hosted[-1]) for r, h in zip(records, hosted, strict=True)]
     shares = [
         _share(view, r, h.optimizer, r.replica == 0 or diverged)
-        for view, r, h in zip(views, records, strategy.hosted, strict=True)
+        for view, r, h in zip(views, records, hosted, strict=True)
     ]
     return shares, views[-1]
 

@@ -85,6 +85,10 @@ def _fit_and_save_on_every_rank(rank: int, world: int, root: str) -> dict[str, t
     for fmt in FORMATS:  # the format is read when saving: one fit serves both
         strategy.checkpoint_format = fmt
         trainer.save_checkpoint(Path(root, f"{fmt}.ckpt"))
+    _validate(trainer, model)
+    for fmt in FORMATS:
+        strategy.checkpoint_format = fmt
+        trainer.save_checkpoint(Path(root, f"after-validate-{fmt}.ckpt"))
     return {k: v.clone() for k, v in model.state_dict().items()} if rank == 0 else None
 
 
@@ -100,6 +104,9 @@ def test_every_rank_saves_after_fit_in_both_formats(tmp_path, one_device_resumed
         _assert_same_content(path, _one_file(tmp_path / f"last-{fmt}.ckpt"), fmt)
         assert _resumes_to(path, one_device_resumed) <= 1e-6, fmt
     assert (tmp_path / "sharded.ckpt" / "__1_0.distcp").is_file()  # rank 1 wrote its own share
+    for fmt in FORMATS:
+        after_validate = _one_file(tmp_path / f"after-validate-{fmt}.ckpt")
+        _assert_same_content(after_validate, _one_file(tmp_path / f"{fmt}.ckpt"), f"validate, {fmt}")
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -115,6 +122,16 @@ def test_one_process_saves_after_fit(tmp_path, one_device_resumed, fmt):
     assert _resumes_to(path, one_device_resumed) <= 1e-6
     # And the pipeline resumes it, in one process, as it left it.
     assert _max_diff(_resume(_flush(), tmp_path / "end.ckpt"), one_device_resumed) <= 1e-6
+    _validate(trainer, model)
+    trainer.save_checkpoint(tmp_path / "after-validate.ckpt")
+    _assert_same_content(_one_file(tmp_path / "after-validate.ckpt"), path, "validate")
+
+
+def _validate(trainer, model) -> None:
+    """Lightning's fit-then-evaluate on the same Trainer: the evaluation's stages have no optimizer, and a save after
+    it wrote none for them (a crash in one process; on processes a file holding the last stage's state only)."""
+    trainer.limit_val_batches = 2
+    trainer.validate(model, datamodule=_ordered(), verbose=False)
 
 
 def test_the_parent_of_spawned_ranks_saves_the_trained_weights(tmp_path):
