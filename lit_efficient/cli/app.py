@@ -27,12 +27,13 @@ import importlib
 import inspect
 import os
 import re
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import yaml
-from jsonargparse import ArgumentParser
+from jsonargparse import ArgumentParser, Namespace
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -50,6 +51,10 @@ WANDB_PROJECT = "lit-efficient"
 _WANDB_DIRS = {"WANDB_CACHE_DIR": ".cache", "WANDB_DATA_DIR": ".data"}
 _WANDB_OFFLINE_DIRS = {"WANDB_CONFIG_DIR": ".config"}  # online runs keep reading the user's settings
 # `lit-efficient plan` runs before LightningCLI (lit_efficient.cli.main); its line in `lit-efficient --help`.
+# The classes `lit-efficient fit` builds when none is named; parse_arguments keeps their init_args out of another's.
+DEFAULT_CLASSES = {"model": "lit_efficient.models.GPT", "data": "lit_efficient.data.TextDataModule"}
+_PRINT_FLAGS = re.compile(r"(comments|skip_null|skip_default)(,(comments|skip_null|skip_default))*")
+
 PLAN_HELP = "Memory per pipeline stage of a config and whether it fits a device; trains nothing (plan --help)"
 
 
@@ -245,6 +250,24 @@ class _NoteRefusals:
             raise
 
 
+def _without_print_config(args: list[str]) -> list[str]:
+    """``args`` without LightningCLI's ``--print_config[=flags]`` (which prints and exits while parsing)."""
+    kept: list[str] = []
+    for arg in args:
+        if arg == "--print_config" or arg.startswith("--print_config="):
+            kept.append("--print_config")  # a marker: dropped below, with a separate flags argument after it
+            continue
+        if kept and kept[-1] == "--print_config" and _PRINT_FLAGS.fullmatch(arg):
+            continue
+        kept.append(arg)
+    return [arg for arg in kept if arg != "--print_config"]
+
+
+def _class_path(entry: Any) -> str | None:
+    """The class path of a parsed subclass entry (a Namespace with ``class_path``), or None."""
+    return entry.get("class_path") if isinstance(entry, (dict, Namespace)) else None
+
+
 def _parameters(function: Any) -> list[str]:
     try:
         return list(inspect.signature(function).parameters)
@@ -342,6 +365,21 @@ class LitEfficientCLI(LightningCLI):
         # `lit-efficient plan` never reaches LightningCLI: the console script (lit_efficient.cli.main) runs it first.
         # Here only a script whose entry point is this class gets it; the plan is the console script's (this module
         # does not import the plan, which imports it).
+        # jsonargparse carries a default class's init_args into the class chosen instead wherever that one takes the
+        # same name (jsonargparse issue 460): HFCausalLM got GPT's vocab_size and block_size, a data module of the
+        # user's own TextDataModule's batch_size, seed and block_size, over its own defaults and silently. So: parse
+        # once to see which classes were chosen (printing no config), then again with no default where another was.
+        if isinstance(args, (dict, Namespace)):
+            chosen = parser.parse_object(args)
+        else:
+            chosen = parser.parse_args(_without_print_config(sys.argv[1:] if args is None else list(args)))
+        subcommand = chosen.get("subcommand")
+        section = chosen[subcommand] if subcommand else chosen
+        replaced = {
+            key: None for key, path in DEFAULT_CLASSES.items() if _class_path(section.get(key)) not in (None, path)
+        }
+        if replaced:
+            (self._subcommand_parsers[subcommand] if subcommand else parser).set_defaults(replaced)
         super().parse_arguments(parser, args)
         if self.config.get("subcommand") == "plan":
             parser.error("plan is the console script's: lit-efficient plan --config ... (lit-efficient plan --help)")

@@ -366,6 +366,33 @@ def test_any_lightning_data_module_goes_through_the_cli(tmp_path, monkeypatch):
     assert (sized.model.hparams.vocab_size, sized.model.hparams.block_size) == (1000, 16)  # linked from the data
 
 
+def test_a_class_chosen_over_the_default_keeps_its_own_defaults(tmp_path, monkeypatch, capsys):
+    """jsonargparse carried the default classes' init_args into the class chosen instead wherever it takes the same
+    name (jsonargparse issue 460): a data module of the user's own got TextDataModule's batch_size 16, seed 42 and
+    block_size 256 over its own defaults, and HFCausalLM GPT's vocab_size and block_size 256 (refused as "the data
+    have vocab_size=256" with data that have none), silently; --print_config showed the same."""
+    (tmp_path / "own_data.py").write_text(
+        "import lightning as L\n"
+        "class OwnDM(L.LightningDataModule):\n"
+        "    def __init__(self, batch_size: int = 3, seed: int = 7, block_size: int = 16):\n"
+        "        super().__init__()\n"
+        "        self.save_hyperparameters()\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    own = _cli("--data=own_data.OwnDM", "--trainer.logger=false", "--model.init_args.n_layer=1")
+    own_sizes = {k: own.datamodule.hparams[k] for k in ("batch_size", "seed", "block_size")}
+    assert own_sizes == {"batch_size": 3, "seed": 7, "block_size": 16}
+    given = _cli("--data=own_data.OwnDM", "--data.batch_size=16", "--trainer.logger=false", "--model.n_layer=1")
+    assert given.datamodule.hparams["batch_size"] == 16  # given: kept
+    printed = _help(capsys, "fit", "--data=own_data.OwnDM", "--print_config")
+    assert "batch_size: 3\n    seed: 7\n    block_size: 16" in printed
+    llama = '{"model_type": "llama", "num_hidden_layers": 1, "hidden_size": 16, "intermediate_size": 32, ' \
+            '"num_attention_heads": 2, "vocab_size": 97}'  # fmt: skip
+    hf = _cli("--model=HFCausalLM", f"--model.model={llama}", "--data=own_data.OwnDM", "--trainer.logger=false")
+    assert hf.model.model.config.vocab_size == 97
+    assert "vocab_size" not in hf.model.hparams and "block_size" not in hf.model.hparams  # none given: the model's
+
+
 def test_python_dash_m_names_the_command_as_the_console_script_does():
     """The docs launch ``python -m lit_efficient.cli`` under torchrun and srun: its usage and its refusals' hints
     said ``__main__.py fit ...``, a command nobody can run."""
