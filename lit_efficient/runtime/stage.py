@@ -53,14 +53,26 @@ def run_layers(layers: Sequence[nn.Module], inputs: Payload, first_layer: int = 
     for k, layer in enumerate(layers, start=first_layer):
         try:
             out = layer(*x)
-        except (TypeError, RuntimeError, ValueError) as err:
-            if type(err) not in (TypeError, RuntimeError, ValueError):
+        except (TypeError, RuntimeError, ValueError, IndexError) as err:
+            if type(err) not in (TypeError, RuntimeError, ValueError, IndexError):
                 raise  # a subclass (e.g. a comm error) carries its own message and constructor
-            got = ", ".join(f"{type(t).__name__}{tuple(t.shape) if isinstance(t, Tensor) else ''}" for t in x)
+            got = ", ".join(_described(t) for t in x)
             name = type(getattr(layer, "_orig_mod", layer)).__name__  # a compiled layer: its module's class
             raise type(err)(f"pipeline layer {k} ({name}) failed on input ({got}): {err}") from err
         x = out if isinstance(out, tuple) else (out,)
     return x
+
+
+def _described(value: Any) -> str:
+    """A layer input for an error message: its type and shape, and for integer ids (a token id at or above an
+    embedding's vocabulary fails as a bare "index out of range in self") their range."""
+    if not isinstance(value, Tensor):
+        return type(value).__name__
+    text = f"Tensor{tuple(value.shape)}"
+    integer = not value.is_floating_point() and not value.is_complex() and value.dtype != torch.bool
+    if integer and value.numel() and value.device.type == "cpu":  # on CUDA the failure poisoned the context
+        text += f" {str(value.dtype).removeprefix('torch.')} in [{value.min().item()}, {value.max().item()}]"
+    return text
 
 
 @dataclass

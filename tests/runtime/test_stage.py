@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from lit_efficient.runtime.interpreter import PipelineRuntime
-from lit_efficient.runtime.stage import PipelineStage, _preserve_versions
+from lit_efficient.runtime.stage import PipelineStage, _preserve_versions, run_layers
 from lit_efficient.tools.corpus import embedded_corpus
 from lit_efficient.tools.demo import batches, build_layers, lm_loss
 
@@ -152,3 +152,17 @@ def test_runtime_rejects_a_jump_with_micro_batches_in_flight():
     runtime.feed(batch, 0)
     with pytest.raises(RuntimeError, match="still in flight"):
         runtime.feed(batch, 5)
+
+
+def test_a_layer_failing_on_its_input_is_named_with_what_it_got():
+    """A token id at or above the vocabulary failed as a bare "IndexError: index out of range in self" from inside
+    the embedding; a layer's failure now names the layer and its input, for integer ids their range."""
+    from lit_efficient.models import GPT
+
+    layers = GPT(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=16).pipeline_layers()
+    ids = torch.tensor([[1, 2, 3, 64]])
+    with pytest.raises(IndexError, match=r"pipeline layer 0 \(GPTEmbedding\) failed on input \(Tensor\(1, 4\) int64 "
+                                         r"in \[1, 64\]\): index out of range"):  # fmt: skip
+        run_layers(layers, (ids,))
+    with pytest.raises(RuntimeError, match=r"pipeline layer 1 \(Block\) failed on input \(Tensor\(1, 4, 8\)\)"):
+        run_layers(layers[1:], (torch.zeros(1, 4, 8),), first_layer=1)
