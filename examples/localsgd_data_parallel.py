@@ -10,9 +10,9 @@ pseudo-gradient and applies an outer SGD step with Nesterov momentum, lr 0.7, mo
 Effective batch = 8 sequences x N=4 x 2 replicas.
 
 Measured on 2 CPU cores (4 processes), 150 steps: LocalSGD H=4 ran 31 s and reached val_loss 2.50 nats
-per byte; DiLoCo reached 2.60 at H=25 (31 s), 2.79 at H=10 and only 3.03 at H=4. DiLoCo's outer step (lr 0.7 with Nesterov momentum 0.9, up to ~7x the mean inner
-progress once the momentum has built up) is tuned for long inner phases (H ~ 500 at scale), hence its
-larger default H here.
+per byte; DiLoCo reached 2.60 at H=25 (31 s), 2.79 at H=10 and only 3.03 at H=4. DiLoCo's outer step
+(lr 0.7 with Nesterov momentum 0.9, up to ~7x the mean inner progress once the momentum has built up)
+is tuned for long inner phases (H ~ 500 at scale), hence its larger default H here.
 """
 
 from __future__ import annotations
