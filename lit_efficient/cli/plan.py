@@ -164,7 +164,8 @@ def measure(
         if activation_checkpointing is not None:
             activation_checkpointing.unwrap()
     context = {
-        "model": type(module).__name__, "parameters": sum(m.parameters for m in measures),
+        # The module's own count: a weight tied across stages has a copy on each, and counts once here.
+        "model": type(module).__name__, "parameters": sum(p.numel() for p in module.parameters()),
         "micro_batch": [list(t.shape) for t in _tensors(batch)], "precision": precision,
         "pipeline_stages": strategy.pipeline_stages, "balance": strategy.balance, "sizes": list(sizes),
         "accelerator": accelerator,
@@ -377,8 +378,9 @@ def window_advice(result: MemoryPlan) -> WindowAdvice:
         return max(int(s.state + s.activations * r + s.transient * max(1.0, r)) for s in result.stages)
 
     return advise_window(
-        len(result.stages), result.accumulate, measured, peak_at if measured else None, result.device_memory
-    )
+        len(result.stages), result.accumulate, measured, peak_at if measured else None, result.device_memory,
+        result.replicas,
+    )  # fmt: skip
 
 
 # -- internals -------------------------------------------------------------------------------------

@@ -65,6 +65,7 @@ class WindowAdvice:
         num_stages: S.
         accumulate: The configured N.
         micro_batch: The configured micro-batch size (None: unknown).
+        replicas: Data-parallel replicas of the pipeline (the global batch is theirs together; each cuts its share).
         recommended: The smallest candidate N >= S (drift bound 1) whose micro-batch fits (or whose fit is
             unknown); None when none fits.
         choices: Every candidate considered, smallest N first.
@@ -75,6 +76,7 @@ class WindowAdvice:
     micro_batch: int | None
     recommended: int | None
     choices: tuple[WindowChoice, ...]
+    replicas: int = 1
 
     @property
     def drift_bound(self) -> int:
@@ -94,7 +96,11 @@ class WindowAdvice:
     def text(self) -> str:
         """The advice as a user reads it (the plan's last paragraph, the strategy's warning)."""
         s, n, best = self.num_stages, self.accumulate, self.recommended
-        batch = f" (global batch {n * self.micro_batch})" if self.micro_batch else ""
+        batch = ""
+        if self.micro_batch:
+            per_replica = n * self.micro_batch
+            split = f": {self.replicas} replicas x {per_replica}" if self.replicas > 1 else ""
+            batch = f" (global batch {self.replicas * per_replica}{split})"
         head = (
             f"Accumulation window: {self._cut(n)}{batch} with S={s} puts stage 0's forwards up to {self.drift_bound} "
             f"optimizer step{'s' if self.drift_bound != 1 else ''} behind their backwards under PACI (drift bound "
@@ -143,6 +149,7 @@ def advise_window(
     micro_batch: int | None = None,
     peak_at: Callable[[int], int] | None = None,
     device_memory: int | None = None,
+    replicas: int = 1,
 ) -> WindowAdvice:
     """The window advice for PACI at ``num_stages`` stages with the configured ``accumulate`` (module docstring).
 
@@ -153,6 +160,7 @@ def advise_window(
             ``accumulate * micro_batch``, each with micro-batch ``global / N``. None: powers of two and N.
         peak_at: Micro-batch size -> peak bytes per device (`lit-efficient plan`'s estimate), for the budget.
         device_memory: Bytes of one device; with ``peak_at``, a candidate fits when its peak does not exceed it.
+        replicas: Data-parallel replicas of the pipeline (said in the global batch; the cut is each replica's).
     """
     if num_stages < 1 or accumulate < 1 or (micro_batch is not None and micro_batch < 1):
         raise ValueError(f"num_stages={num_stages}, accumulate={accumulate} and micro_batch={micro_batch} must be >= 1")
@@ -167,4 +175,4 @@ def advise_window(
         fits = None if peak is None or device_memory is None else peak <= device_memory
         choices.append(WindowChoice(n, b, drift_bound(num_stages, n), flush_bubble(num_stages, n), peak, fits))
     usable = [c.accumulate for c in choices if c.accumulate >= num_stages and c.fits is not False]
-    return WindowAdvice(num_stages, accumulate, micro_batch, min(usable, default=None), tuple(choices))
+    return WindowAdvice(num_stages, accumulate, micro_batch, min(usable, default=None), tuple(choices), replicas)

@@ -189,6 +189,7 @@ def test_tied_weight_and_weight_prediction_add_their_buffers():
     assert first.extra == {"weight prediction stash": stage0, "tied gradient delay line": 2 * table}
     assert last.extra == {} and last.step_transient["tied exchange"] == table  # the last stage: drift 0
     assert first.weights >= stage0 and last.weights > table  # both stages hold a copy of the table
+    assert result.context["parameters"] == sum(p.numel() for p in model.parameters())  # the model's: once
     # A {epoch: N} schedule is planned at its largest N, but the delay line is built for its smallest.
     scheduled = plan(model, (torch.zeros(4, 32, dtype=torch.long),) * 2, strategy, accumulate=4,
                      accumulate_schedule={0: 4, 2: 1})  # fmt: skip

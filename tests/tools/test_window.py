@@ -78,6 +78,8 @@ def test_plan_prints_the_window_advice(capsys):
     text = capsys.readouterr().out
     assert "Accumulation window: N=1 x micro-batch 16 (global batch 16) with S=2" in text and "drift bound" in text
     assert "2 | 8 | 1 | 33% |" in text  # the candidates: N=2 cuts it into micro-batches of 8
+    assert plan_main(["--config", str(QUICKSTART), "--trainer.accumulate_grad_batches=1", "--replicas=4"]) == 0
+    assert "N=1 x micro-batch 16 (global batch 64: 4 replicas x 16) with S=2" in capsys.readouterr().out
     assert plan_main(["--config", str(QUICKSTART), "--json"]) == 0
     window = json.loads(capsys.readouterr().out)["window"]
     assert window["num_stages"] == 2 and window["accumulate"] == 4 and window["too_stale"] is False
