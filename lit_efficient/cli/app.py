@@ -434,8 +434,17 @@ class LitEfficientCLI(LightningCLI):
         if saved:
             rank_zero_info(f"lit-efficient: checkpoint {saved[0]} (resume: --ckpt_path {saved[0]})")
             return
-        why = "no ModelCheckpoint callback" if not callbacks else "its ModelCheckpoint never triggered"
+        if not callbacks:
+            rank_zero_warn(
+                "lit-efficient: the run ended without saving a checkpoint (no ModelCheckpoint callback). Add a "
+                "ModelCheckpoint (the quickstart config has one), with every_n_train_steps or a validation for it to "
+                "act on."
+            )
+            return
+        validated = self.trainer.fit_loop.epoch_loop.val_loop.batch_progress.total.completed > 0
         rank_zero_warn(
-            f"lit-efficient: the run ended without saving a checkpoint ({why}). Add a ModelCheckpoint (the "
-            "quickstart config has one), with every_n_train_steps or a validation for it to act on."
+            "lit-efficient: the run ended without saving a checkpoint: its ModelCheckpoint saves after a validation "
+            "or every_n_train_steps / every_n_epochs, and none came in this run"
+            + ("" if validated else f" (no validation ran: val_check_interval={self.trainer.val_check_interval})")
+            + ". Validate within the run (a smaller val_check_interval) or set every_n_train_steps."
         )

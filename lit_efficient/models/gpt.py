@@ -523,9 +523,11 @@ def _check_args(
             raise ValueError(f"GPT({name}={value!r}) must be a positive integer.")
     check_finite("GPT", dropout=dropout)
     if n_embd % n_head:
+        heads = min((h for h in range(1, n_embd + 1) if n_embd % h == 0), key=lambda h: (abs(h - n_head), -h))
+        width = n_head * max(1, round(n_embd / n_head))
         raise ValueError(
-            f"GPT(n_embd={n_embd}) must be divisible by n_head={n_head}; pick n_embd as a multiple of n_head "
-            f"(e.g. n_embd={n_head * max(1, round(n_embd / n_head))})."
+            f"GPT(n_embd={n_embd}) must be divisible by n_head={n_head}: pick a number of heads that divides it "
+            f"(e.g. n_head={heads}) or n_embd a multiple of n_head (e.g. n_embd={width})."
         )
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"GPT(dropout={dropout}) must be in [0, 1); 0 disables dropout.")

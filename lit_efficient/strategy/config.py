@@ -251,8 +251,9 @@ def _check_arguments(
             raise ValueError(f"balance={balance} must list {stages} positive layer counts, one per stage")
     elif balance not in ("parameters", "uniform", "profile"):
         raise ValueError(f"balance={balance!r} must be 'parameters', 'uniform', 'profile' or a list of layer counts")
-    if not timeout > 0 or math.isinf(timeout):
-        raise ValueError(f"p2p_timeout={timeout} must be a positive number of seconds")
+    number = isinstance(timeout, (int, float)) and not isinstance(timeout, bool)  # "30" compared with 0: a TypeError
+    if not number or not timeout > 0 or math.isinf(timeout):
+        raise ValueError(f"p2p_timeout={timeout!r} must be a positive number of seconds")
     if on_nonfinite not in get_args(OnNonFinite):
         raise ValueError(f"on_nonfinite={on_nonfinite!r} must be 'raise' or 'skip'")
     if local_sgd_steps is not None and not is_count(local_sgd_steps):

@@ -202,6 +202,10 @@ def test_fit_says_where_its_checkpoint_is_or_that_there_is_none(tmp_path, caplog
     with pytest.warns(UserWarning, match=r"ended without saving a checkpoint \(no ModelCheckpoint callback\)"):
         _cli("fit", *TINY, root, "--trainer.logger=false", "--trainer.max_steps=1",
              "--trainer.enable_checkpointing=false", run=True)  # fmt: skip
+    # One that saves after a validation, in a run shorter than its interval (a shortened quickstart): said so.
+    with pytest.warns(UserWarning, match=r"none came in this run \(no validation ran: val_check_interval=1\.0\)"):
+        _cli("fit", *TINY, root, "--trainer.logger=false", "--trainer.max_steps=1",
+             "--trainer.callbacks+=ModelCheckpoint", "--trainer.callbacks.monitor=val_loss", run=True)  # fmt: skip
 
 
 @pytest.mark.multiproc

@@ -170,7 +170,7 @@ def test_encode_decode_bytes():
 @pytest.mark.parametrize(
     ("overrides", "match"),
     [
-        (dict(n_embd=30, n_head=4), "divisible by n_head=4"),
+        (dict(n_embd=30, n_head=4), r"divisible by n_head=4: .* \(e\.g\. n_head=5\) or .* \(e\.g\. n_embd=32\)"),
         (dict(vocab_size=0), "vocab_size=0"),
         (dict(n_layer=0), "n_layer=0"),
         (dict(dropout=1.0), "dropout=1.0"),

@@ -321,6 +321,8 @@ def test_the_cli_names_the_option_meant_for_a_typo_anywhere(cli_refusal, args, w
         ({"start_method": "Spawn"}, "start_method='Spawn' must be one of 'popen', 'spawn', 'fork', 'forkserver'"),
         ({"precision_plugin": "bf16-mixed"}, r"precision_plugin='bf16-mixed' must be a Precision.*Trainer\(precision="),
         ({"timeout": 30}, r"timeout=30 must be a timedelta or None; pass datetime.timedelta"),
+        ({"p2p_timeout": "30"}, r"p2p_timeout='30' must be a positive number of seconds"),  # was a TypeError of '>'
+        ({"p2p_timeout": True}, r"p2p_timeout=True must be a positive number of seconds"),
         ({"cluster_environment": "slurm"}, "cluster_environment='slurm' must be a ClusterEnvironment or None"),
     ],
 )
