@@ -11,12 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from lightning.pytorch import LightningDataModule
 from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import TensorDataset
 
 from lit_efficient import PACIStrategy
-from lit_efficient.data import TextDataModule
-from lit_efficient.data.loading import EpochShuffle, ResumableLoader
-from tests.support.gpt_runs import gpt_model, gpt_trainer, max_diff, text_data
+from lit_efficient.data import EpochShuffle, ResumableLoader, TextDataModule
+from tests.support.gpt_runs import BLOCK, gpt_model, gpt_trainer, max_diff, text_data
 
 EPOCH = dict(limit_train_batches=8, max_epochs=-1)  # 2 steps of 4 micro-batches per epoch
 
@@ -122,7 +123,7 @@ def _checkpoints(root: Path, folder: str) -> list[ModelCheckpoint]:
     return [ModelCheckpoint(dirpath=root / folder, save_last=True, every_n_train_steps=3, save_top_k=0)]
 
 
-def _resume_against_uninterrupted(root: Path, strategy, devices: int) -> float:
+def _resume_against_uninterrupted(root: Path, strategy, devices: int, data=text_data) -> float:
     """Fit to step 3 (mid epoch 1), resume to 6 (past epoch 2's start); against 6 uninterrupted steps that save
     at the same steps (a checkpoint drains a PACI pipeline, which is part of its trajectory)."""
 
@@ -130,7 +131,7 @@ def _resume_against_uninterrupted(root: Path, strategy, devices: int) -> float:
         model = gpt_model()
         trainer = gpt_trainer(strategy(), devices, max_steps, root, callbacks=_checkpoints(root, folder),
                               enable_checkpointing=True, **EPOCH)  # fmt: skip
-        trainer.fit(model, datamodule=text_data(), ckpt_path=ckpt_path)
+        trainer.fit(model, datamodule=data(), ckpt_path=ckpt_path)
         return model
 
     fit(3, "first")
@@ -159,6 +160,23 @@ def test_the_pipeline_resumes_mid_epoch_exactly(tmp_path, devices, checkpoint_fo
         return PACIStrategy(pipeline_stages=2, checkpoint_format=checkpoint_format, start_method="forkserver")
 
     assert _resume_against_uninterrupted(tmp_path, strategy, devices) == 0.0
+
+
+class UsersTokens(LightningDataModule):
+    """A user's own data module (their token tensors), with the package's loader and shuffle as documented."""
+
+    def train_dataloader(self):
+        tokens = torch.randint(0, 256, (64, BLOCK + 1), generator=torch.Generator().manual_seed(0))
+        dataset = TensorDataset(tokens[:, :-1], tokens[:, 1:])
+        return ResumableLoader(dataset, batch_size=4, sampler=EpochShuffle(len(dataset), seed=5))
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_users_own_data_module_resumes_mid_epoch_exactly_with_the_resumable_loader(tmp_path):
+    """With a plain DataLoader a resumed epoch starts again (Lightning: "not resumable"); the loader and shuffle the
+    package's data modules use are public for a user's own (lit_efficient.data). The pipeline in one process: the
+    same state on processes, as above."""
+    assert _resume_against_uninterrupted(tmp_path, lambda: PACIStrategy(pipeline_stages=2), 1, UsersTokens) == 0.0
 
 
 def test_without_a_sampler_epoch_nothing_is_skipped(data):
