@@ -13,8 +13,10 @@ is lower; the plot's title counts it.
 
 Measured on 2 CPU cores, nothing else running (2026-12-05), twice: the default 150 steps, 73 s wall
 time for both runs: PACI 29.1 s / 27.7 s, flush 32.2 s / 33.2 s (1.11x / 1.20x: these machines are
-noisy; ideal with the synchronous start 1.17x), final window loss 2.441 against 2.443 both times. With ``--sync-start-steps 0``: PACI 25.9 s against 33.0 s, but a final loss
-of 2.565 against 2.443 at this learning rate (3e-3): what the synchronous start is for. BENCHMARKS.md
+noisy; ideal with the synchronous start 1.17x), final window loss 2.441 against 2.443 both times. With
+``--sync-start-steps 0``: PACI 25.9 s against 33.0 s, but a final loss of 2.565 against 2.443 at this
+learning rate (3e-3): what the synchronous start is for. The run warns that its synchronous start is a
+large share of it (27%): the reason the ideal is 1.17x, not 1.25x. BENCHMARKS.md
 has the throughput measurements. The ranks are re-launched copies of this script
 (``start_method="popen"``), so global rank 0 is this very process and holds the recorded numbers; only
 it draws.
@@ -117,6 +119,12 @@ def plot(histories: dict[str, LossHistory], tokens_per_step: int, out: Path, flu
     plt.close(fig)
 
 
+def _sync_start(value: str) -> int | str:
+    if value == "auto" or (value.isdigit() and int(value) >= 0):
+        return value if value == "auto" else int(value)
+    raise argparse.ArgumentTypeError(f"{value!r} is neither auto nor a count of optimizer steps >= 0")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=150, help="optimizer steps per schedule")
@@ -125,11 +133,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=Path("runs/compare_schedules.png"))
     parser.add_argument(
         "--sync-start-steps",
+        type=_sync_start,
         default="auto",
         help="PACI's first steps in flush order: auto (PACIStrategy's default) or a count",
     )
     args = parser.parse_args(argv)
-    sync_start = args.sync_start_steps if args.sync_start_steps == "auto" else int(args.sync_start_steps)
+    sync_start = args.sync_start_steps
     histories: dict[str, LossHistory] = {}
     flush_steps = 0
     trainer = None

@@ -53,7 +53,6 @@ _WANDB_OFFLINE_DIRS = {"WANDB_CONFIG_DIR": ".config"}  # online runs keep readin
 # `lit-efficient plan` runs before LightningCLI (lit_efficient.cli.main); its line in `lit-efficient --help`.
 # The classes `lit-efficient fit` builds when none is named; parse_arguments keeps their init_args out of another's.
 DEFAULT_CLASSES = {"model": "lit_efficient.models.GPT", "data": "lit_efficient.data.TextDataModule"}
-_PRINT_FLAGS = re.compile(r"(comments|skip_null|skip_default)(,(comments|skip_null|skip_default))*")
 
 PLAN_HELP = "Memory per pipeline stage of a config and whether it fits a device; trains nothing (plan --help)"
 
@@ -252,15 +251,7 @@ class _NoteRefusals:
 
 def _without_print_config(args: list[str]) -> list[str]:
     """``args`` without LightningCLI's ``--print_config[=flags]`` (which prints and exits while parsing)."""
-    kept: list[str] = []
-    for arg in args:
-        if arg == "--print_config" or arg.startswith("--print_config="):
-            kept.append("--print_config")  # a marker: dropped below, with a separate flags argument after it
-            continue
-        if kept and kept[-1] == "--print_config" and _PRINT_FLAGS.fullmatch(arg):
-            continue
-        kept.append(arg)
-    return [arg for arg in kept if arg != "--print_config"]
+    return [arg for arg in args if arg != "--print_config" and not arg.startswith("--print_config=")]
 
 
 def _class_path(entry: Any) -> str | None:
@@ -368,15 +359,17 @@ class LitEfficientCLI(LightningCLI):
         # jsonargparse carries a default class's init_args into the class chosen instead wherever that one takes the
         # same name (jsonargparse issue 460): HFCausalLM got GPT's vocab_size and block_size, a data module of the
         # user's own TextDataModule's batch_size, seed and block_size, over its own defaults and silently. So: parse
-        # once to see which classes were chosen (printing no config), then again with no default where another was.
+        # once to see which classes were chosen (printing no config), then again with the chosen class as the
+        # default (its own defaults; init_args given before the class is named still reach it).
         if isinstance(args, (dict, Namespace)):
             chosen = parser.parse_object(args)
         else:
             chosen = parser.parse_args(_without_print_config(sys.argv[1:] if args is None else list(args)))
         subcommand = chosen.get("subcommand")
         section = chosen[subcommand] if subcommand else chosen
+        chosen_paths = {key: _class_path(section.get(key)) for key in DEFAULT_CLASSES}
         replaced = {
-            key: None for key, path in DEFAULT_CLASSES.items() if _class_path(section.get(key)) not in (None, path)
+            key: {"class_path": path} for key, path in chosen_paths.items() if path not in (None, DEFAULT_CLASSES[key])
         }
         if replaced:
             (self._subcommand_parsers[subcommand] if subcommand else parser).set_defaults(replaced)
@@ -441,10 +434,16 @@ class LitEfficientCLI(LightningCLI):
                 "act on."
             )
             return
-        validated = self.trainer.fit_loop.epoch_loop.val_loop.batch_progress.total.completed > 0
+        trainer = self.trainer
+        if trainer.fit_loop.epoch_loop.val_loop.batch_progress.total.completed > 0:
+            rank_zero_warn(
+                "lit-efficient: the run ended without saving a checkpoint: its ModelCheckpoint saved nothing after the "
+                "run's validations (check its monitor, save_top_k and every_n_* against the run's length)."
+            )
+            return
         rank_zero_warn(
             "lit-efficient: the run ended without saving a checkpoint: its ModelCheckpoint saves after a validation "
-            "or every_n_train_steps / every_n_epochs, and none came in this run"
-            + ("" if validated else f" (no validation ran: val_check_interval={self.trainer.val_check_interval})")
-            + ". Validate within the run (a smaller val_check_interval) or set every_n_train_steps."
+            "or every_n_train_steps / every_n_epochs, and none came in this run (no validation ran: "
+            f"val_check_interval={trainer.val_check_interval}, limit_val_batches={trainer.limit_val_batches}). "
+            "Validate within the run (a smaller val_check_interval) or set every_n_train_steps."
         )

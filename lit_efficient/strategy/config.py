@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import math
+import numbers
 import os
 import signal
 from collections.abc import Callable, Iterable, Mapping
@@ -251,7 +252,7 @@ def _check_arguments(
             raise ValueError(f"balance={balance} must list {stages} positive layer counts, one per stage")
     elif balance not in ("parameters", "uniform", "profile"):
         raise ValueError(f"balance={balance!r} must be 'parameters', 'uniform', 'profile' or a list of layer counts")
-    number = isinstance(timeout, (int, float)) and not isinstance(timeout, bool)  # "30" compared with 0: a TypeError
+    number = isinstance(timeout, numbers.Real) and not isinstance(timeout, bool)  # "30" compared with 0: a TypeError
     if not number or not timeout > 0 or math.isinf(timeout):
         raise ValueError(f"p2p_timeout={timeout!r} must be a positive number of seconds")
     if on_nonfinite not in get_args(OnNonFinite):
@@ -582,5 +583,13 @@ def check_before_launch(strategy: Any, trainer: Trainer) -> None:
             )
     module = trainer.lightning_module
     _check_module(module, strategy.precision_plugin)
-    if not is_overridden("configure_model", module):  # else its layers exist only after configure_model, in setup
-        check_layers(strategy.pipeline_stages, strategy.balance, list(module.pipeline_layers()))
+    if is_overridden("configure_model", module):
+        return  # its layers exist only after configure_model: setup counts them
+    try:
+        layers = list(module.pipeline_layers())
+    except (AttributeError, RuntimeError):
+        # Layers built in the module's setup(), or read from its trainer (attached after the launch): not there
+        # yet. Setup counts them (`PACIStrategy._stage_sizes`); a refusal of the model itself (HFCausalLM's dry
+        # run: a ValueError) is raised here, once.
+        return
+    check_layers(strategy.pipeline_stages, strategy.balance, layers)

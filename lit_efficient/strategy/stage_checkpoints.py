@@ -67,12 +67,24 @@ class StageRecord:
 
 @dataclass(frozen=True)
 class FinalState:
-    """The records of this process's stages at the end of training, the layout they were trained in, and the stages
-    themselves (their optimizers and schedulers: a validate, test or predict after fit builds stages without them)."""
+    """The records of this process's stages at the end of training, the layout they were trained in, and their
+    optimizers and schedulers (a validate, test or predict after fit builds stages without them)."""
 
     records: list[StageRecord]
     layout: dict[str, Any]
-    hosted: list[HostedStage]
+    optimizers: list[StageOptimizer]
+
+
+@dataclass(frozen=True)
+class StageOptimizer:
+    """What a save reads of a stage besides its record: its optimizer and its LR scheduler configs."""
+
+    optimizer: Any
+    scheduler_configs: list[Any]
+
+    @staticmethod
+    def of(hosted: list[HostedStage]) -> list[StageOptimizer]:
+        return [StageOptimizer(h.optimizer, list(h.scheduler_configs)) for h in hosted]
 
 
 # -- saving -----------------------------------------------------------------------------------------
@@ -123,7 +135,7 @@ def final_state(strategy: Any) -> FinalState:
     for hosted in strategy.hosted:  # a sharded optimizer gathers its state while its replica group exists
         if isinstance(hosted.optimizer, ShardedOptimizer):
             hosted.optimizer.keep_consolidated()
-    return FinalState(live_records(strategy), strategy.layout(), list(strategy.hosted))
+    return FinalState(live_records(strategy), strategy.layout(), StageOptimizer.of(strategy.hosted))
 
 
 def save(strategy: Any, checkpoint: dict[str, Any], filepath: Any) -> None:
@@ -145,7 +157,8 @@ def save(strategy: Any, checkpoint: dict[str, Any], filepath: Any) -> None:
         )
     records = live_records(strategy) if live else final.records
     layout = strategy.layout() if live else final.layout
-    shares, base = _shares(strategy, checkpoint, records, strategy.hosted if live else final.hosted)
+    optimizers = StageOptimizer.of(strategy.hosted) if live else final.optimizers
+    shares, base = _shares(strategy, checkpoint, records, optimizers)
     distributed = not strategy.in_process
     group = strategy.cpu_group if distributed else None
     saver = strategy.async_checkpointer
@@ -167,33 +180,36 @@ def save(strategy: Any, checkpoint: dict[str, Any], filepath: Any) -> None:
 def in_memory(strategy: Any, checkpoint: dict[str, Any]) -> dict[str, Any]:
     """This process's stages as the dict a resume loads, built in memory from Lightning's ``checkpoint``: what a
     healing peer rank of another replica group loads (`strategy.fault_tolerant`), by the shares a save writes."""
-    shares, base = _shares(strategy, checkpoint, live_records(strategy), strategy.hosted)
+    shares, base = _shares(strategy, checkpoint, live_records(strategy), StageOptimizer.of(strategy.hosted))
     return assemble(base, shares, strategy.layout())
 
 
 def _shares(
-    strategy: Any, checkpoint: dict[str, Any], records: list[StageRecord], hosted: list[HostedStage]
+    strategy: Any, checkpoint: dict[str, Any], records: list[StageRecord], optimizers: list[StageOptimizer]
 ) -> tuple[list[dict], dict]:
-    """Every hosted stage's share (``records`` and ``hosted``: of the same stages), and Lightning's dict as this
+    """Every hosted stage's share (``records`` and ``optimizers``: of the same stages), and Lightning's dict as this
     process's last hosted stage built it (on global rank 0, the last stage's: the base of a file)."""
     diverged = strategy.local_sgd_steps is not None and strategy.topology.num_replicas > 1
-    views = [_view(strategy, checkpoint, r, h, h is hosted[-1]) for r, h in zip(records, hosted, strict=True)]
+    last = len(records) - 1
+    views = [
+        _view(strategy, checkpoint, r, o, i == last) for i, (r, o) in enumerate(zip(records, optimizers, strict=True))
+    ]
     shares = [
-        _share(view, r, h.optimizer, r.replica == 0 or diverged)
-        for view, r, h in zip(views, records, hosted, strict=True)
+        _share(view, r, o.optimizer, r.replica == 0 or diverged)
+        for view, r, o in zip(views, records, optimizers, strict=True)
     ]
     return shares, views[-1]
 
 
-def _view(strategy: Any, checkpoint: dict[str, Any], record: StageRecord, hosted: HostedStage, lightnings: bool):
+def _view(strategy: Any, checkpoint: dict[str, Any], record: StageRecord, stage: StageOptimizer, lightnings: bool):
     """Lightning's dict as ``record``'s rank would have built it: its keys, its optimizer, its schedulers. Lightning's
     own entries are those of the stage whose optimizer it holds (``lightnings``: the last hosted), hooks' changes
     (``on_save_checkpoint``) included; another hosted stage's are read from its optimizer and schedulers."""
     state = checkpoint["state_dict"]
     view = dict(checkpoint, state_dict={k: state[k] for k in record.keys if k in state})
     if "optimizer_states" in checkpoint and not lightnings:  # none under save_weights_only
-        view["optimizer_states"] = [strategy.optimizer_state(hosted.optimizer)]
-        view["lr_schedulers"] = [c.scheduler.state_dict() for c in hosted.scheduler_configs]
+        view["optimizer_states"] = [strategy.optimizer_state(stage.optimizer)]
+        view["lr_schedulers"] = [c.scheduler.state_dict() for c in stage.scheduler_configs]
     return view
 
 

@@ -9,7 +9,8 @@ those its gradient is applied to (its drift bound; stage 0's is the pipeline's).
 - drift bound 2 (S=8 N=4) ends 1.5-2.3% above it (plain PACI: 24.5%): the second pending step depends on
   gradients not computed yet, and no correction measured predicted it.
 
-The recommendation keeps what the user tuned, the global batch ``B = N x micro-batch``, and chooses how it is cut:
+The recommendation keeps what the user tuned, the global batch (each replica's ``B = N x micro-batch``, times the
+replicas), and chooses how each replica's B is cut:
 at a fixed B, 1F1B-flush computes the same step at every N (its bubble ``(S-1)/(N+S-1)`` shrinks as N grows)
 and PACI, bubble-free at every N, differs from it only by its drift. So among the windows that divide B, the
 recommended one is the smallest N >= S (drift bound 1, as measured; N = S - 1 also has drift bound 1 but every
@@ -108,8 +109,8 @@ class WindowAdvice:
         )
         if best is None and not any(c.accumulate >= s for c in self.choices):
             return (
-                f"{head}. The global batch has fewer than S={s} micro-batches of size 1, so no window N >= S cuts it: "
-                "a larger global batch, or fewer stages, would let PACI run with drift bound 1."
+                f"{head}. Each replica's batch has fewer than S={s} micro-batches of size 1, so no window N >= S cuts "
+                "it: a larger global batch, or fewer stages, would let PACI run with drift bound 1."
             )
         if best is None:
             return (

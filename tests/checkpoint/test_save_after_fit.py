@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lit_efficient import GradientAccumulation, PACIStrategy
 from lit_efficient.models import GPT
@@ -125,6 +125,17 @@ def test_one_process_saves_after_fit(tmp_path, one_device_resumed, fmt):
     _validate(trainer, model)
     trainer.save_checkpoint(tmp_path / "after-validate.ckpt")
     _assert_same_content(_one_file(tmp_path / "after-validate.ckpt"), path, "validate")
+    trainer.callbacks.append(SaveAtValidationEnd(tmp_path / "in-validate.ckpt"))  # during one: its stages are live
+    _validate(trainer, model)
+    _assert_same_content(_one_file(tmp_path / "in-validate.ckpt"), path, "inside validate")
+
+
+class SaveAtValidationEnd(Callback):
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        trainer.save_checkpoint(self.path)
 
 
 def _validate(trainer, model) -> None:

@@ -203,7 +203,9 @@ def test_fit_says_where_its_checkpoint_is_or_that_there_is_none(tmp_path, caplog
         _cli("fit", *TINY, root, "--trainer.logger=false", "--trainer.max_steps=1",
              "--trainer.enable_checkpointing=false", run=True)  # fmt: skip
     # One that saves after a validation, in a run shorter than its interval (a shortened quickstart): said so.
-    with pytest.warns(UserWarning, match=r"none came in this run \(no validation ran: val_check_interval=1\.0\)"):
+    with pytest.warns(
+        UserWarning, match=r"none came in this run \(no validation ran: val_check_interval=1\.0, limit_val_batches=1\)"
+    ):
         _cli("fit", *TINY, root, "--trainer.logger=false", "--trainer.max_steps=1",
              "--trainer.callbacks+=ModelCheckpoint", "--trainer.callbacks.monitor=val_loss", run=True)  # fmt: skip
 
@@ -388,6 +390,8 @@ def test_a_class_chosen_over_the_default_keeps_its_own_defaults(tmp_path, monkey
     assert own_sizes == {"batch_size": 3, "seed": 7, "block_size": 16}
     given = _cli("--data=own_data.OwnDM", "--data.batch_size=16", "--trainer.logger=false", "--model.n_layer=1")
     assert given.datamodule.hparams["batch_size"] == 16  # given: kept
+    before = _cli("--data.batch_size=5", "--data=own_data.OwnDM", "--trainer.logger=false", "--model.n_layer=1")
+    assert before.datamodule.hparams["batch_size"] == 5  # given before the class is named: kept too
     printed = _help(capsys, "fit", "--data=own_data.OwnDM", "--print_config")
     assert "batch_size: 3\n    seed: 7\n    block_size: 16" in printed
     llama = '{"model_type": "llama", "num_hidden_layers": 1, "hidden_size": 16, "intermediate_size": 32, ' \

@@ -158,6 +158,38 @@ def test_a_split_that_does_not_fit_the_layers_is_refused_before_any_rank_starts(
         trainer.fit(model, train_dataloaders=[(torch.zeros(2, 8, dtype=torch.long),) * 2])
 
 
+class _Launched(Exception):
+    """Raised in place of starting the ranks: the checks before the launch passed."""
+
+
+def test_a_module_building_its_layers_in_setup_is_counted_after_the_launch(monkeypatch, tmp_path):
+    """Lightning's docs build layers in setup(), which runs on the ranks: the launching process's count of the
+    layers (above) raised that module's AttributeError before any rank started; it leaves the count to setup."""
+    from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+
+    from lit_efficient.models import GPT
+
+    class LateGPT(GPT):
+        def __init__(self):
+            super().__init__(n_layer=2, n_head=2, n_embd=16, block_size=8)
+            self._blocks = self.blocks
+            del self.blocks
+
+        def setup(self, stage):
+            self.blocks = self._blocks
+
+    def launched(*args, **kwargs):
+        raise _Launched
+
+    monkeypatch.setattr(_SubprocessScriptLauncher, "_call_children_scripts", launched)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=PACIStrategy(pipeline_stages=2), max_steps=1,
+        default_root_dir=tmp_path, logger=False, enable_progress_bar=False,
+    )  # fmt: skip
+    with pytest.raises(_Launched):
+        trainer.fit(LateGPT(), train_dataloaders=[(torch.zeros(2, 8, dtype=torch.long),) * 2])
+
+
 def test_every_ddp_strategy_parameter_is_passed_through_or_refused():
     # A Lightning release that adds a DDPStrategy parameter fails here until it is sorted into one or the other.
     ddp = [n for n in inspect.signature(DDPStrategy.__init__).parameters if n not in ("self", "kwargs")]
