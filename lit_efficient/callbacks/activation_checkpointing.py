@@ -327,7 +327,9 @@ class ActivationCheckpointing(Callback):
     split) the model, and unwraps in `teardown`. `validate`/`test`/`predict` run without autograd,
     where checkpointing saves nothing, so they are left alone. Every `trainer.log_every_n_steps`
     training batches (and on the first batch after a toggle) it measures the bytes one micro-batch
-    keeps for backward and logs them as ``activation_checkpointing/saved_bytes``. A strategy that
+    keeps for backward and logs them as ``activation_checkpointing/saved_bytes``: on the stages of the process
+    that logs (under `PACIStrategy` on processes, global rank 0's, the last stage; in one process, every stage,
+    so the two differ: no collective is spent on a metric). A strategy that
     already recomputes (``PACIStrategy(recompute=True)``) is refused: blocks would be recomputed twice.
 
     Args:
