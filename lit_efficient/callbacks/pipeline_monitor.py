@@ -288,6 +288,13 @@ class PipelineMonitor(Callback):
             for s, recorded in per_stage
             for action, start, end in recorded
         ]
+        if not events:  # an empty trace and a blank picture, silently, for a run of one step (or fast_dev_run)
+            rank_zero_warn(
+                f"PipelineMonitor(timeline=True) recorded no action: it records from optimizer step {_TIMELINE_START} "
+                f"on (the first window's one-time costs left out) and this run ended at step {trainer.global_step}. "
+                f"Train at least {_TIMELINE_START + 1} optimizer steps for a timeline."
+            )
+            return
         folder.mkdir(parents=True, exist_ok=True)
         json_path, png_path = folder / TIMELINE_JSON, folder / TIMELINE_PNG
         json_path.write_text(json.dumps(chrome_trace(events)))

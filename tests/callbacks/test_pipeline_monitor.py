@@ -101,6 +101,21 @@ def test_timeline_files_are_well_formed(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_run_too_short_for_a_timeline_says_so_and_writes_none(tmp_path):
+    """A run of one optimizer step (or fast_dev_run) wrote an empty trace and a blank picture, silently: recording
+    starts after the first window."""
+    model = GPT(vocab_size=256, block_size=16, n_layer=1, n_head=2, n_embd=16)
+    monitor = PipelineMonitor(timeline=True)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, strategy=PACIStrategy(pipeline_stages=2), max_steps=1, accumulate_grad_batches=2,
+        logger=CSVLogger(tmp_path), callbacks=[monitor], enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, limit_val_batches=0,
+    )  # fmt: skip
+    with pytest.warns(UserWarning, match=r"recorded no action: .* this run ended at step 1\. Train at least 2"):
+        trainer.fit(model, DataLoader(_tokens(8, 16), batch_size=2))
+    assert monitor.timeline_paths == [] and not list(tmp_path.rglob("pipeline_timeline.*"))
+
+
 # ---------------------------------------------------------------- single device (in-process)
 
 
