@@ -50,10 +50,9 @@ WANDB_PROJECT = "lit-efficient"
 # Without them wandb writes debug logs and caches into the user's home even for an offline run.
 _WANDB_DIRS = {"WANDB_CACHE_DIR": ".cache", "WANDB_DATA_DIR": ".data"}
 _WANDB_OFFLINE_DIRS = {"WANDB_CONFIG_DIR": ".config"}  # online runs keep reading the user's settings
-# `lit-efficient plan` runs before LightningCLI (lit_efficient.cli.main); its line in `lit-efficient --help`.
 # The classes `lit-efficient fit` builds when none is named; parse_arguments keeps their init_args out of another's.
 DEFAULT_CLASSES = {"model": "lit_efficient.models.GPT", "data": "lit_efficient.data.TextDataModule"}
-
+# `lit-efficient plan` runs before LightningCLI (lit_efficient.cli.main); its line in `lit-efficient --help`.
 PLAN_HELP = "Memory per pipeline stage of a config and whether it fits a device; trains nothing (plan --help)"
 
 
@@ -381,8 +380,7 @@ class LitEfficientCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.set_defaults(
             {
-                "model": {"class_path": "lit_efficient.models.GPT"},
-                "data": {"class_path": "lit_efficient.data.TextDataModule"},
+                **{key: {"class_path": path} for key, path in DEFAULT_CLASSES.items()},
                 "trainer.logger": {
                     "class_path": "lightning.pytorch.loggers.WandbLogger",
                     "init_args": {"project": WANDB_PROJECT, "save_dir": DEFAULT_SAVE_DIR, "offline": True},

@@ -45,7 +45,7 @@ from lit_efficient.replicas.averaging import OuterOptimizer, ReplicaAverager, st
 from lit_efficient.replicas.fault_tolerance import TorchftReplicas, group_settings, lighthouse_address, require_torchft
 from lit_efficient.replicas.sharded_optimizer import ShardedOptimizer
 from lit_efficient.runtime.host import StageHost
-from lit_efficient.runtime.partition import check_sizes, partition_balanced, partition_uniform, predicted_utilization
+from lit_efficient.runtime.partition import partition_balanced, partition_uniform, predicted_utilization
 from lit_efficient.runtime.profile import profile_layers
 from lit_efficient.runtime.schedules import SCHEDULES, ScheduleName
 from lit_efficient.runtime.split import (
@@ -847,7 +847,7 @@ class PACIStrategy(DDPStrategy):
         check_layers(self.pipeline_stages, self.balance, layers)  # before launch too, unless configure_model builds
         counts = layer_parameter_counts(module, layers)
         if isinstance(self.balance, list):
-            sizes = check_sizes(self.balance, len(layers), self.pipeline_stages, name="PACIStrategy(balance)")
+            sizes = [int(n) for n in self.balance]  # checked: its entries in __init__, their sum by check_layers
         elif self.balance == "uniform":
             sizes = partition_uniform(len(layers), self.pipeline_stages)
         elif self.balance == "parameters":
@@ -896,7 +896,8 @@ class PACIStrategy(DDPStrategy):
         if epoch_end:
             self.runtime.drain(step_partial_window=True)
             # Each rank steps its stage's; none in a learning-rate finder's run (one device's finder removes them).
-            for config in (c for h in self.hosted for c in h.epoch_schedulers if self._finder_run is None):
+            configs = (c for h in self.hosted for c in h.epoch_schedulers) if self._finder_run is None else ()
+            for config in configs:
                 if (trainer.current_epoch + 1) % config.frequency == 0:
                     config.scheduler.step()
         window_end = not loop._should_accumulate()
