@@ -32,7 +32,7 @@ from torch import nn
 from lit_efficient.nested import map_tensors
 
 FORMAT = 2  # `pipeline["format"]` of the single file (3: the sharded folder)
-RANK_RECORD = ("accumulation", "rng", "averager")  # a rank's own state, kept under its `rank_key` in both formats
+RANK_RECORD = ("accumulation", "rng", "averager", "tied")  # a rank's own state, kept under its `rank_key` in both formats
 
 
 def rank_key(stage: int, replica: int) -> str:

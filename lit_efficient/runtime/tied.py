@@ -24,8 +24,15 @@ the same tensor). The two stages talk through `transport.process.TiedExchange` (
   with one, d is its smallest N's); the
   LM-head-side term has no staleness (drift 0 on the last stage). Cost: stage 0 keeps the last
   ``d`` gradients of the parameter (d x its size) and the ``d`` gradients still in flight at the end
-  of training are never applied; after resuming from a checkpoint both stages restart the delay
-  line (its first d updates use the LM-head term only).
+  of training are never applied.
+
+A checkpoint keeps the delay line (`TiedWeight.state_dict`): both stages' update count and stage 0's ``d``
+gradients the last stage has not applied yet. A save drains the pipeline, so both stages have made the same
+updates K; the messages in flight then are exactly stage 0's last ``d`` gradients (those of updates K-d..K-1).
+A resumed run (`TiedWeight.start_run`) continues the line: stage 0 sends them again, in their order, before its
+update K's, and the last stage applies them at its updates K..K+d-1, as the uninterrupted run does. Where the
+line cannot continue (another layout, or another smallest N and so another ``d``) both stages restart it: its
+first ``d`` updates then use the LM-head term only.
 
 Gradients are exchanged after normalization (divided by the window's weight), so token-weighted
 accumulation combines them exactly. Only updates that are applied count: a window skipped for a
@@ -46,7 +53,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 from torch import Tensor, nn
 
@@ -98,10 +105,39 @@ class TiedWeight:
         self.updates = 0
         self._own: deque[Tensor] = deque()  # first stage, paci: its gradients not yet applied
 
-    def restart(self) -> None:
-        """Start the delay line again, as a resumed run does (a training run after `finish_tied`)."""
+    def state_dict(self) -> dict[str, Any]:
+        """The delay line as a checkpoint keeps it, at a drained pipeline: the updates made and, on the first stage
+        under PACI, its gradients the last stage has not applied yet (oldest first; ``{"0": ...}``: a checkpoint
+        folder keeps dicts, not lists)."""
+        state: dict[str, Any] = {"schedule": self.schedule, "delay": self.delay, "updates": self.updates}
+        if self.schedule == "paci" and self.is_first:
+            state["pending"] = {str(i): g for i, g in enumerate(self._own)}
+        return state
+
+    def start_run(self, resumed: dict[str, Any] | None = None) -> None:
+        """Start a training run: continue the delay line a checkpoint kept (``resumed``, `state_dict`'s) where it
+        was built for the same schedule and delay, otherwise start it again (its first ``delay`` updates use the
+        LM-head term only). Continuing, the first stage sends its pending gradients again, in their order: the last
+        stage receives them at the updates where the uninterrupted run does. Both stages decide alike: they saved the
+        same schedule, delay and update count."""
         self.updates = 0
         self._own.clear()
+        if resumed is None or (resumed["schedule"], resumed["delay"]) != (self.schedule, self.delay):
+            return
+        self.updates = int(resumed["updates"])
+        if self.schedule != "paci" or not self.is_first:
+            return
+        pending = resumed.get("pending", {})  # a folder drops an empty dict: no update made yet
+        if len(pending) != min(self.delay, self.updates):
+            raise RuntimeError(
+                f"the checkpoint's tied-weight delay line holds {len(pending)} pending gradients after "
+                f"{self.updates} updates at delay {self.delay}: it was not saved at a drained pipeline"
+            )
+        p = self.param
+        for i in range(len(pending)):
+            own = pending[str(i)].to(device=p.device, dtype=p.dtype)
+            self._own.append(own)
+            self.exchange.send(own)
 
     def __call__(self) -> None:
         p = self.param

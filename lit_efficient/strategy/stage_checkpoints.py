@@ -111,6 +111,8 @@ def pipeline_state(strategy: Any, hosted: HostedStage) -> dict[str, Any]:
         state["rng"]["cuda"] = torch.cuda.get_rng_state(strategy.root_device)
     if hosted.averager is not None:
         state["averager"] = hosted.averager.state_dict()
+    if hosted.tied:  # the tied weights' delay line (`runtime.tied`), by this stage's name of its copy
+        state["tied"] = {names[id(t.param)]: t.state_dict() for t in hosted.tied}
     return state
 
 
@@ -297,15 +299,13 @@ def load_stage_states(strategy: Any, checkpoint: dict[str, Any]) -> None:
     dropped = (
         []
         if same_layout
-        else [k for k in ("rng", "averager") if any(k in r for r in pipeline.get("ranks", {}).values())]
+        else [why for k, why in _PER_RANK.items() if any(k in r for r in pipeline.get("ranks", {}).values())]
     )
     if dropped:
         rank_zero_warn(
             f"resuming a checkpoint of layout {pipeline.get('layout')} on {strategy.layout()}: weights, optimizer, "
-            f"schedulers, loops and accumulated gradients carry over by parameter name; the per-rank "
-            f"{' and '.join(dropped)} state does not (dropout masks start afresh; LocalSGD/DiLoCo restart from the "
-            f"loaded weights: DiLoCo's anchor is those weights, its outer momentum empty, its steps counted from "
-            f"the checkpoint's)."
+            f"schedulers, loops and accumulated gradients carry over by parameter name; the per-rank state does "
+            f"not: {'; '.join(dropped)}."
         )
     # A checkpoint without the names (one device's, DDP's) is read by the concatenation rule over every stage's
     # groups: computed here, outside any stage's view, on every rank alike (a collective on processes).
@@ -317,6 +317,7 @@ def load_stage_states(strategy: Any, checkpoint: dict[str, Any]) -> None:
         return group_names
 
     strategy.restored_window_grads = []  # only this restore's (an earlier fit's unreinstated ones never leak)
+    strategy.restored_tied = []
     saved_schedulers = checkpoint.get("lr_schedulers", [])
     given: set[int] = set()  # the checkpoint's tensors an earlier stage's optimizer holds now
     for hosted in strategy.hosted:
@@ -336,6 +337,10 @@ def load_stage_states(strategy: Any, checkpoint: dict[str, Any]) -> None:
         accumulation = local_accumulation(checkpoint, [names[id(p)] for p in hosted.stage.parameters()], own)
         mine = pipeline.get("ranks", {}).get(key, {}) if same_layout else {}
         _load_rank_state(strategy, hosted, mine, accumulation, checkpoint.get("global_step", 0))
+        if "tied" in mine:  # continued when training starts (`PACIStrategy._start_run`), or restarted
+            with strategy.stage_view(hosted.index):
+                copies = {id(p): n for n, p in module.named_parameters()}
+            strategy.restored_tied += [(t, mine["tied"].get(copies[id(t.param)])) for t in hosted.tied]
 
 
 def reinstate_window_gradients(strategy: Any) -> None:
@@ -348,6 +353,21 @@ def reinstate_window_gradients(strategy: Any) -> None:
             if g is not None and p.grad is None:
                 p.grad = g
     strategy.restored_window_grads = []
+
+
+# What a resume on another layout cannot carry of a rank's state (the checkpoint's per-rank record), and so what
+# the resumed run starts afresh.
+_PER_RANK = {
+    "rng": "dropout masks start afresh",
+    "averager": (
+        "LocalSGD/DiLoCo restart from the loaded weights (DiLoCo's anchor is those weights, its outer momentum "
+        "empty, its steps counted from the checkpoint's)"
+    ),
+    "tied": (
+        "a weight tied between the first and the last stage restarts its delay line under PACI (its first "
+        "ceil(S/N) updates use the LM-head side's gradient only)"
+    ),
+}
 
 
 def _load_rank_state(
