@@ -32,7 +32,8 @@ from torch import nn
 from lit_efficient.nested import map_tensors
 
 FORMAT = 2  # `pipeline["format"]` of the single file (3: the sharded folder)
-RANK_RECORD = ("accumulation", "rng", "averager", "tied")  # a rank's own state, kept under its `rank_key` in both formats
+# A rank's own state, kept under its `rank_key` in both formats (``tied``: the tied-weight delay line, `runtime.tied`).
+RANK_RECORD = ("accumulation", "rng", "averager", "tied")
 
 
 def rank_key(stage: int, replica: int) -> str:
