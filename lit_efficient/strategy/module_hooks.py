@@ -1,7 +1,8 @@
 """The Lightning hooks PACIStrategy changes or never calls, between two training batches.
 
 docs/DESIGN.md section 7 is the table this module implements: the one hook that must see a drained
-pipeline before it runs (`drain_before`), and the hooks the stages replace by their own work, which
+pipeline before it runs (`drain_before`), the epoch-end hooks that read what the last stage's steps
+collected (`epoch_ends_where_the_steps_ran`), and the hooks the stages replace by their own work, which
 a user who overrides them is told about once (`warn_uncalled_hooks`) instead of finding their code
 silently dead.
 """
@@ -55,6 +56,71 @@ def drain_before(module: LightningModule, hook: str, drain: Callable[[], None]) 
 def undo_drain_before(module: LightningModule, hook: str) -> None:
     """Give the module its own ``hook`` back (the instance attribute shadowed the class's)."""
     module.__dict__.pop(hook, None)
+
+
+# The module's evaluation epoch-end hooks: they read what its evaluation steps collected (a list of outputs, a
+# torchmetrics state), and only the ranks hosting a last stage run those steps.
+EVALUATION_EPOCH_ENDS = ("on_validation_epoch_end", "on_test_epoch_end", "on_predict_epoch_end")
+
+
+def epoch_ends_where_the_steps_ran(
+    module: LightningModule, hosts_last_stage: bool, here: str, share_metrics: Callable[[], None] | None
+) -> None:
+    """Run the module's epoch-end hooks as Lightning's documented patterns need them, until `undo_epoch_ends`.
+
+    Lightning calls them on every rank; under PACIStrategy the evaluation steps and ``pipeline_loss`` run on the
+    ranks hosting a last stage only, so elsewhere what a step collected is empty: ``torch.stack`` of the outputs
+    list raised, a torchmetrics ``compute()`` gathered over the last stage's group, which this rank is not in.
+
+    - On a rank that hosts no last stage the evaluation epoch-end hooks are not called: their steps never ran
+      there, and the last stage's ranks log their results.
+    - ``on_train_epoch_end`` is called on every rank (a change of the model there must reach every stage); on a
+      rank without a last stage an exception from it says why and how to guard it. After it, with
+      ``share_metrics`` (processes), every rank takes global rank 0's callback metrics: Lightning runs
+      ``ModelCheckpoint`` and ``EarlyStopping`` next, and what the hook logged on the last stage must steer them
+      alike on every rank (a save is collective).
+
+    Args:
+        module: The LightningModule.
+        hosts_last_stage: Whether this process hosts a last stage (in one process: always).
+        here: This rank, for messages (``"stage 0 (rank 1)"``).
+        share_metrics: Makes the callback metrics global rank 0's on every rank (a collective); None in one process.
+    """
+    undo_epoch_ends(module)  # a setup without the previous teardown: wrapped once
+    if not hosts_last_stage:
+        for hook in EVALUATION_EPOCH_ENDS:
+            setattr(module, hook, _not_here)
+    if hosts_last_stage and share_metrics is None:
+        return
+    original = module.on_train_epoch_end
+
+    def on_train_epoch_end(*args: Any, **kwargs: Any) -> Any:
+        try:
+            out = original(*args, **kwargs)
+        except Exception as err:
+            if hosts_last_stage:
+                raise
+            raise RuntimeError(
+                f"{type(module).__name__}.on_train_epoch_end raised on {here}, which hosts no last stage and so runs "
+                f"no pipeline_loss: what pipeline_loss collected (an outputs list, a torchmetrics state) is empty "
+                f"here ({type(err).__name__}: {err}). Guard the code that reads it with `if "
+                "self.trainer.strategy.is_last_stage:`; what the last stage logs there reaches every rank."
+            ) from err
+        if share_metrics is not None:
+            share_metrics()
+        return out
+
+    module.on_train_epoch_end = on_train_epoch_end  # type: ignore[method-assign]
+
+
+def undo_epoch_ends(module: LightningModule) -> None:
+    """Give the module its own epoch-end hooks back."""
+    for hook in (*EVALUATION_EPOCH_ENDS, "on_train_epoch_end"):
+        module.__dict__.pop(hook, None)
+
+
+def _not_here(*args: Any, **kwargs: Any) -> None:
+    """An evaluation epoch-end hook on a rank whose evaluation steps never run."""
 
 
 def uncalled_hooks(module: LightningModule, callbacks: Iterable[Callback]) -> list[str]:

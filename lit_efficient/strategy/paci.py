@@ -96,7 +96,13 @@ from lit_efficient.strategy.lr_finder import (
     share_finder_loss,
     start_finder_run,
 )
-from lit_efficient.strategy.module_hooks import drain_before, undo_drain_before, warn_uncalled_hooks
+from lit_efficient.strategy.module_hooks import (
+    drain_before,
+    epoch_ends_where_the_steps_ran,
+    undo_drain_before,
+    undo_epoch_ends,
+    warn_uncalled_hooks,
+)
 from lit_efficient.strategy.progress import swap_stock_progress_bar
 from lit_efficient.strategy.runs import attempt_store
 from lit_efficient.strategy.stage_checkpoints import FinalState
@@ -121,6 +127,7 @@ from lit_efficient.strategy.trainer_glue import (
     keep_users_sampler,
     normalize_mode,
     point_metrics_at,
+    share_rank_zero_metrics,
     smallest_window,
 )
 from lit_efficient.tools.window import advise_window
@@ -426,6 +433,9 @@ class PACIStrategy(DDPStrategy):
 
     @property
     def is_last_stage(self) -> bool:
+        """Whether this process hosts the pipeline's last stage: the ranks that run the evaluation steps and
+        ``pipeline_loss`` (global rank 0 among them; every process in one process). Guard code in
+        ``on_train_epoch_end`` that reads what ``pipeline_loss`` collected with it."""
         return self.stage == self.pipeline_stages - 1
 
     @property
@@ -712,6 +722,9 @@ class PACIStrategy(DDPStrategy):
         the metrics' sync."""
         module = self.lightning_module
         assert module is not None
+        share = None if self.in_process else (lambda: share_rank_zero_metrics(trainer))
+        here = f"stage {self.stage} (rank {self.global_rank})"
+        epoch_ends_where_the_steps_ran(module, self.is_last_stage, here, share)
         if fitting:
             drain_before(module, "on_validation_model_zero_grad", self.drain)
             warn_uncalled_hooks(module, trainer.callbacks)
@@ -795,6 +808,7 @@ class PACIStrategy(DDPStrategy):
         if module is not None:
             self._restore_compiled_steps(module)  # the module leaves fit compiled, as it came
             undo_drain_before(module, "on_validation_model_zero_grad")
+            undo_epoch_ends(module)
         split = self._split
         if module is not None and split is not None:
             if trainer is not None and trainer.state.fn == TrainerFn.FITTING:

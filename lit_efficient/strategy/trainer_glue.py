@@ -38,12 +38,7 @@ class SyncCallbackMetrics(Callback):
     """
 
     def _sync(self, trainer: Trainer) -> None:
-        if trainer.world_size == 1:
-            return
-        metrics = [{k: v.detach().cpu() if isinstance(v, Tensor) else v for k, v in trainer.callback_metrics.items()}]
-        metrics = trainer.strategy.broadcast(metrics, src=0)
-        if trainer.global_rank != 0:
-            trainer.callback_metrics.update(metrics[0])
+        share_rank_zero_metrics(trainer)
 
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
@@ -69,6 +64,17 @@ class SyncCallbackMetrics(Callback):
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         trainer.strategy.drain()  # type: ignore[attr-defined]
+
+
+def share_rank_zero_metrics(trainer: Trainer) -> None:
+    """Every rank takes global rank 0's callback metrics (it hosts the last stage, which logs the loss and what the
+    evaluation steps and pipeline_loss log). A collective of every rank; nothing with one process."""
+    if trainer.world_size == 1:
+        return
+    metrics = [{k: v.detach().cpu() if isinstance(v, Tensor) else v for k, v in trainer.callback_metrics.items()}]
+    metrics = trainer.strategy.broadcast(metrics, src=0)
+    if trainer.global_rank != 0:
+        trainer.callback_metrics.update(metrics[0])
 
 
 def _reads_metrics_now(callback: Any, trainer: Trainer) -> bool:

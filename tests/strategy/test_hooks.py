@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import lightning as L
 import pytest
+import torch
 from lightning.pytorch.callbacks import LearningRateMonitor
 
 from lit_efficient import GradientAccumulation
 from lit_efficient.models import GPT
-from lit_efficient.strategy.module_hooks import training_step_logs, uncalled_hooks, warn_uncalled_hooks
+from lit_efficient.strategy.module_hooks import (
+    epoch_ends_where_the_steps_ran,
+    training_step_logs,
+    uncalled_hooks,
+    undo_epoch_ends,
+    warn_uncalled_hooks,
+)
 
 
 class _GradNormLogger(L.Callback):
@@ -43,3 +50,38 @@ def test_overrides_that_never_run_are_named():
     assert training_step_logs(module) == ["train_acc", "log_dict(...)"]
     with pytest.warns(UserWarning, match=r"on_after_backward.*train_acc, log_dict\(\.\.\.\).*pipeline_loss"):
         warn_uncalled_hooks(module, [_GradNormLogger()])
+
+
+class _AggregatesAtEpochEnds(GPT):
+    """Lightning's documented epoch-end pattern, unguarded: what the steps collected, stacked."""
+
+    def on_train_epoch_end(self) -> None:
+        torch.stack(self.losses)
+
+    def on_validation_epoch_end(self) -> None:
+        torch.stack(self.losses)
+
+
+def test_a_rank_without_the_last_stage_skips_evaluation_epoch_ends_and_explains_a_training_one():
+    module = _AggregatesAtEpochEnds(n_layer=1)
+    module.losses = []
+    shared = []
+    epoch_ends_where_the_steps_ran(module, False, "stage 0 (rank 1)", lambda: shared.append(True))
+    module.on_validation_epoch_end()  # not called: the evaluation steps never ran on this rank
+    explained = (
+        r"on_train_epoch_end raised on stage 0 \(rank 1\), which hosts no last stage .*stack expects a non-empty "
+        r"TensorList.*if self.trainer.strategy.is_last_stage:"
+    )
+    with pytest.raises(RuntimeError, match=explained):
+        module.on_train_epoch_end()
+    undo_epoch_ends(module)
+    with pytest.raises(RuntimeError, match="stack expects a non-empty TensorList"):
+        module.on_validation_epoch_end()  # its own hook again
+    # On the last stage's ranks the hooks run as they are, and the metrics are shared after on_train_epoch_end.
+    module.losses = [torch.ones(())]
+    epoch_ends_where_the_steps_ran(module, True, "stage 1 (rank 0)", lambda: shared.append(True))
+    module.on_validation_epoch_end()
+    module.on_train_epoch_end()
+    assert shared == [True]
+    undo_epoch_ends(module)
+    assert "on_train_epoch_end" not in module.__dict__

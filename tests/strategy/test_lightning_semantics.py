@@ -12,6 +12,7 @@ import json
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import Checkpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -77,10 +78,10 @@ def _sgd(params):
 
 def _fit(module, strategy, devices, accumulate, max_steps, datamodule=None, **kw):
     """A fit with the Trainer's defaults besides quiet output; returns the module (whole after fit)."""
+    kw = {"enable_checkpointing": False, **kw}
     trainer = L.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, max_steps=max_steps,
-        accumulate_grad_batches=accumulate, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, **kw,
+        accumulate_grad_batches=accumulate, logger=False, enable_progress_bar=False, enable_model_summary=False, **kw,
     )  # fmt: skip
     trainer.fit(module, datamodule=datamodule)
     return module
@@ -201,13 +202,16 @@ def _fit_with_data(module, strategy, devices, accumulate, max_steps, **kw):
 
 
 class _LogsFromPipelineLoss(GPT):
-    """Logs a per-micro-batch metric where PACIStrategy runs it: in pipeline_loss, on the last stage; and, in
-    validation, what ``self.all_gather`` gives (only the last stage runs the evaluation step)."""
+    """Logs a per-micro-batch metric where PACIStrategy runs it: in pipeline_loss, on the last stage; in validation,
+    what ``self.all_gather`` gives (only the last stage runs the evaluation step); and at the epochs' ends what
+    Lightning's documented patterns aggregate: a list of the steps' outputs and a torchmetrics metric (the
+    training one guarded by ``is_last_stage``, where pipeline_loss ran)."""
 
     def pipeline_loss(self, output, batch):
         loss, items = super().pipeline_loss(output, batch)
         if self.trainer.training:
             self.log("train_items", items.float(), on_step=True, batch_size=batch[0].shape[0])
+            self.items_mean.update(items.float())
         return loss, items
 
     def validation_step(self, batch, batch_idx):
@@ -215,7 +219,21 @@ class _LogsFromPipelineLoss(GPT):
         self.log("gathered_sum", gathered.sum(), batch_size=batch[0].shape[0])
         self.log("gathered_count", float(gathered.numel()), batch_size=batch[0].shape[0])
         self.log("gathered_dim", float(gathered.dim()), batch_size=batch[0].shape[0])  # stacked: (replicas, 1)
-        return super().validation_step(batch, batch_idx)
+        loss = super().validation_step(batch, batch_idx)
+        self.val_losses.append(loss)
+        self.val_mean.update(loss)
+        return loss
+
+    def on_validation_epoch_end(self):
+        self.log("val_stacked", torch.stack(self.val_losses).mean(), sync_dist=True)  # raised on stage 0's ranks
+        self.val_losses.clear()
+        self.log("val_mean", self.val_mean.compute())  # gathered over a group stage 0's ranks are not in
+        self.val_mean.reset()
+
+    def on_train_epoch_end(self):
+        if self.trainer.strategy.is_last_stage:
+            self.log("items_epoch", self.items_mean.compute())
+            self.items_mean.reset()
 
 
 class _RecordMetrics(L.Callback):
@@ -228,24 +246,48 @@ class _RecordMetrics(L.Callback):
             self.path.write_text(json.dumps(metrics))
 
 
+class _SeesEpochEndMetrics(Checkpoint):
+    """Where Lightning runs ModelCheckpoint and EarlyStopping, after the module's ``on_train_epoch_end``: what each
+    rank reads there (a save is collective: every rank must decide alike)."""
+
+    def __init__(self, path) -> None:
+        self.path = path
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        seen = trainer.callback_metrics.get("items_epoch")
+        (self.path / f"seen{trainer.global_rank}.json").write_text(json.dumps(None if seen is None else float(seen)))
+
+
 @pytest.mark.parametrize("replicas", [1, 2])
 def test_metrics_logged_in_pipeline_loss_reach_the_logger(tmp_path, replicas):
     """And ``self.all_gather`` in validation_step gathers over the last stage's replicas (one: as on one device;
     two: each replica's share, as under DDP): over the world it waited forever for stage 0, which never runs the
-    evaluation step."""
+    evaluation step. Lightning's epoch-end patterns work as on one device: stage 0's ranks, which never ran the
+    evaluation steps, raised in on_validation_epoch_end (an empty outputs list; a metric gathered over the last
+    stage's group), and a monitoring callback after on_train_epoch_end read what the last stage logged there on
+    every rank."""
+    import torchmetrics
+
     module = _model()
     module.__class__ = _LogsFromPipelineLoss
+    module.val_losses, module.val_mean, module.items_mean = [], torchmetrics.MeanMetric(), torchmetrics.MeanMetric()
     out = tmp_path / "metrics.json"
     strategy = PACIStrategy(pipeline_stages=2, schedule="paci", start_method="forkserver")
     _fit_with_data(
-        module, strategy, 2 * replicas, 2, 3, limit_val_batches=1, val_check_interval=2, callbacks=[_RecordMetrics(out)]
-    )
+        module, strategy, 2 * replicas, 2, 3, limit_val_batches=1, val_check_interval=2, limit_train_batches=4,
+        callbacks=[_RecordMetrics(out), _SeesEpochEndMetrics(tmp_path)], enable_checkpointing=True,
+    )  # fmt: skip
     metrics = json.loads(out.read_text())
     assert metrics["train_items"] == 4 * 32  # batch_size x block tokens, every micro-batch
     assert "train_loss" in metrics
     # Each replica's first validation batch (batch_idx 0, so 1.0), one row per replica of the last stage.
     assert metrics["gathered_count"] == replicas and metrics["gathered_sum"] == replicas, metrics
     assert metrics["gathered_dim"] == 2.0
+    # Over every replica's batch, as val_loss (sync_dist) is: the same batch size on each.
+    assert metrics["val_stacked"] == pytest.approx(metrics["val_loss"], rel=1e-6)
+    assert metrics["val_mean"] == pytest.approx(metrics["val_loss"], rel=1e-6)
+    seen = [json.loads((tmp_path / f"seen{rank}.json").read_text()) for rank in range(2 * replicas)]
+    assert seen == [4 * 32] * (2 * replicas), seen
 
 
 class _RecordSteps(L.Callback):
