@@ -434,6 +434,16 @@ class PipelineStage:
         """Weight accumulated since the last step (None when nothing was accumulated)."""
         return None if self._window is None else self._window[0]
 
+    def drop_window(self) -> None:
+        """Forget the window accumulated since the last step, its gradients and weight, without a step: what one
+        device's next ``zero_grad`` does to a window Lightning never stepped (an epoch cut short inside it)."""
+        if self._in_flight:
+            raise RuntimeError(f"stage {self.stage}: drop_window() with micro-batches in flight: drain first")
+        for p in self.parameters():
+            p.grad = None
+        self._window = None
+        self._window_microbatches = 0
+
     def accumulation_state(self) -> dict[str, Any]:
         """What a checkpoint needs besides weights and optimizer: the version, the stage's random stream,
         and the gradients and weight accumulated in a window not yet stepped."""

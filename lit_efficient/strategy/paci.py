@@ -541,6 +541,7 @@ class PACIStrategy(DDPStrategy):
         assert self.accelerator is not None and self.topology is not None
         self.restored_window_grads = []  # a fit that failed before on_train_start left its restore's here
         self.restored_tied = []
+        self._epoch_end_seen = False  # whether the last training step was its epoch's last (`end_epoch`)
         # First: whatever loads the training loader during setup (configure_optimizers reading
         # trainer.estimated_stepping_batches, as GPT's default schedule does) builds it with this setting.
         keep_users_sampler(trainer, self.replica_groups if self.fault_tolerance else self.topology.num_replicas)
@@ -909,14 +910,10 @@ class PACIStrategy(DDPStrategy):
         if self._in_sync_start and trainer.global_step >= self.sync_start and self.runtime.drained:
             self._end_sync_start()
         loss = self.runtime.feed(batch, batch_idx)
-        epoch_end = loop._num_ready_batches_reached()
+        epoch_end = self._epoch_end_seen = loop._num_ready_batches_reached()
         if epoch_end:
             self.runtime.drain(step_partial_window=True)
-            # Each rank steps its stage's; none in a learning-rate finder's run (one device's finder removes them).
-            configs = (c for h in self.hosted for c in h.epoch_schedulers) if self._finder_run is None else ()
-            for config in configs:
-                if (trainer.current_epoch + 1) % config.frequency == 0:
-                    config.scheduler.step()
+            self._step_epoch_schedulers(trainer)
         window_end = not loop._should_accumulate()
         if window_end:
             # A window of N micro-batches has been fed on every rank: count Lightning's optimizer
@@ -977,6 +974,35 @@ class PACIStrategy(DDPStrategy):
                 hosted.stage.correction = self.correction_for(hosted.index, trainer, hosted.optimizer)
         if batch_idx == 0 and self.runtime.drained:
             self.runtime.start_epoch()
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if batch_idx == 0:
+            self._epoch_end_seen = False  # not yet, also for an epoch skipped at its first batch (`end_epoch`)
+
+    def _step_epoch_schedulers(self, trainer: Trainer) -> None:
+        """At an epoch's end: each rank steps its stages' epoch-interval schedulers; none in a learning-rate finder's
+        run (one device's finder removes them)."""
+        configs = (c for h in self.hosted for c in h.epoch_schedulers) if self._finder_run is None else ()
+        for config in configs:
+            if (trainer.current_epoch + 1) % config.frequency == 0:
+                config.scheduler.step()
+
+    def end_epoch(self) -> None:
+        """The epoch's end, before any other callback's ``on_train_epoch_end`` (`SyncCallbackMetrics`): drained. Where
+        ``on_train_batch_start`` returned -1 (Lightning's "skip the rest of this epoch"), the last training step saw no
+        epoch end; one device then steps no optimizer for the window the skip interrupted (the next epoch's first
+        batch zeroes its gradients) and steps its epoch-interval schedulers: so do the stages."""
+        self.drain()
+        if self.runtime is None or self._epoch_end_seen:
+            return
+        trainer = self.lightning_module.trainer
+        if not trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:  # stopped (max_time, should_stop): kept
+            return
+        for hosted in self.hosted:
+            hosted.stage.drop_window()
+        self._step_epoch_schedulers(trainer)
+        self._epoch_end_seen = True
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:

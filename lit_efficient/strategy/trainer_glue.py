@@ -31,7 +31,8 @@ class SyncCallbackMetrics(Callback):
 
     Copies rank 0's callback metrics (it holds the last stage) to every rank before checkpoint and
     early-stopping callbacks read them, so all ranks take the same decisions; and drains the pipeline
-    before any other callback's ``on_validation_start``, ``on_train_epoch_end`` and ``on_train_end``:
+    before any other callback's ``on_validation_start``, ``on_train_epoch_end`` (there also ending an epoch
+    cut short: `PACIStrategy.end_epoch`) and ``on_train_end``:
     Lightning calls the callbacks' hooks (and the module's) before the strategy's, and a validation in
     the middle of a window or a run stopped by ``max_steps`` mid-epoch would otherwise show them stage 0
     still a step behind (docs/DESIGN.md section 7).
@@ -58,7 +59,7 @@ class SyncCallbackMetrics(Callback):
 
     @override
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        trainer.strategy.drain()  # type: ignore[attr-defined]
+        trainer.strategy.end_epoch()  # type: ignore[attr-defined]
         self._sync(trainer)
 
     @override

@@ -314,3 +314,53 @@ def test_callbacks_at_the_end_of_training_see_every_stage_stepped(tmp_path):
     for rank in range(2):
         record = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert record == {"global_step": 3, "steps": 3, "in_flight": 0}, (rank, record)
+
+
+class _SkipsRestOfEpoch(TinyPipelined):
+    """Returns -1 from on_train_batch_start (Lightning: skip the rest of this epoch) at the (epoch, batch) pairs
+    given, with an epoch-interval scheduler; records the learning rate at each epoch's end."""
+
+    def __init__(self, batches, skips, record) -> None:
+        super().__init__(batches)
+        self.skips, self.record = skips, record
+        self.lrs: list[float] = []
+
+    def on_train_batch_start(self, batch, batch_idx):
+        return -1 if (self.current_epoch, batch_idx) in self.skips else None
+
+    def on_train_epoch_end(self):
+        self.lrs.append(self.trainer.optimizers[0].param_groups[0]["lr"])
+
+    def on_train_end(self):
+        if self.trainer.global_rank == 0:  # on processes the ranks are not the test's process
+            self.record.write_text(json.dumps({"lrs": self.lrs, "steps": self.trainer.global_step}))
+
+    def configure_optimizers(self):
+        optimizer = _sgd(self.parameters())
+        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)}
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_an_epoch_cut_short_by_on_train_batch_start_drops_its_window_as_one_device(tmp_path):
+    """Epochs of 8 micro-batches, N=2: epoch 0 skips from batch 5, in the middle of its third window; epoch 1 from
+    its first batch. One device steps no optimizer for the interrupted window (its next epoch's first batch zeroes
+    the gradients) and steps its epoch-interval schedulers at both ends. The pipeline carried the window's batch
+    into the next epoch's first window (divided by 3) and skipped the schedulers (0.022 in the weights); now it
+    does what one device does, in one process and on processes."""
+    data = _data(8)
+    skips = {(0, 5), (1, 0)}
+
+    def run(strategy, devices):
+        module = _SkipsRestOfEpoch(data, skips, tmp_path / "record.json")
+        _fit(module, strategy, devices, 2, 100, max_epochs=3, limit_val_batches=0)
+        return module, json.loads((tmp_path / "record.json").read_text())
+
+    one, seen = run("auto", 1)
+    assert seen == {"lrs": [0.025, 0.0125, 0.00625], "steps": 2 + 0 + 4}
+    for devices in (1, 2):
+        piped, piped_seen = run(
+            PACIStrategy(pipeline_stages=2, schedule="1f1b_flush", start_method="forkserver"), devices
+        )
+        assert piped_seen == seen, devices
+        diff = max((a - b).abs().max().item() for a, b in zip(piped.parameters(), one.parameters(), strict=True))
+        assert diff <= 1e-6, (devices, diff)
