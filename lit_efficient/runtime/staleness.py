@@ -114,6 +114,8 @@ def delay_bound(schedule: str, stage: int, num_stages: int, accumulate: int) -> 
 class StalenessCorrection:
     """No correction: the base both corrections refine (and what ``"none"`` means)."""
 
+    restores_exactly = True  # the weights after a corrected forward are bit for bit those before it
+
     def step_context(self, optimizer: torch.optim.Optimizer, step: int) -> Any:
         """Context around the stage's ``step``-th (0-based) optimizer step."""
         return nullcontext()
@@ -175,6 +177,9 @@ class WeightPrediction(StalenessCorrection):
         self.fold = fold  # False: the current moments alone (the last applied update, look-ahead)
         self.first_step = first_step  # also predict the first step (zero moments), not only once state exists
         self.stash = stash  # False: undo the prediction by inverting it in place (no weight-sized buffer)
+        # The inversion restores the weights up to rounding (a few ulp per stale forward), a residue that depends on
+        # the window's own gradients: replicas of a stage drift apart by it (see `stage_checkpoints`' save).
+        self.restores_exactly = stash
 
     @contextmanager
     def forward_context(

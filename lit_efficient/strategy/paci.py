@@ -220,7 +220,7 @@ class PACIStrategy(DDPStrategy):
             included, the window's gradient so far folded into its moments (into the second moment only for the share
             of the window accumulated, the rest expected at its running mean: a young window's few micro-batches
             squared would shrink every predicted step), and the backward and the step on the real weights; the
-            prediction is undone by its exact inverse, so no copy of the weights is kept
+            prediction is undone by its inverse (up to rounding), so no copy of the weights is kept
             (``"weight_prediction_first_step_inplace"``; on CUDA weights its compiled form, one pass over memory per
             apply or undo instead of ~9, ``"weight_prediction_first_step_compiled"``, compiled at each stage's first
             stale forward, eager with a warning if compiling fails); off with any other optimizer, with Adam/AdamW's

@@ -42,6 +42,7 @@ from lit_efficient.checkpoint.restore import local_accumulation, local_optimizer
 from lit_efficient.checkpoint.single_file import gather_to_rank_zero, load_file, write_atomically
 from lit_efficient.replicas.sharded_optimizer import ShardedOptimizer
 from lit_efficient.strategy.hosting import HostedStage
+from lit_efficient.transport.collectives import broadcast_flat
 
 
 @dataclass(frozen=True)
@@ -157,6 +158,8 @@ def save(strategy: Any, checkpoint: dict[str, Any], filepath: Any) -> None:
             "normally, or no fit ran: a failed fit keeps no final state, and validate, test and predict train no "
             "optimizer). Save during fit with ModelCheckpoint, and resume from that."
         )
+    if live:
+        _replicas_agree(strategy)
     records = live_records(strategy) if live else final.records
     layout = strategy.layout() if live else final.layout
     optimizers = StageOptimizer.of(strategy.hosted) if live else final.optimizers
@@ -177,6 +180,22 @@ def save(strategy: Any, checkpoint: dict[str, Any], filepath: Any) -> None:
         write_atomically(to_automatic_loops(assemble(base, [s for part in gathered for s in part], layout)), path)
     if distributed:
         dist.barrier(group=group)  # nobody reads or removes it before it is complete
+
+
+def _replicas_agree(strategy: Any) -> None:
+    """Before a save during fit: the replicas of a stage whose stale forwards restore its weights only up to rounding
+    (the in-place prediction, `runtime.staleness`) take their first replica's weights, which the checkpoint keeps.
+    Each replica folds its own partial window into the prediction, so each keeps its own rounding residue and the
+    replicas drift apart by a few ulp (1e-7 after a few steps); a resume gives every replica the checkpoint's
+    weights, so without this it continued the run that saved only up to that drift (4e-7 six steps on). One
+    broadcast of the stage's weights per save, over its replicas (stages without such a correction skip it)."""
+    if strategy.in_process or strategy.topology.num_replicas == 1 or strategy.local_sgd_steps is not None:
+        return  # LocalSGD's replicas differ by design: each keeps its own weights in the checkpoint
+    for hosted in strategy.hosted:
+        correction = hosted.stage.correction
+        if correction is not None and not correction.restores_exactly:
+            params = {id(p): p for p in hosted.stage.parameters()}
+            broadcast_flat(list(params.values()), strategy._dp_groups[hosted.index])
 
 
 def in_memory(strategy: Any, checkpoint: dict[str, Any]) -> dict[str, Any]:

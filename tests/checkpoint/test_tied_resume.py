@@ -1,8 +1,8 @@
 """Under PACI a weight tied between the first and the last stage applies its embedding-side gradient d = ceil(S/N)
 updates late (`lit_efficient.runtime.tied`). A checkpoint keeps the d gradients still pending at the save, and a
 resume on the same layout sends them again: the resumed run continues the uninterrupted one bit for bit, in one
-process and on processes, from a file and from a sharded folder. A checkpoint without them (written before they were
-kept) or on another layout restarts the line, and a layout change says so.
+process and on processes (with replicas), from a file and from a sharded folder. A checkpoint without them
+(written before they were kept) or on another layout restarts the line, and a layout change says so.
 
 Checkpoints are taken at an epoch's end (`ordered_data`: 12 micro-batches an epoch), where a resumed run reads the
 same batches as the uninterrupted one."""
@@ -20,12 +20,14 @@ from tests.support.gpt_runs import gpt_model, gpt_trainer, max_diff, ordered_dat
 pytestmark = pytest.mark.usefixtures("one_thread")  # one process and S processes agree bit for bit
 
 
-def _fit(stages, devices, steps, accumulate, ckpt_path=None, save_to=None, fmt="file") -> GPT:
+def _fit(stages, devices, steps, accumulate, ckpt_path=None, save_to=None, fmt="file", every=None) -> GPT:
     model = gpt_model(tie_weights=True)
     strategy = PACIStrategy(
         pipeline_stages=stages, sync_start_steps=0, checkpoint_format=fmt, start_method="forkserver"
     )  # no synchronous start: stale forwards from the first step
-    saver = [ModelCheckpoint(dirpath=save_to, every_n_train_steps=steps, filename="{step}")] if save_to else []
+    every = every or steps
+    saver = [ModelCheckpoint(dirpath=save_to, every_n_train_steps=every, filename="{step}", save_top_k=-1)]
+    saver = saver if save_to else []
     trainer = gpt_trainer(
         strategy, devices, steps, accumulate_grad_batches=accumulate, callbacks=saver, enable_checkpointing=bool(saver)
     )
@@ -55,10 +57,12 @@ def test_a_resume_continues_the_tied_weights_delay_line_bit_for_bit(tmp_path, st
 
 
 @pytest.mark.multiproc
-def test_processes_resume_the_delay_line_from_a_sharded_folder(tmp_path):
-    whole = _fit(2, 1, 6, 4)  # one process: the same bits as two
-    _fit(2, 2, 3, 4, save_to=tmp_path, fmt="sharded")
-    resumed = _fit(2, 2, 6, 4, ckpt_path=tmp_path / "step=3.ckpt", fmt="sharded")
+def test_two_replicas_resume_from_a_sharded_folder_bit_for_bit(tmp_path):
+    """2 stages x 2 replicas (epochs of 6 micro-batches a replica, N=2): the delay line on each replica, and PACI's
+    default correction, whose in-place prediction leaves each replica its own rounding residue (replicas drifted
+    apart by 1e-7 and a resume continued the run that saved only to 4e-7): a save makes them agree first."""
+    whole = _fit(2, 4, 6, 2, save_to=tmp_path, fmt="sharded", every=3)
+    resumed = _fit(2, 4, 6, 2, ckpt_path=tmp_path / "step=3.ckpt", fmt="sharded")
     assert max_diff(resumed, whole) == 0.0
 
 
