@@ -170,6 +170,10 @@ _WRAPPER_EQUIVALENTS = {
     "ddp_comm_hook": f"post_localSGD_hook: {_LOCAL_SGD}; none for compression hooks (fp16, bf16, PowerSGD)",
 }
 _NOT_USED = {
+    "replicas": (
+        "data-parallel replicas come from the world size: devices x num_nodes = pipeline_stages x replicas (2 stages "
+        "on devices=4 train 2 replicas); raise Trainer(devices=...) for more"
+    ),
     "checkpoint_io": (
         "PACIStrategy writes and reads its checkpoints itself (one file from global rank 0, or with "
         "checkpoint_format='sharded' a folder every rank writes its share of; async_checkpoint=True writes it in "
@@ -479,12 +483,24 @@ def check_sync_start(sync_start_steps: Any) -> None:
 
 
 def check_replica_groups(
-    fault_tolerance: str | None, local_sgd_steps: int | None, min_replica_groups: int, streaming_sync: bool
+    fault_tolerance: str | None,
+    local_sgd_steps: int | None,
+    min_replica_groups: int,
+    streaming_sync: bool,
+    group_options: dict[str, Any] | None = None,
 ) -> None:
     """Refuse a ``fault_tolerance`` or ``streaming_sync`` setting that cannot work (what needs the launch is checked
-    before it). A sharded
-    optimizer state is refused by its own check: it needs per-step gradient averaging, and this needs
-    ``local_sgd_steps``."""
+    before it), and torchft's group options (``group_options``: ``replica_group_id``, ``replica_groups``, and
+    ``min_replica_groups`` when not 1) without it: they would be ignored. A sharded optimizer state is refused by its
+    own check: it needs per-step gradient averaging, and this needs ``local_sgd_steps``."""
+    given = {k: v for k, v in (group_options or {}).items() if v is not None}
+    if fault_tolerance is None and given:
+        listed = ", ".join(f"{k}={v!r}" for k, v in given.items())
+        raise ValueError(
+            f"{listed}: options of fault_tolerance='torchft' (replica groups launched apart, healing from each other), "
+            "which is off. Set fault_tolerance='torchft' too, or leave them out: data-parallel replicas of one "
+            "launch come from the world size (devices x num_nodes = pipeline_stages x replicas)."
+        )
     if streaming_sync and local_sgd_steps is None:
         raise ValueError(
             "streaming_sync=True staggers the stages' LocalSGD/DiLoCo syncs: set local_sgd_steps=H too, or leave "

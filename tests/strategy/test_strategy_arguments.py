@@ -350,6 +350,10 @@ def test_the_cli_names_the_option_meant_for_a_typo_anywhere(cli_refusal, args, w
             {"fault_tolerance": "torchft", "local_sgd_steps": 4, "min_replica_groups": True},
             "min_replica_groups=True must be an integer >= 1",
         ),
+        # torchft's group options without it were ignored (a single replica trained), and "replicas" was sent to them.
+        ({"replica_groups": 2, "replica_group_id": 1}, r"replica_group_id=1, replica_groups=2: options of fault_tol"),
+        ({"min_replica_groups": 2}, r"min_replica_groups=2: options of fault_tolerance='torchft'.*which is off"),
+        ({"replicas": 2}, r"replicas=2: data-parallel replicas come from the world size.*raise Trainer\(devices"),
         ({"start_method": "Spawn"}, "start_method='Spawn' must be one of 'popen', 'spawn', 'fork', 'forkserver'"),
         ({"precision_plugin": "bf16-mixed"}, r"precision_plugin='bf16-mixed' must be a Precision.*Trainer\(precision="),
         ({"timeout": 30}, r"timeout=30 must be a timedelta or None; pass datetime.timedelta"),
