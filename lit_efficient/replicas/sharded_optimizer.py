@@ -212,6 +212,9 @@ class ShardedOptimizer:
                 grad = self._params[piece.index].grad
                 piece.view.grad = None if grad is None else grad.reshape(-1)[piece.start : piece.stop]
             self._inner.step()
+        # The user's optimizer, which its schedulers hold, never steps itself: mark it stepped as its own step would
+        # (torch's schedulers warned "lr_scheduler.step() before optimizer.step()" at every first step otherwise).
+        self.optimizer._opt_called = True
         for bucket in self._buckets:
             own = [piece.view for piece in bucket.pieces]
             pad = bucket.chunk - sum(v.numel() for v in own)

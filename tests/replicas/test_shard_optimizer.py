@@ -69,7 +69,25 @@ def _nonfinite_chunk_poisons_every_replica(rank: int) -> bool:
     return not finite and totals[0].item() == dist.get_world_size()
 
 
+def _schedulers_see_their_optimizer_stepped() -> list[str]:
+    """The user's optimizer, which its LR schedulers hold, never steps itself under sharding; torch's scheduler then
+    warned "lr_scheduler.step() before optimizer.step()" on every rank at the first step. The warnings it gives."""
+    layer = torch.nn.Linear(3, 2)
+    user = torch.optim.AdamW(layer.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(user, lambda step: 1.0)
+    optimizer = ShardedOptimizer(user, dist.group.WORLD, range(dist.get_world_size()))
+    for p in layer.parameters():
+        p.grad = torch.ones_like(p)
+    optimizer.reduce_gradients([p.grad for p in layer.parameters()], torch.tensor([1.0, 0.0, -1.0]))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        optimizer.step()
+        scheduler.step()
+    return [str(w.message) for w in caught]
+
+
 def _runs(rank: int, world: int, root: str) -> dict[str, int]:
+    assert _schedulers_see_their_optimizer_stepped() == []
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     both = ("file", "sharded")
