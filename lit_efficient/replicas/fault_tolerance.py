@@ -38,7 +38,7 @@ from lit_efficient.transport.collectives import flat_in_place
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # torchft's own variable: the lighthouse's address
 GROUP_ENV = "REPLICA_GROUP_ID"  # this group's index, as torchft's examples name it
 GROUPS_ENV = "NUM_REPLICA_GROUPS"  # how many groups were launched
-START_LIGHTHOUSE = "torchft_lighthouse --min_replicas 1 --quorum_tick_ms 100 --join_timeout_ms 10000 --bind [::]:29510"
+START_LIGHTHOUSE = "torchft_lighthouse --min_replicas 1 --quorum_tick_ms 100 --join_timeout_ms 10000 --bind [::]:{port}"
 INSTALL = "pip install 'lit-efficient[fault-tolerance]'  (torchft 0.2)"
 
 
@@ -97,7 +97,7 @@ def lighthouse_address(timeout: float = 5.0) -> str:
     if not address:
         raise ValueError(
             f"fault_tolerance='torchft' needs the lighthouse's address in {LIGHTHOUSE_ENV} (e.g. "
-            f"http://localhost:29510); start one with: {START_LIGHTHOUSE}"
+            f"http://localhost:29510); start one with: {START_LIGHTHOUSE.format(port=29510)}"
         )
     url = urlparse(address if "://" in address else f"http://{address}")
     host, port = url.hostname or "localhost", url.port or 29510
@@ -106,7 +106,7 @@ def lighthouse_address(timeout: float = 5.0) -> str:
     except OSError as err:
         raise ConnectionError(
             f"the torchft lighthouse at {address} ({LIGHTHOUSE_ENV}) does not answer ({err}). Start one there with: "
-            f"{START_LIGHTHOUSE}"
+            f"{START_LIGHTHOUSE.format(port=port)}"
         ) from err
     return address
 
