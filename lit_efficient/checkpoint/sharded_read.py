@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import warnings
 from collections.abc import Collection, Iterable
 from pathlib import Path
 from typing import Any
@@ -168,7 +169,9 @@ def _read(reader: FileSystemReader, request: dict[str, Any], weights_only: bool 
     """Read the flat DCP keys of ``request`` (tensors into the given ones, other values replaced), without
     a collective: each rank reads its own part."""
     if request:
-        dcp.load(request, storage_reader=reader, planner=_Planner(weights_only), no_dist=True)
+        with warnings.catch_warnings():  # DCP warns that no_dist means one process: here each rank reads alone
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+            dcp.load(request, storage_reader=reader, planner=_Planner(weights_only), no_dist=True)
     return request
 
 
