@@ -998,16 +998,20 @@ class PACIStrategy(DDPStrategy):
         """The epoch's end, before any other callback's ``on_train_epoch_end`` (`SyncCallbackMetrics`): drained. Where
         ``on_train_batch_start`` returned -1 (Lightning's "skip the rest of this epoch"), the last training step saw no
         epoch end; one device then steps no optimizer for the window the skip interrupted (the next epoch's first
-        batch zeroes its gradients) and steps its epoch-interval schedulers: so do the stages."""
+        batch zeroes its gradients), and its epoch-interval schedulers where Lightning counts the skip as the
+        epoch's last batch (2.6 on; 2.4 and 2.5 do not step them): so do the stages. A run stopped inside the epoch
+        (``max_steps``, ``max_time``, ``should_stop``) keeps its window for a resume."""
         self.drain()
         if self.runtime is None or self._epoch_end_seen:
             return
         trainer = self.lightning_module.trainer
-        if not trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:  # stopped (max_time, should_stop): kept
+        max_steps = trainer.max_steps
+        if trainer.should_stop or (max_steps is not None and 0 <= max_steps <= trainer.global_step):
             return
         for hosted in self.hosted:
             hosted.stage.drop_window()
-        self._step_epoch_schedulers(trainer)
+        if trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
+            self._step_epoch_schedulers(trainer)
         self._epoch_end_seen = True
 
     @override
