@@ -29,7 +29,7 @@ the same tensor). The two stages talk through `transport.process.TiedExchange` (
 A checkpoint keeps the delay line (`TiedWeight.state_dict`): both stages' update count and stage 0's ``d``
 gradients the last stage has not applied yet. A save drains the pipeline, so both stages have made the same
 updates K; the messages in flight then are exactly stage 0's last ``d`` gradients (those of updates K-d..K-1).
-A resumed run (`TiedWeight.start_run`) continues the line: stage 0 sends them again, in their order, before its
+A restore (`restore_tied`) continues the line: stage 0 sends them again, in their order, before its
 update K's, and the last stage applies them at its updates K..K+d-1, as the uninterrupted run does. Where the
 line cannot continue (another layout, or another smallest N and so another ``d``) both stages restart it: its
 first ``d`` updates then use the LM-head term only.
@@ -114,20 +114,18 @@ class TiedWeight:
             state["pending"] = {str(i): g for i, g in enumerate(self._own)}
         return state
 
-    def start_run(self, resumed: dict[str, Any] | None = None) -> None:
-        """Start a training run: continue the delay line a checkpoint kept (``resumed``, `state_dict`'s) where it
-        was built for the same schedule and delay, otherwise start it again (its first ``delay`` updates use the
-        LM-head term only). Continuing, the first stage sends its pending gradients again, in their order: the last
-        stage receives them at the updates where the uninterrupted run does. Both stages decide alike: they saved the
-        same schedule, delay and update count."""
-        self.updates = 0
-        self._own.clear()
-        if resumed is None or (resumed["schedule"], resumed["delay"]) != (self.schedule, self.delay):
+    def resume(self, state: dict[str, Any] | None) -> None:
+        """Continue the delay line a checkpoint kept (``state``, `state_dict`'s) where it was built for the same
+        schedule and delay, otherwise start it again (its first ``delay`` updates use the LM-head term only). The
+        line must be empty (`restore_tied` empties it first). Continuing, the first stage sends its pending gradients
+        again, in their order: the last stage receives them at the updates where the uninterrupted run does. Both
+        stages decide alike: they saved the same schedule, delay and update count."""
+        if state is None or (state["schedule"], state["delay"]) != (self.schedule, self.delay):
             return
-        self.updates = int(resumed["updates"])
+        self.updates = int(state["updates"])
         if self.schedule != "paci" or not self.is_first:
             return
-        pending = resumed.get("pending", {})  # a folder drops an empty dict: no update made yet
+        pending = state.get("pending", {})  # a folder drops an empty dict: no update made yet
         if len(pending) != min(self.delay, self.updates):
             raise RuntimeError(
                 f"the checkpoint's tied-weight delay line holds {len(pending)} pending gradients after "
@@ -162,7 +160,7 @@ class TiedWeight:
 
 def finish_tied(tied: list[TiedWeight]) -> None:
     """End of training: absorb the first stage's gradients still in flight (never applied), in the order they
-    were sent, so no transfer outlives the run."""
+    were sent, so no transfer outlives the run; the lines are empty afterwards (no update made)."""
     if not tied:
         return
     rounds = min(tied[0].delay, tied[0].updates)
@@ -173,6 +171,17 @@ def finish_tied(tied: list[TiedWeight]) -> None:
     for t in tied:
         t.exchange.flush()
         t._own.clear()
+        t.updates = 0
+
+
+def restore_tied(tied: list[TiedWeight], states: list[dict[str, Any] | None]) -> None:
+    """A checkpoint's restore (a resume at a fit's start, the learning-rate finder's restore, a torchft heal):
+    empty the lines of what they have in flight (`finish_tied`: a finder inside the fit's run started while the
+    run's last gradients were in flight), then continue each from its ``states`` entry (`TiedWeight.resume`; None
+    starts it again). Every rank hosting an end of the tie calls it at the same point of the run."""
+    finish_tied(tied)
+    for t, state in zip(tied, states, strict=True):
+        t.resume(state)
 
 
 def tie_stage(

@@ -67,7 +67,7 @@ from lit_efficient.runtime.staleness import (
     auto_sync_start_steps,
     make_correction,
 )
-from lit_efficient.runtime.tied import TiedWeight, finish_tied, tie_delay, tie_stage, untag
+from lit_efficient.runtime.tied import finish_tied, tie_delay, tie_stage, untag
 from lit_efficient.runtime.topology import Topology
 from lit_efficient.strategy import evaluation, stage_checkpoints
 from lit_efficient.strategy.config import (
@@ -390,8 +390,6 @@ class PACIStrategy(DDPStrategy):
         self.final_state: FinalState | None = None  # the hosted stages at the end of training (stage_checkpoints.py)
         # An unfinished window's gradients a checkpoint restored, until training starts (stage_checkpoints.py)
         self.restored_window_grads: list[tuple[Any, list[Tensor | None]]] = []
-        # The tied weights' delay lines a checkpoint restored, with what it kept of each (stage_checkpoints.py)
-        self.restored_tied: list[tuple[TiedWeight, dict[str, Any] | None]] = []
         self._split: Split | None = None
         self._dp_groups: dict[int, dist.ProcessGroup] = {}
         self._pipeline_groups: dict[int, dist.ProcessGroup] = {}
@@ -546,7 +544,6 @@ class PACIStrategy(DDPStrategy):
     def setup(self, trainer: Trainer) -> None:
         assert self.accelerator is not None and self.topology is not None
         self.restored_window_grads = []  # a fit that failed before on_train_start left its restore's here
-        self.restored_tied = []
         self._epoch_end_seen = False  # whether the last training step was its epoch's last (`end_epoch`)
         # First: whatever loads the training loader during setup (configure_optimizers reading
         # trainer.estimated_stepping_batches, as GPT's default schedule does) builds it with this setting.
@@ -1032,8 +1029,7 @@ class PACIStrategy(DDPStrategy):
         """What a training run starts from, also for a second run of the same fit (the learning-rate finder's, then
         the fit's or the rest of the one the finder was called in, after the finder restored its checkpoint): the
         accumulated gradients a restore brought, the schedulers Lightning shows, the synchronous start from the
-        run's step, the tied weights' delay line (continued as a restored checkpoint kept it, or restarted),
-        the loss trend."""
+        run's step, the loss trend. (The tied weights' delay lines are the restore's: `runtime.tied.restore_tied`.)"""
         after_finder, self._after_finder = self._after_finder, False
         self.final_state = None  # what a save after the previous fit used is not this fit's
         stage_checkpoints.reinstate_window_gradients(self)  # Lightning zeroed them since the restore
@@ -1046,10 +1042,6 @@ class PACIStrategy(DDPStrategy):
         if trainer.global_step < self.sync_start and not self._in_sync_start:  # a finder's run before rewound it
             self.runtime.switch_schedule("1f1b_flush")
             self._in_sync_start = True
-        resumed = {id(t): state for t, state in self.restored_tied}  # a checkpoint's delay line continues
-        self.restored_tied = []
-        for tied in (t for h in self.hosted for t in h.tied):
-            tied.start_run(resumed.get(id(tied)))
         self._loss_trend = LossTrend()  # a blow-up of this run's loss against its own trend: one warning
 
     @override

@@ -41,6 +41,7 @@ from lit_efficient.checkpoint.merge import (
 from lit_efficient.checkpoint.restore import local_accumulation, local_optimizer_state, local_state_dict
 from lit_efficient.checkpoint.single_file import gather_to_rank_zero, load_file, write_atomically
 from lit_efficient.replicas.sharded_optimizer import ShardedOptimizer
+from lit_efficient.runtime.tied import restore_tied
 from lit_efficient.strategy.hosting import HostedStage
 from lit_efficient.transport.collectives import broadcast_flat
 
@@ -336,7 +337,7 @@ def load_stage_states(strategy: Any, checkpoint: dict[str, Any]) -> None:
         return group_names
 
     strategy.restored_window_grads = []  # only this restore's (an earlier fit's unreinstated ones never leak)
-    strategy.restored_tied = []
+    tied, tied_states = [], []  # this process's tied-weight copies and what the checkpoint kept of each
     saved_schedulers = checkpoint.get("lr_schedulers", [])
     given: set[int] = set()  # the checkpoint's tensors an earlier stage's optimizer holds now
     for hosted in strategy.hosted:
@@ -356,10 +357,12 @@ def load_stage_states(strategy: Any, checkpoint: dict[str, Any]) -> None:
         accumulation = local_accumulation(checkpoint, [names[id(p)] for p in hosted.stage.parameters()], own)
         mine = pipeline.get("ranks", {}).get(key, {}) if same_layout else {}
         _load_rank_state(strategy, hosted, mine, accumulation, checkpoint.get("global_step", 0))
-        if "tied" in mine:  # continued when training starts (`PACIStrategy._start_run`), or restarted
+        if hosted.tied:
             with strategy.stage_view(hosted.index):
                 copies = {id(p): n for n, p in module.named_parameters()}
-            strategy.restored_tied += [(t, mine["tied"].get(copies[id(t.param)])) for t in hosted.tied]
+            tied += hosted.tied
+            tied_states += [mine.get("tied", {}).get(copies[id(t.param)]) for t in hosted.tied]
+    restore_tied(tied, tied_states)  # continued, or (another layout, an older checkpoint) started again
 
 
 def reinstate_window_gradients(strategy: Any) -> None:
