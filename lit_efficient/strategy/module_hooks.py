@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 # Called by Lightning's automatic-optimization loop or precision plugin; under PACIStrategy the
 # stages run forward, backward, clipping and their local steps themselves, so none of these runs.
@@ -87,6 +87,14 @@ def epoch_ends_where_the_steps_ran(
         share_metrics: Makes the callback metrics global rank 0's on every rank (a collective); None in one process.
     """
     undo_epoch_ends(module)  # a setup without the previous teardown: wrapped once
+    overridden = [h for h in EVALUATION_EPOCH_ENDS if getattr(type(module), h) is not getattr(LightningModule, h)]
+    if overridden and share_metrics is not None:  # on processes: where its code runs, once (rank zero)
+        rank_zero_info(
+            f"PACIStrategy: {', '.join(f'{type(module).__name__}.{h}' for h in overridden)} run only on the ranks "
+            "hosting the last stage, where the evaluation steps run (what they collected is there); a change of the "
+            "model or the data made there would not reach the other stages: make it in on_train_epoch_end or a "
+            "callback."
+        )
     if not hosts_last_stage:
         for hook in EVALUATION_EPOCH_ENDS:
             setattr(module, hook, _not_here)

@@ -62,7 +62,7 @@ class _AggregatesAtEpochEnds(GPT):
         torch.stack(self.losses)
 
 
-def test_a_rank_without_the_last_stage_skips_evaluation_epoch_ends_and_explains_a_training_one():
+def test_a_rank_without_the_last_stage_skips_evaluation_epoch_ends_and_explains_a_training_one(caplog):
     module = _AggregatesAtEpochEnds(n_layer=1)
     module.losses = []
     shared = []
@@ -79,7 +79,9 @@ def test_a_rank_without_the_last_stage_skips_evaluation_epoch_ends_and_explains_
         module.on_validation_epoch_end()  # its own hook again
     # On the last stage's ranks the hooks run as they are, and the metrics are shared after on_train_epoch_end.
     module.losses = [torch.ones(())]
-    epoch_ends_where_the_steps_ran(module, True, "stage 1 (rank 0)", lambda: shared.append(True))
+    with caplog.at_level("INFO"):
+        epoch_ends_where_the_steps_ran(module, True, "stage 1 (rank 0)", lambda: shared.append(True))
+    assert "_AggregatesAtEpochEnds.on_validation_epoch_end run only on the ranks hosting the last stage" in caplog.text
     module.on_validation_epoch_end()
     module.on_train_epoch_end()
     assert shared == [True]
