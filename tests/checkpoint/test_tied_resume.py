@@ -35,7 +35,7 @@ def _fit(stages, devices, steps, accumulate, ckpt_path=None, save_to=None, fmt="
     return model
 
 
-@pytest.mark.parametrize(("stages", "accumulate", "delay"), [(2, 4, 1), (3, 2, 2)], ids=["d=1", "d=2"])
+@pytest.mark.parametrize(("stages", "accumulate", "delay"), [(3, 2, 2)], ids=["d=2"])  # d=1: with replicas below
 def test_a_resume_continues_the_tied_weights_delay_line_bit_for_bit(tmp_path, stages, accumulate, delay):
     epoch = 12 // accumulate
     whole = _fit(stages, 1, epoch + 3, accumulate)
