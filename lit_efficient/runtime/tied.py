@@ -4,8 +4,9 @@ Each of the two stages holds its own copy of the parameter and steps it with its
 Both copies start equal; the rule below gives both the same gradient at every update, so with the
 same optimizer settings they stay equal at every weight version (both copies after update k hold
 the same tensor; under PACI's default correction stage 0's copy also carries the in-place weight
-prediction's rounding residue, ~1e-8, `runtime.staleness`). The two stages talk through `transport.process.TiedExchange` (or, in one process,
-`transport.local.LocalTiedLink`); this file owns the rule and its installation on a stage.
+prediction's rounding residue, ~1e-8, `runtime.staleness`). The two stages talk through
+`transport.process.TiedExchange` (or, in one process, `transport.local.LocalTiedLink`); this file owns
+the rule and its installation on a stage.
 
 - ``1f1b_flush`` (exact, Megatron's embedding group): at update k both stages sum their gradients
   ``G_k = g_first_k + g_last_k`` (one all-reduce in a two-rank group) and step with it: exactly the
