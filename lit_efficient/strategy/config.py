@@ -485,15 +485,19 @@ def check_sync_start(sync_start_steps: Any) -> None:
 def check_replica_groups(
     fault_tolerance: str | None,
     local_sgd_steps: int | None,
-    min_replica_groups: int,
+    min_replica_groups: Any,
     streaming_sync: bool,
-    group_options: dict[str, Any] | None = None,
+    replica_group_id: Any = None,
+    replica_groups: Any = None,
 ) -> None:
     """Refuse a ``fault_tolerance`` or ``streaming_sync`` setting that cannot work (what needs the launch is checked
-    before it), and torchft's group options (``group_options``: ``replica_group_id``, ``replica_groups``, and
-    ``min_replica_groups`` when not 1) without it: they would be ignored. A sharded optimizer state is refused by its
-    own check: it needs per-step gradient averaging, and this needs ``local_sgd_steps``."""
-    given = {k: v for k, v in (group_options or {}).items() if v is not None}
+    before it), and torchft's group options (``replica_group_id``, ``replica_groups``, ``min_replica_groups`` other
+    than its default 1) without it: they would be ignored. A sharded optimizer state is refused by its own check: it
+    needs per-step gradient averaging, and this needs ``local_sgd_steps``."""
+    given = {"replica_group_id": replica_group_id, "replica_groups": replica_groups}
+    if not (type(min_replica_groups) is int and min_replica_groups == 1):  # True is not the default 1
+        given["min_replica_groups"] = min_replica_groups
+    given = {k: v for k, v in given.items() if v is not None}
     if fault_tolerance is None and given:
         listed = ", ".join(f"{k}={v!r}" for k, v in given.items())
         raise ValueError(

@@ -330,13 +330,9 @@ class PACIStrategy(DDPStrategy):
             outer_optimizer, outer_lr, outer_momentum, shard_optimizer_state, staleness_correction,
             staleness_anneal_steps, compile_layers, wire_dtype, checkpoint_format, async_checkpoint,
         )  # fmt: skip
-        default_min = type(min_replica_groups) is int and min_replica_groups == 1  # True is not 1 here
-        group_options = dict(
-            replica_group_id=replica_group_id,
-            replica_groups=replica_groups,
-            min_replica_groups=None if default_min else min_replica_groups,
+        check_replica_groups(
+            fault_tolerance, local_sgd_steps, min_replica_groups, streaming_sync, replica_group_id, replica_groups
         )
-        check_replica_groups(fault_tolerance, local_sgd_steps, min_replica_groups, streaming_sync, group_options)
         check_sync_start(sync_start_steps)
         flags = dict(recompute=recompute, average_buffers=average_buffers, streaming_sync=streaming_sync,
                      async_checkpoint=async_checkpoint)  # fmt: skip
