@@ -357,11 +357,8 @@ def load_stage_states(strategy: Any, checkpoint: dict[str, Any]) -> None:
         accumulation = local_accumulation(checkpoint, [names[id(p)] for p in hosted.stage.parameters()], own)
         mine = pipeline.get("ranks", {}).get(key, {}) if same_layout else {}
         _load_rank_state(strategy, hosted, mine, accumulation, checkpoint.get("global_step", 0))
-        if hosted.tied:
-            with strategy.stage_view(hosted.index):
-                copies = {id(p): n for n, p in module.named_parameters()}
-            tied += hosted.tied
-            tied_states += [mine.get("tied", {}).get(copies[id(t.param)]) for t in hosted.tied]
+        tied += hosted.tied  # by the name of each copy, as its accumulated gradient above
+        tied_states += [mine.get("tied", {}).get(names[id(t.param)]) for t in hosted.tied]
     restore_tied(tied, tied_states)  # continued, or (another layout, an older checkpoint) started again
 
 
