@@ -123,12 +123,12 @@ def _checkpoints(root: Path, folder: str) -> list[ModelCheckpoint]:
     return [ModelCheckpoint(dirpath=root / folder, save_last=True, every_n_train_steps=3, save_top_k=0)]
 
 
-def _resume_against_uninterrupted(root: Path, strategy, devices: int, data=text_data) -> float:
+def _resume_against_uninterrupted(root: Path, strategy, devices: int, data=text_data, tied: bool = False) -> float:
     """Fit to step 3 (mid epoch 1), resume to 6 (past epoch 2's start); against 6 uninterrupted steps that save
     at the same steps (a checkpoint drains a PACI pipeline, which is part of its trajectory)."""
 
     def fit(max_steps, folder, ckpt_path=None):
-        model = gpt_model()
+        model = gpt_model(tie_weights=tied)
         trainer = gpt_trainer(strategy(), devices, max_steps, root, callbacks=_checkpoints(root, folder),
                               enable_checkpointing=True, **EPOCH)  # fmt: skip
         trainer.fit(model, datamodule=data(), ckpt_path=ckpt_path)
@@ -147,19 +147,21 @@ def test_plain_lightning_resumes_mid_epoch_exactly(tmp_path):
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize(
-    ("devices", "checkpoint_format"),
-    [(1, "file"), (2, "file"), (4, "sharded")],
-    ids=["one-process-file", "one-replica-file", "two-replicas-sharded"],
+    ("devices", "checkpoint_format", "tied"),
+    [(1, "file", True), (2, "file", False), (4, "sharded", True)],
+    ids=["one-process-file-tied", "one-replica-file", "two-replicas-sharded-tied"],
 )
-def test_the_pipeline_resumes_mid_epoch_exactly(tmp_path, devices, checkpoint_format):
-    """PACI (the default schedule) on 2 stages: both in one process (devices=1), one replica on two processes
-    (the user's sampler kept) and two replicas (Lightning's distributed sampler around it), in both checkpoint
-    formats (both carry the loops' state alike: tests/checkpoint/test_sharded_checkpoints.py)."""
+def test_the_pipeline_resumes_mid_epoch_exactly(tmp_path, devices, checkpoint_format, tied):
+    """PACI (the default schedule and options) on 2 stages: both in one process (devices=1), one replica on two
+    processes (the user's sampler kept) and two replicas (Lightning's distributed sampler around it), in both
+    checkpoint formats (both carry the loops' state alike: tests/checkpoint/test_sharded_checkpoints.py); with a
+    tied embedding (`GPT(tie_weights=True)`: its delay line is in the checkpoint, tests/checkpoint/test_tied_resume.py)
+    in one process and on two replicas."""
 
     def strategy():
         return PACIStrategy(pipeline_stages=2, checkpoint_format=checkpoint_format, start_method="forkserver")
 
-    assert _resume_against_uninterrupted(tmp_path, strategy, devices) == 0.0
+    assert _resume_against_uninterrupted(tmp_path, strategy, devices, tied=tied) == 0.0
 
 
 class UsersTokens(LightningDataModule):
