@@ -1,8 +1,9 @@
 """Under PACI a weight tied between the first and the last stage applies its embedding-side gradient d = ceil(S/N)
 updates late (`lit_efficient.runtime.tied`). A checkpoint keeps the d gradients still pending at the save, and a
 resume on the same layout sends them again: the resumed run continues the uninterrupted one bit for bit, in one
-process and on processes (with replicas), from a file and from a sharded folder. A checkpoint without them
-(written before they were kept) or on another layout restarts the line, and a layout change says so.
+process and on processes (with replicas), from a file and from a sharded folder; `save_checkpoint` after fit keeps
+the same line. A checkpoint without them (written before they were kept) or on another layout restarts the line,
+and a layout change says so.
 
 Checkpoints are taken at an epoch's end (`ordered_data`: 12 micro-batches an epoch), where a resumed run reads the
 same batches as the uninterrupted one."""
@@ -15,6 +16,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lit_efficient import PACIStrategy
 from lit_efficient.models import GPT
+from tests.support.compare import assert_equal
 from tests.support.gpt_runs import gpt_model, gpt_trainer, max_diff, ordered_data
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # one process and S processes agree bit for bit
@@ -32,6 +34,8 @@ def _fit(stages, devices, steps, accumulate, ckpt_path=None, save_to=None, fmt="
         strategy, devices, steps, accumulate_grad_batches=accumulate, callbacks=saver, enable_checkpointing=bool(saver)
     )
     trainer.fit(model, datamodule=ordered_data(), ckpt_path=ckpt_path)
+    if save_to:
+        trainer.save_checkpoint(save_to / "after-fit.ckpt")  # the common way to write the final model
     return model
 
 
@@ -46,6 +50,8 @@ def test_a_resume_continues_the_tied_weights_delay_line_bit_for_bit(tmp_path, st
     assert (line["updates"], line["delay"], len(line["pending"])) == (epoch, delay, delay)
     last = saved["pipeline"]["ranks"][f"stage{stages - 1}-replica0"]["tied"]["head.lm_head.weight"]
     assert (last["updates"], last["delay"]) == (epoch, delay) and "pending" not in last
+    after_fit = torch.load(tmp_path / "after-fit.ckpt", weights_only=False)["pipeline"]["ranks"]
+    assert_equal(after_fit, saved["pipeline"]["ranks"], "save_checkpoint after fit")  # the same line, pending included
     resumed = _fit(stages, 1, epoch + 3, accumulate, ckpt_path=path)
     assert max_diff(resumed, whole) == 0.0
     # Without the pending gradients (a checkpoint written before they were kept) the line restarts: not exact.
