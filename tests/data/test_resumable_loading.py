@@ -11,12 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from lightning.pytorch import LightningDataModule
+from lightning.pytorch import LightningDataModule, LightningModule, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import TensorDataset
 
 from lit_efficient import PACIStrategy
 from lit_efficient.data import EpochShuffle, ResumableLoader, TextDataModule
+from lit_efficient.models import HFCausalLM
 from tests.support.gpt_runs import BLOCK, gpt_model, gpt_trainer, max_diff, text_data
 
 EPOCH = dict(limit_train_batches=8, max_epochs=-1)  # 2 steps of 4 micro-batches per epoch
@@ -123,12 +124,14 @@ def _checkpoints(root: Path, folder: str) -> list[ModelCheckpoint]:
     return [ModelCheckpoint(dirpath=root / folder, save_last=True, every_n_train_steps=3, save_top_k=0)]
 
 
-def _resume_against_uninterrupted(root: Path, strategy, devices: int, data=text_data, tied: bool = False) -> float:
+def _resume_against_uninterrupted(
+    root: Path, strategy, devices: int, data=text_data, tied: bool = False, make_model=None
+) -> float:
     """Fit to step 3 (mid epoch 1), resume to 6 (past epoch 2's start); against 6 uninterrupted steps that save
     at the same steps (a checkpoint drains a PACI pipeline, which is part of its trajectory)."""
 
     def fit(max_steps, folder, ckpt_path=None):
-        model = gpt_model(tie_weights=tied)
+        model = make_model() if make_model else gpt_model(tie_weights=tied)
         trainer = gpt_trainer(strategy(), devices, max_steps, root, callbacks=_checkpoints(root, folder),
                               enable_checkpointing=True, **EPOCH)  # fmt: skip
         trainer.fit(model, datamodule=data(), ckpt_path=ckpt_path)
@@ -162,6 +165,25 @@ def test_the_pipeline_resumes_mid_epoch_exactly(tmp_path, devices, checkpoint_fo
         return PACIStrategy(pipeline_stages=2, checkpoint_format=checkpoint_format, start_method="forkserver")
 
     assert _resume_against_uninterrupted(tmp_path, strategy, devices, tied=tied) == 0.0
+
+
+def _stock_gpt2() -> LightningModule:
+    """A user's Hugging Face GPT-2 (random init from its config; its head tied to the embedding by default)."""
+    transformers = pytest.importorskip("transformers")
+    seed_everything(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=256, n_positions=BLOCK,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    model = HFCausalLM(transformers.GPT2LMHeadModel(config), learning_rate=3e-3, warmup_steps=2, max_steps=20)
+    assert model.model.get_output_embeddings().weight is model.model.get_input_embeddings().weight
+    return model
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_stock_hugging_face_model_with_a_tied_head_resumes_mid_epoch_exactly(tmp_path):
+    """The tied weight's delay line by its Hugging Face names (`transformer.wte` / `lm_head`), PACI's defaults,
+    both stages in one process: what a user's own model gets."""
+    strategy = lambda: PACIStrategy(pipeline_stages=2)  # noqa: E731
+    assert _resume_against_uninterrupted(tmp_path, strategy, 1, make_model=_stock_gpt2) == 0.0
 
 
 class UsersTokens(LightningDataModule):
