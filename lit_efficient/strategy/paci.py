@@ -569,6 +569,7 @@ class PACIStrategy(DDPStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             self._after_finder = False
+            self.final_state = None  # the previous fit's end is not this one's (teardown, when no training runs)
             self._first_batch_unchecked = not self.in_process  # one process reads one stream
             self._was_automatic = module.automatic_optimization
             module.automatic_optimization = False  # the stages zero, accumulate and step themselves
@@ -805,13 +806,18 @@ class PACIStrategy(DDPStrategy):
         module = self.lightning_module
         trainer = module._trainer if module is not None else None
         healthy = not self._failed and trainer is not None and trainer.state.status == TrainerStatus.RUNNING
+        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        if healthy and fitting and self.runtime is not None and self.final_state is None:
+            # A fit whose restored loop was already done (resumed at max_steps, or a fault-tolerant group healed at
+            # the last step) runs neither on_train_start nor on_train_end: its stages, as restored, are its end.
+            self.final_state = stage_checkpoints.final_state(self)
         if module is not None:
             self._restore_compiled_steps(module)  # the module leaves fit compiled, as it came
             undo_drain_before(module, "on_validation_model_zero_grad")
             undo_epoch_ends(module)
         split = self._split
         if module is not None and split is not None:
-            if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            if fitting:
                 carry_step_count_to_automatic(trainer)
                 module.automatic_optimization = self._was_automatic
             if split.whole:

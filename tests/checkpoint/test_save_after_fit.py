@@ -130,6 +130,30 @@ def test_one_process_saves_after_fit(tmp_path, one_device_resumed, fmt):
     _assert_same_content(_one_file(tmp_path / "in-validate.ckpt"), path, "inside validate")
 
 
+def test_a_fit_resumed_at_its_last_step_saves_what_it_restored(tmp_path):
+    """A fit whose restored loop is already done (resumed from its own end, or a fault-tolerant group that healed
+    at max_steps) trains nothing: Lightning calls neither on_train_start nor on_train_end. Its save after fit
+    raised "no fit's stages are left to save", under torchrun a failure that restarted the group to retrain alone.
+    PACI with a tied weight: the delay line restored is the one saved again."""
+    model = _model(tie_weights=True)
+    trainer = _trainer(PACIStrategy(pipeline_stages=3), 1, 3)
+    trainer.fit(model, datamodule=_ordered())
+    trainer.save_checkpoint(tmp_path / "end.ckpt")
+    for again in range(2):  # a new Trainer, then the same one again (its previous fit's end is not reused)
+        trainer = _trainer(PACIStrategy(pipeline_stages=3), 1, 3) if again == 0 else trainer
+        resumed = _model(tie_weights=True)
+        trainer.fit(resumed, datamodule=_ordered(), ckpt_path=tmp_path / "end.ckpt")
+        assert trainer.global_step == 3 and _max_diff(resumed, model) == 0.0
+        trainer.save_checkpoint(tmp_path / f"again{again}.ckpt")
+        for path in (tmp_path / f"again{again}.ckpt", tmp_path / "end.ckpt"):  # the random state moved since the
+            saved = torch.load(path, weights_only=True)  # restore (the fit's loaders drew their seeds), as it does
+            for record in saved["pipeline"]["ranks"].values():  # in a resumed run that trains on
+                del record["rng"]
+            torch.save(saved, path.with_suffix(".without-rng"))
+        got, want = (tmp_path / f"{name}.without-rng" for name in (f"again{again}", "end"))
+        _assert_same_content(got, want, f"resumed at its end, fit {again}")
+
+
 class SaveAtValidationEnd(Callback):
     def __init__(self, path: Path) -> None:
         self.path = path
