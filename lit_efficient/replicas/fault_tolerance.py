@@ -36,6 +36,7 @@ from lit_efficient.replicas.averaging import ReplicaAverager
 from lit_efficient.transport.collectives import flat_in_place
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # torchft's own variable: the lighthouse's address
+TIMEOUT_ENV = "TORCHFT_TIMEOUT_SEC"  # torchft's own: a collective's, a commit's, a transfer's bound
 GROUP_ENV = "REPLICA_GROUP_ID"  # this group's index, as torchft's examples name it
 GROUPS_ENV = "NUM_REPLICA_GROUPS"  # how many groups were launched
 START_LIGHTHOUSE = "torchft_lighthouse --min_replicas 1 --quorum_tick_ms 100 --join_timeout_ms 10000 --bind [::]:{port}"
@@ -60,6 +61,21 @@ def _env_int(name: str) -> int:
         return int(value)
     except ValueError:
         raise ValueError(f"{name}={value!r} must be an integer (set it to 0, 1, ... for each group).") from None
+
+
+def _timeout_from_env(default: float) -> float:
+    """``$TORCHFT_TIMEOUT_SEC`` where set: torchft's Manager reads it itself, and the process group built here for
+    the sync's all-reduce and the heal's transfer obeys the same bound."""
+    value = os.environ.get(TIMEOUT_ENV)
+    if value is None:
+        return default
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(f"{TIMEOUT_ENV}={value!r} must be a positive number of seconds (torchft's default: 60).")
+    return seconds
 
 
 def group_settings(group_id: int | None, groups: int | None, min_groups: int) -> tuple[int, int]:
@@ -108,7 +124,7 @@ def lighthouse_address(timeout: float = 5.0) -> str:
             f"the torchft lighthouse at {address} ({LIGHTHOUSE_ENV}) does not answer ({err}). Start one there with: "
             f"{START_LIGHTHOUSE.format(port=port)}"
         ) from err
-    return address
+    return url.geturl()  # with its scheme: torchft refuses "host:port" a minute later ("scheme is missing")
 
 
 class TorchftReplicas:
@@ -146,6 +162,7 @@ class TorchftReplicas:
     ) -> None:
         torchft = require_torchft()
         lighthouse = lighthouse_address()
+        timeout = _timeout_from_env(timeout)
         if device.type != "cuda":  # said at every reconfiguration, about a recorder only NCCL has
             logging.getLogger("torchft.manager").addFilter(_NotAboutNcclFlightRecorder())
         # torch's streaming load of a received state warns that it reads tensors from the transfer's read-only

@@ -51,7 +51,18 @@ def state_for_peer(strategy: Any, trainer: Trainer, joining: Joining) -> dict[st
     checkpoint = stage_checkpoints.in_memory(strategy, checkpoint)
     checkpoint["torchft"] = strategy.replicas.state_dict()
     checkpoint["torchft_joining"] = joining.restore_training_state is not None
+    checkpoint["torchft_sync"] = sync_settings(strategy)
     return checkpoint
+
+
+_SYNC_SETTINGS = ("local_sgd_steps", "local_sgd_warmup_steps", "streaming_sync", "outer_optimizer", "outer_lr",
+                  "outer_momentum")  # fmt: skip
+
+
+def sync_settings(strategy: Any) -> dict[str, Any]:
+    """When the groups sync and what their all-reduce averages: groups that differ pair one group's sync with
+    another's at another step, or average weights with pseudo-gradients, silently."""
+    return {name: getattr(strategy, name) for name in _SYNC_SETTINGS}
 
 
 @dataclass
@@ -75,6 +86,14 @@ def heal(strategy: Any, trainer: Trainer, checkpoint: dict[str, Any], joining: J
             f"replica group {strategy.replica_group_id} cannot heal from a live group that runs another pipeline: "
             f"theirs {theirs}, this group's {mine}. Every group must run the same pipeline_stages, balance and "
             "schedule on the same number of devices."
+        )
+    theirs, mine = checkpoint.get("torchft_sync", sync_settings(strategy)), sync_settings(strategy)
+    if theirs != mine:
+        differ = ", ".join(f"{k}: theirs {theirs[k]!r}, this group's {mine[k]!r}" for k in mine if theirs[k] != mine[k])
+        raise ValueError(
+            f"replica group {strategy.replica_group_id} cannot heal from a live group that syncs otherwise ({differ}): "
+            "their outer syncs would pair with this group's at other steps, or average other quantities. Give every "
+            "group the same local_sgd_steps, local_sgd_warmup_steps, streaming_sync and outer optimizer settings."
         )
     connector = trainer._checkpoint_connector
     if joining.restore_training_state is not None:

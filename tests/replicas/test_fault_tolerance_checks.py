@@ -9,8 +9,13 @@ from types import SimpleNamespace
 import pytest
 
 from lit_efficient import PACIStrategy
-from lit_efficient.replicas.fault_tolerance import group_settings, lighthouse_address, require_torchft
-from lit_efficient.strategy.fault_tolerant import Joining, heal
+from lit_efficient.replicas.fault_tolerance import (
+    _timeout_from_env,
+    group_settings,
+    lighthouse_address,
+    require_torchft,
+)
+from lit_efficient.strategy.fault_tolerant import Joining, heal, sync_settings
 from tests.support.gpt_runs import gpt_model, gpt_trainer, text_data
 
 
@@ -69,6 +74,28 @@ def test_an_unreachable_lighthouse_names_the_address_and_how_to_start_one(monkey
         lighthouse_address()
 
 
+def test_a_lighthouse_address_without_its_scheme_reaches_torchft_with_it(monkeypatch):
+    """``host:port`` passed the probe, then torchft refused it a minute later ("scheme is missing")."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        monkeypatch.setenv("TORCHFT_LIGHTHOUSE", f"127.0.0.1:{port}")
+        assert lighthouse_address(timeout=1.0) == f"http://127.0.0.1:{port}"
+
+
+def test_torchfts_timeout_variable_bounds_the_process_group_too(monkeypatch):
+    """torchft's Manager reads TORCHFT_TIMEOUT_SEC; the all-reduce's process group, built here, kept 60 s."""
+    monkeypatch.delenv("TORCHFT_TIMEOUT_SEC", raising=False)
+    assert _timeout_from_env(60.0) == 60.0
+    monkeypatch.setenv("TORCHFT_TIMEOUT_SEC", "120")
+    assert _timeout_from_env(60.0) == 120.0
+    for bad in ("two minutes", "0"):
+        monkeypatch.setenv("TORCHFT_TIMEOUT_SEC", bad)
+        with pytest.raises(ValueError, match=rf"TORCHFT_TIMEOUT_SEC='{bad}' must be a positive number of seconds"):
+            _timeout_from_env(60.0)
+
+
 def test_without_torchft_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchft", None)  # what an environment without it imports
     with pytest.raises(ImportError, match=r"pip install 'lit-efficient\[fault-tolerance\]'"):
@@ -82,8 +109,15 @@ def test_one_device_is_refused_before_anything_trains():
         trainer.fit(gpt_model(), datamodule=text_data())
 
 
+def _group(layout, **sync) -> SimpleNamespace:
+    """A replica group's strategy as `heal` reads it: its layout and its outer sync's settings (``sync``: those
+    that differ, and other attributes)."""
+    settings = sync_settings(PACIStrategy(local_sgd_steps=4, outer_optimizer="nesterov")) | sync
+    return SimpleNamespace(replica_group_id=1, layout=lambda: layout, **settings)
+
+
 def test_healing_from_a_group_with_another_pipeline_names_both():
-    strategy = SimpleNamespace(replica_group_id=1, layout=lambda: {"num_stages": 2, "sizes": [3, 3]})
+    strategy = _group({"num_stages": 2, "sizes": [3, 3]})
     theirs = {"pipeline": {"layout": {"num_stages": 2, "sizes": [2, 4]}}}
     with pytest.raises(ValueError, match=r"theirs .*\[2, 4\].* this group's .*\[3, 3\]"):
         heal(strategy, None, theirs, Joining())  # type: ignore[arg-type]
@@ -91,11 +125,24 @@ def test_healing_from_a_group_with_another_pipeline_names_both():
 
 def test_a_group_that_trained_apart_is_ended_to_rejoin_by_a_restart():
     layout = {"num_stages": 2, "sizes": [3, 3]}
-    strategy = SimpleNamespace(replica_group_id=1, layout=lambda: layout)
+    strategy = _group(layout)
     trainer = SimpleNamespace(global_step=30, _checkpoint_connector=None)
     theirs = {"pipeline": {"layout": layout}, "global_step": 36}
     with pytest.raises(RuntimeError, match="at step 30 and the live groups at step 36.*--join_timeout_ms"):
         heal(strategy, trainer, theirs, Joining())  # type: ignore[arg-type]
+
+
+def test_healing_from_a_group_that_syncs_otherwise_names_the_settings():
+    """Groups launched with other local_sgd_steps paired one group's sync at step 2 with another's at step 4 and
+    ended apart (1e-3), silently; another outer optimizer would average pseudo-gradients with weights."""
+    layout = {"num_stages": 2, "sizes": [3, 3]}
+    theirs = {"pipeline": {"layout": layout}, "global_step": 0, "torchft_sync": sync_settings(_group(layout))}
+    for differs, said in (
+        ({"local_sgd_steps": 2}, "local_sgd_steps: theirs 4, this group's 2"),
+        ({"outer_optimizer": "average"}, "outer_optimizer: theirs 'nesterov', this group's 'average'"),
+    ):
+        with pytest.raises(ValueError, match=rf"cannot heal from a live group that syncs otherwise \({said}\)"):
+            heal(_group(layout, **differs), None, theirs, Joining())  # type: ignore[arg-type]
 
 
 def test_streaming_refuses_tied_weights_over_replicas():
@@ -122,7 +169,7 @@ def test_joining_syncs_at_its_step_only_when_it_healed_from_a_live_group():
             return True
 
     layout = {"num_stages": 2}
-    strategy = SimpleNamespace(averagers=[Due()], layout=lambda: layout, replica_group_id=1)
+    strategy = _group(layout, averagers=[Due()])
     no_op = SimpleNamespace(restore_model=lambda: None, restore_datamodule=lambda: None, restore_callbacks=lambda: None)
 
     def join(heal_from: dict | None) -> list:
