@@ -94,6 +94,18 @@ def test_command_line_sets_n_for_the_shipped_configs(tmp_path):
     assert accumulation.get_accumulate_grad_batches(0) == 8
 
 
+def test_every_shipped_checkpoint_callback_saves_last():
+    """A restart resumes with ``--ckpt_path last`` (docs/multi-node.md); without ``save_last`` Lightning finds no
+    last checkpoint, warns, and the restarted attempt trains from step 0 beside the checkpoint it wrote."""
+    savers = {}
+    for path in sorted(CONFIGS.glob("*.yaml")):
+        for callback in (yaml.safe_load(path.read_text()).get("trainer") or {}).get("callbacks") or []:
+            if callback["class_path"].endswith("ModelCheckpoint"):
+                savers[path.name] = callback["init_args"].get("save_last")
+    assert set(savers) == {"quickstart.yaml", "hf_llama.yaml", "hf_own_model.yaml", *GPU_CONFIGS}
+    assert all(save_last is True for save_last in savers.values()), savers
+
+
 @pytest.mark.parametrize("name", GPU_CONFIGS)
 def test_gpu_configs_parse_with_the_paper_recipe(name):
     cli = _ParseOnly(args=_args(name), run=False)
@@ -143,7 +155,7 @@ def test_overlay_trains_a_few_steps(overlay, tmp_path):
     assert saved["trainer"]["callbacks"][-1]["class_path"].endswith(
         "ActivationCheckpointing" if overlay == "checkpointing.yaml" else "ModelCheckpoint"
     )
-    assert list((run / "checkpoints").glob("*.ckpt"))
+    assert (run / "checkpoints" / "last.ckpt").exists()  # what a restarted attempt's --ckpt_path last resumes
 
 
 @pytest.mark.multiproc
