@@ -169,25 +169,25 @@ class TextDataModule(LightningDataModule):
         source = None if path is None else Path(path).expanduser()
         if source is not None and not source.exists():
             raise ValueError(
-                f"TextDataModule(path={path!r}): no such file or folder; give an existing text file, folder "
+                f"{type(self).__name__}(path={path!r}): no such file or folder; give an existing text file, folder "
                 f"or .bin, or path=None for the embedded corpus."
             )
         for name, value in (("block_size", block_size), ("batch_size", batch_size)):
             if not is_count(value):
-                raise ValueError(f"TextDataModule({name}={value!r}) must be an integer >= 1.")
+                raise ValueError(f"{type(self).__name__}({name}={value!r}) must be an integer >= 1.")
         if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
-            raise ValueError(f"TextDataModule(seed={seed!r}) must be an integer.")
+            raise ValueError(f"{type(self).__name__}(seed={seed!r}) must be an integer.")
         if not isinstance(val_fraction, numbers.Real) or isinstance(val_fraction, bool):
-            raise ValueError(f"TextDataModule(val_fraction={val_fraction!r}) must be a number in (0, 1), e.g. 0.05.")
+            raise ValueError(f"{type(self).__name__}(val_fraction={val_fraction!r}) must be a number in (0, 1), e.g. 0.05.")
         if num_workers < 0:
-            raise ValueError(f"TextDataModule(num_workers={num_workers}) must be >= 0 (0: main process).")
+            raise ValueError(f"{type(self).__name__}(num_workers={num_workers}) must be >= 0 (0: main process).")
         if not 0.0 < val_fraction < 1.0:
             raise ValueError(
-                f"TextDataModule(val_fraction={val_fraction}) must be in (0, 1), e.g. 0.05; to skip "
+                f"{type(self).__name__}(val_fraction={val_fraction}) must be in (0, 1), e.g. 0.05; to skip "
                 f"validation set Trainer(limit_val_batches=0)."
             )
         if max_bytes is not None and max_bytes < 1:
-            raise ValueError(f"TextDataModule(max_bytes={max_bytes}) must be >= 1, or None for no cap.")
+            raise ValueError(f"{type(self).__name__}(max_bytes={max_bytes}) must be >= 1, or None for no cap.")
         self.is_token_file = source is not None and source.is_file() and source.suffix == ".bin"
         if vocab_size is not None and vocab_size < (1 if self.is_token_file else 256):
             raise ValueError(
