@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+from lightning.pytorch.callbacks.progress.tqdm_progress import convert_inf
 from typing_extensions import override
 
 
@@ -23,14 +24,35 @@ class _BatchTotal:
         trainer = self.trainer
         if trainer.max_epochs == -1 and trainer.max_steps is not None and trainer.max_steps > 0:
             loop = trainer.fit_loop.epoch_loop
-            done = loop.batch_progress.current.ready  # restarts at 0 each epoch (mid-epoch on resume)
+            # Batches finished in this epoch: 0 at its start, the restored count on a mid-epoch resume. (Not `ready`,
+            # which counts the batch starting: the Rich bar reads the total there on a resume, and showed 16/17.)
+            done = loop.batch_progress.current.completed
             remaining = (trainer.max_steps - trainer.global_step) * max(1, trainer.accumulate_grad_batches)
             return min(trainer.num_training_batches, done + remaining)
         return trainer.num_training_batches
 
 
 class StepAwareTQDMProgressBar(_BatchTotal, TQDMProgressBar):
-    """Lightning's `TQDMProgressBar` with the training total in batches under gradient accumulation."""
+    """Lightning's `TQDMProgressBar` with the training total in batches under gradient accumulation, also on a
+    mid-epoch resume: Lightning skips ``on_train_epoch_start`` there, where its bar takes its total (``16/?``),
+    and counts the batches already done only once the epoch loop starts, so the first batch sets it."""
+
+    _total_at_first_batch = False  # a class default: `swap_stock_progress_bar` swaps the class of a built bar
+
+    @override
+    def on_train_start(self, trainer: Any, *args: Any) -> None:
+        super().on_train_start(trainer, *args)
+        self._total_at_first_batch = trainer.fit_loop.epoch_loop.batch_progress.current.ready > 0  # restored
+
+    @override
+    def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
+        super().on_train_batch_start(trainer, *args)
+        if self._total_at_first_batch:
+            self._total_at_first_batch = False
+            bar = self.train_progress_bar
+            bar.reset()
+            bar.total = convert_inf(self.total_train_batches)
+            bar.set_description(f"Epoch {trainer.current_epoch}")
 
 
 class StepAwareRichProgressBar(_BatchTotal, RichProgressBar):

@@ -6,13 +6,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+from lightning.pytorch.callbacks import Callback, RichProgressBar, TQDMProgressBar
 
 from lit_efficient.strategy.progress import StepAwareRichProgressBar, StepAwareTQDMProgressBar, swap_stock_progress_bar
 
 
 def _trainer(max_steps, global_step, accumulate, batches=1000, done=0, max_epochs=-1):
-    progress = SimpleNamespace(current=SimpleNamespace(ready=done))
+    progress = SimpleNamespace(current=SimpleNamespace(completed=done))
     loop = SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=progress))
     return SimpleNamespace(max_epochs=max_epochs, max_steps=max_steps, global_step=global_step,
                            accumulate_grad_batches=accumulate, num_training_batches=batches, fit_loop=loop)  # fmt: skip
@@ -28,6 +28,41 @@ def test_total_is_the_batches_left_not_the_steps_left():
     assert bar.total_train_batches == 500  # the epoch ends first
     bar._trainer = _trainer(max_steps=-1, global_step=0, accumulate=4, batches=500, max_epochs=3)
     assert bar.total_train_batches == 500
+
+
+class _BarAtTheEnd(Callback):
+    """The training bar's count and total when training ends: what the user saw last."""
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        bar = trainer.progress_bar_callback
+        if isinstance(bar, TQDMProgressBar):
+            self.seen = (bar.train_progress_bar.n, bar.train_progress_bar.total)
+        else:
+            task = bar.progress.tasks[bar.train_progress_bar_id]
+            self.seen = (task.completed, task.total)
+
+
+@pytest.mark.parametrize("bar", [TQDMProgressBar, RichProgressBar], ids=["tqdm", "rich"])
+def test_a_mid_epoch_resume_shows_the_batches_of_its_epoch_out_of_their_total(tmp_path, bar):
+    """Resumed at step 2 of 4 (8 of 16 micro-batches in the epoch): Lightning skips on_train_epoch_start, where the
+    TQDM bar takes its total (it showed ``16/?``), and the Rich bar, which takes it at the first batch, showed
+    ``16/17`` (its total counted that batch as done)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lit_efficient import PACIStrategy
+    from tests.support.gpt_runs import gpt_model, gpt_trainer, text_data
+
+    def fit(steps, ckpt_path=None):
+        end = _BarAtTheEnd()
+        saver = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1, filename="step2")
+        trainer = gpt_trainer(PACIStrategy(pipeline_stages=2), 1, steps, tmp_path, enable_progress_bar=True,
+                              callbacks=[bar(), end, saver], enable_checkpointing=True, limit_train_batches=40,
+                              max_epochs=-1, accumulate_grad_batches=4)  # fmt: skip
+        trainer.fit(gpt_model(), datamodule=text_data(), ckpt_path=ckpt_path)
+        return end.seen
+
+    assert fit(2) == (8, 8)
+    assert fit(4, tmp_path / "step2.ckpt") == (16, 16)
 
 
 def test_stock_bars_are_swapped_in_place_and_others_left_alone():
