@@ -421,9 +421,10 @@ class LitEfficientCLI(LightningCLI):
     def after_fit(self) -> None:
         """Say where the run's checkpoint is, and how to resume from it, or that none was saved."""
         callbacks = self.trainer.checkpoint_callbacks
-        saved = [p for cb in callbacks for p in (cb.best_model_path, cb.last_model_path) if p]  # type: ignore[attr-defined]
-        if saved:
-            rank_zero_info(f"lit-efficient: checkpoint {saved[0]} (resume: --ckpt_path {saved[0]})")
+        best = [cb.best_model_path for cb in callbacks if cb.best_model_path]  # type: ignore[attr-defined]
+        last = [cb.last_model_path for cb in callbacks if cb.last_model_path]  # type: ignore[attr-defined]
+        if best or last:  # the best by its monitor; a run continues from its latest
+            rank_zero_info(f"lit-efficient: checkpoint {(best or last)[0]} (resume: --ckpt_path {(last or best)[0]})")
             return
         if not callbacks:
             rank_zero_warn(

@@ -240,8 +240,9 @@ def test_console_script_quickstart_offline_wandb_run(tmp_path):
     run_id = run_dir.name.rsplit("-", 1)[1]
     own = runs / "lit-efficient" / run_id
     assert yaml.safe_load((own / "config.yaml").read_text())["trainer"]["max_steps"] == 2
-    (checkpoint,) = (own / "checkpoints").glob("*.ckpt")
-    assert f"lit-efficient: checkpoint {checkpoint.resolve()}" in done.stdout + done.stderr
+    last = (own / "checkpoints" / "last.ckpt").resolve()  # what a restart's --ckpt_path last finds
+    (best,) = [p.resolve() for p in (own / "checkpoints").glob("*.ckpt") if p.name != "last.ckpt"]
+    assert f"lit-efficient: checkpoint {best} (resume: --ckpt_path {last})" in done.stdout + done.stderr
     assert (own / "pipeline_timeline.png").is_file() and (own / "pipeline_timeline.json").is_file()
     # Nothing from W&B outside save_dir: its cache and logs were pointed under runs/wandb.
     assert not [p for p in home.rglob("*") if "wandb" in str(p.relative_to(home)).lower()]
