@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import urllib.request
 import warnings
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -124,7 +125,26 @@ def lighthouse_address(timeout: float = 5.0) -> str:
             f"the torchft lighthouse at {address} ({LIGHTHOUSE_ENV}) does not answer ({err}). Start one there with: "
             f"{START_LIGHTHOUSE.format(port=port)}"
         ) from err
+    _warn_unless_a_lighthouse(url.geturl(), timeout)
     return url.geturl()  # with its scheme: torchft refuses "host:port" a minute later ("scheme is missing")
+
+
+def _warn_unless_a_lighthouse(address: str, timeout: float) -> None:
+    """A warning when what answers at ``address`` is not torchft's lighthouse (its HTTP page names it): another
+    service on that port (a rendezvous store, say) accepts the connection, and the first quorum then waits
+    ``p2p_timeout`` with nothing said. A warning, not a refusal: the page is torchft's to change."""
+    try:
+        with urllib.request.urlopen(address, timeout=timeout) as page:  # noqa: S310 (the user's own address)
+            looks_right = b"lighthouse" in page.read(4096).lower()
+    except (OSError, ValueError):  # not HTTP, or an error page
+        looks_right = False
+    if not looks_right:
+        warnings.warn(
+            f"what answers at {address} ({LIGHTHOUSE_ENV}) does not look like a torchft lighthouse (its HTTP page "
+            "names none); if the first quorum then waits until p2p_timeout, point the variable at the lighthouse.",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 class TorchftReplicas:

@@ -74,14 +74,51 @@ def test_an_unreachable_lighthouse_names_the_address_and_how_to_start_one(monkey
         lighthouse_address()
 
 
-def test_a_lighthouse_address_without_its_scheme_reaches_torchft_with_it(monkeypatch):
+def _serve(page: bytes):
+    """A local HTTP server answering every GET with ``page``; its port."""
+    import http.server
+    import threading
+
+    class Page(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(page)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Page)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def test_a_lighthouse_address_without_its_scheme_reaches_torchft_with_it(monkeypatch, recwarn):
     """``host:port`` passed the probe, then torchft refused it a minute later ("scheme is missing")."""
-    with socket.socket() as server:
-        server.bind(("127.0.0.1", 0))
-        server.listen()
-        port = server.getsockname()[1]
+    server = _serve(b"<head><title>Lighthouse Dashboard - torchft</title></head>")  # what a lighthouse serves
+    try:
+        port = server.server_address[1]
         monkeypatch.setenv("TORCHFT_LIGHTHOUSE", f"127.0.0.1:{port}")
         assert lighthouse_address(timeout=1.0) == f"http://127.0.0.1:{port}"
+        assert not [w for w in recwarn if "lighthouse" in str(w.message)]
+    finally:
+        server.shutdown()
+
+
+def test_a_service_that_is_not_a_lighthouse_is_warned_about(monkeypatch):
+    """Another service on the port (a rendezvous store) accepted the connection, and the first quorum waited
+    p2p_timeout (600 s) with nothing said."""
+    server = _serve(b"<html>some other service</html>")
+    with socket.socket() as silent:  # accepts, answers nothing (a TCPStore, say)
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        try:
+            for port in (server.server_address[1], silent.getsockname()[1]):
+                monkeypatch.setenv("TORCHFT_LIGHTHOUSE", f"http://127.0.0.1:{port}")
+                with pytest.warns(UserWarning, match=rf"127.0.0.1:{port} .* does not look like a torchft lighthouse"):
+                    lighthouse_address(timeout=0.5)
+        finally:
+            server.shutdown()
 
 
 def test_torchfts_timeout_variable_bounds_the_process_group_too(monkeypatch):
