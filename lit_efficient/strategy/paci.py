@@ -361,6 +361,7 @@ class PACIStrategy(DDPStrategy):
         # whether one has ended and the run after it is still to start (from its restore, with its suggestion).
         self._finder_run: FinderRun | None = None
         self._after_finder = False
+        self._fit_trained = False  # whether this fit's own training run started (`teardown`)
         self._first_batch_unchecked = self._first_eval_batch_unchecked = False
         self.checkpoint_format = checkpoint_format
         self.async_checkpoint = async_checkpoint
@@ -569,7 +570,7 @@ class PACIStrategy(DDPStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             self._after_finder = False
-            self.final_state = None  # the previous fit's end is not this one's (teardown, when no training runs)
+            self._fit_trained = False  # set when the fit's own run starts (not a learning-rate finder's): `teardown`
             self._first_batch_unchecked = not self.in_process  # one process reads one stream
             self._was_automatic = module.automatic_optimization
             module.automatic_optimization = False  # the stages zero, accumulate and step themselves
@@ -807,9 +808,10 @@ class PACIStrategy(DDPStrategy):
         trainer = module._trainer if module is not None else None
         healthy = not self._failed and trainer is not None and trainer.state.status == TrainerStatus.RUNNING
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
-        if healthy and fitting and self.runtime is not None and self.final_state is None:
+        if healthy and fitting and self.runtime is not None and not self._fit_trained:
             # A fit whose restored loop was already done (resumed at max_steps, or a fault-tolerant group healed at
-            # the last step) runs neither on_train_start nor on_train_end: its stages, as restored, are its end.
+            # the last step) runs neither on_train_start nor on_train_end: its stages, as restored, are its end
+            # (also after a learning-rate finder's run, whose on_train_end recorded the finder's own end).
             self.final_state = stage_checkpoints.final_state(self)
         if module is not None:
             self._restore_compiled_steps(module)  # the module leaves fit compiled, as it came
@@ -1036,6 +1038,7 @@ class PACIStrategy(DDPStrategy):
         self.final_state = None  # what a save after the previous fit used is not this fit's
         stage_checkpoints.reinstate_window_gradients(self)  # Lightning zeroed them since the restore
         self._finder_run = start_finder_run(self.hosted, self.optimizers[0], self.lr_scheduler_configs)
+        self._fit_trained = self._fit_trained or self._finder_run is None
         if self._finder_run is not None:
             one_progress_bar(trainer)
         elif after_finder:
@@ -1069,6 +1072,7 @@ class PACIStrategy(DDPStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         self._failed = True
+        self.final_state = None  # a save after a failed fit must not write the previous fit's end
         if self.topology is not None:
             # In one process every stage runs here, and which one raised is in the traceback: no stage is named (the
             # last stage was, for a failure in stage 0's backward).

@@ -130,28 +130,51 @@ def test_one_process_saves_after_fit(tmp_path, one_device_resumed, fmt):
     _assert_same_content(_one_file(tmp_path / "in-validate.ckpt"), path, "inside validate")
 
 
+def _without_rng(path: Path) -> Path:
+    """The file without its per-rank random states: they moved since the restore (the fit's loaders drew their
+    seeds), as in any resumed run."""
+    saved = torch.load(path, weights_only=True)
+    for record in saved["pipeline"]["ranks"].values():
+        del record["rng"]
+    torch.save(saved, path.with_suffix(".without-rng"))
+    return path.with_suffix(".without-rng")
+
+
 def test_a_fit_resumed_at_its_last_step_saves_what_it_restored(tmp_path):
     """A fit whose restored loop is already done (resumed from its own end, or a fault-tolerant group that healed
     at max_steps) trains nothing: Lightning calls neither on_train_start nor on_train_end. Its save after fit
     raised "no fit's stages are left to save", under torchrun a failure that restarted the group to retrain alone.
-    PACI with a tied weight: the delay line restored is the one saved again."""
-    model = _model(tie_weights=True)
-    trainer = _trainer(PACIStrategy(pipeline_stages=3), 1, 3)
-    trainer.fit(model, datamodule=_ordered())
+    PACI with a tied weight: the delay line restored is the one saved again. On a Trainer whose previous fit ended
+    elsewhere, and after a learning-rate finder's run (whose end is not the fit's), the restored state is saved."""
+    from lightning.pytorch.callbacks import LearningRateFinder
+
+    def fit(ckpt_path=None, callbacks=(), trainer=None, **model_kw):
+        trainer = trainer or _trainer(PACIStrategy(pipeline_stages=3), 1, 3, callbacks=list(callbacks))
+        model = _model(tie_weights=True, **model_kw)
+        trainer.fit(model, datamodule=_ordered(), ckpt_path=ckpt_path)
+        assert trainer.global_step == 3
+        return trainer, model
+
+    trainer, model = fit()
     trainer.save_checkpoint(tmp_path / "end.ckpt")
-    for again in range(2):  # a new Trainer, then the same one again (its previous fit's end is not reused)
-        trainer = _trainer(PACIStrategy(pipeline_stages=3), 1, 3) if again == 0 else trainer
-        resumed = _model(tie_weights=True)
-        trainer.fit(resumed, datamodule=_ordered(), ckpt_path=tmp_path / "end.ckpt")
-        assert trainer.global_step == 3 and _max_diff(resumed, model) == 0.0
-        trainer.save_checkpoint(tmp_path / f"again{again}.ckpt")
-        for path in (tmp_path / f"again{again}.ckpt", tmp_path / "end.ckpt"):  # the random state moved since the
-            saved = torch.load(path, weights_only=True)  # restore (the fit's loaders drew their seeds), as it does
-            for record in saved["pipeline"]["ranks"].values():  # in a resumed run that trains on
-                del record["rng"]
-            torch.save(saved, path.with_suffix(".without-rng"))
-        got, want = (tmp_path / f"{name}.without-rng" for name in (f"again{again}", "end"))
-        _assert_same_content(got, want, f"resumed at its end, fit {again}")
+    other_trainer, other = fit(learning_rate=1e-3)  # another run's end: what the first Trainer restores next
+    other_trainer.save_checkpoint(tmp_path / "other.ckpt")
+    finder = LearningRateFinder(num_training_steps=5, early_stop_threshold=None, update_attr=False)
+    for name, source, kw in (("new", "end", {}), ("reused", "other", {"trainer": trainer}),
+                             ("finder", "end", {"callbacks": [finder]})):  # fmt: skip
+        resumed_trainer, resumed = fit(tmp_path / f"{source}.ckpt", **kw)
+        assert _max_diff(resumed, model if source == "end" else other) == 0.0, name
+        resumed_trainer.save_checkpoint(tmp_path / f"{name}.ckpt")
+        got, want = _without_rng(tmp_path / f"{name}.ckpt"), _without_rng(tmp_path / f"{source}.ckpt")
+        _assert_same_content(got, want, f"resumed at its end, {name}")
+    # A fit that fails (here in its data's setup, before the strategy's) leaves nothing to save: the previous
+    # fit's end was saved under it, silently.
+    broken = _ordered()
+    broken.setup = lambda stage: (_ for _ in ()).throw(OSError("the data's disk is gone"))
+    with pytest.raises(OSError, match="disk is gone"):
+        trainer.fit(_model(tie_weights=True), datamodule=broken)
+    with pytest.raises(RuntimeError, match="no fit's stages are left to save"):
+        trainer.save_checkpoint(tmp_path / "after-failure.ckpt")
 
 
 class SaveAtValidationEnd(Callback):
