@@ -17,6 +17,17 @@ from typing_extensions import override
 
 class _BatchTotal:
     trainer: Any
+    _epoch_starting = False  # class defaults: `swap_stock_progress_bar` swaps the class of a built bar
+
+    @override
+    def on_train_epoch_start(self, trainer: Any, *args: Any) -> None:
+        # The epoch loop resets its batch count after this hook: the bars read the total here, with the count of
+        # the epoch before (a later epoch's bar ended at 3/10 where max_steps stopped it).
+        self._epoch_starting = True
+        try:
+            super().on_train_epoch_start(trainer, *args)  # type: ignore[misc]
+        finally:
+            self._epoch_starting = False
 
     @property
     def total_train_batches(self) -> int | float:
@@ -24,9 +35,9 @@ class _BatchTotal:
         trainer = self.trainer
         if trainer.max_epochs == -1 and trainer.max_steps is not None and trainer.max_steps > 0:
             loop = trainer.fit_loop.epoch_loop
-            # Batches finished in this epoch: 0 at its start, the restored count on a mid-epoch resume. (Not `ready`,
-            # which counts the batch starting: the Rich bar reads the total there on a resume, and showed 16/17.)
-            done = loop.batch_progress.current.completed
+            # Batches finished in this epoch: none at its start, the restored count on a mid-epoch resume (read at
+            # the first batch). Not `ready`, which counts the batch starting (a resumed Rich bar showed 16/17).
+            done = 0 if self._epoch_starting else loop.batch_progress.current.completed
             remaining = (trainer.max_steps - trainer.global_step) * max(1, trainer.accumulate_grad_batches)
             return min(trainer.num_training_batches, done + remaining)
         return trainer.num_training_batches

@@ -65,6 +65,21 @@ def test_a_mid_epoch_resume_shows_the_batches_of_its_epoch_out_of_their_total(tm
     assert fit(4, tmp_path / "step2.ckpt") == (16, 16)
 
 
+@pytest.mark.parametrize("bar", [StepAwareTQDMProgressBar, StepAwareRichProgressBar], ids=["tqdm", "rich"])
+def test_a_later_epoch_that_max_steps_ends_counts_its_own_batches(tmp_path, bar):
+    """The bars read their total in on_train_epoch_start, before the epoch loop resets its batch count: the second
+    epoch of 10 batches, which max_steps=7 windows of 2 ends after 4, showed 4/10."""
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    end = _BarAtTheEnd()
+    trainer = Trainer(max_steps=7, max_epochs=-1, limit_train_batches=10, limit_val_batches=0,
+                      accumulate_grad_batches=2, logger=False, enable_checkpointing=False, enable_model_summary=False,
+                      callbacks=[bar(), end], default_root_dir=tmp_path)  # fmt: skip
+    trainer.fit(BoringModel())
+    assert end.seen == (4, 4)  # the second epoch's 4 batches
+
+
 def test_stock_bars_are_swapped_in_place_and_others_left_alone():
     for stock, ours in (
         (TQDMProgressBar(refresh_rate=7), StepAwareTQDMProgressBar),
