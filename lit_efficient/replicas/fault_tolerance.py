@@ -21,6 +21,7 @@ Pure PyTorch and torchft (no Lightning): the strategy gives the state to send an
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import urllib.request
@@ -40,6 +41,7 @@ LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # torchft's own variable: the lighthouse'
 TIMEOUT_ENV = "TORCHFT_TIMEOUT_SEC"  # torchft's own: a collective's, a commit's, a transfer's bound
 GROUP_ENV = "REPLICA_GROUP_ID"  # this group's index, as torchft's examples name it
 GROUPS_ENV = "NUM_REPLICA_GROUPS"  # how many groups were launched
+DEFAULT_PORT = 29510  # where an address without a port is looked for (torchft's examples' lighthouse port)
 START_LIGHTHOUSE = "torchft_lighthouse --min_replicas 1 --quorum_tick_ms 100 --join_timeout_ms 10000 --bind [::]:{port}"
 INSTALL = "pip install 'lit-efficient[fault-tolerance]'  (torchft 0.2)"
 
@@ -74,7 +76,7 @@ def _timeout_from_env(default: float) -> float:
         seconds = float(value)
     except ValueError:
         seconds = -1.0
-    if not seconds > 0:
+    if not 0 < seconds < math.inf:
         raise ValueError(f"{TIMEOUT_ENV}={value!r} must be a positive number of seconds (torchft's default: 60).")
     return seconds
 
@@ -114,10 +116,10 @@ def lighthouse_address(timeout: float = 5.0) -> str:
     if not address:
         raise ValueError(
             f"fault_tolerance='torchft' needs the lighthouse's address in {LIGHTHOUSE_ENV} (e.g. "
-            f"http://localhost:29510); start one with: {START_LIGHTHOUSE.format(port=29510)}"
+            f"http://localhost:{DEFAULT_PORT}); start one with: {START_LIGHTHOUSE.format(port=DEFAULT_PORT)}"
         )
     url = urlparse(address if "://" in address else f"http://{address}")
-    host, port = url.hostname or "localhost", url.port or 29510
+    host, port = url.hostname or "localhost", url.port or DEFAULT_PORT
     try:
         socket.create_connection((host, port), timeout=timeout).close()
     except OSError as err:
@@ -125,8 +127,10 @@ def lighthouse_address(timeout: float = 5.0) -> str:
             f"the torchft lighthouse at {address} ({LIGHTHOUSE_ENV}) does not answer ({err}). Start one there with: "
             f"{START_LIGHTHOUSE.format(port=port)}"
         ) from err
-    _warn_unless_a_lighthouse(url.geturl(), timeout)
-    return url.geturl()  # with its scheme: torchft refuses "host:port" a minute later ("scheme is missing")
+    # With its scheme (torchft refused "host:port" a minute later: "scheme is missing") and the port probed.
+    address = f"{url.scheme}://{f'[{host}]' if ':' in host else host}:{port}"
+    _warn_unless_a_lighthouse(address, timeout)
+    return address
 
 
 def _warn_unless_a_lighthouse(address: str, timeout: float) -> None:

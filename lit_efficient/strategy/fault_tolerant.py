@@ -89,7 +89,9 @@ def heal(strategy: Any, trainer: Trainer, checkpoint: dict[str, Any], joining: J
         )
     theirs, mine = checkpoint.get("torchft_sync", sync_settings(strategy)), sync_settings(strategy)
     if theirs != mine:
-        differ = ", ".join(f"{k}: theirs {theirs[k]!r}, this group's {mine[k]!r}" for k in mine if theirs[k] != mine[k])
+        differ = ", ".join(
+            f"{k}: theirs {theirs.get(k)!r}, this group's {v!r}" for k, v in mine.items() if theirs.get(k) != v
+        )
         raise ValueError(
             f"replica group {strategy.replica_group_id} cannot heal from a live group that syncs otherwise ({differ}): "
             "their outer syncs would pair with this group's at other steps, or average other quantities. Give every "

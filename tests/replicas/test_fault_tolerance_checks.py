@@ -100,6 +100,10 @@ def test_a_lighthouse_address_without_its_scheme_reaches_torchft_with_it(monkeyp
         port = server.server_address[1]
         monkeypatch.setenv("TORCHFT_LIGHTHOUSE", f"127.0.0.1:{port}")
         assert lighthouse_address(timeout=1.0) == f"http://127.0.0.1:{port}"
+        # Without a port: probed at the default one, and handed to torchft with it (it went to port 80).
+        monkeypatch.setattr("lit_efficient.replicas.fault_tolerance.DEFAULT_PORT", port)
+        monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://127.0.0.1")
+        assert lighthouse_address(timeout=1.0) == f"http://127.0.0.1:{port}"
         assert not [w for w in recwarn if "lighthouse" in str(w.message)]
     finally:
         server.shutdown()
@@ -127,7 +131,7 @@ def test_torchfts_timeout_variable_bounds_the_process_group_too(monkeypatch):
     assert _timeout_from_env(60.0) == 60.0
     monkeypatch.setenv("TORCHFT_TIMEOUT_SEC", "120")
     assert _timeout_from_env(60.0) == 120.0
-    for bad in ("two minutes", "0"):
+    for bad in ("two minutes", "0", "inf"):
         monkeypatch.setenv("TORCHFT_TIMEOUT_SEC", bad)
         with pytest.raises(ValueError, match=rf"TORCHFT_TIMEOUT_SEC='{bad}' must be a positive number of seconds"):
             _timeout_from_env(60.0)
