@@ -144,3 +144,26 @@ def test_diloco_resumed_from_a_checkpoint_without_its_state_anchors_at_the_loade
     assert all(len(r) == 1 for r in records)  # one hosted stage per rank, one averager each
     for (averager,) in records:
         assert averager == {"step": 3, "anchor_gap": 0.0, "momentum": 0}  # from the checkpoint's step and weights
+
+
+@pytest.mark.parametrize("fmt", ["file", "sharded"])
+def test_a_linked_last_checkpoint_resumes_a_restart(tmp_path, fmt):
+    """``ModelCheckpoint(save_last="link")`` (the GPT-2 Medium configs': last.ckpt a link to the latest save, not a
+    second save of several GB): a restart's ``ckpt_path="last"`` follows the link, in either format."""
+
+    def fit(max_steps, ckpt_path=None):
+        saver = ModelCheckpoint(dirpath=tmp_path / "checkpoints", every_n_train_steps=3, save_top_k=1, save_last="link")
+        strategy = PACIStrategy(pipeline_stages=2, checkpoint_format=fmt)
+        trainer = _trainer(strategy, 1, max_steps, tmp_path, callbacks=[saver], enable_checkpointing=True)
+        model = _model()
+        trainer.fit(model, datamodule=_ordered(), ckpt_path=ckpt_path)
+        return trainer, model
+
+    fit(3)  # an epoch's end (the module's docstring)
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    assert last.is_symlink() and last.resolve().name == "epoch=0-step=3.ckpt"
+    resumed_trainer, resumed = fit(6, "last")
+    assert resumed_trainer.ckpt_path == str(last)  # restored from it, not started over
+    assert last.resolve().name == "epoch=1-step=6.ckpt"  # the link follows the latest save
+    _, whole = fit(6)  # saves at step 3 too: PACI drains there, the same trajectory
+    assert _max_diff(resumed, whole) == 0.0
