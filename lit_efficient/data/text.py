@@ -154,6 +154,8 @@ class TextDataModule(LightningDataModule):
             then checked against it).
     """
 
+    reads_token_files = True  # a .bin path is token ids (TokenizedDataModule tokenizes text only)
+
     def __init__(
         self,
         path: str | None = None,
@@ -169,8 +171,8 @@ class TextDataModule(LightningDataModule):
         source = None if path is None else Path(path).expanduser()
         if source is not None and not source.exists():
             raise ValueError(
-                f"{type(self).__name__}(path={path!r}): no such file or folder; give an existing text file, folder "
-                f"or .bin, or path=None for the embedded corpus."
+                f"{type(self).__name__}(path={path!r}): no such file or folder; give an existing text file, folder"
+                f"{' or .bin' if self.reads_token_files else ''}, or path=None for the embedded corpus."
             )
         for name, value in (("block_size", block_size), ("batch_size", batch_size)):
             if not is_count(value):
@@ -178,7 +180,9 @@ class TextDataModule(LightningDataModule):
         if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
             raise ValueError(f"{type(self).__name__}(seed={seed!r}) must be an integer.")
         if not isinstance(val_fraction, numbers.Real) or isinstance(val_fraction, bool):
-            raise ValueError(f"{type(self).__name__}(val_fraction={val_fraction!r}) must be a number in (0, 1), e.g. 0.05.")
+            raise ValueError(
+                f"{type(self).__name__}(val_fraction={val_fraction!r}) must be a number in (0, 1), e.g. 0.05."
+            )
         if num_workers < 0:
             raise ValueError(f"{type(self).__name__}(num_workers={num_workers}) must be >= 0 (0: main process).")
         if not 0.0 < val_fraction < 1.0:

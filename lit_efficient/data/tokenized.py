@@ -115,6 +115,8 @@ class TokenizedDataModule(TextDataModule):
         cache_dir: Folder of the token files; None: ``$LIT_EFFICIENT_CACHE``, else ``~/.cache/lit_efficient``.
     """
 
+    reads_token_files = False
+
     def __init__(
         self,
         tokenizer: str | Any,

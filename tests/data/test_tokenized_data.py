@@ -65,8 +65,11 @@ def test_mistakes_are_refused_with_the_fix(tmp_path, demo_model):
     (tmp_path / "t.bin").write_bytes(b"\x00\x00")
     with pytest.raises(ValueError, match=r"a \.bin is already token ids; read it with TextDataModule"):
         TokenizedDataModule(str(demo_model), path=str(tmp_path / "t.bin"))
-    with pytest.raises(ValueError, match=r"^TokenizedDataModule\(path='.*missing'\): no such file or folder"):
-        TokenizedDataModule(str(demo_model), path=str(tmp_path / "missing"))  # it was named TextDataModule
+    missing = (
+        r"^TokenizedDataModule\(path='.*missing'\): no such file or folder; give an existing text file, folder, or"
+    )
+    with pytest.raises(ValueError, match=missing):  # it was named TextDataModule, and offered a .bin it refuses
+        TokenizedDataModule(str(demo_model), path=str(tmp_path / "missing"))
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="holds no text file"):
         TokenizedDataModule(str(demo_model), path=str(tmp_path / "empty"), cache_dir=str(tmp_path)).prepare_data()
