@@ -72,7 +72,9 @@ def start_finder_run(hosted: list[HostedStage], shown_optimizer: Any, shown: lis
     run = FinderRun([h.stage.scheduler for h in hosted], [h.stage.on_nonfinite for h in hosted])
     for h in hosted:
         configs = shown if h is showing else [_like(config, h.optimizer) for config in shown]
-        h.stage.scheduler, _ = step_schedulers(configs)  # all of the finder's step with the stage's steps
+        # All of the finder's step with the stage's steps; they are torch's, stepped as such (a module's own
+        # lr_scheduler_step is written for its own schedulers).
+        h.stage.scheduler, _ = step_schedulers(configs, lambda scheduler, step: scheduler.step())
         h.stage.on_nonfinite = "step"
     return run
 

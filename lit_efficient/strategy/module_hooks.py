@@ -26,7 +26,6 @@ MODULE_HOOKS_NOT_CALLED = (
     "on_before_zero_grad",
     "optimizer_step",
     "optimizer_zero_grad",
-    "lr_scheduler_step",
     "configure_gradient_clipping",
 )
 CALLBACK_HOOKS_NOT_CALLED = MODULE_HOOKS_NOT_CALLED[:4]  # the callback spellings of the first four
@@ -152,22 +151,38 @@ def uncalled_hooks(module: LightningModule, callbacks: Iterable[Callback]) -> li
     return found
 
 
-def training_step_logs(module: LightningModule) -> list[str]:
-    """What the module's ``training_step`` passes to ``self.log``/``self.log_dict`` beyond what the strategy
-    logs itself: the keys it names literally, or ``log_dict(...)`` / ``log(<expression>)`` otherwise."""
+def _log_calls(function: Any) -> list[tuple[str | None, str]]:
+    """``(key, call text)`` of each ``self.log``/``self.log_dict`` call in ``function``'s source: the key named
+    literally (None for a computed one; "log_dict(...)" for a dict) and the call's first line or two."""
     try:
-        source = inspect.getsource(type(module).training_step)
+        source = inspect.getsource(function)
     except (OSError, TypeError):  # no source (a REPL, a compiled module): nothing to tell
         return []
-    logged = []
+    calls = []
     for match in _LOG_CALL.finditer(source):
-        key = match.group(2)
-        if match.group(1):
-            logged.append("log_dict(...)")
-        elif key is None:
+        text = source[match.start() : source.find(")\n", match.start()) + 1]
+        calls.append(("log_dict(...)" if match.group(1) else match.group(2), text))
+    return calls
+
+
+def logs_train_loss(function: Any) -> bool:
+    """Whether ``function`` (a module's ``pipeline_loss``) logs ``train_loss`` itself: the strategy then logs none,
+    or Lightning refuses the key logged twice in one step with other arguments."""
+    return any(key in STRATEGY_LOGGED for key, _ in _log_calls(function))
+
+
+def training_step_logs(module: LightningModule) -> list[str]:
+    """What the module's ``training_step`` passes to ``self.log``/``self.log_dict`` beyond what the strategy
+    logs itself: the keys it names literally, or ``log_dict(...)`` / ``log(<computed name>)`` otherwise; and
+    ``train_loss`` where it is logged per epoch (the strategy logs it per step only)."""
+    logged = []
+    for key, text in _log_calls(type(module).training_step):
+        if key is None:
             logged.append("log(<computed name>)")
         elif key not in STRATEGY_LOGGED:
             logged.append(key)
+        elif re.search(r"on_epoch\s*=\s*True|on_step\s*=\s*False", text):
+            logged.append(f"{key} per epoch (the strategy logs it per step; log it from pipeline_loss instead)")
     return logged
 
 

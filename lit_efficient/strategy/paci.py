@@ -99,6 +99,7 @@ from lit_efficient.strategy.lr_finder import (
 from lit_efficient.strategy.module_hooks import (
     drain_before,
     epoch_ends_where_the_steps_ran,
+    logs_train_loss,
     undo_drain_before,
     undo_epoch_ends,
     warn_uncalled_hooks,
@@ -112,6 +113,7 @@ from lit_efficient.strategy.step_hooks import (
     install_step_hooks,
     post_norm_before_tied_exchange,
     replace_sigterm_barrier,
+    scheduler_stepper,
     step_schedulers,
 )
 from lit_efficient.strategy.step_logging import log_once_per_optimizer_step
@@ -362,6 +364,7 @@ class PACIStrategy(DDPStrategy):
         self._finder_run: FinderRun | None = None
         self._after_finder = False
         self._fit_trained = False  # whether this fit's own training run started (`teardown`)
+        self._module_logs_train_loss = False  # from its pipeline_loss: the strategy then logs no train_loss
         self._first_batch_unchecked = self._first_eval_batch_unchecked = False
         self.checkpoint_format = checkpoint_format
         self.async_checkpoint = async_checkpoint
@@ -635,7 +638,7 @@ class PACIStrategy(DDPStrategy):
             with self.stage_view(index):
                 self._setup_stage_optimizer(trainer, index)
             optimizer, configs = self.optimizers[0], list(self.lr_scheduler_configs)
-            step_wise, epoch_wise = step_schedulers(configs)
+            step_wise, epoch_wise = step_schedulers(configs, scheduler_stepper(module))
         first, last = self._split.bounds_of(index)
         stage = PipelineStage(
             layers[first:last], index, self.pipeline_stages, optimizer,
@@ -730,6 +733,7 @@ class PACIStrategy(DDPStrategy):
         if fitting:
             drain_before(module, "on_validation_model_zero_grad", self.drain)
             warn_uncalled_hooks(module, trainer.callbacks)
+            self._module_logs_train_loss = logs_train_loss(type(module).pipeline_loss)
             # Lightning warns that under manual optimization ModelCheckpoint(every_n_train_steps) saves the
             # state after the step. Manual optimization is this strategy's inside, and after the step (of
             # a drained pipeline) is exactly what a user's automatic-optimization checkpoint holds too.
@@ -920,7 +924,7 @@ class PACIStrategy(DDPStrategy):
         epoch_end = self._epoch_end_seen = loop._num_ready_batches_reached()
         if epoch_end:
             self.runtime.drain(step_partial_window=True)
-            self._step_epoch_schedulers(trainer)
+            self._step_epoch_schedulers(trainer, trainer.global_step + 1)  # its last batch ends a window, counted next
         window_end = not loop._should_accumulate()
         if window_end:
             # A window of N micro-batches has been fed on every rank: count Lightning's optimizer
@@ -937,9 +941,10 @@ class PACIStrategy(DDPStrategy):
             # progress-bar values with .item() after every batch, a stale one too, so a device tensor
             # here would cost a sync per micro-batch.
             value = loss.detach().cpu()
-            module.log(
-                "train_loss", value, prog_bar=True, on_step=True, on_epoch=False, batch_size=batch_size_of(batch)
-            )
+            if not self._module_logs_train_loss:  # else the module's own, from pipeline_loss, with its arguments
+                module.log(
+                    "train_loss", value, prog_bar=True, on_step=True, on_epoch=False, batch_size=batch_size_of(batch)
+                )
             # Not in the finder's run: it raises the rate until the loss blows up, on purpose.
             watched = self.schedule == "paci" and self._finder_run is None
             if watched and (warning := self._loss_trend.observe(trainer.global_step, float(value))):
@@ -987,13 +992,14 @@ class PACIStrategy(DDPStrategy):
         if batch_idx == 0:
             self._epoch_end_seen = False  # not yet, also for an epoch skipped at its first batch (`end_epoch`)
 
-    def _step_epoch_schedulers(self, trainer: Trainer) -> None:
+    def _step_epoch_schedulers(self, trainer: Trainer, step: int) -> None:
         """At an epoch's end: each rank steps its stages' epoch-interval schedulers; none in a learning-rate finder's
-        run (one device's finder removes them)."""
+        run (one device's finder removes them). ``step``: the optimizer steps one device has counted there."""
         configs = (c for h in self.hosted for c in h.epoch_schedulers) if self._finder_run is None else ()
+        step_with = scheduler_stepper(trainer.lightning_module)
         for config in configs:
             if (trainer.current_epoch + 1) % config.frequency == 0:
-                config.scheduler.step()
+                step_with(config.scheduler, step)
 
     def end_epoch(self) -> None:
         """The epoch's end, before any other callback's ``on_train_epoch_end`` (`SyncCallbackMetrics`): drained. Where
@@ -1012,7 +1018,7 @@ class PACIStrategy(DDPStrategy):
         for hosted in self.hosted:
             hosted.stage.drop_window()
         if trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
-            self._step_epoch_schedulers(trainer)
+            self._step_epoch_schedulers(trainer, trainer.global_step)  # the window was dropped, not stepped
         self._epoch_end_seen = True
 
     @override

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch import Trainer
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor
@@ -51,7 +51,29 @@ class Averaging:
     offset: int = 0  # this stage's shift of its syncs (streaming)
 
 
-def step_schedulers(configs: list[Any]) -> tuple[_SchedulerGroup | None, list[Any]]:
+def scheduler_stepper(module: Any) -> Callable[[Any, int], None]:
+    """How a stage steps one of its schedulers at its ``step``-th optimizer step: as Lightning does, through the
+    module's ``lr_scheduler_step`` where the module overrides it (what Lightning asks of a scheduler that does not
+    follow torch's API, timm's say, and where a user steps on a schedule of their own), else ``scheduler.step()``.
+    The override reads ``trainer.global_step`` as one device's at that step (timm's ``step_update(num_updates=
+    self.trainer.global_step)``): a stage steps before the strategy counts the window, and under PACI at its own
+    time. No monitored metric: ReduceLROnPlateau is refused (`step_schedulers`)."""
+    if type(module).lr_scheduler_step is LightningModule.lr_scheduler_step:
+        return lambda scheduler, step: scheduler.step()
+
+    def step_through_the_hook(scheduler: Any, step: int) -> None:
+        counted = module.trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress.total
+        shown = counted.completed
+        counted.completed = step  # what trainer.global_step reads under the strategy's manual optimization
+        try:
+            module.lr_scheduler_step(scheduler, None)
+        finally:
+            counted.completed = shown
+
+    return step_through_the_hook
+
+
+def step_schedulers(configs: list[Any], stepper: Callable[[Any], None]) -> tuple[_SchedulerGroup | None, list[Any]]:
     """A stage's LR scheduler configs as (the step-interval ones, stepped with the stage's own steps; the
     epoch-interval ones, stepped by the strategy at an epoch's end). Refuses ReduceLROnPlateau."""
     step_wise, epoch_wise = [], []
@@ -64,7 +86,7 @@ def step_schedulers(configs: list[Any]) -> tuple[_SchedulerGroup | None, list[An
                 "without the monitored metric. Use a step- or epoch-based scheduler."
             )
         (step_wise if config.interval == "step" else epoch_wise).append(config)
-    return (_SchedulerGroup(step_wise) if step_wise else None), epoch_wise
+    return (_SchedulerGroup(step_wise, stepper) if step_wise else None), epoch_wise
 
 
 def install_step_hooks(
@@ -287,12 +309,13 @@ class _SchedulerGroup:
     ``steps`` counts the run's optimizer steps: a resume sets it to the checkpoint's (`stage_checkpoints`), or a
     ``frequency`` > 1 would step at other steps than the uninterrupted run."""
 
-    def __init__(self, configs: list[Any]) -> None:
+    def __init__(self, configs: list[Any], stepper: Callable[[Any, int], None]) -> None:
         self.configs = configs
+        self.stepper = stepper
         self.steps = 0
 
     def step(self) -> None:
         self.steps += 1
         for config in self.configs:
             if self.steps % config.frequency == 0:
-                config.scheduler.step()
+                self.stepper(config.scheduler, self.steps)

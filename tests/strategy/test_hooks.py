@@ -52,6 +52,24 @@ def test_overrides_that_never_run_are_named():
         warn_uncalled_hooks(module, [_GradNormLogger()])
 
 
+class _TrainLossPerEpoch(GPT):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss, on_step=True, on_epoch=True, sync_dist=True)
+        return loss
+
+
+def test_a_train_loss_logged_per_epoch_in_training_step_is_named_with_the_fix():
+    """The strategy logs train_loss itself, per step: a training_step logging it per epoch (Lightning's docs'
+    pattern) lost its ``train_loss_epoch`` with no word, and a ModelCheckpoint monitoring train_loss scored the last
+    micro-batch's loss instead of the epoch's mean."""
+    assert training_step_logs(_TrainLossPerEpoch(n_layer=1)) == [
+        "train_loss per epoch (the strategy logs it per step; log it from pipeline_loss instead)"
+    ]
+    with pytest.warns(UserWarning, match=r"train_loss per epoch .*log it from pipeline_loss instead"):
+        warn_uncalled_hooks(_TrainLossPerEpoch(n_layer=1), [])
+
+
 class _AggregatesAtEpochEnds(GPT):
     """Lightning's documented epoch-end pattern, unguarded: what the steps collected, stacked."""
 

@@ -364,3 +364,102 @@ def test_an_epoch_cut_short_by_on_train_batch_start_drops_its_window_as_one_devi
         assert piped_seen == seen, devices
         diff = max((a - b).abs().max().item() for a, b in zip(piped.parameters(), one.parameters(), strict=True))
         assert diff <= 1e-6, (devices, diff)
+
+
+class _TimmStyleSchedule:
+    """A scheduler that does not follow torch's API (timm's: ``step_update(num_updates)`` per optimizer step),
+    which Lightning steps through the module's ``lr_scheduler_step`` only."""
+
+    def __init__(self, optimizer, total: int) -> None:
+        self.optimizer, self.total = optimizer, total
+        self.base = [group["lr"] for group in optimizer.param_groups]
+
+    def step_update(self, num_updates: int) -> None:
+        for group, base in zip(self.optimizer.param_groups, self.base, strict=True):
+            group["lr"] = base * max(0.0, 1 - num_updates / self.total)
+
+    def step(self, epoch: int) -> None:  # timm's per-epoch call: nothing here
+        pass
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+class _StepsItsOwnSchedulers(GPT):
+    """``lr_scheduler_step`` overridden, as Lightning's docs show for timm, reading ``trainer.global_step``; and a
+    torch scheduler the same override steps every second step only."""
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(self.parameters(), lr=3e-3)
+        timm = {"scheduler": _TimmStyleSchedule(optimizer, total=8), "interval": "step"}
+        halving = {"scheduler": torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5), "interval": "step"}
+        return [optimizer], [timm, halving]
+
+    def lr_scheduler_step(self, scheduler, metric) -> None:
+        if isinstance(scheduler, _TimmStyleSchedule):
+            scheduler.step_update(num_updates=self.trainer.global_step)
+        elif self.trainer.global_step % 2 == 0:
+            scheduler.step()
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_modules_own_lr_scheduler_step_steps_its_schedulers_as_on_one_device(tmp_path):
+    """The override was never called (a setup warning said so): a timm-style scheduler crashed at the first step
+    (``step()`` needs its epoch) and a torch one stepped at every step (weights 4.9e-3 from one device's after 3
+    steps). Each stage calls it at its own steps, reading one device's ``global_step`` there: 1F1B-flush in one
+    process equals one device; under PACI every stage ends at one device's rate."""
+
+    def fit(strategy):
+        L.seed_everything(0)
+        model = _StepsItsOwnSchedulers(n_layer=2, n_head=2, n_embd=32, block_size=32)
+        trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=3, accumulate_grad_batches=2,
+                            limit_val_batches=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False, default_root_dir=tmp_path)  # fmt: skip
+        trainer.fit(model, datamodule=_text_data())
+        return model, trainer
+
+    one_device, plain = fit("auto")
+    rate = [group["lr"] for group in plain.optimizers[0].param_groups]
+    # timm's at update 3 (it sets the rate; the halving at step 2 set step 3's rate, which the weights show)
+    assert rate == pytest.approx([3e-3 * (1 - 3 / 8)])
+    flush, _ = fit(PACIStrategy(pipeline_stages=2, schedule="1f1b_flush"))
+    assert _max_diff(flush, one_device) == 0.0
+    _, paci = fit(PACIStrategy(pipeline_stages=2))
+    for hosted in paci.strategy.hosted:
+        assert [group["lr"] for group in hosted.optimizer.param_groups] == pytest.approx(rate)
+
+
+class _LogsTrainLossPerEpoch(GPT):
+    """``train_loss`` per step and per epoch, as Lightning's docs log it, from pipeline_loss (which one device's
+    training_step calls here, and the pipeline's last stage runs)."""
+
+    def training_step(self, batch, batch_idx):
+        return self.pipeline_loss(self(self.pipeline_input(batch)), batch)[0]
+
+    def pipeline_loss(self, output, batch):
+        loss, items = super().pipeline_loss(output, batch)
+        if self.trainer.training:
+            self.log("train_loss", loss, on_step=True, on_epoch=True, prog_bar=True, batch_size=batch[0].shape[0])
+        return loss, items
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_train_loss_the_module_logs_itself_replaces_the_strategys(tmp_path):
+    """Logged from pipeline_loss (what docs/python-api.md says), ``train_loss`` stopped the fit at the first window's
+    end: Lightning refused the key logged twice in one step with other arguments (the strategy's own, per step).
+    The strategy now leaves the key to the module: its per-epoch mean and its rows are one device's."""
+
+    def fit(strategy):
+        L.seed_everything(0)
+        model = _LogsTrainLossPerEpoch(n_layer=2, n_head=2, n_embd=32, block_size=32)
+        recorded = tmp_path / f"{type(strategy).__name__}.json"
+        _fit_with_data(model, strategy, 1, 2, 6, limit_train_batches=6, max_epochs=-1, limit_val_batches=0,
+                       callbacks=[_RecordMetrics(recorded)], default_root_dir=tmp_path)  # fmt: skip
+        return json.loads(recorded.read_text())
+
+    one_device = fit("auto")
+    assert {"train_loss_step", "train_loss_epoch"} <= set(one_device)
+    assert fit(PACIStrategy(pipeline_stages=2, schedule="1f1b_flush")) == one_device
