@@ -299,11 +299,25 @@ def load(strategy: Any, checkpoint_path: Any, weights_only: bool | None) -> dict
     return from_automatic_loops(sharded_read.from_consolidated(load_file(path, weights_only)))
 
 
+def _own_replica_key(strategy: Any, stage: int) -> str | None:
+    """Where this rank's replica of ``stage`` finds weights and optimizer state of its own in a checkpoint: under
+    LocalSGD/DiLoCo replicas differ between syncs and a checkpoint keeps each one's. A run that averages every step
+    starts every replica from the first's (each took its own and they stayed apart for good, 2e-2 after 10 steps)."""
+    return rank_key(stage, strategy.replica) if strategy.local_sgd_steps is not None else None
+
+
 def load_weights(strategy: Any, checkpoint: dict[str, Any], strict: bool) -> None:
     """``PACIStrategy.load_model_state_dict``: every hosted stage's weights by name (a diverged replica's own)."""
     module = strategy.lightning_module
+    if strategy.local_sgd_steps is None and checkpoint.get("pipeline", {}).get("replicas"):
+        rank_zero_warn(
+            "this checkpoint holds each data-parallel replica's own weights since its last LocalSGD/DiLoCo sync; "
+            "this run averages gradients every step (no local_sgd_steps), so every replica starts from the first "
+            "replica's weights and optimizer state, and the others' steps since that sync are dropped. Resume with "
+            "the same local_sgd_steps to continue each replica's own."
+        )
     module.load_state_dict(
-        local_state_dict(checkpoint, module, rank_key(strategy.stage, strategy.replica)), strict=strict
+        local_state_dict(checkpoint, module, _own_replica_key(strategy, strategy.stage)), strict=strict
     )
 
 
@@ -344,7 +358,10 @@ def load_stage_states(strategy: Any, checkpoint: dict[str, Any]) -> None:
         key = rank_key(hosted.index, strategy.replica)
         with strategy.stage_view(hosted.index):
             if hosted.optimizer is not None:
-                state, group_map = local_optimizer_state(checkpoint, module, hosted.optimizer, key, names_by_group)
+                own_state = _own_replica_key(strategy, hosted.index)
+                state, group_map = local_optimizer_state(
+                    checkpoint, module, hosted.optimizer, own_state, names_by_group
+                )
                 hosted.optimizer.load_state_dict(_own_copy(state, given))
                 saved_groups = len(checkpoint["optimizer_states"][0]["param_groups"])
                 schedulers = regroup_schedulers(saved_schedulers, group_map, saved_groups)

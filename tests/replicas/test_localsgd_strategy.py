@@ -210,6 +210,15 @@ def test_diloco_resume_mid_window_follows_uninterrupted_run(tmp_path):
     assert want[0] == want[1] == got[0] == got[1]
     first_digests = _read(dirs["first"], 2)
     assert first_digests[0] != first_digests[1], "step 3 is mid-window: replicas must differ there"
+    # Resumed with gradients averaged every step (no local_sgd_steps): every replica starts from the first's. Each
+    # took its own saved weights, and per-step averaging kept them apart for good.
+    (tmp_path / "per-step").mkdir()
+    per_step = PACIStrategy(pipeline_stages=1, start_method="forkserver")
+    _trainer(per_step, 2, 4, callbacks=[FinalDigest(tmp_path / "per-step")]).fit(
+        _model(), datamodule=data(), ckpt_path=str(path)
+    )
+    averaged = _read(tmp_path / "per-step", 2)
+    assert averaged[0] == averaged[1], "replicas resumed apart under per-step averaging"
 
 
 def test_bad_local_sgd_arguments_raise():
