@@ -73,7 +73,9 @@ def scheduler_stepper(module: Any) -> Callable[[Any, int], None]:
     return step_through_the_hook
 
 
-def step_schedulers(configs: list[Any], stepper: Callable[[Any], None]) -> tuple[_SchedulerGroup | None, list[Any]]:
+def step_schedulers(
+    configs: list[Any], stepper: Callable[[Any, int], None]
+) -> tuple[_SchedulerGroup | None, list[Any]]:
     """A stage's LR scheduler configs as (the step-interval ones, stepped with the stage's own steps; the
     epoch-interval ones, stepped by the strategy at an epoch's end). Refuses ReduceLROnPlateau."""
     step_wise, epoch_wise = [], []
