@@ -165,10 +165,25 @@ def _log_calls(function: Any) -> list[tuple[str | None, str]]:
     return calls
 
 
-def logs_train_loss(function: Any) -> bool:
-    """Whether ``function`` (a module's ``pipeline_loss``) logs ``train_loss`` itself: the strategy then logs none,
-    or Lightning refuses the key logged twice in one step with other arguments."""
-    return any(key in STRATEGY_LOGGED for key, _ in _log_calls(function))
+def watch_own_train_loss(module: LightningModule, seen: Callable[[], None]) -> None:
+    """Make ``module.log`` call ``seen`` when the module logs ``train_loss`` while training (from ``pipeline_loss``,
+    by ``log`` or ``log_dict``), until `undo_watch_own_train_loss`: the strategy then logs none of its own, which
+    Lightning would refuse (one key logged twice in a step with other arguments). The strategy's own call goes to
+    the class's ``log``, past this. At run time, not from the source: an inherited ``pipeline_loss``, a computed
+    name or a ``log_dict`` count, a comment does not."""
+    original = module.log
+
+    def log(*args: Any, **kwargs: Any) -> None:
+        name = kwargs["name"] if "name" in kwargs else (args[0] if args else None)
+        if name in STRATEGY_LOGGED and module._trainer is not None and module.trainer.training:
+            seen()
+        original(*args, **kwargs)
+
+    module.log = log  # type: ignore[method-assign]
+
+
+def undo_watch_own_train_loss(module: LightningModule) -> None:
+    module.__dict__.pop("log", None)
 
 
 def training_step_logs(module: LightningModule) -> list[str]:

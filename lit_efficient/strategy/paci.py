@@ -99,10 +99,11 @@ from lit_efficient.strategy.lr_finder import (
 from lit_efficient.strategy.module_hooks import (
     drain_before,
     epoch_ends_where_the_steps_ran,
-    logs_train_loss,
     undo_drain_before,
     undo_epoch_ends,
+    undo_watch_own_train_loss,
     warn_uncalled_hooks,
+    watch_own_train_loss,
 )
 from lit_efficient.strategy.progress import swap_stock_progress_bar
 from lit_efficient.strategy.runs import attempt_store
@@ -733,7 +734,8 @@ class PACIStrategy(DDPStrategy):
         if fitting:
             drain_before(module, "on_validation_model_zero_grad", self.drain)
             warn_uncalled_hooks(module, trainer.callbacks)
-            self._module_logs_train_loss = logs_train_loss(type(module).pipeline_loss)
+            self._module_logs_train_loss = False
+            watch_own_train_loss(module, self._module_logged_train_loss)
             # Lightning warns that under manual optimization ModelCheckpoint(every_n_train_steps) saves the
             # state after the step. Manual optimization is this strategy's inside, and after the step (of
             # a drained pipeline) is exactly what a user's automatic-optimization checkpoint holds too.
@@ -820,6 +822,7 @@ class PACIStrategy(DDPStrategy):
         if module is not None:
             self._restore_compiled_steps(module)  # the module leaves fit compiled, as it came
             undo_drain_before(module, "on_validation_model_zero_grad")
+            undo_watch_own_train_loss(module)
             undo_epoch_ends(module)
         split = self._split
         if module is not None and split is not None:
@@ -942,14 +945,23 @@ class PACIStrategy(DDPStrategy):
             # here would cost a sync per micro-batch.
             value = loss.detach().cpu()
             if not self._module_logs_train_loss:  # else the module's own, from pipeline_loss, with its arguments
-                module.log(
-                    "train_loss", value, prog_bar=True, on_step=True, on_epoch=False, batch_size=batch_size_of(batch)
+                type(module).log(
+                    module,
+                    "train_loss",
+                    value,
+                    prog_bar=True,
+                    on_step=True,
+                    on_epoch=False,
+                    batch_size=batch_size_of(batch),
                 )
             # Not in the finder's run: it raises the rate until the loss blows up, on purpose.
             watched = self.schedule == "paci" and self._finder_run is None
             if watched and (warning := self._loss_trend.observe(trainer.global_step, float(value))):
                 rank_zero_warn(warning)
         return {"loss": loss}
+
+    def _module_logged_train_loss(self) -> None:
+        self._module_logs_train_loss = True
 
     def _log_averaging(self) -> None:
         """Log LocalSGD/DiLoCo's numbers from global rank 0, where the logger lives, once per window.

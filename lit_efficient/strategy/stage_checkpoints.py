@@ -17,6 +17,7 @@ The functions take the strategy (`lit_efficient.strategy.paci.PACIStrategy`) who
 from __future__ import annotations
 
 import shutil
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -309,12 +310,17 @@ def _own_replica_key(strategy: Any, stage: int) -> str | None:
 def load_weights(strategy: Any, checkpoint: dict[str, Any], strict: bool) -> None:
     """``PACIStrategy.load_model_state_dict``: every hosted stage's weights by name (a diverged replica's own)."""
     module = strategy.lightning_module
-    if strategy.local_sgd_steps is None and checkpoint.get("pipeline", {}).get("replicas"):
-        rank_zero_warn(
-            "this checkpoint holds each data-parallel replica's own weights since its last LocalSGD/DiLoCo sync; "
+    own = rank_key(strategy.stage, strategy.replica)
+    if strategy.local_sgd_steps is None and own in checkpoint.get("pipeline", {}).get("replicas", {}):
+        # Said where the dropped weights are (a replica past the first: rank 0 never has any; a sharded folder
+        # gives each rank its own only).
+        warnings.warn(
+            f"this checkpoint holds replica {strategy.replica}'s own weights since its last LocalSGD/DiLoCo sync; "
             "this run averages gradients every step (no local_sgd_steps), so every replica starts from the first "
-            "replica's weights and optimizer state, and the others' steps since that sync are dropped. Resume with "
-            "the same local_sgd_steps to continue each replica's own."
+            "replica's weights and optimizer state, and this replica's own since that sync are dropped. Resume "
+            "with the same local_sgd_steps to continue each replica's own.",
+            UserWarning,
+            stacklevel=2,
         )
     module.load_state_dict(
         local_state_dict(checkpoint, module, _own_replica_key(strategy, strategy.stage)), strict=strict
@@ -416,7 +422,7 @@ def _load_rank_state(
         hosted.stage.load_accumulation_state({**own, **(accumulation or {})})
     if accumulation and "grads" in accumulation:  # as the stage holds them now: on its device
         strategy.restored_window_grads.append((hosted.stage, [p.grad for p in hosted.stage.parameters()]))
-    if hosted.stage.scheduler is not None:  # every frequency counts from the run's steps, as Lightning's own
+    if hosted.stage.scheduler is not None:  # every frequency counts the run's optimizer steps
         hosted.stage.scheduler.steps = global_step
     if hosted.averager is not None and "averager" in state:
         hosted.averager.load_state_dict(state["averager"])

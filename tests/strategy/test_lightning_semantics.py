@@ -446,16 +446,43 @@ class _LogsTrainLossPerEpoch(GPT):
         return loss, items
 
 
+class _LogsItInAParent(GPT):
+    """The same through ``log_dict`` in a parent class's pipeline_loss, reached by ``super()``."""
+
+    def training_step(self, batch, batch_idx):
+        return self.pipeline_loss(self(self.pipeline_input(batch)), batch)[0]
+
+    def pipeline_loss(self, output, batch):
+        loss, items = super().pipeline_loss(output, batch)
+        if self.trainer.training:
+            self.log_dict({"train_loss": loss}, on_step=True, on_epoch=True, batch_size=batch[0].shape[0])
+        return loss, items
+
+
+class _ItsChild(_LogsItInAParent):
+    def pipeline_loss(self, output, batch):
+        return super().pipeline_loss(output, batch)
+
+
+class _OnlySaysSo(GPT):
+    def pipeline_loss(self, output, batch):
+        # Not here: self.log("train_loss", loss, on_epoch=True)
+        return super().pipeline_loss(output, batch)
+
+
 @pytest.mark.usefixtures("one_thread")
-def test_a_train_loss_the_module_logs_itself_replaces_the_strategys(tmp_path):
+@pytest.mark.parametrize("module_cls", [_LogsTrainLossPerEpoch, _ItsChild], ids=["log", "log_dict-in-a-parent"])
+def test_a_train_loss_the_module_logs_itself_replaces_the_strategys(tmp_path, module_cls):
     """Logged from pipeline_loss (what docs/python-api.md says), ``train_loss`` stopped the fit at the first window's
     end: Lightning refused the key logged twice in one step with other arguments (the strategy's own, per step).
-    The strategy now leaves the key to the module: its per-epoch mean and its rows are one device's."""
+    The strategy now leaves the key to the module when the module logs it while training (seen at run time: through
+    log_dict, an inherited pipeline_loss): its per-epoch mean and its rows are one device's. A comment naming the
+    call logs nothing, and the strategy's train_loss stays."""
 
-    def fit(strategy):
+    def fit(strategy, cls=module_cls):
         L.seed_everything(0)
-        model = _LogsTrainLossPerEpoch(n_layer=2, n_head=2, n_embd=32, block_size=32)
-        recorded = tmp_path / f"{type(strategy).__name__}.json"
+        model = cls(n_layer=2, n_head=2, n_embd=32, block_size=32)
+        recorded = tmp_path / f"{type(strategy).__name__}-{cls.__name__}.json"
         _fit_with_data(model, strategy, 1, 2, 6, limit_train_batches=6, max_epochs=-1, limit_val_batches=0,
                        callbacks=[_RecordMetrics(recorded)], default_root_dir=tmp_path)  # fmt: skip
         return json.loads(recorded.read_text())
@@ -463,3 +490,5 @@ def test_a_train_loss_the_module_logs_itself_replaces_the_strategys(tmp_path):
     one_device = fit("auto")
     assert {"train_loss_step", "train_loss_epoch"} <= set(one_device)
     assert fit(PACIStrategy(pipeline_stages=2, schedule="1f1b_flush")) == one_device
+    if module_cls is _LogsTrainLossPerEpoch:
+        assert "train_loss" in fit(PACIStrategy(pipeline_stages=2), cls=_OnlySaysSo)
