@@ -35,7 +35,7 @@ _LOG_CALL = re.compile(r"self\.log(_dict)?\(\s*(?:f?[\"']([^\"']+)[\"'])?")
 
 
 def drain_before(module: LightningModule, hook: str, drain: Callable[[], None]) -> None:
-    """Make ``module.<hook>`` drain the pipeline first, until `undo_drain_before`.
+    """Make ``module.<hook>`` drain the pipeline first, until `give_back`.
 
     Lightning calls ``on_validation_model_zero_grad`` (default: ``zero_grad()``) between two training
     batches, on every rank, when a validation is due at a window end, before the validation loop (and
@@ -52,9 +52,11 @@ def drain_before(module: LightningModule, hook: str, drain: Callable[[], None]) 
     setattr(module, hook, drained_hook)
 
 
-def undo_drain_before(module: LightningModule, hook: str) -> None:
-    """Give the module its own ``hook`` back (the instance attribute shadowed the class's)."""
-    module.__dict__.pop(hook, None)
+def give_back(module: LightningModule, *names: str) -> None:
+    """Give the module its own methods back: what `drain_before`, `watch_own_train_loss` and
+    `epoch_ends_where_the_steps_ran` set are instance attributes shadowing the class's."""
+    for name in names:
+        module.__dict__.pop(name, None)
 
 
 # The module's evaluation epoch-end hooks: they read what its evaluation steps collected (a list of outputs, a
@@ -122,8 +124,7 @@ def epoch_ends_where_the_steps_ran(
 
 def undo_epoch_ends(module: LightningModule) -> None:
     """Give the module its own epoch-end hooks back."""
-    for hook in (*EVALUATION_EPOCH_ENDS, "on_train_epoch_end"):
-        module.__dict__.pop(hook, None)
+    give_back(module, *EVALUATION_EPOCH_ENDS, "on_train_epoch_end")
 
 
 def _not_here(*args: Any, **kwargs: Any) -> None:
@@ -167,10 +168,11 @@ def _log_calls(function: Any) -> list[tuple[str | None, str]]:
 
 def watch_own_train_loss(module: LightningModule, seen: Callable[[], None]) -> None:
     """Make ``module.log`` call ``seen`` when the module logs ``train_loss`` while training (from ``pipeline_loss``,
-    by ``log`` or ``log_dict``), until `undo_watch_own_train_loss`: the strategy then logs none of its own, which
+    by ``log`` or ``log_dict``), until `give_back`: the strategy then logs none of its own, which
     Lightning would refuse (one key logged twice in a step with other arguments). The strategy's own call goes to
     the class's ``log``, past this. At run time, not from the source: an inherited ``pipeline_loss``, a computed
     name or a ``log_dict`` count, a comment does not."""
+    give_back(module, "log")  # a setup without the previous teardown: watched once
     original = module.log
 
     def log(*args: Any, **kwargs: Any) -> None:
@@ -180,10 +182,6 @@ def watch_own_train_loss(module: LightningModule, seen: Callable[[], None]) -> N
         original(*args, **kwargs)
 
     module.log = log  # type: ignore[method-assign]
-
-
-def undo_watch_own_train_loss(module: LightningModule) -> None:
-    module.__dict__.pop("log", None)
 
 
 def training_step_logs(module: LightningModule) -> list[str]:

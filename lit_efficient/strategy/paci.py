@@ -99,9 +99,8 @@ from lit_efficient.strategy.lr_finder import (
 from lit_efficient.strategy.module_hooks import (
     drain_before,
     epoch_ends_where_the_steps_ran,
-    undo_drain_before,
+    give_back,
     undo_epoch_ends,
-    undo_watch_own_train_loss,
     warn_uncalled_hooks,
     watch_own_train_loss,
 )
@@ -821,8 +820,7 @@ class PACIStrategy(DDPStrategy):
             self.final_state = stage_checkpoints.final_state(self)
         if module is not None:
             self._restore_compiled_steps(module)  # the module leaves fit compiled, as it came
-            undo_drain_before(module, "on_validation_model_zero_grad")
-            undo_watch_own_train_loss(module)
+            give_back(module, "on_validation_model_zero_grad", "log")  # drain_before's, watch_own_train_loss's
             undo_epoch_ends(module)
         split = self._split
         if module is not None and split is not None:
