@@ -20,7 +20,8 @@ from lit_efficient.data import EpochShuffle, ResumableLoader, TextDataModule
 from lit_efficient.models import HFCausalLM
 from tests.support.gpt_runs import BLOCK, gpt_model, gpt_trainer, max_diff, text_data
 
-EPOCH = dict(limit_train_batches=8, max_epochs=-1)  # 2 steps of 4 micro-batches per epoch
+# 2 steps of 4 micro-batches per epoch, validated at its end as a user's fit is (validation inside fit, drained)
+EPOCH = dict(limit_train_batches=8, max_epochs=-1, limit_val_batches=2)
 
 
 def _batches(loader, count=None):
