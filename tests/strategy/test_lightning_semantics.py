@@ -211,6 +211,7 @@ class _LogsFromPipelineLoss(GPT):
         loss, items = super().pipeline_loss(output, batch)
         if self.trainer.training:
             self.log("train_items", items.float(), on_step=True, batch_size=batch[0].shape[0])
+            self.log("train_loss", loss, on_step=True, on_epoch=True, batch_size=batch[0].shape[0])  # the module's own
             self.items_mean.update(items.float())
         return loss, items
 
@@ -279,7 +280,7 @@ def test_metrics_logged_in_pipeline_loss_reach_the_logger(tmp_path, replicas):
     )  # fmt: skip
     metrics = json.loads(out.read_text())
     assert metrics["train_items"] == 4 * 32  # batch_size x block tokens, every micro-batch
-    assert "train_loss" in metrics
+    assert "train_loss" in metrics and "train_loss_epoch" in metrics  # the module's own, per epoch too
     # Each replica's first validation batch (batch_idx 0, so 1.0), one row per replica of the last stage.
     assert metrics["gathered_count"] == replicas and metrics["gathered_sum"] == replicas, metrics
     assert metrics["gathered_dim"] == 2.0
