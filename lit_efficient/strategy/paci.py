@@ -30,6 +30,7 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import _collect_rng_states
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.loops.utilities import _is_max_limit_reached
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.profilers import PassThroughProfiler
 from lightning.pytorch.strategies import DDPStrategy, Strategy
@@ -569,7 +570,7 @@ class PACIStrategy(DDPStrategy):
             # would otherwise train R different models on averaged gradients, silently.
             first, last = self._split.bounds_of(self.stage)
             own = [t for layer in layers[first:last] for t in (*layer.parameters(), *layer.buffers())]
-            broadcast_flat(list({id(t): t for t in own}.values()), self._dp_groups[self.stage])
+            broadcast_flat(own, self._dp_groups[self.stage])
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             self._after_finder = False
@@ -1022,8 +1023,7 @@ class PACIStrategy(DDPStrategy):
         if self.runtime is None or self._epoch_end_seen:
             return
         trainer = self.lightning_module.trainer
-        max_steps = trainer.max_steps
-        if trainer.should_stop or (max_steps is not None and 0 <= max_steps <= trainer.global_step):
+        if trainer.should_stop or _is_max_limit_reached(trainer.global_step, trainer.max_steps):
             return
         for hosted in self.hosted:
             hosted.stage.drop_window()

@@ -196,8 +196,7 @@ def _replicas_agree(strategy: Any) -> None:
     for hosted in strategy.hosted:
         correction = hosted.stage.correction
         if correction is not None and not correction.restores_exactly:
-            params = {id(p): p for p in hosted.stage.parameters()}
-            broadcast_flat(list(params.values()), strategy._dp_groups[hosted.index])
+            broadcast_flat(list(hosted.stage.parameters()), strategy._dp_groups[hosted.index])
 
 
 def in_memory(strategy: Any, checkpoint: dict[str, Any]) -> dict[str, Any]:

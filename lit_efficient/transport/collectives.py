@@ -67,9 +67,10 @@ def broadcast_flat(tensors: Sequence[Tensor], group: dist.ProcessGroup | None = 
 
 def flat_in_place(tensors: Sequence[Tensor], collective: Callable[[Tensor], object]) -> int:
     """Run ``collective`` on one packed buffer per (dtype, device) of ``tensors`` and copy the result back
-    into them; the bytes handed to it. Also how `replicas.fault_tolerance` packs torchft's all-reduce."""
+    into them; the bytes handed to it. Also how `replicas.fault_tolerance` packs torchft's all-reduce. A tensor
+    given twice (a weight shared by two layers of a stage) is sent once."""
     by_dtype: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
-    for t in tensors:
+    for t in {id(t): t for t in tensors}.values():
         by_dtype.setdefault((t.dtype, t.device), []).append(t)
     sent = 0
     for bucket in by_dtype.values():

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lit_efficient.transport.collectives import all_reduce_in_rank_order, sum_in_order
+from lit_efficient.transport.collectives import all_reduce_in_rank_order, flat_in_place, sum_in_order
 from lit_efficient.transport.failures import PipelineCommError
 from lit_efficient.transport.local import LocalStageSum
 from lit_efficient.transport.process import PointToPoint
@@ -176,3 +176,18 @@ def test_sends_are_released_within_the_window_on_gloo():
     assert received is True
     # Two transfers a message (header, payload), the last 3 messages' at most; it was all 120 of them.
     assert held <= 2 * 3, f"{held} sends in flight after 60 messages with a window of 3"
+
+
+def test_a_tensor_given_twice_is_packed_and_sent_once():
+    """The replicas' weight broadcasts pass a stage's parameters, where a weight shared by two of its layers appears
+    twice: each caller deduplicated them itself; the packing does it once for every collective."""
+    shared, other = torch.ones(3), torch.full((2,), 2.0)
+    seen = []
+
+    def double(flat):
+        seen.append(flat.numel())
+        flat.mul_(2)
+
+    sent = flat_in_place([shared, other, shared], double)
+    assert seen == [5] and sent == 5 * 4
+    assert shared.tolist() == [2.0] * 3 and other.tolist() == [4.0] * 2  # each doubled once
