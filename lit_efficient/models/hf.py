@@ -257,6 +257,8 @@ class HFDecoderLayer(nn.Module):
     def forward(self, hidden: Tensor, *side: Tensor | None) -> tuple[Tensor | None, ...]:
         if self.aux is None:
             return (self.template.call(self.index, self.layer, hidden, side), *side)
+        if self.router is None:  # a dense layer: no router logits to add, as in the model's own forward
+            return (self.template.call(self.index, self.layer, hidden, side[:-2]), *side)
         # A hook for this call only: the adapters are rebuilt on every pipeline_layers() and must leave nothing on
         # the model's modules. Under recompute the layer runs again and the hook records the same logits again.
         seen: list[Tensor] = []
@@ -407,8 +409,14 @@ class HFCausalLM(LightningModule):
         s = find_structure(self.model)  # fail at construction for an architecture it cannot split
         self.__dict__["_aux_coef"] = coef
         self.__dict__["_aux"] = None if coef is None else RouterAux(*router_recorder(self.model, s))
-        for i, layer in enumerate(s.base._modules[s.layers] if self._aux else ()):  # type: ignore[arg-type]
-            self._aux.find(layer, i)  # one router per layer, refused now rather than at the first fit
+        if self._aux is not None:  # at most one router per layer and one at least, refused now, not at the first fit
+            routers = [self._aux.find(layer, i) for i, layer in enumerate(s.base._modules[s.layers])]  # type: ignore[arg-type]
+            if not any(routers):
+                raise ValueError(
+                    f"HFCausalLM({type(self.model).__name__}): output_router_logits is on, but no decoder layer holds "
+                    f"a {self._aux.name} router module, so there are no router logits for the auxiliary loss. Build "
+                    "the model with output_router_logits=False to train the cross-entropy alone."
+                )
         config = self.model.config
         if vocab_size is not None and config.vocab_size < vocab_size:
             raise ValueError(

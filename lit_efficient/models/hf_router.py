@@ -99,20 +99,25 @@ class RouterAux:
     router: type | str
     index: int
 
-    def find(self, layer: nn.Module, i: int) -> nn.Module:
-        """Decoder layer ``i``'s one router module."""
+    def find(self, layer: nn.Module, i: int) -> nn.Module | None:
+        """Decoder layer ``i``'s one router module, or None for a layer without one: a dense layer between expert
+        layers (Jamba's ``expert_layer_period``, Qwen2-MoE's ``mlp_only_layers``), which records no logits in the
+        model's own forward either, and a placeholder for another stage's layer on a split rank."""
         found = [
             m
             for m in layer.modules()
             if (type(m).__name__.endswith(self.router) if isinstance(self.router, str) else isinstance(m, self.router))
         ]
-        if len(found) != 1:
-            name = self.router if isinstance(self.router, str) else self.router.__name__
+        if len(found) > 1:
             raise ValueError(
-                f"HFCausalLM: decoder layer {i} holds {len(found)} {name} router modules, not one, so it cannot say "
-                "which logits the auxiliary loss takes. Build the model with output_router_logits=False."
+                f"HFCausalLM: decoder layer {i} holds {len(found)} {self.name} router modules, not one, so it cannot "
+                "say which logits the auxiliary loss takes. Build the model with output_router_logits=False."
             )
-        return found[0]
+        return found[0] if found else None
+
+    @property
+    def name(self) -> str:
+        return self.router if isinstance(self.router, str) else self.router.__name__
 
 
 def remove_output_capture_hooks(model: nn.Module) -> list[str]:

@@ -31,11 +31,11 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _fit(
-    model_type: str, strategy, devices: int, coef: float = 0.02, callbacks=(), router_calls: list | None = None
+    model_type: str, strategy, devices: int, coef: float = 0.02, callbacks=(), router_calls: list | None = None, **kw
 ) -> dict[str, torch.Tensor]:
     """Weights after 3 optimizer steps (6 padded micro-batches, accumulate_grad_batches=2); in one process, each
     router call appends to ``router_calls``."""
-    module = SGDLM(build(model_type, **{**AUX, "router_aux_loss_coef": coef}))
+    module = SGDLM(build(model_type, **{**AUX, "router_aux_loss_coef": coef, **kw}))
     if router_calls is not None:
         for m in module.modules():
             if type(m).__name__.endswith("TopKRouter"):
@@ -55,6 +55,25 @@ def _paci(**kwargs) -> PACIStrategy:
     return PACIStrategy(pipeline_stages=2, **kwargs)  # schedule: the default, "paci"
 
 
+# Qwen2-MoE with a dense layer 0 (``mlp_only_layers``): stage 0 sends no router logits; only layer 1's reach the loss.
+MODELS = {"mixtral": {}, "qwen2_moe": {}, "qwen2_moe dense layer 0": {"mlp_only_layers": [0]}}
+
+
+def _fit_then_validate(model_type: str, strategy, devices: int, **overrides) -> tuple[dict[str, torch.Tensor], float]:
+    """`_fit`'s weights, and the validation loss of 2 more padded batches on the same Trainer after fit (a split rank
+    builds its adapters over the placeholders of the other stage's layers, which hold no router)."""
+    module = SGDLM(build(model_type.split()[0], **{**AUX, **overrides}))
+    trainer = L.Trainer(
+        accelerator="cpu", devices=devices, strategy=strategy, max_epochs=1, accumulate_grad_batches=2, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(_padded_batches(6), batch_size=None))
+    weights = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    held_out = torch.utils.data.DataLoader(_padded_batches(8)[6:], batch_size=None)
+    (metrics,) = trainer.validate(module, dataloaders=held_out, verbose=False)
+    return weights, metrics["val_loss"]
+
+
 def _fit_on_every_rank(rank: int, world: int, types: list[str], kwargs: dict) -> dict | None:
     """Each rank builds its module, as under the default start_method="popen" (torchrun's environment): the
     module is not pickled."""
@@ -63,22 +82,26 @@ def _fit_on_every_rank(rank: int, world: int, types: list[str], kwargs: dict) ->
 
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    out = {model_type: _fit(model_type, _paci(**kwargs), world) for model_type in types}
+    out = {t: _fit_then_validate(t, _paci(**kwargs), world, **MODELS[t]) for t in types}
     return out if rank == 0 else None  # rank 0 holds the whole trained model after fit
 
 
-def _on_two_processes(types: list[str], **kwargs) -> dict[str, dict[str, torch.Tensor]]:
+def _on_two_processes(types: list[str], **kwargs) -> dict[str, tuple[dict[str, torch.Tensor], float]]:
     return values(spawn(_fit_on_every_rank, 2, types, kwargs, timeout=240, torchrun_env=True))[0]
 
 
 @pytest.mark.multiproc
 def test_paci_with_the_router_aux_loss_on_two_processes_equals_one_process():
-    types = ["mixtral", "qwen2_moe"]
-    procs = _on_two_processes(types)  # one process start for both models
-    for model_type in types:
-        local = _fit(model_type, _paci(), 1)
-        assert max_diff(procs[model_type], local) == 0.0, model_type
-        assert max_diff(local, _fit(model_type, _paci(), 1, coef=0.0)) > 1e-4, model_type  # the term is trained
+    """Fit, then validate on the same Trainer (a rank holding another stage's placeholders refused to build its
+    adapters: "decoder layer 2 holds 0 router modules"), Mixtral and Qwen2-MoE, the latter also with a dense layer
+    (refused before: a layer without a router), on two processes as in one."""
+    procs = _on_two_processes(list(MODELS))  # one process start for every model
+    for model_type, overrides in MODELS.items():
+        local, val_loss = _fit_then_validate(model_type, _paci(), 1, **overrides)
+        assert max_diff(procs[model_type][0], local) == 0.0, model_type
+        assert procs[model_type][1] == val_loss, model_type
+        without = _fit(model_type.split()[0], _paci(), 1, coef=0.0, **overrides)
+        assert max_diff(local, without) > 1e-4, model_type  # the term is trained
 
 
 def test_a_module_with_the_router_aux_loss_pickles_for_spawn_and_forkserver():
@@ -133,7 +156,7 @@ def test_bf16_on_the_wire_with_the_router_aux_loss_one_process_equals_processes(
     logits, aux = _router_logits_on_a_bf16_wire("mixtral")
     print(f"router logits rounded to bf16 at the boundary: max change {logits:.3g}, aux_loss change {aux:.3g}")
     assert 0 < logits < 1e-2 and max_diff(local, exact) > 0  # the wire rounds the router logits too
-    assert max_diff(_on_two_processes(["mixtral"], wire_dtype="bfloat16")["mixtral"], local) == 0.0
+    assert max_diff(_on_two_processes(["mixtral"], wire_dtype="bfloat16")["mixtral"][0], local) == 0.0
 
 
 def test_activation_checkpointing_with_the_router_aux_loss_changes_nothing_under_flush():
