@@ -203,6 +203,7 @@ def load_hf_model(
         if vocab_size is not None:
             values.setdefault("vocab_size", vocab_size)
         config = AutoConfig.for_model(values.pop("model_type"), **values)
+        _check_has_a_causal_lm_class(config, f"HFCausalLM(model={{'model_type': {config.model_type!r}, ...}})")
         return AutoModelForCausalLM.from_config(config, **built)
     if isinstance(model, (str, Path)):
         folder = Path(model)
@@ -212,15 +213,69 @@ def load_hf_model(
                 "downloads: save the model with save_pretrained(folder) (or download it yourself) and pass the folder, "
                 "or pass a config dict with model_type."
             )
+        config = AutoConfig.from_pretrained(folder, local_files_only=True)
+        where = f"HFCausalLM(model={str(model)!r})"
+        _check_has_a_causal_lm_class(config, where)
+        _check_saved_from_a_causal_lm(config, where)
         if torch.get_default_device().type == "meta":  # the memory plan: the architecture, no weights to read
-            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder, local_files_only=True), **built)
+            return AutoModelForCausalLM.from_config(config, **built)
+        loaded, info = AutoModelForCausalLM.from_pretrained(
+            folder, local_files_only=True, dtype=resolved, output_loading_info=True, **kwargs
+        )
+        # transformers only logs the weights a folder lacks, and initializes them at random: a folder saved from
+        # another class (an encoder-decoder's, a bare base model without a tied head) trained from noise, silently.
+        parameters = dict(loaded.named_parameters())
+        missing = sorted(k for k in info.get("missing_keys", ()) if k in parameters)
+        if missing:
+            shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+            raise ValueError(
+                f"{where}: the folder's weights do not hold {len(missing)} of {type(loaded).__name__}'s parameters "
+                f"({shown}), which would train from random values. Save the causal LM itself (its ...ForCausalLM "
+                "class) with save_pretrained, or pass the model instance you built."
+            )
         # from_pretrained returns the model in eval mode (for inference); a model built here is to train, and
         # Lightning keeps each submodule's mode as it finds it: left so, dropout would stay off, silently.
-        return AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=resolved, **kwargs).train()
+        return loaded.train()
     raise TypeError(
         f"HFCausalLM(model=...) takes a transformers PreTrainedModel, a config dict or a local folder; got "
         f"{type(model).__name__}"
     )
+
+
+def _causal_lm_classes() -> dict[str, set[str]]:
+    """transformers' causal LM class names by model_type: what AutoModelForCausalLM builds."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return {t: {n} if isinstance(n, str) else set(n) for t, n in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()}
+
+
+def _check_has_a_causal_lm_class(config: Any, where: str) -> None:
+    """Refuse a config whose model_type transformers has no causal LM class for (T5, an encoder), naming that,
+    instead of AutoModelForCausalLM's list of two hundred config classes."""
+    if config.model_type not in _causal_lm_classes():
+        raise ValueError(
+            f"{where}: model_type {config.model_type!r} ({type(config).__name__}) has no causal LM class in "
+            "transformers, and HFCausalLM trains decoder-only causal LMs (next-token prediction), not encoder-decoder "
+            "(T5, BART) or encoder-only models. docs/hf-models.md lists the architectures that train and why the "
+            "others are refused."
+        )
+
+
+def _check_saved_from_a_causal_lm(config: Any, where: str) -> None:
+    """Refuse a folder that config.json says was saved from a transformers class other than a causal LM (a
+    BertForMaskedLM, a BartForConditionalGeneration, a bare Qwen2Model): AutoModelForCausalLM would load the
+    weights the two classes share and leave the rest random. Names transformers does not know (remote code) pass."""
+    import transformers
+
+    saved = [a for a in getattr(config, "architectures", None) or () if hasattr(transformers, a)]
+    causal = _causal_lm_classes()[config.model_type]
+    if saved and not causal.intersection(saved):
+        raise ValueError(
+            f"{where}: the folder was saved from {', '.join(saved)} (its config.json's architectures), not a causal "
+            f"LM; AutoModelForCausalLM would load it as {' or '.join(sorted(causal))} and start whatever the two "
+            "classes do not share from random values. Pass a folder saved from the causal LM class (the "
+            "...ForCausalLM one), or build that model from this one's weights and pass the instance."
+        )
 
 
 # ----------------------------------------------------------------------------- pipeline layers

@@ -111,7 +111,10 @@ def find_structure(model: nn.Module) -> Structure:
     held |= {id(p) for n in head for p in model.get_submodule(n).parameters()}
     stray = sorted({n.rpartition(".")[0] for n, p in model.named_parameters() if id(p) not in held})
     if stray:  # e.g. a vision tower beside the text decoder, or weights on the way down to it
-        raise ValueError(f"{want}: {stray} hold weights outside the decoder stack model.{path} and the model's head.")
+        raise ValueError(
+            f"{want}: {stray} hold weights outside the decoder stack model.{path} and the model's head. "
+            "docs/hf-models.md lists the architectures that train and why the others are refused."
+        )
     own = [n for n, _ in base.named_parameters(recurse=False)]
     if own:  # ZAYA's input scale and bias: a stage holds whole modules, and this one holds every decoder layer too
         raise ValueError(

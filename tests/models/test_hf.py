@@ -438,6 +438,30 @@ def test_a_base_model_without_a_head_is_refused_naming_the_causal_lm_class():
         HFCausalLM(base)
 
 
+def test_a_folder_of_another_class_is_refused_before_it_trains_from_random_weights(tmp_path):
+    """from_pretrained loads what a folder and the causal LM class share and initializes the rest at random, saying so
+    only in transformers' log: a bare Qwen2Model's folder trained with a random LM head, BART's seq2seq folder without
+    its embeddings. And a T5 config failed with AutoModelForCausalLM's list of two hundred config classes."""
+    from safetensors.torch import load_file, save_file
+    from transformers import BartConfig, BartForConditionalGeneration, Qwen2Model
+
+    Qwen2Model(qwen2(tie_word_embeddings=False).config).save_pretrained(tmp_path / "bare")
+    with pytest.raises(ValueError, match=r"saved from Qwen2Model .* not a causal LM; .* as Qwen2ForCausalLM"):
+        HFCausalLM(str(tmp_path / "bare"))
+    bart = BartConfig(vocab_size=VOCAB, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                      decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32)  # fmt: skip
+    BartForConditionalGeneration(bart).save_pretrained(tmp_path / "bart")
+    with pytest.raises(ValueError, match=r"saved from BartForConditionalGeneration .* as BartForCausalLM"):
+        HFCausalLM(str(tmp_path / "bart"))
+    qwen2(tie_word_embeddings=False).save_pretrained(tmp_path / "no_head")  # a causal LM's folder, its head lost
+    weights = tmp_path / "no_head" / "model.safetensors"
+    save_file({k: v for k, v in load_file(weights).items() if k != "lm_head.weight"}, weights, {"format": "pt"})
+    with pytest.raises(ValueError, match=r"do not hold 1 of Qwen2ForCausalLM's parameters \(lm_head.weight\)"):
+        HFCausalLM(str(tmp_path / "no_head"))
+    with pytest.raises(ValueError, match=r"model_type 't5' \(T5Config\) has no causal LM class"):
+        HFCausalLM({"model_type": "t5", "d_model": 16, "num_layers": 1, "num_heads": 2})
+
+
 def test_blocks_longer_than_the_position_table_are_refused_with_the_fix():
     """The Python API pair HFCausalLM(gpt2 with n_positions=16) and TextDataModule(block_size=32) failed with a bare
     IndexError in stage 0's position embedding; a data module of the user's own has no block_size to check."""
