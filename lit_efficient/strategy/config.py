@@ -250,7 +250,9 @@ def _check_arguments(
     if not is_count(stages):
         raise ValueError(f"pipeline_stages={stages!r} must be an integer >= 1")
     if schedule not in SCHEDULES:
-        raise ValueError(f"schedule={schedule!r} is not one of {', '.join(SCHEDULES)}")
+        close = [name for name in SCHEDULES if isinstance(schedule, str) and schedule.lower().replace("-", "_") in name]
+        hint = f" (did you mean {close[0]!r}?)" if len(close) == 1 else ""
+        raise ValueError(f"schedule={schedule!r} is not one of {', '.join(SCHEDULES)}{hint}")
     if isinstance(balance, list):
         if len(balance) != stages or not all(is_count(n) for n in balance):
             raise ValueError(f"balance={balance} must list {stages} positive layer counts, one per stage")

@@ -367,3 +367,11 @@ def test_an_option_of_the_wrong_kind_is_refused_naming_it(kwargs, said):
     machinery, or were dropped (a precision given as a string trained in float32) without naming the option."""
     with pytest.raises(ValueError, match=said):
         PACIStrategy(**kwargs)
+
+
+def test_a_schedule_named_otherwise_is_refused_naming_the_one_meant():
+    """schedule="flush" (the name the docs and BENCHMARKS.md use in prose) said only "not one of paci, 1f1b_flush"."""
+    for given, meant in (("flush", "1f1b_flush"), ("1F1B-flush", "1f1b_flush"), ("PACI", "paci")):
+        want = f"schedule={given!r} is not one of paci, 1f1b_flush (did you mean {meant!r}?)"
+        assert want in _refusal(schedule=given)
+    assert _refusal(schedule="gpipe") == "schedule='gpipe' is not one of paci, 1f1b_flush"  # nothing close: no guess
