@@ -671,7 +671,8 @@ class HFCausalLM(LightningModule):
                 f"(router coefficient {self._aux_coef}), which is not a per-token sum: "
                 f"{type(tokens[0]).__name__}(normalize='tokens') would weigh it by each micro-batch's token count, "
                 "an objective Hugging Face's loss is not. Use normalize='mean' (each micro-batch's loss weighs 1, as "
-                "Lightning's accumulate_grad_batches), or output_router_logits=False."
+                "Lightning's accumulate_grad_batches; in a config, `normalize: mean` in the GradientAccumulation "
+                "callback's init_args), or output_router_logits=False."
             )
 
     @override

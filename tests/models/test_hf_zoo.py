@@ -277,7 +277,8 @@ def test_the_router_aux_loss_with_token_normalization_is_refused():
         enable_progress_bar=False, enable_model_summary=False, callbacks=[GradientAccumulation(2, normalize="tokens")],
     )  # fmt: skip
     data = torch.utils.data.DataLoader(_padded_batches(2), batch_size=None)
-    with pytest.raises(ValueError, match=r"router coefficient 0\.02.*normalize='tokens'.*normalize='mean'"):
+    refusal = r"router coefficient 0\.02.*normalize='tokens'.*normalize='mean'.*`normalize: mean` in the GradientAccumu"
+    with pytest.raises(ValueError, match=refusal):
         trainer.fit(sgd_module(build("mixtral", **AUX)), train_dataloaders=data)
 
 
