@@ -27,6 +27,9 @@ the rule and its installation on a stage.
   LM-head-side term has no staleness (drift 0 on the last stage). Cost: stage 0 keeps the last
   ``d`` gradients of the parameter (d x its size) and the ``d`` gradients still in flight at the end
   of training are never applied.
+- PACI's synchronous start (``PACIStrategy(sync_start_steps=K)``: its first K updates in 1F1B-flush order) sums the
+  two gradients as under ``1f1b_flush``, so nothing is stale there, tied weights included; the delay line starts
+  where PACI's order does (`TiedWeight.follow`): its first ``d`` updates use the LM-head term only, as at a start.
 
 A checkpoint keeps the delay line (`TiedWeight.state_dict`): both stages' update count and stage 0's ``d``
 gradients the last stage has not applied yet. A save drains the pipeline, so both stages have made the same
@@ -105,13 +108,35 @@ class TiedWeight:
         self.delay = delay
         self.exchange = exchange
         self.updates = 0
+        self.order: ScheduleName = schedule  # the order the pipeline runs now (`follow`)
+        self.line_start: int | None = 0 if schedule == "paci" else None  # PACI's delay line: its first update
         self._own: deque[Tensor] = deque()  # first stage, paci: its gradients not yet applied
+
+    def follow(self, order: ScheduleName) -> None:
+        """The pipeline runs ``order`` from the next window, at a drained pipeline on both stages alike (PACI's
+        synchronous start runs flush's order first): under flush's order the two copies sum their gradients as
+        under ``1f1b_flush``, under PACI's the delay line runs, started at the first update in that order (kept where
+        it already runs, as a checkpoint restored it)."""
+        self.order = order
+        if self.schedule != "paci":
+            return
+        if order == "1f1b_flush":
+            self.line_start = None
+        elif self.line_start is None:
+            self.line_start = self.updates
+
+    @property
+    def _in_line(self) -> int:
+        """Updates made since the delay line started (0 while the copies sum their gradients)."""
+        return 0 if self.line_start is None else self.updates - self.line_start
 
     def state_dict(self) -> dict[str, Any]:
         """The delay line as a checkpoint keeps it, at a drained pipeline: the updates made and, on the first stage
         under PACI, its gradients the last stage has not applied yet (oldest first; ``{"0": ...}``: a checkpoint
         folder keeps dicts, not lists)."""
         state: dict[str, Any] = {"schedule": self.schedule, "delay": self.delay, "updates": self.updates}
+        if self.schedule == "paci":  # -1: not started (a synchronous start); a folder keeps no None
+            state["line_start"] = -1 if self.line_start is None else self.line_start
         if self.schedule == "paci" and self.is_first:
             state["pending"] = {str(i): g for i, g in enumerate(self._own)}
         return state
@@ -125,10 +150,14 @@ class TiedWeight:
         if state is None or (state["schedule"], state["delay"]) != (self.schedule, self.delay):
             return
         self.updates = int(state["updates"])
-        if self.schedule != "paci" or not self.is_first:
+        if self.schedule != "paci":
+            return
+        start = int(state.get("line_start", 0))  # an older checkpoint: its line ran from 0
+        self.line_start = None if start < 0 else start
+        if not self.is_first:
             return
         pending = state.get("pending", {})  # a folder drops an empty dict: no update made yet
-        if len(pending) != min(self.delay, self.updates):
+        if len(pending) != min(self.delay, self._in_line):
             raise RuntimeError(
                 f"the checkpoint's tied-weight delay line holds {len(pending)} pending gradients after "
                 f"{self.updates} updates at delay {self.delay}: it was not saved at a drained pipeline"
@@ -144,8 +173,8 @@ class TiedWeight:
         if p.grad is None:
             p.grad = p.detach().new_zeros(p.shape)  # unused in this window: its contribution is zero
         g = p.grad
-        k, self.updates = self.updates, self.updates + 1
-        if self.schedule == "1f1b_flush":
+        k, self.updates = self._in_line, self.updates + 1
+        if self.line_start is None:  # 1F1B-flush, or PACI's synchronous start
             self.exchange.all_reduce(g)
         elif self.is_first:
             own = g.detach().clone()
@@ -165,15 +194,16 @@ def finish_tied(tied: list[TiedWeight]) -> None:
     were sent, so no transfer outlives the run; the lines are empty afterwards (no update made)."""
     if not tied:
         return
-    rounds = min(tied[0].delay, tied[0].updates)
+    rounds = min(tied[0].delay, tied[0]._in_line)
     for _ in range(rounds):
         for t in tied:
-            if t.schedule == "paci" and not t.is_first:
+            if not t.is_first:
                 t.exchange.recv(t.param)
     for t in tied:
         t.exchange.flush()
         t._own.clear()
         t.updates = 0
+        t.line_start = 0 if t.schedule == "paci" and t.order == "paci" else None
 
 
 def restore_tied(tied: list[TiedWeight], states: list[dict[str, Any] | None]) -> None:

@@ -601,6 +601,7 @@ class PACIStrategy(DDPStrategy):
         self.hosted = [
             HostedStage(runtime, *part.lightning) for runtime, part in zip(self.runtime.runtimes, stages, strict=True)
         ]
+        self._tied_follow(order)
         if fitting:
             # Lightning and every callback see what global rank 0 shows them: its stage's optimizer and schedulers
             # (in one process the last stage's), so LearningRateMonitor's keys are the same in both hostings.
@@ -713,7 +714,15 @@ class PACIStrategy(DDPStrategy):
         between windows, with nothing in flight; every rank at the same step)."""
         assert self.runtime is not None
         self.runtime.switch_schedule(self.schedule)
+        self._tied_follow(self.schedule)
         self._in_sync_start = False
+
+    def _tied_follow(self, order: ScheduleName) -> None:
+        """The tied weights' rule follows the runtimes' order (`TiedWeight.follow`): summed gradients, nothing stale,
+        in PACI's synchronous start, as under flush."""
+        for hosted in self.hosted:
+            for tied in hosted.tied:
+                tied.follow(order)
 
     def correction_for(self, stage: int, trainer: Trainer, optimizer: Any) -> StalenessCorrection | None:
         """The staleness correction of ``stage`` with its ``optimizer`` (None: off, or nothing to correct there)."""
@@ -1062,6 +1071,7 @@ class PACIStrategy(DDPStrategy):
         assert self.runtime is not None
         if trainer.global_step < self.sync_start and not self._in_sync_start:  # a finder's run before rewound it
             self.runtime.switch_schedule("1f1b_flush")
+            self._tied_follow("1f1b_flush")
             self._in_sync_start = True
         self._loss_trend = LossTrend()  # a blow-up of this run's loss against its own trend: one warning
 
