@@ -95,7 +95,11 @@ class SavedActivationMeter:
         self._token: contextvars.Token | None = None
 
     def add(self, tensor: Tensor) -> None:
-        """Count `tensor`'s storage unless it was counted already (or belongs to an excluded module)."""
+        """Count `tensor`'s storage unless it was counted already (or belongs to an excluded module). Nothing while
+        torch.compile traces: its tensors are stand-ins (a symbolic size under ``dynamic=True`` broke the trace), and
+        the compiled graph's saved tensors pass the saved-tensor hooks when it runs, where they count."""
+        if torch.compiler.is_compiling():
+            return
         try:
             storage = tensor.untyped_storage()
             key, nbytes = storage.data_ptr(), storage.nbytes()
