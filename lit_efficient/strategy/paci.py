@@ -149,6 +149,25 @@ from lit_efficient.transport.wire import WireFormat
 Balance = Literal["parameters", "uniform", "profile"]
 
 
+def _in_place_compile(module: Any) -> Any:
+    """How ``module.compile(...)`` (torch's in-place form, which compiles the module's own call) compiles: the stages
+    never make that call, so the options go to their layers instead, or None for a module not compiled so. The
+    options are the compile context the call holds; where torch keeps it elsewhere, torch.compile's defaults."""
+    compiled = getattr(module, "_compiled_call_impl", None)
+    if compiled is None:
+        return None
+    from torch._dynamo.eval_frame import OptimizeContext
+
+    cells = [cell.cell_contents for cell in getattr(compiled, "__closure__", None) or ()]
+    found = next((c for c in cells if isinstance(c, OptimizeContext)), None)
+    rank_zero_info(
+        f"PACIStrategy: {type(module).__name__} was compiled in place (module.compile()), which compiles its own call; "
+        "the stages call its layers, so each stage compiles its layers "
+        + ("with that call's options." if found is not None else "with torch.compile's default options.")
+    )
+    return found if found is not None else torch.compile
+
+
 class PACIStrategy(DDPStrategy):
     """Pipeline-parallel training: split the model into stages over processes and run PACI or 1F1B-flush.
 
@@ -807,7 +826,11 @@ class PACIStrategy(DDPStrategy):
                 setattr(module, name, ctx[f"original_{name}"])
             return ctx["dynamo_ctx"]
         if self.compile_layers is False:
-            return None
+            compile_fn = _in_place_compile(module)
+            if compile_fn is not None:  # its own call, the pipeline's answer to self(...), runs eager until teardown
+                self._compiled_steps.setdefault("_compiled_call_impl", module._compiled_call_impl)
+                module._compiled_call_impl = None
+            return compile_fn
         options = self.compile_layers if isinstance(self.compile_layers, dict) else {}
         return lambda layer: torch.compile(layer, **options)
 

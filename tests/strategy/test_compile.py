@@ -8,6 +8,8 @@ benchmark (benchmarks/compile.py).
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from lightning.pytorch import Trainer
@@ -70,6 +72,24 @@ def test_fit_of_a_compiled_module_compiles_every_stage_and_trains_as_eager(recom
     _assert_same(compiled, eager)
     assert abs(compiled_val - eager_val) <= 1e-6
     assert compiled_model._orig_mod._compiler_ctx is not None  # the module leaves fit compiled, as it came
+
+
+def test_a_module_compiled_in_place_compiles_every_stage_with_its_options(caplog):
+    """``model.compile()`` (torch's in-place form) compiled only the module's own call, which the stages never make:
+    the fit ran eager, silently."""
+    eager, eager_val = _fit(_model())
+    model = _model()
+    model.compile(backend="aot_eager")
+    compiled_call = model._compiled_call_impl
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+        compiled, compiled_val = _fit(model)
+    assert _frames() >= 2  # each stage's layers (0 before)
+    assert "GPT was compiled in place (module.compile()) ... with that call's options." in caplog.text.replace(
+        ", which compiles its own call; the stages call its layers, so each stage compiles its layers", " ..."
+    )
+    _assert_same(compiled, eager)
+    assert abs(compiled_val - eager_val) <= 1e-6
+    assert model._compiled_call_impl is compiled_call  # the module leaves fit compiled, as it came
 
 
 def test_compile_layers_option_compiles_an_unwrapped_module():
