@@ -34,7 +34,13 @@ from torch.utils.flop_counter import FlopCounterMode
 from lit_efficient.callbacks import activation_checkpointing as ac
 from lit_efficient.runtime.partition import partition_profiled
 from lit_efficient.runtime.topology import Topology
-from lit_efficient.strategy.config import _PRECISIONS, _check_sharding, _sharding_applies, check_accumulate
+from lit_efficient.strategy.config import (
+    _PRECISIONS,
+    _check_sharding,
+    _sharding_applies,
+    check_accumulate,
+    unsupported_precision,
+)
 from lit_efficient.strategy.paci import PACIStrategy
 from lit_efficient.tools.fake_memory import (
     MakeOptimizer,
@@ -206,10 +212,7 @@ def unified_precision(precision: Any) -> str:
     except ValueError as error:
         raise PlanError(str(error)) from error
     if name not in _PRECISIONS:
-        raise PlanError(
-            f"precision={precision!r} is not supported by PACIStrategy (fit refuses it too): use one of "
-            f"{', '.join(_PRECISIONS)}"
-        )
+        raise PlanError(unsupported_precision(name))
     return name
 
 

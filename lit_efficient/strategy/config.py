@@ -385,7 +385,18 @@ def _check_module(module: LightningModule, precision: Precision) -> None:
         )
     name = getattr(precision, "precision", None)
     if name not in _PRECISIONS or (name == "bf16-mixed" and not isinstance(precision, MixedPrecision)):
-        raise ValueError(f"precision={name!r} is not supported by PACIStrategy: use one of {', '.join(_PRECISIONS)}")
+        raise ValueError(unsupported_precision(name))
+
+
+def unsupported_precision(name: Any) -> str:
+    """The refusal of a Trainer precision PACIStrategy does not train in (fit's, and `lit-efficient plan`'s)."""
+    low = (
+        " (for weights, gradients and optimizer state in bfloat16, build the model in that dtype, model.to("
+        "torch.bfloat16) or HFCausalLM(dtype='bfloat16'), and keep precision='32-true')"
+        if isinstance(name, str) and name.endswith("-true") and name != "64-true"
+        else ""
+    )
+    return f"precision={name!r} is not supported by PACIStrategy: use one of {', '.join(_PRECISIONS)}{low}"
 
 
 def check_options(

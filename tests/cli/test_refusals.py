@@ -120,6 +120,8 @@ def _no_measuring(monkeypatch):
         (["--trainer.accumulate_grad_batches", "0"], "trainer.accumulate_grad_batches=0: micro-batches per optimizer"),
         (["--trainer.devices", "3"], "pipeline_stages=2 does not divide the world size 3"),
         (["--trainer.precision", "16-mixed"], "precision='16-mixed' is not supported by PACIStrategy"),
+        (["--trainer.precision", "bf16-true"], "bf16-mixed (for weights, gradients and optimizer state in bfloat16, "
+         "build the model in that dtype, model.to(torch.bfloat16) or HFCausalLM(dtype='bfloat16'), and keep"),
     ],
 )  # fmt: skip
 def test_plan_refusals_are_usage_errors(capsys, _no_measuring, args, message):
