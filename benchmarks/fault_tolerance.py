@@ -346,7 +346,7 @@ def main() -> None:
 
         def fresh(name: str) -> Path:
             root = Path(tmp, name)
-            root.mkdir()
+            root.mkdir(parents=True)
             (root / "train.py").write_text(_SCRIPT)
             return root
 

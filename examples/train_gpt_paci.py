@@ -16,6 +16,8 @@ The offline W&B run lands in runs/wandb/ (``wandb sync`` it later); the pipeline
 
 from __future__ import annotations
 
+import argparse
+
 from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import WandbLogger
 
@@ -40,4 +42,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    # No options; --help prints the above instead of starting the run.
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     main()

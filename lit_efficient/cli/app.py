@@ -39,6 +39,11 @@ from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCL
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lit_efficient.callbacks import (  # noqa: F401 - known to --trainer.callbacks+ by name, as ModelCheckpoint is
+    ActivationCheckpointing,
+    GradientAccumulation,
+    PipelineMonitor,
+)
 from lit_efficient.models import GPT, HFCausalLM  # noqa: F401 - HFCausalLM: known to --model by name
 from lit_efficient.strategy import PACIStrategy  # importing it registers the names "paci" and "1f1b_flush"
 from lit_efficient.strategy.config import explain_refused, options_of, refusal_footer

@@ -49,6 +49,18 @@ def _help(capsys, *args: str) -> str:
 # -- parser -----------------------------------------------------------------------------------------
 
 
+def test_the_packages_callbacks_are_known_by_their_short_names_without_a_config():
+    """``--trainer.callbacks+ ActivationCheckpointing`` failed ("Expected a dot import path string") unless a config
+    naming one of them had been read first; Lightning's ModelCheckpoint always worked."""
+    names = ("ActivationCheckpointing", "GradientAccumulation", "PipelineMonitor")
+    flags = [arg for name in names for arg in ("--trainer.callbacks+", name)]
+    # A fresh process, as the console script's: this one has imported the callbacks already.
+    command = [sys.executable, "-m", "lit_efficient.cli", "fit", "--model", "GPT", *flags, "--print_config"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert all(f"class_path: lit_efficient.{name}" in done.stdout for name in names), done.stdout
+
+
 def test_help_comes_from_docstrings(capsys):
     fit = _help(capsys, "fit", "--help")
     assert "--trainer.strategy" in fit and "lit_efficient.PACIStrategy" in fit
