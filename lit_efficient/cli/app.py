@@ -46,7 +46,7 @@ from lit_efficient.callbacks import (  # noqa: F401 - known to --trainer.callbac
 )
 from lit_efficient.models import GPT, HFCausalLM  # noqa: F401 - HFCausalLM: known to --model by name
 from lit_efficient.strategy import PACIStrategy  # importing it registers the names "paci" and "1f1b_flush"
-from lit_efficient.strategy.config import explain_refused, options_of, refusal_footer
+from lit_efficient.strategy.config import RefusedSetting, explain_refused, options_of, refusal_footer
 from lit_efficient.strategy.runs import restartable_job_id, run_dir
 
 DEFAULT_SAVE_DIR = "runs"
@@ -422,6 +422,15 @@ class LitEfficientCLI(LightningCLI):
                     init["id"] = run
                     if init.get("resume") is None:
                         init["resume"] = "allow"
+
+    @override
+    def _run_subcommand(self, subcommand: str) -> None:
+        try:
+            super()._run_subcommand(subcommand)
+        except RefusedSetting as error:  # refused before any process started: a usage error, as a constructor's
+            if os.environ.get("JSONARGPARSE_DEBUG"):
+                raise
+            self.parser.exit(2, f"{self.parser.prog}: error: {error}\n")
 
     def after_fit(self) -> None:
         """Say where the run's checkpoint is, and how to resume from it, or that none was saved."""

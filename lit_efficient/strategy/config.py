@@ -61,6 +61,25 @@ class _ChecksFirst:
             trainer.strategy._check_before_launch(trainer)
 
 
+class RefusedSetting(ValueError):
+    """A setting refused before anything runs (`PACIStrategy._check_before_launch`): the user's to change, which
+    the command line reports as a usage error rather than a traceback."""
+
+
+def refused_before_launch(check: Any) -> Any:
+    """``check`` (a strategy's `_check_before_launch`) raising its ValueError as a `RefusedSetting`."""
+
+    def checked(self: Any, trainer: Trainer) -> None:
+        try:
+            check(self, trainer)
+        except RefusedSetting:
+            raise
+        except ValueError as error:
+            raise RefusedSetting(str(error)) from None
+
+    return checked
+
+
 class _CheckedScriptLauncher(_ChecksFirst, _SubprocessScriptLauncher):
     """`_SubprocessScriptLauncher` (``start_method="popen"``, torchrun, SLURM) with the check, and the ranks it
     starts watched by `rank_reaper.RankObserver`, not Lightning's observer (which SIGKILLs this process when a

@@ -85,6 +85,7 @@ from lit_efficient.strategy.config import (
     check_replica_groups,
     check_streaming_ties,
     check_sync_start,
+    refused_before_launch,
 )
 from lit_efficient.strategy.divergence import LossTrend
 from lit_efficient.strategy.fault_tolerant import start_replicas
@@ -489,6 +490,7 @@ class PACIStrategy(DDPStrategy):
         elif isinstance(self._launcher, _MultiProcessingLauncher):
             self._launcher = _CheckedMultiProcessingLauncher(self, start_method=self._start_method)
 
+    @refused_before_launch
     def _check_before_launch(self, trainer: Trainer) -> None:
         """Refuse a layout or accumulation setting that cannot work, before any process starts."""
         check_before_launch(self, trainer)

@@ -64,6 +64,20 @@ def test_a_value_a_constructor_refuses_is_a_usage_error(capsys, option, value, l
     assert "--help" not in err.splitlines()[0] and len(err.strip().splitlines()) <= 3  # a line, not the usage
 
 
+@pytest.mark.parametrize(
+    "args, line",
+    [
+        (["--trainer.accumulate_grad_batches", "-2"], "Trainer(accumulate_grad_batches=-2): micro-batches per"),
+        (["--trainer.strategy.init_args.balance", "[1,2]"], "PACIStrategy(balance=[1, 2]) sums to 3 layers"),
+    ],
+)  # fmt: skip
+def test_a_setting_refused_before_launch_is_a_usage_error(capsys, args, line):
+    """Checked when fit starts (the Trainer's and the model's settings together), before any process: these were a
+    32-line traceback where a constructor's refusal is one line."""
+    err = _usage_error(capsys, cli_main, "fit", "--config", QUICKSTART, "--trainer.logger=false", *args)
+    assert f"lit-efficient: error: {line}" in err
+
+
 def test_a_refused_callback_is_named_by_its_place_in_the_list(capsys, tmp_path):
     overlay = _overlay(tmp_path, {"callbacks": [
         {"class_path": "lit_efficient.PipelineMonitor"},
