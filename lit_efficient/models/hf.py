@@ -242,17 +242,22 @@ def load_hf_model(
     )
 
 
-def _causal_lm_classes() -> dict[str, set[str]]:
-    """transformers' causal LM class names by model_type: what AutoModelForCausalLM builds."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+def _causal_lm_classes(config: Any) -> set[str]:
+    """The names of the classes AutoModelForCausalLM builds for ``config`` (classes registered with it included);
+    empty where it builds none."""
+    from transformers import AutoModelForCausalLM
 
-    return {t: {n} if isinstance(n, str) else set(n) for t, n in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()}
+    try:
+        found = AutoModelForCausalLM._model_mapping[type(config)]
+    except KeyError:
+        return set()
+    return {c.__name__ for c in (found if isinstance(found, (list, tuple)) else (found,))}
 
 
 def _check_has_a_causal_lm_class(config: Any, where: str) -> None:
     """Refuse a config whose model_type transformers has no causal LM class for (T5, an encoder), naming that,
     instead of AutoModelForCausalLM's list of two hundred config classes."""
-    if config.model_type not in _causal_lm_classes():
+    if not _causal_lm_classes(config):
         raise ValueError(
             f"{where}: model_type {config.model_type!r} ({type(config).__name__}) has no causal LM class in "
             "transformers, and HFCausalLM trains decoder-only causal LMs (next-token prediction), not encoder-decoder "
@@ -268,7 +273,7 @@ def _check_saved_from_a_causal_lm(config: Any, where: str) -> None:
     import transformers
 
     saved = [a for a in getattr(config, "architectures", None) or () if hasattr(transformers, a)]
-    causal = _causal_lm_classes()[config.model_type]
+    causal = _causal_lm_classes(config)
     if saved and not causal.intersection(saved):
         raise ValueError(
             f"{where}: the folder was saved from {', '.join(saved)} (its config.json's architectures), not a causal "
@@ -466,7 +471,7 @@ class HFCausalLM(LightningModule):
         self.__dict__["_aux"] = None if coef is None else RouterAux(*router_recorder(self.model, s))
         if self._aux is not None:  # at most one router per layer and one at least, refused now, not at the first fit
             routers = [self._aux.find(layer, i) for i, layer in enumerate(s.base._modules[s.layers])]  # type: ignore[arg-type]
-            if not any(routers):
+            if all(router is None for router in routers):
                 raise ValueError(
                     f"HFCausalLM({type(self.model).__name__}): output_router_logits is on, but no decoder layer holds "
                     f"a {self._aux.name} router module, so there are no router logits for the auxiliary loss. Build "

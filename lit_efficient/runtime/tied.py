@@ -154,6 +154,8 @@ class TiedWeight:
             return
         start = int(state.get("line_start", 0))  # an older checkpoint: its line ran from 0
         self.line_start = None if start < 0 else start
+        if self.line_start is None and self.order == "paci":  # saved inside a synchronous start this run has not
+            self.line_start = self.updates
         if not self.is_first:
             return
         pending = state.get("pending", {})  # a folder drops an empty dict: no update made yet

@@ -10,6 +10,7 @@ import os
 import signal
 from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, get_args
 
 import torch
@@ -67,7 +68,8 @@ class RefusedSetting(ValueError):
 
 
 def refused_before_launch(check: Any) -> Any:
-    """``check`` (a strategy's `_check_before_launch`) raising its ValueError as a `RefusedSetting`."""
+    """``check`` (a strategy's `_check_before_launch`) raising its own ValueErrors as `RefusedSetting`s. An error
+    from deeper (the user's ``pipeline_layers()``, a model's dry run) is no setting: it keeps its type."""
 
     def checked(self: Any, trainer: Trainer) -> None:
         try:
@@ -75,9 +77,23 @@ def refused_before_launch(check: Any) -> Any:
         except RefusedSetting:
             raise
         except ValueError as error:
-            raise RefusedSetting(str(error)) from None
+            if not _raised_by_the_checks(error):
+                raise
+            raise RefusedSetting(str(error)) from error
 
     return checked
+
+
+def _raised_by_the_checks(error: BaseException) -> bool:
+    """Whether ``error`` was raised in the package's own checks (strategy/, replicas/), not in code they call."""
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None:
+        return False
+    origin = Path(tb.tb_frame.f_code.co_filename).resolve()
+    package = Path(__file__).resolve().parents[1]
+    return origin.parent in (package / "strategy", package / "replicas")
 
 
 class _CheckedScriptLauncher(_ChecksFirst, _SubprocessScriptLauncher):
@@ -577,13 +593,17 @@ def check_before_launch(strategy: Any, trainer: Trainer) -> None:
             "sharded folder) and never calls a CheckpointIO. Remove the plugin; for saves that do not stall "
             "training use PACIStrategy(checkpoint_format='sharded', async_checkpoint=True)."
         )
-    if isinstance(strategy._launcher, _MultiProcessingLauncher) and trainer.lightning_module._compiler_ctx is not None:
+    module = trainer.lightning_module
+    compiled = module._compiler_ctx is not None or getattr(module, "_compiled_call_impl", None) is not None
+    if isinstance(strategy._launcher, _MultiProcessingLauncher) and compiled:
+        form = "trainer.fit(torch.compile(model))" if module._compiler_ctx is not None else "model.compile()"
         raise ValueError(
-            f"trainer.fit(torch.compile(model)) cannot start ranks with PACIStrategy(start_method="
+            f"{form} cannot start ranks with PACIStrategy(start_method="
             f"{strategy._start_method!r}): they get a pickled copy of the module, and a compiled module's forward "
-            "does not pickle. Pass the module uncompiled with PACIStrategy(compile_layers={...}) holding the "
-            "same torch.compile options (each stage compiles its own layers), or launch with "
-            "start_method='popen' / torchrun / SLURM, where every rank runs your script and compiles itself."
+            "does not pickle (or, compiled in place, arrives eager). Pass the module uncompiled with "
+            "PACIStrategy(compile_layers={...}) holding the same torch.compile options (each stage compiles its own "
+            "layers), or launch with start_method='popen' / torchrun / SLURM, where every rank runs your script and "
+            "compiles itself."
         )
     if world > 1 and world % strategy.pipeline_stages:
         raise ValueError(

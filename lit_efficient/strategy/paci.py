@@ -73,6 +73,7 @@ from lit_efficient.runtime.topology import Topology
 from lit_efficient.strategy import evaluation, stage_checkpoints
 from lit_efficient.strategy.config import (
     WIRE_DTYPES,
+    RefusedSetting,
     _CheckedMultiProcessingLauncher,
     _CheckedScriptLauncher,
     _refuse_unknown,
@@ -1124,7 +1125,7 @@ class PACIStrategy(DDPStrategy):
     def on_exception(self, exception: BaseException) -> None:
         self._failed = True
         self.final_state = None  # a save after a failed fit must not write the previous fit's end
-        if self.topology is not None:
+        if self.topology is not None and not isinstance(exception, RefusedSetting):  # a refusal is said once, raised
             # In one process every stage runs here, and which one raised is in the traceback: no stage is named (the
             # last stage was, for a failure in stage 0's backward).
             here = (

@@ -78,6 +78,21 @@ def test_a_setting_refused_before_launch_is_a_usage_error(capsys, args, line):
     assert f"lit-efficient: error: {line}" in err
 
 
+class _BrokenLayers(GPT):
+    """A module whose pipeline_layers() has a bug: a ValueError of the user's code, no setting."""
+
+    def pipeline_layers(self):
+        first, second = list(super().pipeline_layers())  # six layers
+        return [first, second]
+
+
+def test_an_error_of_the_users_code_before_launch_keeps_its_traceback():
+    with pytest.raises(ValueError, match="too many values to unpack") as error:
+        LitEfficientCLI(args=["fit", "--config", str(QUICKSTART), "--model", f"{__name__}._BrokenLayers",
+                              "--trainer.logger=false"])  # fmt: skip
+    assert type(error.value) is ValueError  # not RefusedSetting: the CLI prints its traceback
+
+
 def test_a_refused_callback_is_named_by_its_place_in_the_list(capsys, tmp_path):
     overlay = _overlay(tmp_path, {"callbacks": [
         {"class_path": "lit_efficient.PipelineMonitor"},

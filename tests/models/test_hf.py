@@ -462,6 +462,25 @@ def test_a_folder_of_another_class_is_refused_before_it_trains_from_random_weigh
         HFCausalLM({"model_type": "t5", "d_model": 16, "num_layers": 1, "num_heads": 2})
 
 
+def test_a_causal_lm_registered_with_the_auto_classes_is_taken(tmp_path):
+    """AutoModelForCausalLM.register(...) adds a model_type the fixed name table lacks: the class checks read the
+    mapping the register call fills, as from_config and from_pretrained do."""
+    from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    class OwnConfig(Qwen2Config):
+        model_type = "own_qwen2_for_the_test"
+
+    class OwnForCausalLM(Qwen2ForCausalLM):
+        config_class = OwnConfig
+
+    AutoConfig.register(OwnConfig.model_type, OwnConfig, exist_ok=True)
+    AutoModelForCausalLM.register(OwnConfig, OwnForCausalLM, exist_ok=True)
+    config = {k: v for k, v in qwen2().config.to_diff_dict().items() if k != "model_type"}
+    assert type(HFCausalLM({"model_type": OwnConfig.model_type, **config}).model) is OwnForCausalLM
+    OwnForCausalLM(OwnConfig(**config)).save_pretrained(tmp_path / "own")
+    assert type(HFCausalLM(str(tmp_path / "own")).model) is OwnForCausalLM
+
+
 def test_blocks_longer_than_the_position_table_are_refused_with_the_fix():
     """The Python API pair HFCausalLM(gpt2 with n_positions=16) and TextDataModule(block_size=32) failed with a bare
     IndexError in stage 0's position embedding; a data module of the user's own has no block_size to check."""

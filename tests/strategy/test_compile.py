@@ -144,3 +144,7 @@ def test_compile_layers_on_processes_trains_as_eager():
 def test_a_compiled_module_is_not_sent_to_spawned_ranks():
     with pytest.raises(ValueError, match=r"compile_layers=\{\.\.\.\}"):
         _fit(torch.compile(_model(), backend="aot_eager"), devices=2, start_method="forkserver")
+    in_place = _model()
+    in_place.compile(backend="aot_eager")  # a pickled copy drops the compiled call: the ranks would train eager
+    with pytest.raises(ValueError, match=r"model.compile\(\) cannot start ranks .* arrives eager"):
+        _fit(in_place, devices=2, start_method="forkserver")

@@ -92,6 +92,28 @@ def test_a_checkpoint_resumes_exactly_inside_the_start_and_after_it(tmp_path, sy
     assert max_diff(resumed, whole) == 0.0
 
 
+class _TiedLines(Callback):
+    """Where each tied copy's delay line started, at every batch's end (None: its gradients are summed)."""
+
+    def __init__(self) -> None:
+        self.starts: list[list] = []
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        self.starts.append([t.line_start for hosted in trainer.strategy.hosted for t in hosted.tied])
+
+
+def test_a_checkpoint_of_the_start_resumed_without_one_runs_the_delay_line(tmp_path):
+    """Saved inside a 4-step start, resumed with sync_start_steps=0: PACI's order at once, and the tied copies' delay
+    line starts there (they kept summing the checkpoint's way, a flush all-reduce at every PACI step)."""
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, filename="{step}")
+    _fit(PACIStrategy(pipeline_stages=2, sync_start_steps=4), 3, gpt_model(tie_weights=True), callbacks=[ckpt],
+         enable_checkpointing=True)  # fmt: skip
+    lines = _TiedLines()
+    _, seen = _fit(PACIStrategy(pipeline_stages=2, sync_start_steps=0), 6, gpt_model(tie_weights=True),
+                   ckpt_path=str(tmp_path / "step=3.ckpt"), callbacks=[lines])  # fmt: skip
+    assert seen.orders == ["paci", "paci"] and lines.starts[-1] == [3, 3]
+
+
 class _SGDModel(GPT):
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=1e-2)
