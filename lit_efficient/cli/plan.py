@@ -224,6 +224,10 @@ def device_bytes(device_memory: int | str) -> int:
         raise PlanError(str(error)) from error
     if size <= 0:
         raise PlanError(f"{device_memory!r} is no device memory: it must be more than 0 bytes, e.g. 80GiB or 24GB")
+    if size < 2**20 and str(device_memory).strip().isdigit():  # "80" meant as 80GiB read as 80 bytes: every row "no"
+        raise PlanError(
+            f"{device_memory!r} reads as {size} bytes, no device's memory: give the unit, e.g. {device_memory}GiB"
+        )
     return size
 
 
@@ -300,6 +304,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--device-memory", type=_device_memory_argument,
         help="memory of one device, e.g. 80GiB, 80GB (10^9 bytes), 24GiB",
     )  # fmt: skip
+    # Spelt as fit's flags are (--trainer.max_steps): taken too, not sent on to fit's parser as an unknown flag.
+    parser.add_argument("--device_memory", dest="device_memory", type=_device_memory_argument, help=argparse.SUPPRESS)
     parser.add_argument("--json", action="store_true", help="print the plan as JSON (for scripts)")
     parser.add_argument(
         "--replicas", type=_replicas_argument, help="data-parallel replicas per stage (default: world size / S)"

@@ -95,7 +95,7 @@ def parse_bytes(text: str | int | float) -> int:
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS:
-        raise ValueError(f"cannot read {text!r} as a size: write e.g. 80GiB, 80GB (10^9 bytes), 512MiB or 1024")
+        raise ValueError(f"cannot read {text!r} as a size: write e.g. 80GiB, 80GB (10^9 bytes) or 512MiB")
     return int(float(match.group(1)) * _UNITS[unit])
 
 

@@ -142,6 +142,8 @@ def _no_measuring(monkeypatch):
         (["--replicas", "0"], "argument --replicas: '0' is not a number of replicas: an integer >= 1"),
         (["--device-memory", "80gigs"], "argument --device-memory: cannot read '80gigs' as a size"),
         (["--device-memory", "0"], "'0' is no device memory"),
+        (["--device-memory", "80"], "'80' reads as 80 bytes, no device's memory: give the unit, e.g. 80GiB"),
+        (["--device_memory", "24"], "'24' reads as 24 bytes"),  # fit's spelling of flags, not its usage error
         (["--trainer.strategy", "ddp"], "trainer.strategy='ddp': the plan covers PACIStrategy"),
         (["--trainer.strategy.init_args.p2p_timeout", "-1"],
          "trainer.strategy (lit_efficient.PACIStrategy): p2p_timeout=-1.0 must be a positive number of seconds"),
