@@ -8,9 +8,9 @@ import math
 import numbers
 import os
 import signal
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, get_args
 
 import torch
@@ -67,33 +67,30 @@ class RefusedSetting(ValueError):
     the command line reports as a usage error rather than a traceback."""
 
 
-def refused_before_launch(check: Any) -> Any:
-    """``check`` (a strategy's `_check_before_launch`) raising its own ValueErrors as `RefusedSetting`s. An error
-    from deeper (the user's ``pipeline_layers()``, a model's dry run) is no setting: it keeps its type."""
-
-    def checked(self: Any, trainer: Trainer) -> None:
-        try:
-            check(self, trainer)
-        except RefusedSetting:
-            raise
-        except ValueError as error:
-            if not _raised_by_the_checks(error):
-                raise
-            raise RefusedSetting(str(error)) from error
-
-    return checked
+@contextmanager
+def refusing_settings() -> Iterator[None]:
+    """The ValueErrors of the checks inside, raised as `RefusedSetting`s. Only the checks' own code runs inside: the
+    module's ``pipeline_layers()`` is called before (`layers_before_launch`), so an error of the user's code keeps its
+    type and traceback."""
+    try:
+        yield
+    except RefusedSetting:
+        raise
+    except ValueError as error:
+        raise RefusedSetting(str(error)) from error
 
 
-def _raised_by_the_checks(error: BaseException) -> bool:
-    """Whether ``error`` was raised in the package's own checks (strategy/, replicas/), not in code they call."""
-    tb = error.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    if tb is None:
-        return False
-    origin = Path(tb.tb_frame.f_code.co_filename).resolve()
-    package = Path(__file__).resolve().parents[1]
-    return origin.parent in (package / "strategy", package / "replicas")
+def layers_before_launch(module: LightningModule) -> list | None:
+    """The module's pipeline layers for the checks before launch, or None where they do not exist yet (built by
+    ``configure_model`` or in ``setup()``, or read from the trainer, attached after the launch: setup counts them,
+    `PACIStrategy._stage_sizes`). A refusal of the model itself (HFCausalLM's dry run: a ValueError) is raised here,
+    once, as the model's."""
+    if is_overridden("configure_model", module) or not callable(getattr(module, "pipeline_layers", None)):
+        return None
+    try:
+        return list(module.pipeline_layers())
+    except (AttributeError, RuntimeError):
+        return None
 
 
 class _CheckedScriptLauncher(_ChecksFirst, _SubprocessScriptLauncher):
@@ -582,9 +579,10 @@ def check_accumulate(value: Any, spelled: str = "Trainer(accumulate_grad_batches
         )
 
 
-def check_before_launch(strategy: Any, trainer: Trainer) -> None:
+def check_before_launch(strategy: Any, trainer: Trainer, layers: list | None) -> None:
     """Refuse a layout or accumulation setting of ``strategy`` (a `PACIStrategy`) that cannot work, before any
-    process starts (the launchers above call it in the launching process; one process calls it in setup)."""
+    process starts (the launchers above call it in the launching process; one process calls it in setup);
+    ``layers``: `layers_before_launch`'s."""
     world = strategy.num_nodes * strategy.num_processes
     if strategy._checkpoint_io is not None and type(strategy._checkpoint_io) is not TorchCheckpointIO:
         raise ValueError(
@@ -653,15 +651,6 @@ def check_before_launch(strategy: Any, trainer: Trainer) -> None:
                 "no checkpoint and trains from scratch. Use save_last=True (a copy, written after the save in "
                 "flight), or async_checkpoint=False."
             )
-    module = trainer.lightning_module
-    _check_module(module, strategy.precision_plugin)
-    if is_overridden("configure_model", module):
-        return  # its layers exist only after configure_model: setup counts them
-    try:
-        layers = list(module.pipeline_layers())
-    except (AttributeError, RuntimeError):
-        # Layers built in the module's setup(), or read from its trainer (attached after the launch): not there
-        # yet. Setup counts them (`PACIStrategy._stage_sizes`); a refusal of the model itself (HFCausalLM's dry
-        # run: a ValueError) is raised here, once.
-        return
-    check_layers(strategy.pipeline_stages, strategy.balance, layers)
+    _check_module(trainer.lightning_module, strategy.precision_plugin)
+    if layers is not None:
+        check_layers(strategy.pipeline_stages, strategy.balance, layers)

@@ -86,7 +86,8 @@ from lit_efficient.strategy.config import (
     check_replica_groups,
     check_streaming_ties,
     check_sync_start,
-    refused_before_launch,
+    layers_before_launch,
+    refusing_settings,
 )
 from lit_efficient.strategy.divergence import LossTrend
 from lit_efficient.strategy.fault_tolerant import start_replicas
@@ -491,11 +492,14 @@ class PACIStrategy(DDPStrategy):
         elif isinstance(self._launcher, _MultiProcessingLauncher):
             self._launcher = _CheckedMultiProcessingLauncher(self, start_method=self._start_method)
 
-    @refused_before_launch
     def _check_before_launch(self, trainer: Trainer) -> None:
-        """Refuse a layout or accumulation setting that cannot work, before any process starts."""
-        check_before_launch(self, trainer)
-        if self.fault_tolerance is not None:
+        """Refuse a layout or accumulation setting that cannot work, before any process starts (`RefusedSetting`s:
+        usage errors of the command line)."""
+        layers = layers_before_launch(trainer.lightning_module)  # the user's code, outside: its errors are its own
+        with refusing_settings():
+            check_before_launch(self, trainer, layers)
+            if self.fault_tolerance is None:
+                return
             if self.in_process:
                 raise ValueError(
                     "PACIStrategy(fault_tolerance='torchft') runs each replica group on processes (devices=S, one "
