@@ -72,11 +72,8 @@ def _check_has_a_head(model: nn.Module) -> None:
     """A base model (``Qwen2Model``) has no LM head: refuse it naming the causal LM class to use instead."""
     if model.get_output_embeddings() is not None:
         return
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
     name = type(model).__name__
-    model_type = getattr(model.config, "model_type", None)
-    causal = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, "its ...ForCausalLM class")
+    causal = " or ".join(sorted(_causal_lm_classes(model.config))) or "its ...ForCausalLM class"
     raise ValueError(
         f"HFCausalLM({name}) is a base model without a language-model head (get_output_embeddings() is None): it "
         f"has no logits to train next-token prediction with. Use {causal}: HFCausalLM({causal}(config)), or "
@@ -220,7 +217,7 @@ def load_hf_model(
         if torch.get_default_device().type == "meta":  # the memory plan: the architecture, no weights to read
             return AutoModelForCausalLM.from_config(config, **built)
         loaded, info = AutoModelForCausalLM.from_pretrained(
-            folder, local_files_only=True, dtype=resolved, output_loading_info=True, **kwargs
+            folder, config=config, local_files_only=True, dtype=resolved, output_loading_info=True, **kwargs
         )
         # transformers only logs the weights a folder lacks, and initializes them at random: a folder saved from
         # another class (an encoder-decoder's, a bare base model without a tied head) trained from noise, silently.
@@ -245,10 +242,10 @@ def load_hf_model(
 def _causal_lm_classes(config: Any) -> set[str]:
     """The names of the classes AutoModelForCausalLM builds for ``config`` (classes registered with it included);
     empty where it builds none."""
-    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     try:
-        found = AutoModelForCausalLM._model_mapping[type(config)]
+        found = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     except KeyError:
         return set()
     return {c.__name__ for c in (found if isinstance(found, (list, tuple)) else (found,))}
