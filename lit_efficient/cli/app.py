@@ -172,11 +172,9 @@ class StrategyOptionParser(LightningArgumentParser):
             return super().instantiate_classes(cfg, *args, **kwargs)
         except (ValueError, TypeError) as error:
             message = self.refusal_message(cfg, error)
-            if message is None or os.environ.get("JSONARGPARSE_DEBUG"):
+            if message is None:
                 raise
-            if not self.exit_on_error:
-                self.error(message, error)
-            self.exit(2, f"{self.prog}: error: {message}\n")
+            usage_error(self, message, error)
 
     def refusal_message(self, cfg: Any, error: Exception) -> str | None:
         """``<section> (<class_path>): <the constructor's message>`` when ``error``, raised while building ``cfg``,
@@ -314,6 +312,16 @@ def _init_options(class_path: str) -> list[str]:
     return options
 
 
+def usage_error(parser: ArgumentParser, message: str, error: Exception) -> None:
+    """Report a refused value as a usage error of ``parser`` (one line, exit 2), or as jsonargparse reports errors
+    where the parser does not exit on them; ``JSONARGPARSE_DEBUG`` keeps ``error``'s traceback."""
+    if os.environ.get("JSONARGPARSE_DEBUG"):
+        raise error
+    if not parser.exit_on_error:
+        parser.error(message, error)
+    parser.exit(2, f"{parser.prog}: error: {message}\n")
+
+
 class LitEfficientCLI(LightningCLI):
     """LightningCLI with `GPT` and `TextDataModule` as defaults and the data feeding the model's sizes.
 
@@ -424,13 +432,11 @@ class LitEfficientCLI(LightningCLI):
                         init["resume"] = "allow"
 
     @override
-    def _run_subcommand(self, subcommand: str) -> None:
+    def _run_subcommand(self, subcommand: str) -> None:  # Lightning's private hook around the subcommand's run
         try:
             super()._run_subcommand(subcommand)
         except RefusedSetting as error:  # refused before any process started: a usage error, as a constructor's
-            if os.environ.get("JSONARGPARSE_DEBUG"):
-                raise
-            self.parser.exit(2, f"{self.parser.prog}: error: {error}\n")
+            usage_error(self.parser, str(error), error)
 
     def after_fit(self) -> None:
         """Say where the run's checkpoint is, and how to resume from it, or that none was saved."""
