@@ -309,8 +309,9 @@ def _own_replica_key(strategy: Any, stage: int) -> str | None:
 def load_weights(strategy: Any, checkpoint: dict[str, Any], strict: bool) -> None:
     """``PACIStrategy.load_model_state_dict``: every hosted stage's weights by name (a diverged replica's own)."""
     module = strategy.lightning_module
-    own = rank_key(strategy.stage, strategy.replica)
-    if strategy.local_sgd_steps is None and own in checkpoint.get("pipeline", {}).get("replicas", {}):
+    own = _own_replica_key(strategy, strategy.stage)
+    saved = checkpoint.get("pipeline", {}).get("replicas", {})
+    if own is None and rank_key(strategy.stage, strategy.replica) in saved:
         # Said where the dropped weights are (a replica past the first: rank 0 never has any; a sharded folder
         # gives each rank its own only).
         warnings.warn(
@@ -321,9 +322,7 @@ def load_weights(strategy: Any, checkpoint: dict[str, Any], strict: bool) -> Non
             UserWarning,
             stacklevel=2,
         )
-    module.load_state_dict(
-        local_state_dict(checkpoint, module, _own_replica_key(strategy, strategy.stage)), strict=strict
-    )
+    module.load_state_dict(local_state_dict(checkpoint, module, own), strict=strict)
 
 
 def load_stage_states(strategy: Any, checkpoint: dict[str, Any]) -> None:
@@ -363,10 +362,9 @@ def load_stage_states(strategy: Any, checkpoint: dict[str, Any]) -> None:
         key = rank_key(hosted.index, strategy.replica)
         with strategy.stage_view(hosted.index):
             if hosted.optimizer is not None:
-                own_state = _own_replica_key(strategy, hosted.index)
-                state, group_map = local_optimizer_state(
-                    checkpoint, module, hosted.optimizer, own_state, names_by_group
-                )
+                own_state = _own_replica_key(strategy, hosted.index)  # its replica's own, where replicas differ
+                optimizer = hosted.optimizer
+                state, group_map = local_optimizer_state(checkpoint, module, optimizer, own_state, names_by_group)
                 hosted.optimizer.load_state_dict(_own_copy(state, given))
                 saved_groups = len(checkpoint["optimizer_states"][0]["param_groups"])
                 schedulers = regroup_schedulers(saved_schedulers, group_map, saved_groups)
