@@ -40,7 +40,7 @@ from lightning.pytorch.callbacks import LearningRateFinder
 from lightning.pytorch.tuner.lr_finder import _ExponentialLR, _LinearLR, _LRCallback
 
 from lit_efficient.strategy.hosting import HostedStage
-from lit_efficient.strategy.step_hooks import step_schedulers
+from lit_efficient.strategy.step_hooks import step_as_torch, step_schedulers
 
 # What `_LRFinder._exchange_scheduler` installs (Lightning's private names: the finder has no public type for them)
 FINDER_SCHEDULERS = (_LinearLR, _ExponentialLR)
@@ -74,7 +74,7 @@ def start_finder_run(hosted: list[HostedStage], shown_optimizer: Any, shown: lis
         configs = shown if h is showing else [_like(config, h.optimizer) for config in shown]
         # All of the finder's step with the stage's steps; they are torch's, stepped as such (a module's own
         # lr_scheduler_step is written for its own schedulers).
-        h.stage.scheduler, _ = step_schedulers(configs, lambda scheduler, step: scheduler.step())
+        h.stage.scheduler, _ = step_schedulers(configs, step_as_torch)
         h.stage.on_nonfinite = "step"
     return run
 

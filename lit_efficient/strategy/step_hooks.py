@@ -59,7 +59,7 @@ def scheduler_stepper(module: Any) -> Callable[[Any, int], None]:
     self.trainer.global_step)``): a stage steps before the strategy counts the window, and under PACI at its own
     time. No monitored metric: ReduceLROnPlateau is refused (`step_schedulers`)."""
     if type(module).lr_scheduler_step is LightningModule.lr_scheduler_step:
-        return lambda scheduler, step: scheduler.step()
+        return step_as_torch
 
     def step_through_the_hook(scheduler: Any, step: int) -> None:
         counted = module.trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress.total
@@ -71,6 +71,11 @@ def scheduler_stepper(module: Any) -> Callable[[Any, int], None]:
             counted.completed = shown
 
     return step_through_the_hook
+
+
+def step_as_torch(scheduler: Any, step: int) -> None:
+    """Step a torch scheduler (a `step_schedulers` stepper that ignores the stage's step)."""
+    scheduler.step()
 
 
 def step_schedulers(
