@@ -127,6 +127,13 @@ def undo_epoch_ends(module: LightningModule) -> None:
     give_back(module, *EVALUATION_EPOCH_ENDS, "on_train_epoch_end")
 
 
+def undo_module_hooks(module: LightningModule) -> None:
+    """Give the module back every method the strategy shadowed on it: `drain_before`'s zero-grad hook,
+    `watch_own_train_loss`'s ``log`` and the epoch ends."""
+    give_back(module, "on_validation_model_zero_grad", "log")
+    undo_epoch_ends(module)
+
+
 def _not_here(*args: Any, **kwargs: Any) -> None:
     """An evaluation epoch-end hook on a rank whose evaluation steps never run."""
 

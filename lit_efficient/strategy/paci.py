@@ -103,8 +103,7 @@ from lit_efficient.strategy.lr_finder import (
 from lit_efficient.strategy.module_hooks import (
     drain_before,
     epoch_ends_where_the_steps_ran,
-    give_back,
-    undo_epoch_ends,
+    undo_module_hooks,
     warn_uncalled_hooks,
     watch_own_train_loss,
 )
@@ -860,8 +859,7 @@ class PACIStrategy(DDPStrategy):
             self.final_state = stage_checkpoints.final_state(self)
         if module is not None:
             self._restore_compiled_steps(module)  # the module leaves fit compiled, as it came
-            give_back(module, "on_validation_model_zero_grad", "log")  # drain_before's, watch_own_train_loss's
-            undo_epoch_ends(module)
+            undo_module_hooks(module)
         split = self._split
         if module is not None and split is not None:
             if fitting:
