@@ -4,7 +4,8 @@
   before the first batch, every rank takes a quorum with the live replica groups. A rank behind them (a
   restarted group, or the non-first groups at a fresh start) receives its peer rank's state and resumes from it
   through Lightning's own resume path (weights, optimizer, schedulers, loops, callbacks, data position), as if
-  it were a checkpoint file: it continues at the peer's step. Then it takes part in that sync.
+  it were a checkpoint file: it continues at the peer's step. Then it takes part in that sync. A rank that
+  receives a state at its own step (groups that start together) loads its stages' part only (`heal`).
 - **Syncing** (`OuterSync`): at every LocalSGD/DiLoCo sync step (Lightning's ``global_step``, equal in every
   group), after the batch, the pipeline drains and the hosted stages sync over the live groups.
 - **Healing state** (`state_for_peer`): the in-memory checkpoint of this process's stages, built by the shares
@@ -77,9 +78,10 @@ class Joining:
 
 
 def heal(strategy: Any, trainer: Trainer, checkpoint: dict[str, Any], joining: Joining) -> None:
-    """Load a live peer rank's state. Joining (before the first batch): through Lightning's resume path, loops and
-    data position included. Later (a group that missed a commit): its stages' state only, its loop being at the
-    same step; a group at another step trained apart from the live ones and is ended, to rejoin by a restart."""
+    """Load a live peer rank's state. Joining (before the first batch) behind it: through Lightning's resume path,
+    loops and data position included. At this rank's own step (groups that start together; a group that missed a
+    commit): its stages' state only, the loop being where the peer's is. A group that trained apart from the live
+    ones to another step is ended, to rejoin by a restart."""
     theirs, mine = checkpoint["pipeline"]["layout"], strategy.layout()
     if theirs != mine:
         raise ValueError(
@@ -98,18 +100,20 @@ def heal(strategy: Any, trainer: Trainer, checkpoint: dict[str, Any], joining: J
             "group the same local_sgd_steps, local_sgd_warmup_steps, streaming_sync and outer optimizer settings."
         )
     connector = trainer._checkpoint_connector
+    at_my_step = checkpoint["global_step"] == trainer.global_step
     if joining.restore_training_state is not None:
-        rank_zero_info(f"replica group {strategy.replica_group_id} heals from a live group at step "
-                       f"{checkpoint['global_step']}")  # fmt: skip
-        connector._loaded_checkpoint = checkpoint
-        connector.restore_model()
-        connector.restore_datamodule()
-        connector.restore_callbacks()
-        joining.restore_training_state()
         joining.healed = not checkpoint.get("torchft_joining", False)
-        connector._loaded_checkpoint = {}
-        return
-    if checkpoint["global_step"] != trainer.global_step:
+        if not at_my_step:
+            rank_zero_info(f"replica group {strategy.replica_group_id} heals from a live group at step "
+                           f"{checkpoint['global_step']}")  # fmt: skip
+            connector._loaded_checkpoint = checkpoint
+            connector.restore_model()
+            connector.restore_datamodule()
+            connector.restore_callbacks()
+            joining.restore_training_state()
+            connector._loaded_checkpoint = {}
+            return
+    elif not at_my_step:
         # A group that formed a quorum of its own (it joined while the live groups were further from their sync than
         # the lighthouse's join timeout) trained apart; its loop cannot jump mid-epoch. Ending its processes lets
         # its launcher restart it, and a restart joins through the resume path above.
@@ -120,7 +124,10 @@ def heal(strategy: Any, trainer: Trainer, checkpoint: dict[str, Any], joining: J
             "group (torchrun --max-restarts) rejoins it at their step; to avoid it, start the lighthouse with "
             "--join_timeout_ms above the time local_sgd_steps optimizer steps take."
         )
-    # The stages' part of Lightning's resume path: weights, then optimizers and schedulers (loops stay).
+    # At this rank's own step (torchft's start-up sync of groups that start together, which picks the source group
+    # rank by rank; a group that missed a commit): the stages' part of Lightning's resume path, weights, then
+    # optimizers and schedulers. The loops stay, as on the group's ranks that took nothing: Lightning skips the
+    # sanity check on a restored loop, and one rank skipping it while its neighbour ran it hung the pipeline.
     connector._loaded_checkpoint = checkpoint
     connector.restore_model()
     connector.restore_optimizers_and_schedulers()

@@ -11,6 +11,7 @@ back), and both groups end at the same step with identical weights.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import os
@@ -112,38 +113,46 @@ def _stay_down(out: Path) -> None:
         time.sleep(0.05)
 
 
-def _agent(out: str, group: int, max_restarts: int, environ: dict) -> None:
+def _agent(out: str, group: int, max_restarts: int, environ: dict, worker=_worker) -> None:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    os.setsid()  # its workers in its process group: a test that fails kills them with it
     os.environ.update(environ, REPLICA_GROUP_ID=str(group), OMP_NUM_THREADS="1")
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=2, run_id=uuid.uuid4().hex, rdzv_backend="c10d",
         rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=max_restarts, monitor_interval=0.1,
         start_method="fork",
     )  # fmt: skip
-    elastic_launch(config, _worker)(out, group)
+    elastic_launch(config, worker)(out, group)
 
 
-def test_a_killed_group_heals_from_the_live_one_which_never_stops(tmp_path):
+def _run_groups(out: Path, min_replicas: int, max_restarts: list[int], worker=_worker, timeout: float = 240) -> None:
+    """Each group under its own agent, a lighthouse in this process; every agent and its workers gone after."""
     from torchft._torchft import LighthouseServer
 
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000, quorum_tick_ms=50,
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=1000, quorum_tick_ms=50,
                                   heartbeat_timeout_ms=2000)  # fmt: skip
     environ = {"TORCHFT_LIGHTHOUSE": lighthouse.address(), "RUST_LOG": "warn"}
     ctx = multiprocessing.get_context(START_METHOD)
-    agents = [ctx.Process(target=_agent, args=(str(tmp_path), g, g, environ)) for g in (0, 1)]
+    agents = [ctx.Process(target=_agent, args=(str(out), g, r, environ, worker)) for g, r in enumerate(max_restarts)]
     try:
         for agent in agents:
             agent.start()
+        deadline = time.monotonic() + timeout  # for all of them (pytest-timeout ends the test at 300 s)
         for agent in agents:
-            agent.join(240)
+            agent.join(max(0.0, deadline - time.monotonic()))
     finally:
         for agent in agents:
             if agent.is_alive():
-                agent.kill()
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(agent.pid, signal.SIGKILL)
                 agent.join()
         lighthouse.shutdown()
-    assert [a.exitcode for a in agents] == [0, 0], "an agent failed; its workers' output is above"
+    assert [a.exitcode for a in agents] == [0] * len(agents), "an agent failed; its workers' output is above"
+
+
+def test_a_killed_group_heals_from_the_live_one_which_never_stops(tmp_path):
+    _run_groups(tmp_path, min_replicas=1, max_restarts=[0, 1])
 
     kill = json.loads((tmp_path / "killed.json").read_text())
     killed = kill["at"]
@@ -164,3 +173,34 @@ def test_a_killed_group_heals_from_the_live_one_which_never_stops(tmp_path):
     last = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)
     saved_at = STEPS // 4 * 4  # every_n_train_steps=4
     assert last["global_step"] == saved_at and last["torchft"]["step"] >= saved_at // SYNC_EVERY
+
+
+def _together_worker(out: str, group: int) -> None:
+    torch.set_num_threads(1)
+    strategy = PACIStrategy(
+        pipeline_stages=2, local_sgd_steps=SYNC_EVERY, outer_optimizer="nesterov", fault_tolerance="torchft",
+        replica_groups=2, p2p_timeout=30,
+    )  # fmt: skip
+    # The user's defaults: a sanity check before fit, validation inside it.
+    trainer = gpt_trainer(strategy, 2, 4, limit_val_batches=2, val_check_interval=8)
+    model = gpt_model()
+    with torch.no_grad():  # groups that did not seed alike start from other weights
+        for p in model.parameters():
+            p.add_(0.01 * group)
+    trainer.fit(model, datamodule=text_data())
+    if trainer.global_rank == 0:
+        torch.save(model.state_dict(), Path(out, f"weights-{group}.pt"))
+
+
+def test_groups_that_start_together_take_one_start_and_validate_in_step(tmp_path):
+    """Both groups in the first quorum (the lighthouse waits for two): torchft's start-up sync picks the source
+    group per rank (rank r from group r % 2), so one rank of each group takes the other group's stage. That rank
+    takes its stage only: a whole resume would restore Lightning's loops on it alone, and it then skipped the
+    sanity check its neighbour ran: the pipeline hung."""
+    _run_groups(tmp_path, min_replicas=2, max_restarts=[0, 0], worker=_together_worker, timeout=180)
+    weights = [gpt_model(), gpt_model()]
+    for group, model in enumerate(weights):
+        model.load_state_dict(torch.load(tmp_path / f"weights-{group}.pt", weights_only=True))
+    assert max_diff(weights[0], gpt_model()) > 1e-3  # it trained
+    # One start for both (each stage from one group), then DiLoCo from it: the last step is a sync.
+    assert max_diff(weights[0], weights[1]) == 0.0
