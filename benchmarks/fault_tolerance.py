@@ -209,7 +209,9 @@ def _chaos(root: Path, seconds: float, start: float, kills: list[dict], stop: th
         print(f"chaos: killed group {group} rank {rank} at {time.time() - start:.0f} s", flush=True)
 
 
-def _summary(root: Path, run: dict, args: argparse.Namespace, name: str) -> dict:
+def _summary(root: Path, run: dict, args: argparse.Namespace, name: str, end_equal: bool = True) -> dict:
+    """What happened; ``ok`` when both groups ran every step, none had to start over alone, and (``end_equal``:
+    every stage syncs at the last step, not under streaming) they end with the same weights."""
     steps = {g: _read_jsonl(root / f"steps-{g}.jsonl") for g in (0, 1)}
     starts = {g: _read_jsonl(root / f"starts-{g}.jsonl") for g in (0, 1)}
     final = {g: (steps[g][-1]["step"] if steps[g] else None) for g in (0, 1)}
@@ -238,6 +240,10 @@ def _summary(root: Path, run: dict, args: argparse.Namespace, name: str) -> dict
             else:
                 row["group1_steps_missed"] = back["step"] - kill["step"]
     row["sync_bytes_per_step"] = _bytes_per_step(root, 0)
+    if end_equal and row["weights_equal"] is not True:  # a healed group's weights are the live group's
+        row["ok"] = False
+    if row.get("group1_started_over"):  # the live group had finished: nothing healed
+        row["ok"] = False
     if run["kills"]:
         row["chaos_kills"] = run["kills"]
         missed = 0
@@ -247,6 +253,7 @@ def _summary(root: Path, run: dict, args: argparse.Namespace, name: str) -> dict
                 missed += back["step"] - kill["step"]
             elif back is not None:  # no live group to heal from: it started over alone
                 row["started_over"] = row.get("started_over", 0) + 1
+                row["ok"] = False
         row["replica_steps_missed"] = missed
     missed = row.get("group1_steps_missed", row.get("replica_steps_missed", 0))
     # Goodput: replica-steps that made it into the final model (each group's steps, less those a group skipped
@@ -359,7 +366,8 @@ def main() -> None:
             root = fresh("healed")
             rows.append(_summary(root, _groups(root, "healed", args, args.kill_at, 1), args, "healed"))
             root = fresh("streaming")
-            rows.append(_summary(root, _groups(root, "streaming", args, 0, 0), args, "no fault, streaming"))
+            run = _groups(root, "streaming", args, 0, 0)
+            rows.append(_summary(root, run, args, "no fault, streaming", end_equal=False))
             rows.append(_whole_job(fresh("whole-nofault"), args, 0, "whole job, no fault"))
             rows.append(_whole_job(fresh("whole"), args, args.kill_at, "whole-job restart"))
         for row in rows:
