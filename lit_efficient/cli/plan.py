@@ -22,6 +22,7 @@ import sys
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -32,6 +33,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from lit_efficient.callbacks import activation_checkpointing as ac
+from lit_efficient.nested import map_tensors
 from lit_efficient.runtime.partition import partition_profiled
 from lit_efficient.runtime.topology import Topology
 from lit_efficient.strategy.config import (
@@ -50,7 +52,14 @@ from lit_efficient.tools.fake_memory import (
     fake_module,
     measure_stages,
 )
-from lit_efficient.tools.memory_plan import MemoryPlan, StageMeasure, format_bytes, parse_bytes, plan_memory
+from lit_efficient.tools.memory_plan import (
+    MemoryPlan,
+    StageMeasure,
+    format_bytes,
+    measures_at,
+    parse_bytes,
+    plan_memory,
+)
 from lit_efficient.tools.window import WindowAdvice, advise_window, flush_bubble
 
 _GPU = ("gpu", "cuda")
@@ -128,13 +137,32 @@ def plan(
     if shard_optimizer_state:  # what fit says of this layout: tied weights refused, one replica splits nothing
         topology = Topology.for_world(len(measures) * replicas, len(measures))
         shard_optimizer_state = _sharding_applies(topology, in_process=False, tied=any(m.tied for m in measures))
-    return plan_memory(
-        measures, strategy.schedule, accumulate, recompute=strategy.recompute, replicas=replicas,
-        shard_optimizer_state=shard_optimizer_state, staleness_correction=strategy.staleness_correction,
-        local_sgd_steps=strategy.local_sgd_steps, outer_optimizer=strategy.outer_optimizer,
-        device_memory=budget, context=context,
+    settings = dict(
+        recompute=strategy.recompute, replicas=replicas, shard_optimizer_state=shard_optimizer_state,
+        staleness_correction=strategy.staleness_correction, local_sgd_steps=strategy.local_sgd_steps,
+        outer_optimizer=strategy.outer_optimizer, device_memory=budget,
         smallest_accumulate=min(accumulate_schedule.values()) if accumulate_schedule else None,
     )  # fmt: skip
+    result = plan_memory(measures, strategy.schedule, accumulate, context=context, **settings)
+    size = _micro_batch_size(batch)
+    if size is None:
+        return result
+    # The other cuts of the same global batch (the window advice's candidates), each planned at its own N: its
+    # in-flight counts are the schedule's at that N, its stages measured again at a second micro-batch size.
+    other_size = size // 2 if size > 1 else 2
+    other, _ = measure(
+        module, _resized(batch, size, other_size), strategy, accumulate, precision, activation_checkpointing, budget,
+        accelerator, max_steps, sizes=context["sizes"],
+    )  # fmt: skip
+    total = accumulate * size
+    peaks = {
+        total // n: plan_memory(
+            measures_at(measures, other, size, other_size, total // n), strategy.schedule, n, **settings
+        ).peak
+        for n in range(1, total + 1)
+        if total % n == 0
+    }
+    return replace(result, peaks_by_micro_batch=peaks)
 
 
 def measure(
@@ -147,10 +175,12 @@ def measure(
     device_memory: int | str | None = None,
     accelerator: str = "gpu",
     max_steps: int = 1000,
+    sizes: Sequence[int] | None = None,
 ) -> tuple[list[StageMeasure], dict[str, Any]]:
     """What `plan` measures, stage by stage, and what was planned (the plan's ``context``): everything that
     does not depend on the schedule, ``recompute``, the replicas or sharding, so one measurement serves every
-    plan of a layout (`lit_efficient.tools.memory_plan.plan_memory`). Arguments as `plan`'s."""
+    plan of a layout (`lit_efficient.tools.memory_plan.plan_memory`). Arguments as `plan`'s; ``sizes``: the
+    split to measure (None: the one the strategy would choose)."""
     precision = unified_precision(precision)
     forward_context = MixedPrecision("bf16-mixed", "cpu").forward_context if precision == "bf16-mixed" else nullcontext
     wrapped = activation_checkpointing.wrap(module) if activation_checkpointing is not None else []
@@ -159,7 +189,8 @@ def measure(
             with answering_value_queries():  # HFCausalLM's split check compares logits
                 layers = list(module.pipeline_layers())
             fake = fake_batch(batch, mode)
-            sizes = _stage_sizes(strategy, module, layers, fake, forward_context, device_memory)  # refusals: PlanError
+            if sizes is None:  # refusals: PlanError
+                sizes = _stage_sizes(strategy, module, layers, fake, forward_context, device_memory)
             with _stand_in_trainer(module, max_steps, accumulate):
                 make_optimizer = optimizer_factory(module, foreach=accelerator in _GPU)
             measures = measure_stages(
@@ -371,23 +402,20 @@ def window_text(result: MemoryPlan) -> str:
             f"{c.accumulate}{mark} | {c.micro_batch} | {c.drift_bound} | {c.flush_bubble:.0%} | {peak} | {fits}"
         )
     note = (
-        "Peaks at other micro-batch sizes scale the activations and the transient linearly from the measured one "
-        "(plan again with that --data.batch_size for the exact figure)."
+        "Each cut is planned at its own N, its stages' per-micro-batch bytes on the line through two measured "
+        "micro-batch sizes (plan again with that --data.batch_size to measure one)."
     )
     return "\n".join([advice.text(), "", *rows, "", note])
 
 
 def window_advice(result: MemoryPlan) -> WindowAdvice:
-    """`advise_window` for a plan: the global batch of its micro-batch and N, peaks scaled from the measured ones."""
+    """`advise_window` for a plan: the cuts of the global batch of its micro-batch and N, with the peaks `plan`
+    planned for them."""
     shapes = result.context.get("micro_batch") or []
     measured = shapes[0][0] if shapes and shapes[0] else None
-
-    def peak_at(size: int) -> int:
-        r = size / measured
-        return max(int(s.state + s.activations * r + s.transient * max(1.0, r)) for s in result.stages)
-
+    peaks = result.peaks_by_micro_batch
     return advise_window(
-        len(result.stages), result.accumulate, measured, peak_at if measured else None, result.device_memory,
+        len(result.stages), result.accumulate, measured, peaks.get if peaks else None, result.device_memory,
         result.replicas,
     )  # fmt: skip
 
@@ -598,6 +626,24 @@ def _class_name(namespace: Any) -> str:
 
 def _as_tuple(x: Any) -> tuple:
     return x if isinstance(x, tuple) else (x,)
+
+
+def _micro_batch_size(batch: Any) -> int | None:
+    """The micro-batch size: the first tensor's first dimension (None for a batch without one)."""
+    tensors = _tensors(batch)
+    return tensors[0].shape[0] if tensors and tensors[0].dim() else None
+
+
+def _resized(batch: Any, size: int, new_size: int) -> Any:
+    """``batch`` with ``new_size`` samples: every tensor whose first dimension is the micro-batch ``size``, as a
+    meta tensor (the measurement reads shapes and dtypes only)."""
+
+    def resize(t: torch.Tensor) -> torch.Tensor:
+        if t.dim() and t.shape[0] == size:
+            return torch.empty((new_size, *t.shape[1:]), dtype=t.dtype, device="meta")
+        return t
+
+    return map_tensors(batch, resize)
 
 
 def _tensors(values: Any) -> list[torch.Tensor]:

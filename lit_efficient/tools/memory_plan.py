@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
 from lit_efficient.runtime.schedules import SCHEDULES, ScheduleName, stage_actions
@@ -151,6 +151,25 @@ class StageMeasure:
     boundary: int
 
 
+# What a stage's measure holds per micro-batch: every tensor a forward makes has the micro-batch as a dimension, or
+# none (a dense embedding gradient, the RNG state), so each is affine in the micro-batch size.
+PER_MICRO_BATCH = ("saved", "held", "inputs", "rng", "compute_peak", "boundary")
+
+
+def measures_at(
+    measured: Sequence[StageMeasure], other: Sequence[StageMeasure], size: int, other_size: int, at: int
+) -> list[StageMeasure]:
+    """What each stage would measure at micro-batch ``at``, from its measures at two sizes (``size`` and
+    ``other_size``): the per-micro-batch quantities on the line through them, the state as measured."""
+    if size == other_size:
+        raise ValueError(f"two different micro-batch sizes are needed, got {size} twice")
+    out = []
+    for m, o in zip(measured, other, strict=True):
+        slope = {f: (getattr(m, f) - getattr(o, f)) / (size - other_size) for f in PER_MICRO_BATCH}
+        out.append(replace(m, **{f: max(0, round(getattr(m, f) + slope[f] * (at - size))) for f in PER_MICRO_BATCH}))
+    return out
+
+
 @dataclass(frozen=True)
 class StagePlan:
     """What one rank of a stage holds (bytes); ``peak`` is the most at any moment of the schedule.
@@ -197,6 +216,9 @@ class MemoryPlan:
     shard_optimizer_state: bool
     device_memory: int | None = None
     context: dict[str, Any] = field(default_factory=dict)  # what was planned: model, micro-batch, precision...
+    # The peak at other cuts of the same global batch, by micro-batch size (N = global batch / size), each planned
+    # at its own N from stages measured at two sizes (`measures_at`); empty where not planned.
+    peaks_by_micro_batch: dict[int, int] = field(default_factory=dict)
 
     @property
     def peak(self) -> int:

@@ -23,7 +23,7 @@ from torch import nn
 from benchmarks.memory_plan import compare, gpt, llama
 from lit_efficient import ActivationCheckpointing, PACIStrategy
 from lit_efficient.cli import main as cli_main
-from lit_efficient.cli.plan import load_config, plan
+from lit_efficient.cli.plan import load_config, plan, plan_config, window_advice
 from lit_efficient.cli.plan import main as plan_main
 from lit_efficient.tools.fake_memory import LiveBytes, fake_batch, fake_module, measure_stages
 from lit_efficient.tools.memory_plan import format_bytes, in_flight, parse_bytes, plan_memory, replica_shares
@@ -235,6 +235,18 @@ def test_cli_json_parses_and_says_what_fits(capsys):
     assert out["peak"] == max(s["peak"] for s in out["stages"]) and out["context"]["sizes"] == [3, 3]
     for s in out["stages"]:
         assert s["peak"] == s["state"] + s["activations"] + s["transient"]
+
+
+def test_the_window_plans_every_cut_of_the_global_batch_as_a_plan_of_that_cut():
+    # Each candidate (N, micro-batch) of the same global batch is what planning that config says, to the byte:
+    # the smallest micro-batch (whose temporaries a linear scaling overestimated by 26%) and the largest.
+    planned = plan_config(["--config", str(QUICKSTART)])  # N=4 x 16, PACI
+    choices = {c.micro_batch: c for c in window_advice(planned).choices}
+    assert sorted(choices) == [1, 2, 4, 8, 16, 32, 64] and choices[16].peak == planned.peak
+    for n, size in ((64, 1), (1, 64)):
+        cut = plan_config(["--config", str(QUICKSTART), f"--data.batch_size={size}",
+                           f"--trainer.accumulate_grad_batches={n}"])  # fmt: skip
+        assert choices[size].accumulate == n and choices[size].peak == cut.peak
 
 
 def test_cli_too_small_device_says_it_does_not_fit_and_by_how_much(capsys):
