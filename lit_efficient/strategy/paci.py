@@ -118,6 +118,7 @@ from lit_efficient.strategy.step_hooks import (
     replace_sigterm_barrier,
     scheduler_stepper,
     step_schedulers,
+    warn_step_frequency,
 )
 from lit_efficient.strategy.step_logging import log_once_per_optimizer_step
 from lit_efficient.strategy.summary import summarize_the_unsplit_model
@@ -666,6 +667,8 @@ class PACIStrategy(DDPStrategy):
                 self._setup_stage_optimizer(trainer, index)
             optimizer, configs = self.optimizers[0], list(self.lr_scheduler_configs)
             step_wise, epoch_wise = step_schedulers(configs, scheduler_stepper(module))
+            if index == self.hosted_stages[0]:
+                warn_step_frequency(configs)
         first, last = self._split.bounds_of(index)
         stage = PipelineStage(
             layers[first:last], index, self.pipeline_stages, optimizer,

@@ -96,6 +96,21 @@ def step_schedulers(
     return (_SchedulerGroup(step_wise, stepper) if step_wise else None), epoch_wise
 
 
+def warn_step_frequency(configs: list[Any]) -> None:
+    """The one warning for step-interval schedulers with a ``frequency`` > 1, which step elsewhere than on one
+    device (docs/compatibility.md)."""
+    counted = [c for c in configs if c.interval == "step" and c.frequency > 1]
+    if counted:
+        names = ", ".join(f"{type(c.scheduler).__name__}(frequency={c.frequency})" for c in counted)
+        rank_zero_warn(
+            f"PACIStrategy steps a step-interval LR scheduler every `frequency` optimizer steps of the run ({names}). "
+            "Lightning counts micro-batches within each epoch instead (batch_idx + 1, at its optimizer steps), so "
+            "with accumulate_grad_batches > 1, or epochs whose length is not a multiple of the frequency, one device "
+            "steps it at other steps and its learning rates differ. Here it steps every `frequency` optimizer steps "
+            "at any N, across epochs and resumes; frequency=1 steps alike on both."
+        )
+
+
 def install_step_hooks(
     stage: PipelineStage,
     trainer: Trainer,
