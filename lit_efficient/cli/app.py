@@ -199,7 +199,7 @@ class StrategyOptionParser(LightningArgumentParser):
 
     @override
     def error(self, message: str, ex: Exception | None = None) -> Any:
-        message = explain_strategy_options(message)
+        message = explain_choices(explain_strategy_options(message))
         unknown = re.match(r"unrecognized arguments: (.*)", message)
         if unknown:
             known = list(self._option_string_actions)
@@ -228,6 +228,22 @@ def explain_strategy_options(message: str) -> str:
         options = options_of(PACIStrategy.__init__)
         listed = "".join(f"\n  - {explain_refused(name, options, show_value=False)}" for name in names)
         lines.append(f"PACIStrategy does not accept:{listed}\n{refusal_footer(names, options)}")
+    return "\n".join([message, *lines])
+
+
+def explain_choices(message: str) -> str:
+    """``message`` with one line for each value an option of fixed choices refused (``--...schedule flush``): the
+    choices and the closest one. jsonargparse says it inside a dump of every Union subtype it tried."""
+    lines = []
+    refused = re.findall(r'Parser key "([\w.]+)":\s*Expected a typing\.Literal\[(.*?)\]\. Got value: (\S+)', message)
+    for key, allowed, given in refused:
+        choices = [c.strip().strip("'\"") for c in allowed.split(",")]
+        within = [c for c in choices if given.lower().replace("-", "_") in c.lower()]
+        close = within if len(within) == 1 else difflib.get_close_matches(given, choices, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        line = f"{key}={given!r} is not one of {', '.join(map(repr, choices))}{hint}"
+        if line not in message and line not in lines:  # a nested parser's error already says it
+            lines.append(line)
     return "\n".join([message, *lines])
 
 

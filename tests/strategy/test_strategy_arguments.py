@@ -288,6 +288,13 @@ def test_the_cli_refuses_a_typo_of_every_strategy_option_without_running(cli_ref
     _assert_lists_what_is_accepted(err)
 
 
+@pytest.mark.parametrize("given, meant", [("flush", "1f1b_flush"), ("PACI", "paci")])
+def test_the_cli_names_the_schedules_when_one_is_misspelt(cli_refusal, given, meant):
+    # jsonargparse checks the Literal before the strategy's own "did you mean", inside a dump of the Union it tried.
+    err = cli_refusal(f"--trainer.strategy.init_args.schedule={given}")
+    assert err.count(f"schedule='{given}' is not one of 'paci', '1f1b_flush'; did you mean '{meant}'?") == 1
+
+
 def test_the_cli_refuses_a_ddp_option_from_a_yaml_file_saying_what_paci_does_instead(cli_refusal, tmp_path):
     overlay = tmp_path / "ddp.yaml"
     overlay.write_text("trainer:\n  strategy:\n    init_args:\n      find_unused_parameters: true\n")
