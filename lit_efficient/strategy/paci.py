@@ -16,7 +16,6 @@ stop, validate and save at the same batch.
 from __future__ import annotations
 
 import atexit
-import warnings
 from collections import deque
 from datetime import timedelta
 from typing import Any, Literal
@@ -128,7 +127,9 @@ from lit_efficient.strategy.trainer_glue import (
     batch_size_of,
     carry_step_count_to_automatic,
     check_stages_read_alike,
+    checkpoints_see_the_users_optimization,
     first_training_batch,
+    give_checkpoints_back,
     keep_launch_random_streams,
     keep_users_sampler,
     normalize_mode,
@@ -773,10 +774,7 @@ class PACIStrategy(DDPStrategy):
             warn_uncalled_hooks(module, trainer.callbacks)
             self._module_logs_train_loss = False
             watch_own_train_loss(module, self._module_logged_train_loss)
-            # Lightning warns that under manual optimization ModelCheckpoint(every_n_train_steps) saves the
-            # state after the step. Manual optimization is this strategy's inside, and after the step (of
-            # a drained pipeline) is exactly what a user's automatic-optimization checkpoint holds too.
-            warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
+            checkpoints_see_the_users_optimization(trainer, self._was_automatic)
         swap_stock_progress_bar(trainer)
         split = self._split
         summarize_the_unsplit_model(trainer, lambda: split.ties if split else ())
@@ -863,6 +861,8 @@ class PACIStrategy(DDPStrategy):
         if module is not None:
             self._restore_compiled_steps(module)  # the module leaves fit compiled, as it came
             undo_module_hooks(module)
+        if trainer is not None:
+            give_checkpoints_back(trainer)
         split = self._split
         if module is not None and split is not None:
             if fitting:

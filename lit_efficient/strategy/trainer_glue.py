@@ -127,6 +127,38 @@ def carry_step_count_to_automatic(trainer: Trainer) -> None:
     auto.ready, auto.completed = steps.ready, steps.completed
 
 
+def checkpoints_see_the_users_optimization(trainer: Trainer, automatic: bool) -> None:
+    """Each ModelCheckpoint's batch-end hook sees the module's own ``automatic_optimization`` (``automatic``), not the
+    strategy's inside (manual: the stages step themselves). Lightning's manual branch there ignores
+    ``train_time_interval`` (a time-based checkpoint never saved), saves a monitored metric's stale value at an epoch's
+    last batch where the automatic one waits for that epoch's validation, and warns that the state is the one after
+    the step, which is what a drained pipeline's is. `give_checkpoints_back` undoes it."""
+    for callback in trainer.checkpoint_callbacks:
+        if not isinstance(callback, ModelCheckpoint) or "on_train_batch_end" in callback.__dict__:
+            continue
+
+        def on_train_batch_end(trainer: Trainer, pl_module: Any, *args: Any, _hook: Any = callback.on_train_batch_end,
+                               **kwargs: Any) -> None:  # fmt: skip
+            inside = pl_module.automatic_optimization
+            if automatic:  # trainer.global_step reads the automatic loop's counter then
+                carry_step_count_to_automatic(trainer)
+            pl_module.automatic_optimization = automatic
+            try:
+                _hook(trainer, pl_module, *args, **kwargs)
+            finally:
+                pl_module.automatic_optimization = inside
+
+        on_train_batch_end.lit_efficient = True  # type: ignore[attr-defined]
+        callback.on_train_batch_end = on_train_batch_end  # type: ignore[method-assign]
+
+
+def give_checkpoints_back(trainer: Trainer) -> None:
+    """The ModelCheckpoints' own batch-end hooks again (`checkpoints_see_the_users_optimization`)."""
+    for callback in trainer.checkpoint_callbacks:
+        if getattr(callback.__dict__.get("on_train_batch_end"), "lit_efficient", False):
+            del callback.on_train_batch_end
+
+
 def keep_launch_random_streams(streams: dict[str, Any], group: dist.ProcessGroup) -> None:
     """With one replica the user's own loader is kept (keep_users_sampler), and its sampler may draw from
     the global streams (``DataLoader(shuffle=True)`` without a generator seeds its permutation from torch's

@@ -13,6 +13,7 @@ import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -452,6 +453,23 @@ def _top_k_train(root: Path) -> list[Callback]:
                             filename="{step}-{train_loss:.4f}")]  # fmt: skip
 
 
+def _top_k_at_epoch_ends(root: Path) -> list[Callback]:
+    """Saves at every epoch's last batch (2 steps an epoch), which a validation follows (every window validates):
+    one device waits for it, so the score is that validation's, not the one a window earlier."""
+    return [ModelCheckpoint(dirpath=root / "top", monitor="val_loss", save_top_k=2, every_n_train_steps=2,
+                            filename="{step}")]  # fmt: skip
+
+
+def _timed(root: Path) -> list[Callback]:
+    return [ModelCheckpoint(dirpath=root / "timed", train_time_interval=timedelta(0), save_top_k=-1, filename="{step}")]
+
+
+def _saved(trainer, module) -> dict:
+    """The files a ModelCheckpoint wrote, and the step each holds."""
+    (cb,) = trainer.checkpoint_callbacks
+    return {p.name: torch.load(p, weights_only=False)["global_step"] for p in sorted(Path(cb.dirpath).glob("*.ckpt"))}
+
+
 def _kept(trainer, module) -> dict:
     """The top-k files ModelCheckpoint kept, their scores and the weights and step each holds."""
     (cb,) = trainer.checkpoint_callbacks
@@ -545,6 +563,10 @@ def _stopped_early(piped: dict, ref: dict) -> None:
 
 def _two_kept(piped: dict, ref: dict) -> None:
     assert len(piped["observed"]["kept"]) == 2 and piped["observed"]["best"] in piped["observed"]["kept"]
+
+
+def _saved_every_step(piped: dict, ref: dict) -> None:
+    assert piped["observed"] == {f"step={s}.ckpt": s for s in (1, 2, 3, 4)}
 
 
 def _predictions(piped: dict, ref: dict) -> None:
