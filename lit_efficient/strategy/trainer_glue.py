@@ -79,13 +79,15 @@ def share_rank_zero_metrics(trainer: Trainer) -> None:
 
 
 def _reads_metrics_now(callback: Any, trainer: Trainer) -> bool:
-    """Whether a ``ModelCheckpoint`` reads the callback metrics at this training batch: Lightning's own test for a
-    module under manual optimization (a step multiple of ``every_n_train_steps``, a save not skipped), for a
-    checkpoint that monitors a metric or names one in its filename. The same answer on every rank."""
+    """Whether a ``ModelCheckpoint`` may read the callback metrics at this training batch, for a checkpoint that
+    monitors a metric or names one in its filename: a save not skipped, at a step multiple of
+    ``every_n_train_steps`` or with a ``train_time_interval`` (whose decision is rank 0's clock, broadcast inside
+    the hook). The same answer on every rank."""
     if not isinstance(callback, ModelCheckpoint) or not (callback.monitor or _metrics_named(callback.filename)):
         return False
     every = callback._every_n_train_steps
-    return every >= 1 and trainer.global_step % every == 0 and not callback._should_skip_saving_checkpoint(trainer)
+    due = callback._train_time_interval is not None or (every >= 1 and trainer.global_step % every == 0)
+    return due and not callback._should_skip_saving_checkpoint(trainer)
 
 
 @functools.cache

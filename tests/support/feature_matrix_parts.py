@@ -461,7 +461,10 @@ def _top_k_at_epoch_ends(root: Path) -> list[Callback]:
 
 
 def _timed(root: Path) -> list[Callback]:
-    return [ModelCheckpoint(dirpath=root / "timed", train_time_interval=timedelta(0), save_top_k=-1, filename="{step}")]
+    """A save at every batch end past a step, with a training metric, which only the last stage (rank 0) logs: each
+    rank must see it when rank 0's clock says save (the decision is rank 0's, broadcast inside the hook)."""
+    return [ModelCheckpoint(dirpath=root / "timed", monitor="train_loss", train_time_interval=timedelta(0),
+                            save_top_k=-1, filename="{step}")]  # fmt: skip
 
 
 def _saved(trainer, module) -> dict:
