@@ -129,13 +129,14 @@ from lit_efficient.strategy.trainer_glue import (
     check_stages_read_alike,
     checkpoints_see_the_users_optimization,
     first_training_batch,
-    give_checkpoints_back,
+    give_callbacks_back,
     keep_launch_random_streams,
     keep_users_sampler,
     normalize_mode,
     point_metrics_at,
     share_rank_zero_metrics,
     smallest_window,
+    writers_where_the_predictions_are,
 )
 from lit_efficient.tools.window import advise_window
 from lit_efficient.transport.collectives import broadcast_flat
@@ -775,6 +776,7 @@ class PACIStrategy(DDPStrategy):
             self._module_logs_train_loss = False
             watch_own_train_loss(module, self._module_logged_train_loss)
             checkpoints_see_the_users_optimization(trainer, self._was_automatic)
+        writers_where_the_predictions_are(trainer, self.is_last_stage)
         swap_stock_progress_bar(trainer)
         split = self._split
         summarize_the_unsplit_model(trainer, lambda: split.ties if split else ())
@@ -862,7 +864,7 @@ class PACIStrategy(DDPStrategy):
             self._restore_compiled_steps(module)  # the module leaves fit compiled, as it came
             undo_module_hooks(module)
         if trainer is not None:
-            give_checkpoints_back(trainer)
+            give_callbacks_back(trainer)
         split = self._split
         if module is not None and split is not None:
             if fitting:

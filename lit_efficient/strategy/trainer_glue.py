@@ -11,13 +11,14 @@ from __future__ import annotations
 import functools
 import hashlib
 import re
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.seed import _set_rng_states
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint
 from torch import Tensor
 from torch.utils._pytree import tree_flatten  # as tools/fake_memory.py
 from typing_extensions import override
@@ -65,6 +66,10 @@ class SyncCallbackMetrics(Callback):
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         trainer.strategy.drain()  # type: ignore[attr-defined]
+
+    @override
+    def on_test_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._sync(trainer)  # as after a validation: a callback's on_test_end found nothing on the other ranks
 
 
 def share_rank_zero_metrics(trainer: Trainer) -> None:
@@ -134,7 +139,7 @@ def checkpoints_see_the_users_optimization(trainer: Trainer, automatic: bool) ->
     strategy's inside (manual: the stages step themselves). Lightning's manual branch there ignores
     ``train_time_interval`` (a time-based checkpoint never saved), saves a monitored metric's stale value at an epoch's
     last batch where the automatic one waits for that epoch's validation, and warns that the state is the one after
-    the step, which is what a drained pipeline's is. `give_checkpoints_back` undoes it."""
+    the step, which is what a drained pipeline's is. `give_callbacks_back` undoes it."""
     for callback in trainer.checkpoint_callbacks:
         if not isinstance(callback, ModelCheckpoint) or "on_train_batch_end" in callback.__dict__:
             continue
@@ -150,15 +155,43 @@ def checkpoints_see_the_users_optimization(trainer: Trainer, automatic: bool) ->
             finally:
                 pl_module.automatic_optimization = inside
 
-        on_train_batch_end.lit_efficient = True  # type: ignore[attr-defined]
-        callback.on_train_batch_end = on_train_batch_end  # type: ignore[method-assign]
+        _shadow(callback, "on_train_batch_end", on_train_batch_end)
 
 
-def give_checkpoints_back(trainer: Trainer) -> None:
-    """The ModelCheckpoints' own batch-end hooks again (`checkpoints_see_the_users_optimization`)."""
-    for callback in trainer.checkpoint_callbacks:
-        if getattr(callback.__dict__.get("on_train_batch_end"), "lit_efficient", False):
-            del callback.on_train_batch_end
+def writers_where_the_predictions_are(trainer: Trainer, last_stage: bool) -> None:
+    """A ``BasePredictionWriter`` writes on the ranks of the last stage only (one per replica, as DDP's ranks each
+    write their share): elsewhere the predict steps never ran, and every prediction it was given was None (a
+    ``torch.cat`` of them raised on stage 0's ranks and ended the job). `give_callbacks_back` undoes it."""
+    if last_stage:
+        return
+    for callback in trainer.callbacks:
+        if isinstance(callback, BasePredictionWriter):
+            for hook in ("on_predict_batch_end", "on_predict_epoch_end"):
+                if hook not in callback.__dict__:
+                    _shadow(callback, hook, _nothing_to_write)
+
+
+def _nothing_to_write(*args: Any, **kwargs: Any) -> None:
+    """A prediction writer's hook on a rank without the last stage."""
+
+
+def _shadow(callback: Callback, hook: str, replacement: Callable[..., Any]) -> None:
+    """``callback.<hook>`` replaced on the instance, marked so `give_callbacks_back` finds it."""
+
+    def shadowed(*args: Any, **kwargs: Any) -> Any:
+        return replacement(*args, **kwargs)
+
+    shadowed.lit_efficient = True  # type: ignore[attr-defined]
+    setattr(callback, hook, shadowed)
+
+
+def give_callbacks_back(trainer: Trainer) -> None:
+    """The callbacks' own hooks again (`checkpoints_see_the_users_optimization`,
+    `writers_where_the_predictions_are`)."""
+    for callback in trainer.callbacks:
+        for hook, value in list(vars(callback).items()):
+            if getattr(value, "lit_efficient", False):
+                delattr(callback, hook)
 
 
 def keep_launch_random_streams(streams: dict[str, Any], group: dist.ProcessGroup) -> None:

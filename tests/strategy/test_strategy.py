@@ -11,7 +11,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import BasePredictionWriter, Callback, ModelCheckpoint
 
 from lit_efficient import GradientAccumulation, PACIStrategy, consolidate_checkpoint
 from lit_efficient.models import GPT
@@ -137,22 +137,63 @@ def test_checkpoint_resume_follows_uninterrupted_run(tmp_path):
     assert _max_diff(plain, first) == 0.0
 
 
-def test_validate_and_test_metrics_equal_unsplit_model():
+class _MetricsAtEvaluationEnd(Callback):
+    """Writes what each rank's callbacks see in ``callback_metrics`` at a validation's and a test's end."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def _write(self, trainer, stage: str) -> None:
+        seen = {k: float(v) for k, v in trainer.callback_metrics.items()}
+        Path(self.root, f"{stage}-{trainer.global_rank}.json").write_text(json.dumps(seen))
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        self._write(trainer, "validate")
+
+    def on_test_end(self, trainer, pl_module) -> None:
+        self._write(trainer, "test")
+
+
+class _Writer(BasePredictionWriter):
+    """Lightning's documented writer: the epoch's predictions concatenated, one file per rank."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(write_interval="epoch")
+        self.root = root
+
+    def write_on_epoch_end(self, trainer, pl_module, predictions, batch_indices) -> None:
+        torch.save(torch.cat(predictions), Path(self.root, f"predictions-{trainer.global_rank}.pt"))
+
+
+def test_validate_test_and_predict_equal_unsplit_model_on_every_rank(tmp_path):
+    """The results, what every rank's callbacks see at a validation's and a test's end (rank 1 saw no test metric),
+    and a prediction writer, which writes where the last stage is (on stage 0's rank every prediction was None: the
+    writer raised and ended the job)."""
     model = _model()
     dm = _data()
     single = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, limit_test_batches=5,
-                       limit_val_batches=5, enable_model_summary=False)  # fmt: skip
+                       limit_val_batches=5, limit_predict_batches=3, enable_model_summary=False,
+                       callbacks=[_Writer(tmp_path / "one")])  # fmt: skip
+    (tmp_path / "one").mkdir()
     want_val = single.validate(model, datamodule=dm, verbose=False)[0]
     want_test = single.test(model, datamodule=dm, verbose=False)[0]
+    single.predict(model, datamodule=dm, return_predictions=False)
+    seen_by = [_MetricsAtEvaluationEnd(tmp_path), _Writer(tmp_path)]
     piped = L.Trainer(accelerator="cpu", devices=2, strategy=PACIStrategy(start_method="forkserver"), logger=False,
-                      enable_progress_bar=False, limit_val_batches=5, limit_test_batches=5,
-                      enable_model_summary=False)  # fmt: skip
+                      enable_progress_bar=False, limit_val_batches=5, limit_test_batches=5, limit_predict_batches=3,
+                      enable_model_summary=False, callbacks=seen_by)  # fmt: skip
     got_val = piped.validate(model, datamodule=_data(), verbose=False)[0]
     got_test = piped.test(model, datamodule=_data(), verbose=False)[0]
-    for want, got in ((want_val, got_val), (want_test, got_test)):
+    piped.predict(model, datamodule=_data(), return_predictions=False)
+    for stage, want, got in (("validate", want_val, got_val), ("test", want_test, got_test)):
         assert want.keys() == got.keys()
         for key in want:
             assert got[key] == pytest.approx(want[key], rel=1e-5), key
+        seen = [json.loads((tmp_path / f"{stage}-{rank}.json").read_text()) for rank in (0, 1)]
+        assert seen[0] == seen[1] and seen[0].keys() == want.keys(), stage
+    assert sorted(p.name for p in tmp_path.glob("predictions-*.pt")) == ["predictions-0.pt"]
+    predictions = torch.load(tmp_path / "predictions-0.pt")
+    assert torch.allclose(predictions, torch.load(tmp_path / "one" / "predictions-0.pt"), atol=1e-5)
 
 
 def test_validation_metrics_cover_every_replica():
