@@ -16,6 +16,7 @@ stop, validate and save at the same batch.
 from __future__ import annotations
 
 import atexit
+import warnings
 from collections import deque
 from datetime import timedelta
 from typing import Any, Literal
@@ -793,7 +794,12 @@ class PACIStrategy(DDPStrategy):
             "module, each with its own lr and weight decay)."
         )
         try:
-            self.setup_optimizers(trainer)
+            with warnings.catch_warnings():
+                # Lightning's parse under manual optimization (the strategy's inside) says a scheduler dict's
+                # "monitor" is ignored and to call lr_scheduler.step() by hand: not so for the user's automatic
+                # module (the stages step the schedulers; ReduceLROnPlateau is refused by name, step_schedulers).
+                warnings.filterwarnings("ignore", "The lr scheduler dict contains the key", RuntimeWarning)
+                self.setup_optimizers(trainer)
         except ValueError as err:
             if "empty parameter list" not in str(err):
                 raise

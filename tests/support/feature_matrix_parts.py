@@ -568,6 +568,12 @@ def _two_kept(piped: dict, ref: dict) -> None:
     assert len(piped["observed"]["kept"]) == 2 and piped["observed"]["best"] in piped["observed"]["kept"]
 
 
+def _no_manual_advice(piped: dict, ref: dict | None) -> None:
+    """The module optimizes automatically: nothing tells it to step its schedulers by hand (manual optimization is
+    the strategy's inside), before the refusal."""
+    assert not [w for w in piped["warnings"] if "manually in manual optimization" in w], piped["warnings"]
+
+
 def _saved_every_step(piped: dict, ref: dict) -> None:
     assert piped["observed"] == {f"step={s}.ckpt": s for s in (1, 2, 3, 4)}
 
