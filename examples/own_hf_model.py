@@ -76,9 +76,12 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"wrote {make_demo_folder(args.make_demo)}")
         return {}
 
-    data = TokenizedDataModule(tokenizer=args.model, path=args.data, block_size=args.block_size,
-                               batch_size=args.batch_size, max_bytes=args.max_bytes)  # fmt: skip
-    model = HFCausalLM(args.model, learning_rate=1e-3, warmup_steps=10)
+    try:  # a folder or file that is not there: a usage error naming it, not a traceback
+        data = TokenizedDataModule(tokenizer=args.model, path=args.data, block_size=args.block_size,
+                                   batch_size=args.batch_size, max_bytes=args.max_bytes)  # fmt: skip
+        model = HFCausalLM(args.model, learning_rate=1e-3, warmup_steps=10)
+    except (ValueError, OSError) as error:
+        parser.error(str(error))
     checkpoints = ModelCheckpoint(dirpath=args.runs, save_last=True, every_n_train_steps=args.checkpoint_every,
                                   save_top_k=0)  # fmt: skip
     trainer = Trainer(
