@@ -368,12 +368,17 @@ def _sharding_applies(topology: Topology, in_process: bool, tied: bool) -> bool:
     return True
 
 
-def _warn_single_replica(local_sgd_steps: int | None, topology: Topology) -> None:
+def _warn_single_replica(local_sgd_steps: int | None, topology: Topology, in_process: bool = False) -> None:
     if local_sgd_steps is not None and topology.num_replicas == 1:
+        where = (
+            "in one process, which hosts one replica of every stage"
+            if in_process
+            else f"world size {topology.world_size} = pipeline_stages {topology.num_stages} x 1 data-parallel replica"
+        )
         rank_zero_warn(
-            f"PACIStrategy(local_sgd_steps={local_sgd_steps}) has no effect: world size {topology.world_size} = "
-            f"pipeline_stages {topology.num_stages} x 1 data-parallel replica, so there is nothing to average. "
-            "Use more devices (a multiple of pipeline_stages) or drop local_sgd_steps."
+            f"PACIStrategy(local_sgd_steps={local_sgd_steps}) has no effect: {where}, so there is nothing to "
+            "average (outer_optimizer and its settings neither). Use more devices (a multiple of pipeline_stages) "
+            "or drop local_sgd_steps."
         )
 
 

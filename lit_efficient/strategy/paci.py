@@ -544,6 +544,7 @@ class PACIStrategy(DDPStrategy):
             # is given them (keep_launch_random_streams), so the streams agree.
             Strategy.setup_environment(self)
             self.topology = Topology(self.pipeline_stages)
+            _warn_single_replica(self.local_sgd_steps, self.topology, in_process=True)
             return
         super().setup_environment()
         self.topology = Topology.for_world(self.world_size, self.pipeline_stages)

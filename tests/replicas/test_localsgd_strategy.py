@@ -236,6 +236,10 @@ def test_bad_local_sgd_arguments_raise():
 def test_local_sgd_with_one_replica_warns():
     with pytest.warns(UserWarning, match="nothing to average"):
         _warn_single_replica(4, Topology(2, 1))
+    # In one process too, where setup_distributed (which said it) never runs: DiLoCo's options went unsaid.
+    strategy = PACIStrategy(pipeline_stages=2, local_sgd_steps=4, outer_optimizer="nesterov")
+    with pytest.warns(UserWarning, match=r"local_sgd_steps=4\) has no effect: in one process"):
+        _trainer(strategy, 1, 1).fit(_model(), datamodule=_data())
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _warn_single_replica(None, Topology(2, 1))
