@@ -16,7 +16,6 @@ stop, validate and save at the same batch.
 from __future__ import annotations
 
 import atexit
-import warnings
 from collections import deque
 from datetime import timedelta
 from typing import Any, Literal
@@ -794,19 +793,25 @@ class PACIStrategy(DDPStrategy):
             "layers are present. Put all parameters into one optimizer; param groups are fine (one group per "
             "module, each with its own lr and weight decay)."
         )
+        module = self.lightning_module
+        inside, module.automatic_optimization = module.automatic_optimization, self._was_automatic
         try:
-            with warnings.catch_warnings():
-                # Lightning's parse under manual optimization (the strategy's inside) says a scheduler dict's
-                # "monitor" is ignored and to call lr_scheduler.step() by hand: not so for the user's automatic
-                # module (the stages step the schedulers; ReduceLROnPlateau is refused by name, step_schedulers).
-                warnings.filterwarnings("ignore", "The lr scheduler dict contains the key", RuntimeWarning)
-                self.setup_optimizers(trainer)
+            # Parsed as the user's module optimizes (automatically), not as the strategy's inside (manual): Lightning's
+            # manual parse dropped a scheduler dict's "monitor" and "reduce_on_plateau" (a plateau scheduler was
+            # then stepped without its metric, unrefused) and advised stepping schedulers by hand.
+            self.setup_optimizers(trainer)
         except ValueError as err:
             if "empty parameter list" not in str(err):
                 raise
             raise ValueError(
                 f"configure_optimizers built an optimizer over modules that are all on other stages ({err}). {one}"
             ) from err
+        except RuntimeError as err:  # Lightning's advice for several optimizers is manual optimization: not here
+            if "multiple optimizers" not in str(err):
+                raise
+            raise ValueError(f"configure_optimizers returned more than one optimizer. {one}") from err
+        finally:
+            module.automatic_optimization = inside
         if len(self.optimizers) != 1:
             raise ValueError(f"configure_optimizers returned {len(self.optimizers)} optimizers. {one}")
         assert self.topology is not None and self._split is not None

@@ -85,12 +85,13 @@ def step_schedulers(
     epoch-interval ones, stepped by the strategy at an epoch's end). Refuses ReduceLROnPlateau."""
     step_wise, epoch_wise = [], []
     for config in configs:
-        # Lightning builds the configs under manual optimization (the strategy's), which leaves
-        # reduce_on_plateau False and drops "monitor": the scheduler's own type says it.
+        # Parsed as the user's automatic module (PACIStrategy._setup_stage_optimizer): reduce_on_plateau is what the
+        # dict says, or whether the scheduler is torch's ReduceLROnPlateau.
         if config.reduce_on_plateau or isinstance(config.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
             raise ValueError(
-                "ReduceLROnPlateau is not supported under PACIStrategy: each stage steps its own scheduler "
-                "without the monitored metric. Use a step- or epoch-based scheduler."
+                f"{type(config.scheduler).__name__} (a scheduler stepped with a monitored metric: reduce_on_plateau) "
+                "is not supported under PACIStrategy: each stage steps its own scheduler without the monitored metric. "
+                "Use a step- or epoch-based scheduler."
             )
         (step_wise if config.interval == "step" else epoch_wise).append(config)
     return (_SchedulerGroup(step_wise, stepper) if step_wise else None), epoch_wise

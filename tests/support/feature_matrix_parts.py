@@ -74,6 +74,16 @@ class _Plateau(GPT):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": plateau, "monitor": "val_loss", "interval": "step"}}
 
 
+class _PlateauOfTheirOwn(GPT):
+    """A plateau scheduler of the user's own (not torch's class), said by the dict's reduce_on_plateau."""
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.5)
+        halve = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5**step)
+        own = {"scheduler": halve, "monitor": "val_loss", "reduce_on_plateau": True, "interval": "step"}
+        return {"optimizer": opt, "lr_scheduler": own}
+
+
 class _Frozen(GPT):
     """The embedding frozen (``requires_grad_(False)``): stage 0 trains only its block."""
 
