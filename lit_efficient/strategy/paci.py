@@ -776,7 +776,7 @@ class PACIStrategy(DDPStrategy):
             warn_uncalled_hooks(module, trainer.callbacks)
             self._module_logs_train_loss = False
             watch_own_train_loss(module, self._module_logged_train_loss)
-            checkpoints_see_the_users_optimization(trainer, self._was_automatic)
+            checkpoints_see_the_users_optimization(trainer)
         writers_where_the_predictions_are(trainer, self.is_last_stage)
         swap_stock_progress_bar(trainer)
         split = self._split

@@ -62,9 +62,17 @@ def scheduler_stepper(module: Any) -> Callable[[Any, int], None]:
         return step_as_torch
 
     def step_through_the_hook(scheduler: Any, step: int) -> None:
-        counted = module.trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress.total
+        # What trainer.global_step reads now: the manual loop's count (the strategy's inside), or the automatic
+        # one's inside a ModelCheckpoint's hook (trainer_glue), whose save drains the pipeline and steps stages.
+        loop = module.trainer.fit_loop.epoch_loop
+        automatic = module.automatic_optimization
+        counted = (
+            loop.automatic_optimization.optim_progress.optimizer.step.total
+            if automatic
+            else loop.manual_optimization.optim_step_progress.total
+        )
         shown = counted.completed
-        counted.completed = step  # what trainer.global_step reads under the strategy's manual optimization
+        counted.completed = step
         try:
             module.lr_scheduler_step(scheduler, None)
         finally:

@@ -31,7 +31,9 @@ class SyncCallbackMetrics(Callback):
     """The strategy's own callback, first among the trainer's callbacks.
 
     Copies rank 0's callback metrics (it holds the last stage) to every rank before checkpoint and
-    early-stopping callbacks read them, so all ranks take the same decisions; and drains the pipeline
+    early-stopping callbacks read them at a validation's, a test's and an epoch's end, so all ranks take the same
+    decisions (at a batch's end each ModelCheckpoint's own hook does: `checkpoints_see_the_users_optimization`);
+    and drains the pipeline
     before any other callback's ``on_validation_start``, ``on_train_epoch_end`` (there also ending an epoch
     cut short: `PACIStrategy.end_epoch`) and ``on_train_end``:
     Lightning calls the callbacks' hooks (and the module's) before the strategy's, and a validation in
@@ -41,14 +43,6 @@ class SyncCallbackMetrics(Callback):
 
     def _sync(self, trainer: Trainer) -> None:
         share_rank_zero_metrics(trainer)
-
-    @override
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
-        # Only the last stage (rank 0) logs the training loss: a ModelCheckpoint that monitors a training metric, or
-        # names one in its filename, found it on rank 0 alone, which then saved (a collective) while the other ranks
-        # skipped the save and trained on: a hang. Synced before any such checkpoint callback looks at it.
-        if any(_reads_metrics_now(callback, trainer) for callback in trainer.checkpoint_callbacks):
-            self._sync(trainer)
 
     @override
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -87,7 +81,9 @@ def _reads_metrics_now(callback: Any, trainer: Trainer) -> bool:
     """Whether a ``ModelCheckpoint`` may read the callback metrics at this training batch, for a checkpoint that
     monitors a metric or names one in its filename: a save not skipped, at a step multiple of
     ``every_n_train_steps`` or with a ``train_time_interval`` (whose decision is rank 0's clock, broadcast inside
-    the hook). The same answer on every rank."""
+    the hook). The same answer on every rank. Only the last stage (rank 0) logs the training loss: a checkpoint
+    that reads it found it on rank 0 alone, which then saved (a collective) while the other ranks skipped the save
+    and trained on, a hang; so every rank takes rank 0's metrics first."""
     if not isinstance(callback, ModelCheckpoint) or not (callback.monitor or _metrics_named(callback.filename)):
         return False
     every = callback._every_n_train_steps
@@ -134,28 +130,40 @@ def carry_step_count_to_automatic(trainer: Trainer) -> None:
     auto.ready, auto.completed = steps.ready, steps.completed
 
 
-def checkpoints_see_the_users_optimization(trainer: Trainer, automatic: bool) -> None:
-    """Each ModelCheckpoint's batch-end hook sees the module's own ``automatic_optimization`` (``automatic``), not the
+def checkpoints_see_the_users_optimization(trainer: Trainer) -> None:
+    """Each ModelCheckpoint's batch-end hook runs as under the module's own automatic optimization, not the
     strategy's inside (manual: the stages step themselves). Lightning's manual branch there ignores
-    ``train_time_interval`` (a time-based checkpoint never saved), saves a monitored metric's stale value at an epoch's
-    last batch where the automatic one waits for that epoch's validation, and warns that the state is the one after
-    the step, which is what a drained pipeline's is. `give_callbacks_back` undoes it."""
+    ``train_time_interval`` (a time-based checkpoint never saved), saves a monitored metric's stale value at an
+    epoch's last batch where the automatic one waits for that epoch's validation, and warns that the state is the
+    one after the step, which is what a drained pipeline's is. Before the hook, every rank takes rank 0's callback
+    metrics where it may read them (`_reads_metrics_now`). With ``train_time_interval`` the hook runs once per
+    optimizer step (the first batch end that sees it; a save needs a new step anyway): Lightning broadcasts rank 0's
+    clock at each call, a barrier that at every micro-batch would stall the pipeline. `give_callbacks_back` undoes
+    it."""
     for callback in trainer.checkpoint_callbacks:
-        if not isinstance(callback, ModelCheckpoint) or "on_train_batch_end" in callback.__dict__:
-            continue
+        if isinstance(callback, ModelCheckpoint) and "on_train_batch_end" not in callback.__dict__:
+            _shadow(callback, "on_train_batch_end", _as_automatic(callback))
 
-        def on_train_batch_end(trainer: Trainer, pl_module: Any, *args: Any, _hook: Any = callback.on_train_batch_end,
-                               **kwargs: Any) -> None:  # fmt: skip
-            inside = pl_module.automatic_optimization
-            if automatic:  # trainer.global_step reads the automatic loop's counter then
-                carry_step_count_to_automatic(trainer)
-            pl_module.automatic_optimization = automatic
-            try:
-                _hook(trainer, pl_module, *args, **kwargs)
-            finally:
-                pl_module.automatic_optimization = inside
 
-        _shadow(callback, "on_train_batch_end", on_train_batch_end)
+def _as_automatic(callback: ModelCheckpoint) -> Callable[..., None]:
+    hook = callback.on_train_batch_end
+    seen: list[int | None] = [None]  # the global step at the last call
+
+    def on_train_batch_end(trainer: Trainer, pl_module: Any, *args: Any, **kwargs: Any) -> None:
+        if callback._train_time_interval is not None:
+            if trainer.global_step == seen[0]:
+                return
+            seen[0] = trainer.global_step
+        if _reads_metrics_now(callback, trainer):
+            share_rank_zero_metrics(trainer)
+        carry_step_count_to_automatic(trainer)  # trainer.global_step reads the automatic loop's counter then
+        pl_module.automatic_optimization = True
+        try:
+            hook(trainer, pl_module, *args, **kwargs)
+        finally:
+            pl_module.automatic_optimization = False
+
+    return on_train_batch_end
 
 
 def writers_where_the_predictions_are(trainer: Trainer, last_stage: bool) -> None:

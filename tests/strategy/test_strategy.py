@@ -6,6 +6,7 @@ import contextlib
 import copy
 import json
 import math
+from datetime import timedelta
 from pathlib import Path
 
 import lightning as L
@@ -135,6 +136,27 @@ def test_checkpoint_resume_follows_uninterrupted_run(tmp_path):
     plain = _model()
     plain.load_state_dict(consolidate_checkpoint(path))
     assert _max_diff(plain, first) == 0.0
+
+
+class _CountsClockBroadcasts(PACIStrategy):
+    """Counts the broadcasts of ModelCheckpoint's time decision (a bool from rank 0's clock)."""
+
+    clock_reads = 0
+
+    def broadcast(self, obj, src=0):
+        type(self).clock_reads += isinstance(obj, bool)
+        return super().broadcast(obj, src)
+
+
+def test_a_time_based_checkpoint_reads_rank_zeros_clock_once_per_optimizer_step(tmp_path):
+    """Lightning broadcasts rank 0's clock at every call of the hook: on processes a barrier, which at every
+    micro-batch would hold the pipeline's stages together. It runs at the first batch end of each step (4 steps of
+    N=4: 5 reads with step 0's, not 16), and saves at each step as one device does (the feature matrix)."""
+    strategy = _CountsClockBroadcasts(pipeline_stages=2)
+    timed = ModelCheckpoint(dirpath=tmp_path, train_time_interval=timedelta(0), save_top_k=-1, filename="{step}")
+    _trainer(strategy, 1, 4, callbacks=[timed], enable_checkpointing=True).fit(_model(), datamodule=_data())
+    assert _CountsClockBroadcasts.clock_reads == 5
+    assert sorted(p.name for p in tmp_path.glob("*.ckpt")) == [f"step={s}.ckpt" for s in (1, 2, 3, 4)]
 
 
 class _MetricsAtEvaluationEnd(Callback):
