@@ -1,8 +1,10 @@
-"""The one test of a count argument, shared by every layer that checks one (each caller keeps its own message:
-the value, what is allowed, the fix)."""
+"""The one test of a count argument, and the one guess at a misspelt choice, shared by every layer that checks
+one (each caller keeps its own message: the value, what is allowed, the fix)."""
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Sequence
 from typing import Any
 
 
@@ -11,3 +13,15 @@ def is_count(value: Any, minimum: int = 1) -> bool:
     typo), a float (``2.0`` fails later, far from the argument) or a numpy integer (it reaches hyper-parameters and
     checkpoints, which ``torch.load(weights_only=True)`` then refuses, and code that needs an ``int``)."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def closest_choice(given: Any, choices: Sequence[str]) -> str | None:
+    """The choice ``given`` most likely meant: the only one that contains it, case and dashes aside (``flush`` for
+    ``1f1b_flush``), else the closest spelling; None when nothing is close."""
+    if not isinstance(given, str):
+        return None
+    within = [c for c in choices if given.lower().replace("-", "_") in c.lower()]
+    if len(within) == 1:
+        return within[0]
+    close = difflib.get_close_matches(given, list(choices), n=1)
+    return close[0] if close else None

@@ -44,6 +44,7 @@ from lit_efficient.callbacks import (  # noqa: F401 - known to --trainer.callbac
     GradientAccumulation,
     PipelineMonitor,
 )
+from lit_efficient.checks import closest_choice
 from lit_efficient.models import GPT, HFCausalLM  # noqa: F401 - HFCausalLM: known to --model by name
 from lit_efficient.strategy import PACIStrategy  # importing it registers the names "paci" and "1f1b_flush"
 from lit_efficient.strategy.config import RefusedSetting, explain_refused, options_of, refusal_footer
@@ -238,9 +239,8 @@ def explain_choices(message: str) -> str:
     refused = re.findall(r'Parser key "([\w.]+)":\s*Expected a typing\.Literal\[(.*?)\]\. Got value: (\S+)', message)
     for key, allowed, given in refused:
         choices = [c.strip().strip("'\"") for c in allowed.split(",")]
-        within = [c for c in choices if given.lower().replace("-", "_") in c.lower()]
-        close = within if len(within) == 1 else difflib.get_close_matches(given, choices, n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
+        close = closest_choice(given, choices)
+        hint = f"; did you mean {close!r}?" if close else ""
         line = f"{key}={given!r} is not one of {', '.join(map(repr, choices))}{hint}"
         if line not in message and line not in lines:  # a nested parser's error already says it
             lines.append(line)

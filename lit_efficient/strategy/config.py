@@ -35,7 +35,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.nn.parallel import DistributedDataParallel
 
 from lit_efficient import rank_reaper
-from lit_efficient.checks import is_count
+from lit_efficient.checks import closest_choice, is_count
 from lit_efficient.protocol import PIPELINE_METHODS, missing_pipeline_methods
 from lit_efficient.replicas.averaging import check_outer_optimizer
 from lit_efficient.runtime.schedules import SCHEDULES
@@ -282,8 +282,8 @@ def _check_arguments(
     if not is_count(stages):
         raise ValueError(f"pipeline_stages={stages!r} must be an integer >= 1")
     if schedule not in SCHEDULES:
-        close = [name for name in SCHEDULES if isinstance(schedule, str) and schedule.lower().replace("-", "_") in name]
-        hint = f" (did you mean {close[0]!r}?)" if len(close) == 1 else ""
+        close = closest_choice(schedule, SCHEDULES)
+        hint = f" (did you mean {close!r}?)" if close else ""
         raise ValueError(f"schedule={schedule!r} is not one of {', '.join(SCHEDULES)}{hint}")
     if isinstance(balance, list):
         if len(balance) != stages or not all(is_count(n) for n in balance):
