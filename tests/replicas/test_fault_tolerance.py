@@ -144,8 +144,9 @@ def _run_groups(out: Path, min_replicas: int, max_restarts: list[int], worker=_w
     finally:
         for agent in agents:
             if agent.is_alive():
-                with contextlib.suppress(ProcessLookupError):
+                with contextlib.suppress(ProcessLookupError):  # before its setsid: no group yet
                     os.killpg(agent.pid, signal.SIGKILL)
+                agent.kill()
                 agent.join()
         lighthouse.shutdown()
     assert [a.exitcode for a in agents] == [0] * len(agents), "an agent failed; its workers' output is above"
