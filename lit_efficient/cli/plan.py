@@ -148,17 +148,18 @@ def plan(
     if size is None:
         return result
     # The other cuts of the same global batch (the window advice's candidates), each planned at its own N: its
-    # in-flight counts are the schedule's at that N, its stages measured again at a second micro-batch size.
-    other_size = size // 2 if size > 1 else 2
-    other, _ = measure(
-        module, _resized(batch, size, other_size), strategy, accumulate, precision, activation_checkpointing, budget,
-        accelerator, max_steps, sizes=context["sizes"],
-    )  # fmt: skip
+    # in-flight counts are the schedule's at that N, its stages measured again at micro-batch 1 and at the whole
+    # global batch, each cut's on the chord between the measured sizes around it (`measures_at`: exact at the
+    # configured cut and at both ends, above the plan of that cut between them, never below).
     total = accumulate * size
+    measured = {size: measures}
+    for other in {1, total} - {size}:
+        measured[other], _ = measure(
+            module, _resized(batch, size, other), strategy, accumulate, precision, activation_checkpointing,
+            budget, accelerator, max_steps, sizes=context["sizes"],
+        )  # fmt: skip
     peaks = {
-        total // n: plan_memory(
-            measures_at(measures, other, size, other_size, total // n), strategy.schedule, n, **settings
-        ).peak
+        total // n: plan_memory(measures_at(measured, total // n), strategy.schedule, n, **settings).peak
         for n in range(1, total + 1)
         if total % n == 0
     }
@@ -402,8 +403,9 @@ def window_text(result: MemoryPlan) -> str:
             f"{c.accumulate}{mark} | {c.micro_batch} | {c.drift_bound} | {c.flush_bubble:.0%} | {peak} | {fits}"
         )
     note = (
-        "Each cut is planned at its own N, its stages' per-micro-batch bytes on the line through two measured "
-        "micro-batch sizes (plan again with that --data.batch_size to measure one)."
+        "Each cut is planned at its own N from its stages measured at micro-batch 1, the configured one and the "
+        "whole global batch: exact there, at most a little above in between (plan again with that --data.batch_size "
+        "to measure one)."
     )
     return "\n".join([advice.text(), "", *rows, "", note])
 

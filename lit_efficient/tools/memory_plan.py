@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
@@ -151,22 +151,28 @@ class StageMeasure:
     boundary: int
 
 
-# What a stage's measure holds per micro-batch: every tensor a forward makes has the micro-batch as a dimension, or
-# none (a dense embedding gradient, the RNG state), so each is affine in the micro-batch size.
+# What a stage's measure holds per micro-batch. Every tensor a forward or backward makes has the micro-batch as a
+# dimension, or none (a dense embedding gradient, the RNG state): sums of them are affine in the micro-batch size,
+# and a peak over the forward and backward (compute_peak), the largest of such sums, is convex in it.
 PER_MICRO_BATCH = ("saved", "held", "inputs", "rng", "compute_peak", "boundary")
 
 
-def measures_at(
-    measured: Sequence[StageMeasure], other: Sequence[StageMeasure], size: int, other_size: int, at: int
-) -> list[StageMeasure]:
-    """What each stage would measure at micro-batch ``at``, from its measures at two sizes (``size`` and
-    ``other_size``): the per-micro-batch quantities on the line through them, the state as measured."""
-    if size == other_size:
-        raise ValueError(f"two different micro-batch sizes are needed, got {size} twice")
+def measures_at(measured: Mapping[int, Sequence[StageMeasure]], at: int) -> list[StageMeasure]:
+    """What each stage would measure at micro-batch ``at``, from its measures at two or more sizes (size -> every
+    stage's measure): each per-micro-batch quantity on the chord between the measured sizes nearest around ``at``
+    (the nearest two, outside them), the state as measured. Exact where the quantity is affine; for a convex one,
+    exact at the measured sizes and above it between them, so a plan from it errs on the side of not fitting."""
+    if at in measured:
+        return list(measured[at])
+    sizes = sorted(measured)
+    if len(sizes) < 2:
+        raise ValueError(f"measures at two micro-batch sizes are needed for micro-batch {at}, got {sizes}")
+    below, above = [s for s in sizes if s < at], [s for s in sizes if s > at]
+    lo, hi = (below[-1], above[0]) if below and above else (sizes[:2] if not below else sizes[-2:])
     out = []
-    for m, o in zip(measured, other, strict=True):
-        slope = {f: (getattr(m, f) - getattr(o, f)) / (size - other_size) for f in PER_MICRO_BATCH}
-        out.append(replace(m, **{f: max(0, round(getattr(m, f) + slope[f] * (at - size))) for f in PER_MICRO_BATCH}))
+    for m, o in zip(measured[lo], measured[hi], strict=True):
+        slope = {f: (getattr(o, f) - getattr(m, f)) / (hi - lo) for f in PER_MICRO_BATCH}
+        out.append(replace(m, **{f: max(0, round(getattr(m, f) + slope[f] * (at - lo))) for f in PER_MICRO_BATCH}))
     return out
 
 
@@ -217,7 +223,8 @@ class MemoryPlan:
     device_memory: int | None = None
     context: dict[str, Any] = field(default_factory=dict)  # what was planned: model, micro-batch, precision...
     # The peak at other cuts of the same global batch, by micro-batch size (N = global batch / size), each planned
-    # at its own N from stages measured at two sizes (`measures_at`); empty where not planned.
+    # at its own N from stages measured at a few sizes (`measures_at`: exact at those, above between); empty where
+    # not planned.
     peaks_by_micro_batch: dict[int, int] = field(default_factory=dict)
 
     @property
