@@ -217,7 +217,9 @@ class GradientAccumulation(Callback):
         if saved != (self.steps, self.normalize):
             rank_zero_warn(
                 f"The checkpoint was trained with GradientAccumulation(steps={saved[0]!r}, normalize={saved[1]!r}); "
-                f"this run continues with steps={self.steps!r}, normalize={self.normalize!r}."
+                f"this run continues with steps={self.steps!r}, normalize={self.normalize!r}. A window the "
+                "checkpoint left unfinished is finished first: its micro-batches join the first window of the "
+                "resumed run, whose step averages them with that window's; the windows after it have the new size."
             )
 
     # -- internals ---------------------------------------------------------------------------------

@@ -115,7 +115,7 @@ class ResumableLoader(DataLoader):
         same_epoch = resume is not None and epoch is not None and resume["epoch"] == epoch
         skip = resume["batches"] if same_epoch else 0
         saved, replicas = (resume or {}).get("replicas", 1), self._replicas()
-        if skip and saved != replicas:
+        if skip and saved != replicas and _rank_zero():  # every rank's loader finds it: said once
             warnings.warn(
                 f"The checkpoint was taken {skip} batches into epoch {epoch} on {saved} data-parallel replica(s); "
                 f"this run has {replicas}, which read that epoch's order interleaved otherwise, so no count of "
@@ -123,8 +123,9 @@ class ResumableLoader(DataLoader):
                 f"and Lightning, which counts {skip} of its batches as done, ends it {skip} batches early (samples "
                 "of it are trained twice, others not in this epoch). To continue exactly, resume on the same number "
                 "of replicas, or from a checkpoint taken at an epoch's end.",
-                stacklevel=2,
+                stacklevel=1,  # this file's: the caller is Lightning's loader, which did nothing wrong
             )
+        if skip and saved != replicas:
             skip = 0
         self._skipping = skip
         try:
@@ -147,3 +148,7 @@ class ResumableLoader(DataLoader):
                 "module that wrote the checkpoint."
             )
         self._resume = dict(state)
+
+
+def _rank_zero() -> bool:
+    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0

@@ -334,11 +334,9 @@ def load_stage_states(strategy: Any, checkpoint: dict[str, Any]) -> None:
     names = {id(p): n for n, p in module.named_parameters()}
     pipeline = checkpoint.get("pipeline", {})
     same_layout = pipeline.get("layout") == strategy.layout()
-    dropped = (
-        []
-        if same_layout
-        else [why for k, why in _PER_RANK.items() if any(k in r for r in pipeline.get("ranks", {}).values())]
-    )
+    carried = [k for k in _PER_RANK if k != "averager" or strategy.local_sgd_steps is not None]  # else unused
+    ranks = pipeline.get("ranks", {}).values()
+    dropped = [] if same_layout else [_PER_RANK[k] for k in carried if any(k in r for r in ranks)]
     if dropped:
         rank_zero_warn(
             f"resuming a checkpoint of layout {pipeline.get('layout')} on {strategy.layout()}: weights, optimizer, "
