@@ -154,9 +154,11 @@ def test_a_time_based_checkpoint_reads_rank_zeros_clock_once_per_optimizer_step(
     N=4: 5 reads with step 0's, not 16), and saves at each step as one device does (the feature matrix)."""
     strategy = _CountsClockBroadcasts(pipeline_stages=2)
     timed = ModelCheckpoint(dirpath=tmp_path, train_time_interval=timedelta(0), save_top_k=-1, filename="{step}")
-    _trainer(strategy, 1, 4, callbacks=[timed], enable_checkpointing=True).fit(_model(), datamodule=_data())
+    trainer = _trainer(strategy, 1, 4, callbacks=[timed], enable_checkpointing=True)
+    trainer.fit(_model(), datamodule=_data())
     assert _CountsClockBroadcasts.clock_reads == 5
     assert sorted(p.name for p in tmp_path.glob("*.ckpt")) == [f"step={s}.ckpt" for s in (1, 2, 3, 4)]
+    assert "on_train_batch_end" not in vars(timed)  # its own hook again after fit (teardown gives it back)
 
 
 class _MetricsAtEvaluationEnd(Callback):
