@@ -53,6 +53,7 @@ from lit_efficient.tools.fake_memory import (
     measure_stages,
 )
 from lit_efficient.tools.memory_plan import (
+    PER_MICRO_BATCH,
     MemoryPlan,
     StageMeasure,
     format_bytes,
@@ -154,10 +155,15 @@ def plan(
     total = accumulate * size
     measured = {size: measures}
     for other in {1, total} - {size}:
-        measured[other], _ = measure(
+        per_micro_batch, _ = measure(
             module, _resized(batch, size, other), strategy, accumulate, precision, activation_checkpointing,
-            budget, accelerator, max_steps, sizes=context["sizes"],
+            budget, accelerator, max_steps, sizes=context["sizes"], optimizer=False,
         )  # fmt: skip
+        # The state as measured with the optimizer (the same at every size), what a micro-batch costs at this one.
+        measured[other] = [
+            replace(m, **{f: getattr(o, f) for f in PER_MICRO_BATCH})
+            for m, o in zip(measures, per_micro_batch, strict=True)
+        ]
     peaks = {
         total // n: plan_memory(measures_at(measured, total // n), strategy.schedule, n, **settings).peak
         for n in range(1, total + 1)
@@ -177,11 +183,13 @@ def measure(
     accelerator: str = "gpu",
     max_steps: int = 1000,
     sizes: Sequence[int] | None = None,
+    optimizer: bool = True,
 ) -> tuple[list[StageMeasure], dict[str, Any]]:
     """What `plan` measures, stage by stage, and what was planned (the plan's ``context``): everything that
     does not depend on the schedule, ``recompute``, the replicas or sharding, so one measurement serves every
     plan of a layout (`lit_efficient.tools.memory_plan.plan_memory`). Arguments as `plan`'s; ``sizes``: the
-    split to measure (None: the one the strategy would choose)."""
+    split to measure (None: the one the strategy would choose); ``optimizer=False`` skips the optimizer's step
+    (its state, 0 then, does not depend on the micro-batch)."""
     precision = unified_precision(precision)
     forward_context = MixedPrecision("bf16-mixed", "cpu").forward_context if precision == "bf16-mixed" else nullcontext
     wrapped = activation_checkpointing.wrap(module) if activation_checkpointing is not None else []
@@ -192,8 +200,10 @@ def measure(
             fake = fake_batch(batch, mode)
             if sizes is None:  # refusals: PlanError
                 sizes = _stage_sizes(strategy, module, layers, fake, forward_context, device_memory)
-            with _stand_in_trainer(module, max_steps, accumulate):
-                make_optimizer = optimizer_factory(module, foreach=accelerator in _GPU)
+            make_optimizer = None
+            if optimizer:
+                with _stand_in_trainer(module, max_steps, accumulate):
+                    make_optimizer = optimizer_factory(module, foreach=accelerator in _GPU)
             measures = measure_stages(
                 layers, sizes, fake, module.pipeline_input, module.pipeline_loss, forward_context, make_optimizer,
                 saved_scope=_selective_cache if activation_checkpointing is not None else None,
