@@ -200,14 +200,17 @@ class StrategyOptionParser(LightningArgumentParser):
 
     @override
     def error(self, message: str, ex: Exception | None = None) -> Any:
-        message = explain_choices(explain_strategy_options(message))
+        message = explain_class_paths(explain_choices(explain_strategy_options(message)))
+        # A config key is checked by the root parser, which names the subcommand's parser (its options) on the error.
+        known = list(getattr(ex, "subcommand_parser", self)._option_string_actions)
         unknown = re.match(r"unrecognized arguments: (.*)", message)
-        if unknown:
-            known = list(self._option_string_actions)
-            flags = [f.split("=")[0] for f in unknown.group(1).split() if f.startswith("--")]
-            hints = [f"{f}: did you mean {c[0]}?" for f in flags if (c := difflib.get_close_matches(f, known, n=1))]
-            message = "\n".join([message, *hints])
-        return super().error(message, ex)
+        flags = [f.split("=")[0] for f in unknown.group(1).split() if f.startswith("--")] if unknown else []
+        hints = [f"{f}: did you mean {c[0]}?" for f in flags if (c := difflib.get_close_matches(f, known, n=1))]
+        # A key of a config file that is no option (trainer.max_step), said as a key.
+        for key in re.findall(r"does not accept option '([\w.]+)'", message):
+            if close := difflib.get_close_matches(f"--{key}", known, n=1):
+                hints.append(f"{key}: did you mean {close[0].removeprefix('--')}?")
+        return super().error("\n".join([message, *hints]), ex)
 
 
 def explain_strategy_options(message: str) -> str:
@@ -229,6 +232,21 @@ def explain_strategy_options(message: str) -> str:
         options = options_of(PACIStrategy.__init__)
         listed = "".join(f"\n  - {explain_refused(name, options, show_value=False)}" for name in names)
         lines.append(f"PACIStrategy does not accept:{listed}\n{refusal_footer(names, options)}")
+    return "\n".join([message, *lines])
+
+
+def explain_class_paths(message: str) -> str:
+    """``message`` with one line for each class path whose last name its module lacks (a misspelt
+    ``lit_efficient.GradientAccumulaton``): the closest name the module has."""
+    lines = []
+    for module_name, name in dict.fromkeys(re.findall(r"module '([\w.]+)' has no attribute '(\w+)'", message)):
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        close = difflib.get_close_matches(name, [n for n in dir(module) if not n.startswith("_")], n=1)
+        if close:
+            lines.append(f"{module_name}.{name}: did you mean {module_name}.{close[0]}?")
     return "\n".join([message, *lines])
 
 

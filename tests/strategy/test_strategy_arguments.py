@@ -295,6 +295,17 @@ def test_the_cli_names_the_schedules_when_one_is_misspelt(cli_refusal, given, me
     assert err.count(f"schedule='{given}' is not one of 'paci', '1f1b_flush'; did you mean '{meant}'?") == 1
 
 
+def test_the_cli_names_the_closest_key_and_class_of_a_misspelt_config(cli_refusal, tmp_path):
+    # A config file's key that is no option, and a callback's class path whose module lacks the name: jsonargparse
+    # said neither's closest spelling (the key is checked by the root parser, which holds no --trainer.* option).
+    overlay = tmp_path / "typos.yaml"
+    overlay.write_text("trainer:\n  max_step: 3\n")
+    assert "trainer.max_step: did you mean trainer.max_steps?" in cli_refusal(f"--config={overlay}")
+    overlay.write_text("trainer:\n  callbacks:\n    - class_path: lit_efficient.GradientAccumulaton\n")
+    err = cli_refusal(f"--config={overlay}")
+    assert "lit_efficient.GradientAccumulaton: did you mean lit_efficient.GradientAccumulation?" in err
+
+
 def test_the_cli_refuses_a_ddp_option_from_a_yaml_file_saying_what_paci_does_instead(cli_refusal, tmp_path):
     overlay = tmp_path / "ddp.yaml"
     overlay.write_text("trainer:\n  strategy:\n    init_args:\n      find_unused_parameters: true\n")
