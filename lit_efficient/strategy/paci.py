@@ -415,6 +415,7 @@ class PACIStrategy(DDPStrategy):
         self.final_state: FinalState | None = None  # the hosted stages at the end of training (stage_checkpoints.py)
         # An unfinished window's gradients a checkpoint restored, until training starts (stage_checkpoints.py)
         self.restored_window_grads: list[tuple[Any, list[Tensor | None]]] = []
+        self.restored_random_stream: dict[str, Tensor] | None = None  # `stage_checkpoints.reinstate_random_stream`
         self._split: Split | None = None
         self._dp_groups: dict[int, dist.ProcessGroup] = {}
         self._pipeline_groups: dict[int, dist.ProcessGroup] = {}
@@ -574,6 +575,7 @@ class PACIStrategy(DDPStrategy):
     def setup(self, trainer: Trainer) -> None:
         assert self.accelerator is not None and self.topology is not None
         self.restored_window_grads = []  # a fit that failed before on_train_start left its restore's here
+        self.restored_random_stream = None
         self._epoch_end_seen = False  # whether the last training step was its epoch's last (`end_epoch`)
         # First: whatever loads the training loader during setup (configure_optimizers reading
         # trainer.estimated_stepping_batches, as GPT's default schedule does) builds it with this setting.
@@ -1054,6 +1056,8 @@ class PACIStrategy(DDPStrategy):
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self.restored_random_stream is not None:
+            stage_checkpoints.reinstate_random_stream(self)
         if batch_idx == 0:
             self._epoch_end_seen = False  # not yet, also for an epoch skipped at its first batch (`end_epoch`)
 

@@ -353,6 +353,7 @@ def load_stage_states(strategy: Any, checkpoint: dict[str, Any]) -> None:
         return group_names
 
     strategy.restored_window_grads = []  # only this restore's (an earlier fit's unreinstated ones never leak)
+    strategy.restored_random_stream = None
     tied, tied_states = [], []  # this process's tied-weight copies and what the checkpoint kept of each
     saved_schedulers = checkpoint.get("lr_schedulers", [])
     given: set[int] = set()  # the checkpoint's tensors an earlier stage's optimizer holds now
@@ -392,6 +393,18 @@ def reinstate_window_gradients(strategy: Any) -> None:
     strategy.restored_window_grads = []
 
 
+def reinstate_random_stream(strategy: Any) -> None:
+    """``PACIStrategy.on_train_batch_start``: this rank's random stream as the checkpoint saved it (dropout masks
+    continue exactly), put back at the first training batch after a restore rather than at the restore: in between
+    Lightning starts the training loader's epoch, and a plain shuffled loader draws its order from this stream
+    there. One device draws it from the stream the script seeded; so does a rank now (a plain loader restarts its
+    epoch on a resume: the order it restarts in is one device's)."""
+    saved, strategy.restored_random_stream = strategy.restored_random_stream, None
+    torch.set_rng_state(saved["cpu"])
+    if "cuda" in saved and strategy.root_device.type == "cuda":
+        torch.cuda.set_rng_state(saved["cuda"], strategy.root_device)
+
+
 # What a resume on another layout cannot carry of a rank's state (the checkpoint's per-rank record), and so what
 # the resumed run starts afresh.
 _PER_RANK = {
@@ -423,10 +436,8 @@ def _load_rank_state(
         hosted.averager.load_state_dict(state["averager"])
     elif hosted.averager is not None:  # built at setup from the initial weights: anchor it at the loaded ones
         hosted.averager.restart(global_step)
-    if "rng" in state:
-        torch.set_rng_state(state["rng"]["cpu"])
-        if "cuda" in state["rng"] and strategy.root_device.type == "cuda":
-            torch.cuda.set_rng_state(state["rng"]["cuda"], strategy.root_device)
+    if "rng" in state:  # put back at the first training batch (`reinstate_random_stream`)
+        strategy.restored_random_stream = state["rng"]
 
 
 def _group_names(strategy: Any) -> tuple[list[list[str]], dict[str, str]]:
