@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 from lightning.pytorch import LightningDataModule
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
@@ -183,15 +183,19 @@ class TextDataModule(LightningDataModule):
             raise ValueError(
                 f"{type(self).__name__}(val_fraction={val_fraction!r}) must be a number in (0, 1), e.g. 0.05."
             )
-        if num_workers < 0:
-            raise ValueError(f"{type(self).__name__}(num_workers={num_workers}) must be >= 0 (0: main process).")
+        if not is_count(num_workers, minimum=0):
+            raise ValueError(
+                f"{type(self).__name__}(num_workers={num_workers!r}) must be an integer >= 0 (0: main process)."
+            )
         if not 0.0 < val_fraction < 1.0:
             raise ValueError(
                 f"{type(self).__name__}(val_fraction={val_fraction}) must be in (0, 1), e.g. 0.05; to skip "
                 f"validation set Trainer(limit_val_batches=0)."
             )
-        if max_bytes is not None and max_bytes < 1:
-            raise ValueError(f"{type(self).__name__}(max_bytes={max_bytes}) must be >= 1, or None for no cap.")
+        if max_bytes is not None and not is_count(max_bytes):
+            raise ValueError(
+                f"{type(self).__name__}(max_bytes={max_bytes!r}) must be an integer >= 1, or None for no cap."
+            )
         self.is_token_file = source is not None and source.is_file() and source.suffix == ".bin"
         if vocab_size is not None and vocab_size < (1 if self.is_token_file else 256):
             raise ValueError(
@@ -244,13 +248,29 @@ class TextDataModule(LightningDataModule):
                     embedded_corpus(self.max_bytes) if self._source is None else read_text(self._source, self.max_bytes)
                 )
                 tokens = np.frombuffer(corpus, dtype=np.uint8)
-                if self.max_bytes is not None and len(corpus) == self.max_bytes:
-                    rank_zero_info(f"TextDataModule: text capped at max_bytes={self.max_bytes:,} bytes.")
+                self._say_if_capped(len(corpus))
             if len(tokens) == 0:
                 source = f"path={self.path!r}" if self.path is not None else "the embedded corpus"
                 raise ValueError(f"TextDataModule: {source} is empty; give a path with some text in it.")
             self._tokens = tokens
         return self._tokens
+
+    def _say_if_capped(self, read: int) -> None:
+        """Say when ``max_bytes`` cut the text: a user's own, with a warning and how much (the rest is never trained
+        on); the embedded corpus (far larger than the default cap, by design), in a line."""
+        if self.max_bytes is None or read < self.max_bytes:
+            return
+        if self._source is None:
+            rank_zero_info(f"TextDataModule: the embedded corpus capped at max_bytes={self.max_bytes:,} bytes.")
+            return
+        files = folder_files(self._source) if self._source.is_dir() else [self._source]
+        total = sum(p.stat().st_size + (1 if self._source.is_dir() else 0) for p in files)  # a newline after each
+        if total > self.max_bytes:
+            rank_zero_warn(
+                f"TextDataModule: text capped at max_bytes={self.max_bytes:,} bytes of {total:,} "
+                f"({self.max_bytes / total:.1%}); the rest is not trained on. Set max_bytes=None (or larger) to use "
+                "all of it."
+            )
 
     def split_sizes(self) -> tuple[int, int]:
         """(train, validation) token counts: the last ``floor(n * val_fraction)`` tokens validate."""

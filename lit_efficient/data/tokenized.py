@@ -27,7 +27,7 @@ from lit_efficient.tools.corpus import TEXT_SUFFIXES, folder_files, stdlib_files
 # Text is tokenized in pieces of about this many bytes, cut at line ends: a whole corpus in one call would hold
 # every token's Python object at once.
 _PIECE_BYTES = 1 << 20
-_FORMAT = 1  # bump when the token file's content for the same inputs changes
+_FORMAT = 2  # bump when the token file's content for the same inputs changes
 
 
 def default_cache_dir() -> Path:
@@ -58,8 +58,9 @@ def load_tokenizer(tokenizer: Any) -> Any:
     return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
 
 
-def documents(source: Path | None, max_bytes: int | None) -> Iterator[bytes]:
-    """The source's files' bytes, one document per file, in `TextDataModule`'s order, cut at ``max_bytes`` in all."""
+def documents(source: Path | None, max_bytes: int | None) -> Iterator[tuple[Path, bytes, bool]]:
+    """The source's files' bytes, one document per file (with its path, and whether ``max_bytes`` cut it), in
+    `TextDataModule`'s order, cut at ``max_bytes`` in all."""
     files = documents_files(source)
     if source is not None and source.is_dir() and not files:
         raise ValueError(
@@ -70,10 +71,24 @@ def documents(source: Path | None, max_bytes: int | None) -> Iterator[bytes]:
     for path in files:
         if left is not None and left <= 0:
             return
-        data = path.read_bytes()
+        whole = path.read_bytes()
+        data = whole if left is None else whole[:left]
         if left is not None:
-            data, left = data[:left], left - len(data)
-        yield data
+            left -= len(whole)
+        yield path, data, len(data) < len(whole)
+
+
+def decoded(data: bytes, cut: bool) -> tuple[str, bool]:
+    """A document's text and whether it was valid UTF-8: a byte-order mark dropped, a character that ``max_bytes``
+    cut at the end (``cut``) dropped, any other invalid byte replaced by U+FFFD."""
+    ends = range(len(data), max(len(data) - 4, -1), -1) if cut else (len(data),)  # a cut character: 3 bytes at most
+    for end in ends:
+        try:
+            return data[:end].decode("utf-8-sig"), True
+        except UnicodeDecodeError as error:
+            if error.end < end:  # invalid before the end: not a cut character
+                break
+    return data.decode("utf-8-sig", errors="replace"), False
 
 
 def _pieces(text: str) -> Iterator[str]:
@@ -150,7 +165,7 @@ class TokenizedDataModule(TextDataModule):
         key = json.dumps({
             "format": _FORMAT, "tokenizer": type(tok).__name__, "vocab": sorted(tok.get_vocab().items()),
             "special": sorted(map(str, tok.all_special_tokens)), "eos": tok.eos_token_id, "max_bytes": self.max_bytes,
-            "files": [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files],
+            "files": [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files],
         })  # fmt: skip
         digest = hashlib.sha256(key.encode()).hexdigest()[:20]
         return self.cache_dir / f"tokens-{digest}.{self._dtype.name}.bin"
@@ -174,9 +189,12 @@ class TokenizedDataModule(TextDataModule):
         partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
         eos = self.tokenizer.eos_token_id
         count = 0
+        invalid = []
         with partial.open("wb") as out:
-            for doc in documents(self._source, self.max_bytes):
-                text = doc.decode("utf-8", errors="replace")
+            for path, doc, cut in documents(self._source, self.max_bytes):
+                text, valid = decoded(doc, cut)
+                if not valid:
+                    invalid.append(path)
                 for piece in _pieces(text):
                     ids = self.tokenizer(piece, add_special_tokens=False)["input_ids"]
                     np.asarray(ids, dtype=self._dtype).tofile(out)
@@ -185,6 +203,16 @@ class TokenizedDataModule(TextDataModule):
                     np.asarray([eos], dtype=self._dtype).tofile(out)
                     count += 1
         partial.replace(target)  # whole or absent: a rank never maps a half-written file
+        if invalid:
+            named = ", ".join(str(p) for p in invalid[:5]) + (
+                f" and {len(invalid) - 5} more" if len(invalid) > 5 else ""
+            )
+            rank_zero_warn(
+                f"TokenizedDataModule: {len(invalid)} file(s) are not UTF-8 text ({named}): their invalid bytes were "
+                "tokenized as U+FFFD replacement characters. Convert them to UTF-8 (iconv -f latin1 -t utf-8), or "
+                "move them out of the folder, and delete the token file to tokenize again: "
+                f"{target}."
+            )
         rank_zero_info(f"TokenizedDataModule: {count:,} tokens written to {target}")
 
     @property

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sysconfig
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -85,7 +86,13 @@ def test_folder_reads_text_files_sorted_and_skips_others(tmp_path):
 def test_max_bytes_caps_text(tmp_path):
     path = tmp_path / "t.txt"
     path.write_bytes(b"x" * 1000)
-    assert len(TextDataModule(str(path), max_bytes=300).tokens) == 300
+    # A user's text cut is warned about with how much (it was an INFO line without the total, also when nothing
+    # was cut: a 1,000-byte file under max_bytes=1000).
+    with pytest.warns(UserWarning, match=r"capped at max_bytes=300 bytes of 1,000 \(30\.0%\); the rest is not"):
+        assert len(TextDataModule(str(path), max_bytes=300).tokens) == 300
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert len(TextDataModule(str(path), max_bytes=1000).tokens) == 1000
     assert len(TextDataModule(str(path), max_bytes=None).tokens) == 1000
 
 
@@ -116,6 +123,8 @@ def test_bin_tokens_are_memory_mapped_with_their_vocabulary(tmp_path):
         (dict(block_size=2.5), r"block_size=2\.5\) must be an integer >= 1"),  # crashed in setup
         (dict(seed="x"), r"seed='x'\) must be an integer"),  # crashed in the loader
         (dict(val_fraction="0.1"), r"val_fraction='0\.1'\) must be a number in \(0, 1\)"),
+        (dict(max_bytes=1.5), r"max_bytes=1\.5\) must be an integer >= 1"),  # a TypeError from slicing
+        (dict(num_workers="2"), r"num_workers='2'\) must be an integer >= 0"),  # a TypeError from <
     ],
 )
 def test_bad_arguments_raise(kwargs, match):

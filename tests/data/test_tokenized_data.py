@@ -75,6 +75,22 @@ def test_mistakes_are_refused_with_the_fix(tmp_path, demo_model):
         TokenizedDataModule(str(demo_model), path=str(tmp_path / "empty"), cache_dir=str(tmp_path)).prepare_data()
 
 
+def test_text_that_is_not_utf8_is_named_and_a_bom_or_a_cut_character_is_no_token(demo_model, tmp_path):
+    """Invalid bytes became U+FFFD tokens without a word (a Latin-1 file), a byte-order mark a token at the
+    document's start, and a character that max_bytes cut a U+FFFD token (a user audit)."""
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    (folder / "a_latin1.txt").write_bytes("caf\xe9 na\xefve\n".encode("latin-1"))
+    (folder / "b_bom.txt").write_bytes(b"\xef\xbb\xbfhello\n")
+    (folder / "c_cut.txt").write_bytes("d\u00e9j\u00e0".encode())  # the cap below cuts its last character
+    cap = sum(len(p.read_bytes()) for p in folder.iterdir()) - 1
+    data = TokenizedDataModule(str(demo_model), path=str(folder), block_size=4, max_bytes=cap, cache_dir=str(tmp_path))
+    with pytest.warns(UserWarning, match=r"1 file\(s\) are not UTF-8 text \(.*a_latin1\.txt\): their invalid bytes"):
+        data.prepare_data()
+    text = data.tokenizer.decode(data.tokens.tolist())
+    assert text.count("\ufffd") == 2 and "\ufeff" not in text and "hello" in text and "d\u00e9j" in text
+
+
 def test_a_cap_that_cuts_the_text_says_how_much_it_kept(texts, demo_model, tmp_path, caplog):
     """max_bytes (8 MB by default) cut a user's corpus without a word: the rest was never trained on."""
     total = sum(p.stat().st_size for p in texts.glob("*.*") if p.suffix != ".bin")  # a.txt and b.md: 12,200
