@@ -104,14 +104,13 @@ def pipeline_state(strategy: Any, hosted: HostedStage) -> dict[str, Any]:
             for p, g in zip(hosted.stage.parameters(), accumulation["grads"], strict=True)
             if g is not None
         }
-    state: dict[str, Any] = {
-        "stage": hosted.index,
-        "replica": strategy.replica,
-        "accumulation": accumulation,
-        "rng": {"cpu": torch.get_rng_state()},
-    }
-    if strategy.root_device.type == "cuda":
-        state["rng"]["cuda"] = torch.cuda.get_rng_state(strategy.root_device)
+    state: dict[str, Any] = {"stage": hosted.index, "replica": strategy.replica, "accumulation": accumulation}
+    if strategy.restored_random_stream is not None:  # restored, not yet put back (before the first training batch)
+        state["rng"] = dict(strategy.restored_random_stream)
+    else:
+        state["rng"] = {"cpu": torch.get_rng_state()}
+        if strategy.root_device.type == "cuda":
+            state["rng"]["cuda"] = torch.cuda.get_rng_state(strategy.root_device)
     if hosted.averager is not None:
         state["averager"] = hosted.averager.state_dict()
     if hosted.tied:  # the tied weights' delay line (`runtime.tied`), by this stage's name of its copy

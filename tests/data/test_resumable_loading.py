@@ -237,6 +237,27 @@ def test_a_plain_shuffled_loader_resumed_mid_epoch_starts_its_epoch_again_in_one
     assert max_diff(resumed(lambda: PACIStrategy(pipeline_stages=2, schedule="1f1b_flush"), "piped"), one_device) == 0.0
 
 
+@pytest.mark.usefixtures("one_thread")
+def test_a_save_before_the_first_training_batch_keeps_the_restored_stream(tmp_path):
+    """The stream is put back at the first training batch; a save before it (a fit resumed at its max_steps, which
+    runs no batch, then save_checkpoint) wrote the process's current stream, not the one it restored (review)."""
+
+    def fit(folder: str, ckpt_path=None):
+        trainer = gpt_trainer(PACIStrategy(pipeline_stages=2), 1, 3, tmp_path, callbacks=_checkpoints(tmp_path, folder),
+                              enable_checkpointing=True, **EPOCH)  # fmt: skip
+        trainer.fit(gpt_model(), datamodule=text_data(), ckpt_path=ckpt_path)
+        return trainer
+
+    fit("first")
+    last = next(p for p in (tmp_path / "first").iterdir() if p.name.startswith("last"))
+    fit("again", str(last)).save_checkpoint(tmp_path / "again.ckpt")
+
+    def streams(path):
+        return [r["rng"]["cpu"] for r in torch.load(path, weights_only=False)["pipeline"]["ranks"].values()]
+
+    assert all(torch.equal(a, b) for a, b in zip(streams(tmp_path / "again.ckpt"), streams(last), strict=True))
+
+
 def test_without_a_sampler_epoch_nothing_is_skipped(data):
     """Under overfit_batches Lightning swaps in a sequential sampler, which has no epoch: a state saved at an
     epoch's end would otherwise skip the next epoch's batches (all of them, for a whole epoch saved)."""
