@@ -9,6 +9,7 @@ that file; the blocks, splits and the resumable training loader are `TextDataMod
 
 from __future__ import annotations
 
+import codecs
 import functools
 import hashlib
 import json
@@ -81,14 +82,15 @@ def documents(source: Path | None, max_bytes: int | None) -> Iterator[tuple[Path
 def decoded(data: bytes, cut: bool) -> tuple[str, bool]:
     """A document's text and whether it was valid UTF-8: a byte-order mark dropped, a character that ``max_bytes``
     cut at the end (``cut``) dropped, any other invalid byte replaced by U+FFFD."""
+    data = data.removeprefix(codecs.BOM_UTF8)  # first: an error's positions then count from the data's start
     ends = range(len(data), max(len(data) - 4, -1), -1) if cut else (len(data),)  # a cut character: 3 bytes at most
     for end in ends:
         try:
-            return data[:end].decode("utf-8-sig"), True
+            return data[:end].decode("utf-8"), True
         except UnicodeDecodeError as error:
             if error.end < end:  # invalid before the end: not a cut character
                 break
-    return data.decode("utf-8-sig", errors="replace"), False
+    return data.decode("utf-8", errors="replace"), False
 
 
 def _pieces(text: str) -> Iterator[str]:

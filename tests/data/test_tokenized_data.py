@@ -82,7 +82,7 @@ def test_text_that_is_not_utf8_is_named_and_a_bom_or_a_cut_character_is_no_token
     folder.mkdir()
     (folder / "a_latin1.txt").write_bytes("caf\xe9 na\xefve\n".encode("latin-1"))
     (folder / "b_bom.txt").write_bytes(b"\xef\xbb\xbfhello\n")
-    (folder / "c_cut.txt").write_bytes("d\u00e9j\u00e0".encode())  # the cap below cuts its last character
+    (folder / "c_cut.txt").write_bytes(b"\xef\xbb\xbf" + "d\u00e9j\u00e0".encode())  # the cap cuts its last character
     cap = sum(len(p.read_bytes()) for p in folder.iterdir()) - 1
     data = TokenizedDataModule(str(demo_model), path=str(folder), block_size=4, max_bytes=cap, cache_dir=str(tmp_path))
     with pytest.warns(UserWarning, match=r"1 file\(s\) are not UTF-8 text \(.*a_latin1\.txt\): their invalid bytes"):
