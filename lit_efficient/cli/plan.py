@@ -154,11 +154,20 @@ def plan(
     # configured cut and at both ends, above the plan of that cut between them, never below).
     total = accumulate * size
     measured = {size: measures}
-    for other in {1, total} - {size}:
-        per_micro_batch, _ = measure(
-            module, _resized(batch, size, other), strategy, accumulate, precision, activation_checkpointing,
-            budget, accelerator, max_steps, sizes=context["sizes"], optimizer=False,
-        )  # fmt: skip
+    for other in sorted({1, total} - {size}):
+        try:
+            per_micro_batch, _ = measure(
+                module, _resized(batch, size, other), strategy, accumulate, precision, activation_checkpointing,
+                budget, accelerator, max_steps, sizes=context["sizes"], optimizer=False,
+            )  # fmt: skip
+        except Exception as error:  # noqa: BLE001 - the user's forward at another size: the plan stands without it
+            warnings.warn(
+                f"lit-efficient plan: the window's other cuts are not estimated: the model did not run at micro-batch "
+                f"{other} ({type(error).__name__}: {error}). The plan of the configured cut is unaffected.",
+                UserWarning,
+                stacklevel=2,
+            )
+            return result
         # The state as measured with the optimizer (the same at every size), what a micro-batch costs at this one.
         measured[other] = [
             replace(m, **{f: getattr(o, f) for f in PER_MICRO_BATCH})

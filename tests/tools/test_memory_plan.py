@@ -254,6 +254,25 @@ def test_the_window_plans_each_cut_of_the_global_batch_at_its_own_n_never_below_
         assert choices[size].peak == cut.peak if size in exact else cut.peak < choices[size].peak < 1.01 * cut.peak
 
 
+def test_a_model_that_does_not_run_at_another_micro_batch_keeps_its_plan(monkeypatch):
+    # The window's cuts measure at micro-batch 1 and the global batch too; a forward that refuses one (BatchNorm on
+    # a batch of one) made the whole plan fail (review).
+    from lit_efficient.cli import plan as planning
+
+    real = planning.measure
+
+    def refuses_other_sizes(*args, optimizer=True, **kwargs):
+        if not optimizer:  # the extra sizes' measurements
+            raise ValueError("Expected more than 1 value per channel when training")
+        return real(*args, optimizer=optimizer, **kwargs)
+
+    monkeypatch.setattr(planning, "measure", refuses_other_sizes)
+    with pytest.warns(UserWarning, match=r"other cuts are not estimated: the model did not run at micro-batch 1 "):
+        planned = plan_config(["--config", str(QUICKSTART)])
+    assert planned.peaks_by_micro_batch == {} and planned.peak > 0
+    assert all(c.peak is None for c in window_advice(planned).choices)
+
+
 def test_cli_too_small_device_says_it_does_not_fit_and_by_how_much(capsys):
     # Through the console script's entry point, with an override as `fit` reads it.
     with pytest.raises(SystemExit) as exit_:
