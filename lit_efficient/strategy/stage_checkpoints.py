@@ -363,7 +363,7 @@ def load_stage_states(strategy: Any, checkpoint: dict[str, Any]) -> None:
                 own_state = _own_replica_key(strategy, hosted.index)  # its replica's own, where replicas differ
                 optimizer = hosted.optimizer
                 state, group_map = local_optimizer_state(checkpoint, module, optimizer, own_state, names_by_group)
-                hosted.optimizer.load_state_dict(_own_copy(state, given))
+                optimizer.load_state_dict(_own_copy(state, given))
                 saved_groups = len(checkpoint["optimizer_states"][0]["param_groups"])
                 schedulers = regroup_schedulers(saved_schedulers, group_map, saved_groups)
                 if hosted is strategy.hosted[-1]:

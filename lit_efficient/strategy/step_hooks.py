@@ -25,6 +25,7 @@ from lit_efficient.replicas.averaging import ReplicaAverager, ReplicaMean
 from lit_efficient.replicas.sharded_optimizer import ShardedOptimizer
 from lit_efficient.runtime.stage import PipelineStage
 from lit_efficient.runtime.tied import counted_in_global_norm, is_tied
+from lit_efficient.strategy.trainer_glue import global_step_reading
 from lit_efficient.transport.collectives import all_reduce_flat
 
 
@@ -62,21 +63,8 @@ def scheduler_stepper(module: Any) -> Callable[[Any, int], None]:
         return step_as_torch
 
     def step_through_the_hook(scheduler: Any, step: int) -> None:
-        # What trainer.global_step reads now: the manual loop's count (the strategy's inside), or the automatic
-        # one's inside a ModelCheckpoint's hook (trainer_glue), whose save drains the pipeline and steps stages.
-        loop = module.trainer.fit_loop.epoch_loop
-        automatic = module.automatic_optimization
-        counted = (
-            loop.automatic_optimization.optim_progress.optimizer.step.total
-            if automatic
-            else loop.manual_optimization.optim_step_progress.total
-        )
-        shown = counted.completed
-        counted.completed = step
-        try:
+        with global_step_reading(module.trainer, step):
             module.lr_scheduler_step(scheduler, None)
-        finally:
-            counted.completed = shown
 
     return step_through_the_hook
 

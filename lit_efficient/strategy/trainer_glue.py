@@ -11,7 +11,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, Literal
 
 import torch
@@ -119,6 +120,24 @@ def agree_on_evaluation_results(trainer: Trainer) -> None:
 
         loop.run = run_and_share  # type: ignore[method-assign]
         loop._lit_efficient_agrees = True  # type: ignore[attr-defined]
+
+
+@contextmanager
+def global_step_reading(trainer: Trainer, step: int) -> Iterator[None]:
+    """``trainer.global_step`` reads ``step`` inside: set on the counter Lightning reads for it now (the manual loop's
+    under the strategy's inside; the automatic loop's inside a ModelCheckpoint's hook, whose save drains the
+    pipeline and steps stages: `checkpoints_see_the_users_optimization`), put back after."""
+    loop = trainer.fit_loop.epoch_loop
+    counted = (
+        loop.automatic_optimization.optim_progress.optimizer.step.total
+        if trainer.lightning_module.automatic_optimization
+        else loop.manual_optimization.optim_step_progress.total
+    )
+    shown, counted.completed = counted.completed, step
+    try:
+        yield
+    finally:
+        counted.completed = shown
 
 
 def carry_step_count_to_automatic(trainer: Trainer) -> None:
