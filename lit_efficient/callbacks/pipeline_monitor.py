@@ -16,7 +16,8 @@ per interval, beside the gather's), and once per fit for the timeline.
 Metric keys (logged from global rank 0 through ``trainer.loggers``, at the step Lightning logs the same window's
 ``train_loss`` at, ``trainer.global_step - 1``):
 
-- ``pipeline/utilization_stage{s}``: busy / elapsed of stage s, averaged over its replicas;
+- ``pipeline/utilization_stage{s}``: busy / elapsed of stage s, averaged over its replicas; training's time alone
+  (validation inside fit and checkpoint saves are left out of it, as is their time from the throughputs' wall);
 - ``pipeline/bubble_fraction``: 1 - the mean of the stages' utilizations;
 - ``pipeline/drift_max_stage{s}``: the largest weight-version drift at stage s (max over replicas);
 - ``pipeline/drift_mean``: drift averaged over every backward of every rank;
@@ -53,7 +54,7 @@ from typing_extensions import override
 
 from lit_efficient.checks import is_count
 from lit_efficient.runtime.actions import Action
-from lit_efficient.runtime.clock import Clock, Mark, Spans, clock_for
+from lit_efficient.runtime.clock import Clock, Mark, clock_for
 from lit_efficient.runtime.host import StageHost
 from lit_efficient.strategy.paci import PACIStrategy
 from lit_efficient.strategy.runs import run_dir
@@ -136,8 +137,11 @@ class PipelineMonitor(Callback):
         self._logged_step = -1
         self._recording = False
         self._stop_step = 0
-        self._eval: Spans | None = None  # validation inside the current interval: not training time
-        self._eval_start: Mark | None = None
+        # Time inside the current interval that is not training: validation inside fit and checkpoint saves,
+        # as (start, end) marks of the root device's clock. None outside fit.
+        self._pauses: list[tuple[Mark, Mark]] | None = None
+        self._validation_start: Mark | None = None
+        self._save_start: Mark | None = None
         self._timeline_done = False
         self._recorded: _Recorded | None = None  # this rank's window, until fit ends
 
@@ -153,7 +157,7 @@ class PipelineMonitor(Callback):
             torch.cuda.reset_peak_memory_stats(device)
         self._tokens = self._samples = 0
         clock = self._device_clock(trainer)
-        self._interval_start, self._eval = clock.mark(), Spans(clock)
+        self._interval_start, self._pauses, self._save_start = clock.mark(), [], None
         self._last_step = self._logged_step = trainer.global_step
         self._timeline_done = not self.timeline
         self._recording, self._recorded = False, None
@@ -165,9 +169,16 @@ class PipelineMonitor(Callback):
             self._timeline_done = True
 
     @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._save_start is not None:
+            self._end_save(trainer)
+
+    @override
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        if self._save_start is not None:  # a save from an earlier callback of this batch
+            self._end_save(trainer)
         tokens, samples = _tokens_and_samples(batch)  # shapes only: no host sync
         self._tokens += tokens
         self._samples += samples
@@ -186,20 +197,35 @@ class PipelineMonitor(Callback):
 
     @override
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._eval_start = self._device_clock(trainer).mark()
+        if self._save_start is not None:
+            self._end_save(trainer)
+        self._validation_start = self._device_clock(trainer).mark()
 
     @override
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # Validation inside fit: keep it out of the interval's training time (``trainer.training`` is False while
         # it runs: Lightning's stage is then VALIDATING; the sanity check runs before the interval starts).
         fitting = trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking
-        if fitting and self._eval is not None and self._eval_start is not None:
-            self._eval.add("validation", self._eval_start, self._device_clock(trainer).mark())
+        if fitting and self._pauses is not None and self._validation_start is not None:
+            self._pauses.append((self._validation_start, self._device_clock(trainer).mark()))
+        self._validation_start = None
+
+    @override
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        # A save inside fit is no training time either: on processes its writes and collectives stall every stage,
+        # which counted as bubble (a save per step took flush's 0.20 to ~0.65). Lightning calls this after the
+        # model's state is taken (the strategy's drain, which is pipeline work, is behind it) and has no hook after
+        # the write: the span ends at the next hook this monitor gets, the next batch's start in a fit.
+        fitting = trainer.state.fn == TrainerFn.FITTING and self._pauses is not None
+        if fitting and self._save_start is None:  # a second save before the next hook (save_last, two callbacks)
+            self._save_start = self._device_clock(trainer).mark()
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # Every rank runs this hook, so the collectives below match. Log the unlogged tail of the run.
         runtime = _runtime(trainer)
+        if self._save_start is not None:
+            self._end_save(trainer)
         if self._recording:
             self._stop_recording(runtime)
         if trainer.global_step > self._logged_step:
@@ -208,16 +234,17 @@ class PipelineMonitor(Callback):
             self._write_timeline(trainer, self._recorded)
             self._recorded = None
         # Events are no state to keep (nor to pickle into a later fit's ranks): the next fit starts afresh.
-        self._clock = self._interval_start = self._eval = self._eval_start = None
+        self._clock = self._interval_start = self._pauses = self._validation_start = self._save_start = None
 
     # -- metrics -----------------------------------------------------------------------------------
 
     def _log(self, trainer: Trainer, runtime: StageHost | None) -> None:
         # Host sync (CUDA), once per interval: reading the runtime's stats waits for the events recorded
         # since the last log. This rank's copy of the row to the device below would wait as well.
-        assert self._interval_start is not None and self._eval is not None  # set in on_train_start
-        validating = self._eval.total("validation")
-        rows = _local_rows(trainer, runtime, self._tokens, self._samples, validating)
+        assert self._interval_start is not None and self._pauses is not None  # set in on_train_start
+        clock = self._device_clock(trainer)
+        pauses = _merged(clock.host_seconds([m for span in self._pauses for m in span]))
+        rows = _local_rows(trainer, runtime, self._tokens, self._samples, pauses)
         device = trainer.strategy.root_device
         local = torch.tensor(rows, dtype=torch.float32 if device.type == "mps" else torch.float64, device=device)
         # Synchronization point every `logging_interval` optimizer steps: one all-gather of a few
@@ -225,8 +252,7 @@ class PipelineMonitor(Callback):
         # faster stages until the slowest reaches this batch; at one per interval (default 50 windows)
         # that costs far less than the bubble it measures. The `.tolist()` below is rank 0's host sync.
         gathered = trainer.strategy.all_gather(local) if trainer.world_size > 1 else local
-        clock = self._device_clock(trainer)
-        wall = clock.seconds(self._interval_start, clock.mark()) - validating
+        wall = clock.seconds(self._interval_start, clock.mark()) - sum(end - start for start, end in pauses)
         if trainer.is_global_zero:
             everyone = [Row(*r) for r in gathered.reshape(-1, len(Row._fields)).tolist()]
             metrics = aggregate(everyone, wall, memory_name(trainer.strategy.root_device))
@@ -235,8 +261,13 @@ class PipelineMonitor(Callback):
         if runtime is not None:
             runtime.reset_stats()
         self._tokens = self._samples = 0
-        self._interval_start, self._eval = clock.mark(), Spans(clock)
+        self._interval_start, self._pauses = clock.mark(), []
         self._logged_step = trainer.global_step
+
+    def _end_save(self, trainer: Trainer) -> None:
+        assert self._save_start is not None and self._pauses is not None
+        self._pauses.append((self._save_start, self._device_clock(trainer).mark()))
+        self._save_start = None
 
     def _device_clock(self, trainer: Trainer) -> Clock:
         """The clock of the root device (CUDA events on a GPU), made once; validation hooks may need it
@@ -415,11 +446,12 @@ def _runtime(trainer: Trainer) -> StageHost | None:
 
 
 def _local_rows(
-    trainer: Trainer, runtime: StageHost | None, tokens: int, samples: int, validating: float
+    trainer: Trainer, runtime: StageHost | None, tokens: int, samples: int, pauses: Sequence[tuple[float, float]]
 ) -> list[Row]:  # fmt: skip
     """This process's rows: one per hosted stage (one on a rank, every stage in one process). Training's alone: a
-    stage's evaluation forwards and the ``validating`` seconds of validation inside the interval, which its clock
-    spans too, are left out of its busy and elapsed time."""
+    stage's evaluation forwards are left out of its busy time, and the ``pauses`` (validation inside fit, saves; on
+    the host's ``perf_counter`` axis, disjoint) out of its elapsed time, as far as they lie inside it: a pause after
+    the interval's last action, or before its first, was never part of it."""
     peak = _peak_bytes(trainer.strategy.root_device)
     if runtime is None:
         return [Row(0, trainer.global_rank, False, 0.0, 0.0, 0.0, 0.0, 0.0, tokens, samples, peak)]
@@ -429,12 +461,32 @@ def _local_rows(
     for rt in runtime.runtimes:
         s = rt.stats()
         busy = s["busy_seconds"] - rt.stage.stats.evaluate_seconds
-        elapsed = max(0.0, s["elapsed_seconds"] - validating)
+        paused = _seconds_inside(rt.measured_range(), pauses) if pauses else 0.0  # on CUDA the range is a wait
+        elapsed = max(0.0, s["elapsed_seconds"] - paused)
         rows.append(Row(
             rt.stage.stage, strategy.replica, True, busy, elapsed, s["drift_max"], rt.stage.stats.drift_sum,
             s["backwards"], tokens, samples, peak,
         ))  # fmt: skip
     return rows
+
+
+def _merged(marks: Sequence[float]) -> list[tuple[float, float]]:
+    """Consecutive (start, end) pairs of ``marks`` as disjoint spans (a save inside a validation counted once)."""
+    spans: list[tuple[float, float]] = []
+    for start, end in sorted(zip(marks[::2], marks[1::2], strict=True)):
+        if spans and start <= spans[-1][1]:
+            spans[-1] = (spans[-1][0], max(spans[-1][1], end))
+        else:
+            spans.append((start, end))
+    return spans
+
+
+def _seconds_inside(measured: tuple[float, float] | None, pauses: Sequence[tuple[float, float]]) -> float:
+    """Seconds of the disjoint ``pauses`` inside the ``measured`` range (None: nothing measured)."""
+    if measured is None:
+        return 0.0
+    low, high = measured
+    return sum(max(0.0, min(high, end) - max(low, start)) for start, end in pauses)
 
 
 def _peak_bytes(device: torch.device) -> float:
