@@ -413,6 +413,8 @@ class PACIStrategy(DDPStrategy):
         self.averager: ReplicaAverager | None = None  # the last hosted stage's LocalSGD/DiLoCo averager
         self.async_checkpointer: AsyncCheckpointer | None = None  # the save in flight (checkpoint.async_write)
         self.final_state: FinalState | None = None  # the hosted stages at the end of training (stage_checkpoints.py)
+        # A LocalSGD/DiLoCo replica's own weights while an evaluation holds the first replica's (`setup`, `teardown`).
+        self._weights_before_evaluation: tuple[list[Tensor], list[Tensor]] | None = None
         # An unfinished window's gradients a checkpoint restored, until training starts (stage_checkpoints.py)
         self.restored_window_grads: list[tuple[Any, list[Tensor | None]]] = []
         self.restored_random_stream: dict[str, Tensor] | None = None  # `stage_checkpoints.reinstate_random_stream`
@@ -595,14 +597,18 @@ class PACIStrategy(DDPStrategy):
         self._split = split_module(module, layers, sizes, hosted, ties)
         self.model = self.precision_plugin.convert_module(module)
         self.model_to_device()
+        fitting = trainer.state.fn == TrainerFn.FITTING
         if self.topology.num_replicas > 1:
             # Every replica of a stage starts from its first replica's weights, as DDP broadcasts at wrap:
             # under torchrun or SLURM each process builds its own model, and processes not seeded alike
             # would otherwise train R different models on averaged gradients, silently.
             first, last = self._split.bounds_of(self.stage)
             own = [t for layer in layers[first:last] for t in (*layer.parameters(), *layer.buffers())]
+            if not fitting and self.local_sgd_steps is not None:
+                # An evaluation scores the first replica's model; between LocalSGD/DiLoCo syncs this replica's own
+                # differs, and a save after the evaluation (or a later fit) reads it: `teardown` puts it back.
+                self._weights_before_evaluation = (own, [t.detach().clone() for t in own])
             broadcast_flat(own, self._dp_groups[self.stage])
-        fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             self._after_finder = False
             self._fit_trained = False  # set when the fit's own run starts (not a learning-rate finder's): `teardown`
@@ -880,6 +886,12 @@ class PACIStrategy(DDPStrategy):
         if trainer is not None:
             give_callbacks_back(trainer)
         split = self._split
+        if self._weights_before_evaluation is not None:  # before the split is gathered: these are its tensors
+            own, kept = self._weights_before_evaluation
+            self._weights_before_evaluation = None
+            with torch.no_grad():
+                for tensor, value in zip(own, kept, strict=True):
+                    tensor.copy_(value)
         if module is not None and split is not None:
             if fitting:
                 carry_step_count_to_automatic(trainer)
@@ -1284,6 +1296,7 @@ class PACIStrategy(DDPStrategy):
 
     @override
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
+        self._weights_before_evaluation = None  # an evaluation of a checkpoint: its model is every replica's now
         stage_checkpoints.load_weights(self, checkpoint, strict)
 
     @override

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
@@ -298,19 +299,33 @@ def load(strategy: Any, checkpoint_path: Any, weights_only: bool | None) -> dict
     return from_automatic_loops(sharded_read.from_consolidated(load_file(path, weights_only)))
 
 
-def _own_replica_key(strategy: Any, stage: int) -> str | None:
+def _own_replica_key(strategy: Any, stage: int, checkpoint: dict[str, Any]) -> str | None:
     """Where this rank's replica of ``stage`` finds weights and optimizer state of its own in a checkpoint: under
-    LocalSGD/DiLoCo replicas differ between syncs and a checkpoint keeps each one's. A run that averages every step
-    starts every replica from the first's (each took its own and they stayed apart for good, 2e-2 after 10 steps)."""
-    return rank_key(stage, strategy.replica) if strategy.local_sgd_steps is not None else None
+    LocalSGD/DiLoCo replicas differ between syncs and a checkpoint keeps each one's, for a fit that continues them on
+    the layout they were saved on. Otherwise every replica takes the checkpoint's model, the first replica's: an
+    evaluation scores that one model (each replica's own mixed two models into one loss), and on another layout a
+    replica's record covers other parameters than its new stage (it mixed two replicas' optimizer states). A run that
+    averages every step starts every replica from the first's too (each took its own and they stayed apart for good,
+    2e-2 after 10 steps)."""
+    continues = (
+        strategy.local_sgd_steps is not None
+        and _fitting(strategy)
+        and checkpoint.get("pipeline", {}).get("layout") == strategy.layout()
+    )
+    return rank_key(stage, strategy.replica) if continues else None
+
+
+def _fitting(strategy: Any) -> bool:
+    trainer = strategy.lightning_module.trainer
+    return trainer.state.fn == TrainerFn.FITTING
 
 
 def load_weights(strategy: Any, checkpoint: dict[str, Any], strict: bool) -> None:
     """``PACIStrategy.load_model_state_dict``: every hosted stage's weights by name (a diverged replica's own)."""
     module = strategy.lightning_module
-    own = _own_replica_key(strategy, strategy.stage)
+    own = _own_replica_key(strategy, strategy.stage, checkpoint)
     saved = checkpoint.get("pipeline", {}).get("replicas", {})
-    if own is None and rank_key(strategy.stage, strategy.replica) in saved:
+    if strategy.local_sgd_steps is None and _fitting(strategy) and rank_key(strategy.stage, strategy.replica) in saved:
         # Said where the dropped weights are (a replica past the first: rank 0 never has any; a sharded folder
         # gives each rank its own only).
         warnings.warn(
@@ -336,6 +351,8 @@ def load_stage_states(strategy: Any, checkpoint: dict[str, Any]) -> None:
     carried = [k for k in _PER_RANK if k != "averager" or strategy.local_sgd_steps is not None]  # else unused
     ranks = pipeline.get("ranks", {}).values()
     dropped = [] if same_layout else [_PER_RANK[k] for k in carried if any(k in r for r in ranks)]
+    if not same_layout and strategy.local_sgd_steps is not None and pipeline.get("replicas"):
+        dropped.append(_REPLICAS_OWN)
     if dropped:
         rank_zero_warn(
             f"resuming a checkpoint of layout {pipeline.get('layout')} on {strategy.layout()}: weights, optimizer, "
@@ -360,7 +377,7 @@ def load_stage_states(strategy: Any, checkpoint: dict[str, Any]) -> None:
         key = rank_key(hosted.index, strategy.replica)
         with strategy.stage_view(hosted.index):
             if hosted.optimizer is not None:
-                own_state = _own_replica_key(strategy, hosted.index)  # its replica's own, where replicas differ
+                own_state = _own_replica_key(strategy, hosted.index, checkpoint)  # its replica's own, where kept
                 optimizer = hosted.optimizer
                 state, group_map = local_optimizer_state(checkpoint, module, optimizer, own_state, names_by_group)
                 optimizer.load_state_dict(_own_copy(state, given))
@@ -406,6 +423,10 @@ def reinstate_random_stream(strategy: Any) -> None:
 
 # What a resume on another layout cannot carry of a rank's state (the checkpoint's per-rank record), and so what
 # the resumed run starts afresh.
+_REPLICAS_OWN = (
+    "the replicas past the first start from the first's weights and optimizer state (their own since the last "
+    "LocalSGD/DiLoCo sync are dropped: a replica's record holds its old stage's parameters)"
+)
 _PER_RANK = {
     "rng": "dropout masks start afresh",
     "averager": (

@@ -204,3 +204,33 @@ def test_the_parent_of_spawned_ranks_saves_the_trained_weights(tmp_path):
         path = _one_file(tmp_path / f"{fmt}.ckpt")
         assert _max_diff(GPT.load_from_checkpoint(path), model) == 0.0, fmt
         assert "optimizer_states" not in torch.load(path, weights_only=True), fmt
+
+
+def _local_sgd_fit_evaluate_save(rank: int, world: int, root: str) -> tuple[float, float]:
+    """Fit two LocalSGD replicas to between two syncs, save, validate, save again, validate the first save."""
+    warnings.filterwarnings("ignore")
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    model = _model()
+    trainer = _trainer(PACIStrategy(pipeline_stages=1, local_sgd_steps=2), world, 3)
+    trainer.fit(model, datamodule=_ordered())  # step 3: the replicas synced at step 2 and stepped apart since
+    trainer.save_checkpoint(Path(root, "fit.ckpt"))
+    trainer.limit_val_batches = 2
+    after_fit = trainer.validate(model, datamodule=_ordered(), verbose=False)[0]["val_loss"]
+    trainer.save_checkpoint(Path(root, "after-validate.ckpt"))
+    of_file = trainer.validate(model, datamodule=_ordered(), ckpt_path=str(Path(root, "fit.ckpt")), verbose=False)
+    return after_fit, of_file[0]["val_loss"]
+
+
+def test_an_evaluation_between_local_sgd_syncs_scores_the_first_replica_and_keeps_each_replicas_own(tmp_path):
+    """Between LocalSGD syncs the replicas' weights differ; a checkpoint keeps each one's beside the first's (its
+    model). An evaluation scores that model, on the fit's Trainer and from the file alike: from the file each replica
+    scored its own, a loss of two models. And the evaluation leaves each replica its own: it took the first's for
+    good, so a save after it wrote replica 1's record with replica 0's weights (and its own optimizer state)."""
+    after_fit, of_file = values(spawn(_local_sgd_fit_evaluate_save, 2, str(tmp_path), timeout=240, torchrun_env=True))[
+        0
+    ]
+    saved = torch.load(tmp_path / "fit.ckpt", weights_only=True)
+    own = saved["pipeline"]["replicas"]["stage0-replica1"]["state_dict"]
+    assert max((own[k] - saved["state_dict"][k]).abs().max().item() for k in own) > 1e-4  # apart: the test means it
+    assert of_file == after_fit
+    _assert_same_content(tmp_path / "after-validate.ckpt", tmp_path / "fit.ckpt", "validate between syncs")

@@ -244,3 +244,33 @@ def test_local_sgd_with_one_replica_warns():
         warnings.simplefilter("error")
         _warn_single_replica(None, Topology(2, 1))
         _warn_single_replica(4, Topology(2, 2))
+
+
+def test_a_replica_takes_its_own_weights_only_to_continue_a_fit_on_the_saved_layout():
+    """The rule `stage_checkpoints` loads a LocalSGD replica's own record by: on another layout a replica's record
+    covers its old stage's parameters (a 2x2 checkpoint on 1x4 gave replica 1 old replica 1's moments for the old
+    first stage's parameters and old replica 0's for the rest), and an evaluation scores the checkpoint's model."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    from lit_efficient.strategy.stage_checkpoints import _own_replica_key
+
+    layout = {"num_stages": 2, "num_replicas": 2, "sizes": [2, 2], "schedule": "1f1b_flush"}
+
+    def strategy(fn, local_sgd_steps=2, now=layout):
+        trainer = SimpleNamespace(state=SimpleNamespace(fn=fn))
+        return SimpleNamespace(
+            local_sgd_steps=local_sgd_steps,
+            replica=1,
+            layout=lambda: now,
+            lightning_module=SimpleNamespace(trainer=trainer),
+        )
+
+    saved = {"pipeline": {"layout": layout}}
+    assert _own_replica_key(strategy(TrainerFn.FITTING), 0, saved) == "stage0-replica1"
+    other = {**layout, "num_stages": 1, "num_replicas": 4, "sizes": [4]}
+    assert _own_replica_key(strategy(TrainerFn.FITTING, now=other), 0, saved) is None
+    for evaluation in (TrainerFn.VALIDATING, TrainerFn.TESTING, TrainerFn.PREDICTING):
+        assert _own_replica_key(strategy(evaluation), 0, saved) is None
+    assert _own_replica_key(strategy(TrainerFn.FITTING, local_sgd_steps=None), 0, saved) is None
