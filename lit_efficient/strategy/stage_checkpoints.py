@@ -452,10 +452,23 @@ def _load_rank_state(
         strategy.restored_window_grads.append((hosted.stage, [p.grad for p in hosted.stage.parameters()]))
     if hosted.stage.scheduler is not None:  # every frequency counts the run's optimizer steps
         hosted.stage.scheduler.steps = global_step
-    if hosted.averager is not None and "averager" in state:
-        hosted.averager.load_state_dict(state["averager"])
-    elif hosted.averager is not None:  # built at setup from the initial weights: anchor it at the loaded ones
-        hosted.averager.restart(global_step)
+    averager, saved = hosted.averager, state.get("averager")
+    if averager is not None and saved is not None and saved["outer_optimizer"] != averager.outer_optimizer:
+        # A switch between LocalSGD and DiLoCo (or DiLoCo's outer optimizer) on a resume: the saved averager's
+        # state means something else to this one (an anchor and momentum, or none). Every replica of the stage
+        # reads the same record, so all restart alike (a collective).
+        rank_zero_warn(
+            f"the checkpoint's LocalSGD/DiLoCo averager of stage {hosted.index} used outer_optimizer="
+            f"{saved['outer_optimizer']!r}; this run's is {averager.outer_optimizer!r} "
+            f"(PACIStrategy(outer_optimizer=...)): it restarts from the first replica's weights at step {global_step} "
+            f"(DiLoCo's anchor is those weights, its outer momentum empty). Resume with outer_optimizer="
+            f"{saved['outer_optimizer']!r} to continue it."
+        )
+        saved = None
+    if averager is not None and saved is not None:
+        averager.load_state_dict(saved)
+    elif averager is not None:  # built at setup from the initial weights: anchor it at the loaded ones
+        averager.restart(global_step)
     if "rng" in state:  # put back at the first training batch (`reinstate_random_stream`)
         strategy.restored_random_stream = state["rng"]
 

@@ -219,6 +219,15 @@ def test_diloco_resume_mid_window_follows_uninterrupted_run(tmp_path):
     )
     averaged = _read(tmp_path / "per-step", 2)
     assert averaged[0] == averaged[1], "replicas resumed apart under per-step averaging"
+    # Resumed as LocalSGD (outer_optimizer="average"): the DiLoCo averager's state means nothing to it, so it restarts
+    # (a warning says so) where it refused after launch. Both replicas start from the first's and sync at step 4.
+    (tmp_path / "switched").mkdir()
+    switched = PACIStrategy(pipeline_stages=1, local_sgd_steps=2, start_method="forkserver")
+    _trainer(switched, 2, 4, callbacks=[FinalDigest(tmp_path / "switched")]).fit(
+        _model(), datamodule=data(), ckpt_path=str(path)
+    )
+    synced = _read(tmp_path / "switched", 2)
+    assert synced[0] == synced[1] and synced[0] != averaged[0]
 
 
 def test_bad_local_sgd_arguments_raise():
