@@ -294,9 +294,19 @@ def load(strategy: Any, checkpoint_path: Any, weights_only: bool | None) -> dict
         found = sharded_read.read(
             path, state.keys(), names, own, strategy.layout(), targets=state, weights_only=weights_only
         )
-        return from_automatic_loops(found)
+    else:
+        found = sharded_read.from_consolidated(load_file(path, weights_only))
+    if _fitting(strategy) and "optimizer_states" not in found:
+        # Lightning's own refusal blamed `ModelCheckpoint.save_weights_only`, which the user of a spawned fit never set.
+        raise ValueError(
+            f"{path} holds weights only (no optimizer state), so fit(ckpt_path=...) cannot resume from it: it was "
+            "written by trainer.save_checkpoint after a fit whose ranks were spawned (start_method='spawn' or "
+            "'forkserver'), or with save_weights_only=True. Load its weights instead (YourModule.load_from_checkpoint"
+            "(path)) and fit them without ckpt_path; for a checkpoint that resumes, save during fit (ModelCheckpoint) "
+            "or launch with start_method='popen' (or torchrun)."
+        )
     # Before Lightning restores the loops from it: a one-device file counts steps in the automatic loop.
-    return from_automatic_loops(sharded_read.from_consolidated(load_file(path, weights_only)))
+    return from_automatic_loops(found)
 
 
 def _own_replica_key(strategy: Any, stage: int, checkpoint: dict[str, Any]) -> str | None:
