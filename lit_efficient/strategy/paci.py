@@ -606,8 +606,9 @@ class PACIStrategy(DDPStrategy):
             own = [t for layer in layers[first:last] for t in (*layer.parameters(), *layer.buffers())]
             if not fitting and self.local_sgd_steps is not None:
                 # An evaluation scores the first replica's model; between LocalSGD/DiLoCo syncs this replica's own
-                # differs, and a save after the evaluation (or a later fit) reads it: `teardown` puts it back.
-                self._weights_before_evaluation = (own, [t.detach().clone() for t in own])
+                # differs, and a save after the evaluation writes it: `teardown` puts it back (kept on the host: the
+                # evaluation's device memory does not grow).
+                self._weights_before_evaluation = (own, [t.detach().to("cpu", copy=True) for t in own])
             broadcast_flat(own, self._dp_groups[self.stage])
         if fitting:
             self._after_finder = False

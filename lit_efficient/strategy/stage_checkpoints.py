@@ -300,7 +300,7 @@ def load(strategy: Any, checkpoint_path: Any, weights_only: bool | None) -> dict
         # Lightning's own refusal blamed `ModelCheckpoint.save_weights_only`, which the user of a spawned fit never set.
         raise ValueError(
             f"{path} holds weights only (no optimizer state), so fit(ckpt_path=...) cannot resume from it: it was "
-            "written by trainer.save_checkpoint after a fit whose ranks were spawned (start_method='spawn' or "
+            "written by trainer.save_checkpoint after a fit whose ranks were spawned (start_method 'spawn', 'fork' or "
             "'forkserver'), or with save_weights_only=True. Load its weights instead (YourModule.load_from_checkpoint"
             "(path)) and fit them without ckpt_path; for a checkpoint that resumes, save during fit (ModelCheckpoint) "
             "or launch with start_method='popen' (or torchrun)."
@@ -317,12 +317,17 @@ def _own_replica_key(strategy: Any, stage: int, checkpoint: dict[str, Any]) -> s
     replica's record covers other parameters than its new stage (it mixed two replicas' optimizer states). A run that
     averages every step starts every replica from the first's too (each took its own and they stayed apart for good,
     2e-2 after 10 steps)."""
+    pipeline, key = checkpoint.get("pipeline", {}), rank_key(stage, strategy.replica)
+    # With another outer optimizer the averager restarts from the first replica's weights (`_load_rank_state`): the
+    # replica's own optimizer state would sit beside the first's weights.
+    saved_outer = pipeline.get("ranks", {}).get(key, {}).get("averager", {}).get("outer_optimizer")
     continues = (
         strategy.local_sgd_steps is not None
         and _fitting(strategy)
-        and checkpoint.get("pipeline", {}).get("layout") == strategy.layout()
+        and pipeline.get("layout") == strategy.layout()
+        and saved_outer in (None, strategy.outer_optimizer)
     )
-    return rank_key(stage, strategy.replica) if continues else None
+    return key if continues else None
 
 
 def _fitting(strategy: Any) -> bool:
@@ -361,7 +366,10 @@ def load_stage_states(strategy: Any, checkpoint: dict[str, Any]) -> None:
     carried = [k for k in _PER_RANK if k != "averager" or strategy.local_sgd_steps is not None]  # else unused
     ranks = pipeline.get("ranks", {}).values()
     dropped = [] if same_layout else [_PER_RANK[k] for k in carried if any(k in r for r in ranks)]
-    if not same_layout and strategy.local_sgd_steps is not None and pipeline.get("replicas"):
+    # From what every rank reads (a sharded folder gives a rank its own replica's record only, and rank 0 has none):
+    # the saved run kept each replica's own where it averaged replicas with LocalSGD/DiLoCo.
+    kept_own = (pipeline.get("layout") or {}).get("num_replicas", 1) > 1 and any("averager" in r for r in ranks)
+    if not same_layout and strategy.local_sgd_steps is not None and kept_own:
         dropped.append(_REPLICAS_OWN)
     if dropped:
         rank_zero_warn(

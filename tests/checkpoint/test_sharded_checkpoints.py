@@ -34,7 +34,7 @@ from tests.support.gpt_runs import gpt_trainer as _trainer
 from tests.support.gpt_runs import max_diff as _max_diff
 from tests.support.gpt_runs import ordered_data as _ordered
 from tests.support.gpt_runs import text_data
-from tests.support.multiproc import SpawnedDDP
+from tests.support.multiproc import SpawnedDDP, spawn, values
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.usefixtures("one_thread")]  # tests/conftest.py
 
@@ -427,3 +427,23 @@ def test_a_folders_meta_is_lightnings_state_at_the_save_not_at_the_write(tmp_pat
     prepared.finish()
     meta = torch.load(tmp_path / "c.ckpt" / sharded_write.META, weights_only=True)
     assert meta["callbacks"]["ModelCheckpoint"]["best_k_models"] == {"step=1.ckpt": 2.0}
+
+
+def _local_sgd_folder_resumed_on_another_layout(rank: int, world: int, root: str) -> list[str]:
+    warnings.filterwarnings("ignore")
+    strategy = PACIStrategy(pipeline_stages=1, local_sgd_steps=4, checkpoint_format="sharded")
+    trainer = _trainer(strategy, world, 3)  # between syncs: each replica's own weights are in the folder
+    trainer.fit(_model(), datamodule=_ordered())
+    trainer.save_checkpoint(Path(root, "apart"))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        other = PACIStrategy(pipeline_stages=1, local_sgd_steps=4, schedule="1f1b_flush")  # another layout
+        _trainer(other, world, 3).fit(_model(), datamodule=_ordered(), ckpt_path=str(Path(root, "apart")))
+    return [str(w.message) for w in seen if "resuming a checkpoint of layout" in str(w.message)]
+
+
+def test_a_local_sgd_folder_on_another_layout_says_the_replicas_own_are_dropped(tmp_path):
+    """Rank 0 (the first replica) reads no replica's own record from a folder: the warning is decided from what every
+    rank reads (the saved layout and averagers), as from a file."""
+    said = values(spawn(_local_sgd_folder_resumed_on_another_layout, 2, str(tmp_path), timeout=240, torchrun_env=True))
+    assert len(said[0]) == 1 and "the replicas past the first start from the first's weights" in said[0][0], said[0]

@@ -126,6 +126,19 @@ class FinalDigest(Callback):
         Path(self.path, f"rank{trainer.global_rank}.json").write_text(json.dumps({"digest": _digest(params)}))
 
 
+class StartDigest(Callback):
+    """Writes each rank's hashes of its stage's weights and optimizer state as training starts (after a restore)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        stage = trainer.strategy.runtime.stage
+        moments = [t for state in stage.optimizer.state.values() for t in state.values() if t.dim() > 0]
+        record = {"weights": _digest(stage.parameters()), "optimizer": _digest(moments)}
+        Path(self.path, f"start{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
 # ---------------------------------------------------------------------------------------------
 
 
@@ -220,14 +233,18 @@ def test_diloco_resume_mid_window_follows_uninterrupted_run(tmp_path):
     averaged = _read(tmp_path / "per-step", 2)
     assert averaged[0] == averaged[1], "replicas resumed apart under per-step averaging"
     # Resumed as LocalSGD (outer_optimizer="average"): the DiLoCo averager's state means nothing to it, so it restarts
-    # (a warning says so) where it refused after launch. Both replicas start from the first's and sync at step 4.
-    (tmp_path / "switched").mkdir()
-    switched = PACIStrategy(pipeline_stages=1, local_sgd_steps=2, start_method="forkserver")
-    _trainer(switched, 2, 4, callbacks=[FinalDigest(tmp_path / "switched")]).fit(
+    # (a warning says so) where it refused after launch. Both replicas start from the first's weights and optimizer
+    # state (replica 1 took the first's weights beside its own moments) and sync at step 4.
+    switched = tmp_path / "switched"
+    switched.mkdir()
+    strategy = PACIStrategy(pipeline_stages=1, local_sgd_steps=2, start_method="forkserver")
+    _trainer(strategy, 2, 4, callbacks=[StartDigest(switched), FinalDigest(switched)]).fit(
         _model(), datamodule=data(), ckpt_path=str(path)
     )
-    synced = _read(tmp_path / "switched", 2)
-    assert synced[0] == synced[1] and synced[0] != averaged[0]
+    started = [json.loads((switched / f"start{r}.json").read_text()) for r in range(2)]
+    assert started[0] == started[1]
+    synced = _read(switched, 2)
+    assert synced[0] == synced[1]
 
 
 def test_bad_local_sgd_arguments_raise():
@@ -271,6 +288,7 @@ def test_a_replica_takes_its_own_weights_only_to_continue_a_fit_on_the_saved_lay
         trainer = SimpleNamespace(state=SimpleNamespace(fn=fn))
         return SimpleNamespace(
             local_sgd_steps=local_sgd_steps,
+            outer_optimizer="average",
             replica=1,
             layout=lambda: now,
             lightning_module=SimpleNamespace(trainer=trainer),
@@ -283,3 +301,6 @@ def test_a_replica_takes_its_own_weights_only_to_continue_a_fit_on_the_saved_lay
     for evaluation in (TrainerFn.VALIDATING, TrainerFn.TESTING, TrainerFn.PREDICTING):
         assert _own_replica_key(strategy(evaluation), 0, saved) is None
     assert _own_replica_key(strategy(TrainerFn.FITTING, local_sgd_steps=None), 0, saved) is None
+    # Saved by DiLoCo, resumed as LocalSGD: the averager restarts from the first replica's weights, so its state too.
+    ranks = {"stage0-replica1": {"averager": {"outer_optimizer": "nesterov"}}}
+    assert _own_replica_key(strategy(TrainerFn.FITTING), 0, {"pipeline": {"layout": layout, "ranks": ranks}}) is None
