@@ -17,7 +17,8 @@ Metric keys (logged from global rank 0 through ``trainer.loggers``, at the step 
 ``train_loss`` at, ``trainer.global_step - 1``):
 
 - ``pipeline/utilization_stage{s}``: busy / elapsed of stage s, averaged over its replicas; training's time alone
-  (validation inside fit and checkpoint saves are left out of it, as is their time from the throughputs' wall);
+  (validation inside fit and, under PACIStrategy, which times them, checkpoint saves are left out of it, as is
+  their time from the throughputs' wall);
 - ``pipeline/bubble_fraction``: 1 - the mean of the stages' utilizations;
 - ``pipeline/drift_max_stage{s}``: the largest weight-version drift at stage s (max over replicas);
 - ``pipeline/drift_mean``: drift averaged over every backward of every rank;
@@ -137,11 +138,10 @@ class PipelineMonitor(Callback):
         self._logged_step = -1
         self._recording = False
         self._stop_step = 0
-        # Time inside the current interval that is not training: validation inside fit and checkpoint saves,
-        # as (start, end) marks of the root device's clock. None outside fit.
+        # Time inside the current interval that is not training: validation inside fit (here) and checkpoint saves
+        # (`PACIStrategy.pause_spans`), as (start, end) marks of the root device's clock. None outside fit.
         self._pauses: list[tuple[Mark, Mark]] | None = None
         self._validation_start: Mark | None = None
-        self._save_start: Mark | None = None
         self._timeline_done = False
         self._recorded: _Recorded | None = None  # this rank's window, until fit ends
 
@@ -157,7 +157,9 @@ class PipelineMonitor(Callback):
             torch.cuda.reset_peak_memory_stats(device)
         self._tokens = self._samples = 0
         clock = self._device_clock(trainer)
-        self._interval_start, self._pauses, self._save_start = clock.mark(), [], None
+        self._interval_start, self._pauses = clock.mark(), []
+        if isinstance(trainer.strategy, PACIStrategy):
+            trainer.strategy.pause_spans = []  # the strategy times its saves from here to on_train_end
         self._last_step = self._logged_step = trainer.global_step
         self._timeline_done = not self.timeline
         self._recording, self._recorded = False, None
@@ -169,16 +171,9 @@ class PipelineMonitor(Callback):
             self._timeline_done = True
 
     @override
-    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        if self._save_start is not None:
-            self._end_save(trainer)
-
-    @override
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self._save_start is not None:  # a save from an earlier callback of this batch
-            self._end_save(trainer)
         tokens, samples = _tokens_and_samples(batch)  # shapes only: no host sync
         self._tokens += tokens
         self._samples += samples
@@ -197,8 +192,6 @@ class PipelineMonitor(Callback):
 
     @override
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self._save_start is not None:
-            self._end_save(trainer)
         self._validation_start = self._device_clock(trainer).mark()
 
     @override
@@ -211,21 +204,9 @@ class PipelineMonitor(Callback):
         self._validation_start = None
 
     @override
-    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
-        # A save inside fit is no training time either: on processes its writes and collectives stall every stage,
-        # which counted as bubble (a save per step took flush's 0.20 to ~0.65). Lightning calls this after the
-        # model's state is taken (the strategy's drain, which is pipeline work, is behind it) and has no hook after
-        # the write: the span ends at the next hook this monitor gets, the next batch's start in a fit.
-        fitting = trainer.state.fn == TrainerFn.FITTING and self._pauses is not None
-        if fitting and self._save_start is None:  # a second save before the next hook (save_last, two callbacks)
-            self._save_start = self._device_clock(trainer).mark()
-
-    @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # Every rank runs this hook, so the collectives below match. Log the unlogged tail of the run.
         runtime = _runtime(trainer)
-        if self._save_start is not None:
-            self._end_save(trainer)
         if self._recording:
             self._stop_recording(runtime)
         if trainer.global_step > self._logged_step:
@@ -234,7 +215,9 @@ class PipelineMonitor(Callback):
             self._write_timeline(trainer, self._recorded)
             self._recorded = None
         # Events are no state to keep (nor to pickle into a later fit's ranks): the next fit starts afresh.
-        self._clock = self._interval_start = self._pauses = self._validation_start = self._save_start = None
+        self._clock = self._interval_start = self._pauses = self._validation_start = None
+        if isinstance(trainer.strategy, PACIStrategy):
+            trainer.strategy.pause_spans = None
 
     # -- metrics -----------------------------------------------------------------------------------
 
@@ -243,7 +226,11 @@ class PipelineMonitor(Callback):
         # since the last log. This rank's copy of the row to the device below would wait as well.
         assert self._interval_start is not None and self._pauses is not None  # set in on_train_start
         clock = self._device_clock(trainer)
-        pauses = _merged(clock.host_seconds([m for span in self._pauses for m in span]))
+        saves = trainer.strategy.pause_spans if isinstance(trainer.strategy, PACIStrategy) else None
+        spans = self._pauses + (saves or [])
+        if saves:
+            saves.clear()
+        pauses = _merged(clock.host_seconds([m for span in spans for m in span]))
         rows = _local_rows(trainer, runtime, self._tokens, self._samples, pauses)
         device = trainer.strategy.root_device
         local = torch.tensor(rows, dtype=torch.float32 if device.type == "mps" else torch.float64, device=device)
@@ -263,11 +250,6 @@ class PipelineMonitor(Callback):
         self._tokens = self._samples = 0
         self._interval_start, self._pauses = clock.mark(), []
         self._logged_step = trainer.global_step
-
-    def _end_save(self, trainer: Trainer) -> None:
-        assert self._save_start is not None and self._pauses is not None
-        self._pauses.append((self._save_start, self._device_clock(trainer).mark()))
-        self._save_start = None
 
     def _device_clock(self, trainer: Trainer) -> Clock:
         """The clock of the root device (CUDA events on a GPU), made once; validation hooks may need it

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import atexit
 from collections import deque
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -44,6 +46,7 @@ from lit_efficient.checkpoint.async_write import AsyncCheckpointer
 from lit_efficient.replicas.averaging import OuterOptimizer, ReplicaAverager, stream_offset, sync_due
 from lit_efficient.replicas.fault_tolerance import TorchftReplicas, group_settings, lighthouse_address, require_torchft
 from lit_efficient.replicas.sharded_optimizer import ShardedOptimizer
+from lit_efficient.runtime.clock import Mark, clock_for
 from lit_efficient.runtime.host import StageHost
 from lit_efficient.runtime.partition import partition_balanced, partition_uniform, predicted_utilization
 from lit_efficient.runtime.profile import profile_layers
@@ -136,6 +139,7 @@ from lit_efficient.strategy.trainer_glue import (
     point_metrics_at,
     share_rank_zero_metrics,
     smallest_window,
+    without_sync_dist_advice,
     writers_where_the_predictions_are,
 )
 from lit_efficient.tools.window import advise_window
@@ -415,6 +419,10 @@ class PACIStrategy(DDPStrategy):
         self.final_state: FinalState | None = None  # the hosted stages at the end of training (stage_checkpoints.py)
         # A LocalSGD/DiLoCo replica's own weights while an evaluation holds the first replica's (`setup`, `teardown`).
         self._weights_before_evaluation: tuple[list[Tensor], list[Tensor]] | None = None
+        self._quiet_sync_advice: ExitStack | None = None  # `trainer_glue.without_sync_dist_advice`, setup to teardown
+        # Each save's (start, end) on the root device's clock while a `PipelineMonitor` asks (it sets a list at the
+        # start of training): a save's writes and collectives stall every stage, and are no pipeline bubble.
+        self.pause_spans: list[tuple[Mark, Mark]] | None = None
         # An unfinished window's gradients a checkpoint restored, until training starts (stage_checkpoints.py)
         self.restored_window_grads: list[tuple[Any, list[Tensor | None]]] = []
         self.restored_random_stream: dict[str, Tensor] | None = None  # `stage_checkpoints.reinstate_random_stream`
@@ -598,6 +606,8 @@ class PACIStrategy(DDPStrategy):
         self.model = self.precision_plugin.convert_module(module)
         self.model_to_device()
         fitting = trainer.state.fn == TrainerFn.FITTING
+        if not self.in_process and self.topology.num_replicas == 1 and self._quiet_sync_advice is None:
+            self._quiet_sync_advice = without_sync_dist_advice()
         if self.topology.num_replicas > 1:
             # Every replica of a stage starts from its first replica's weights, as DDP broadcasts at wrap:
             # under torchrun or SLURM each process builds its own model, and processes not seeded alike
@@ -912,6 +922,9 @@ class PACIStrategy(DDPStrategy):
             self.replicas.shutdown()
             self.replicas = None
         self._destroy_groups()
+        if self._quiet_sync_advice is not None:
+            self._quiet_sync_advice.close()
+            self._quiet_sync_advice = None
         super().teardown()
         if healthy and isinstance(self.launcher, _MultiProcessingLauncher) and dist.is_initialized():
             # A spawned (or forked) rank lives for this one run and ends right after it: release the
@@ -1289,7 +1302,8 @@ class PACIStrategy(DDPStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         if self.replicas is not None:  # a whole-job restart resumes the groups' sync count
             checkpoint["torchft"] = self.replicas.state_dict()
-        stage_checkpoints.save(self, checkpoint, filepath)  # collective on processes
+        with self._timed_pause():
+            stage_checkpoints.save(self, checkpoint, filepath)  # collective on processes
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -1306,7 +1320,21 @@ class PACIStrategy(DDPStrategy):
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
-        stage_checkpoints.remove(self, filepath)
+        with self._timed_pause():
+            stage_checkpoints.remove(self, filepath)
+
+    @contextmanager
+    def _timed_pause(self) -> Iterator[None]:
+        spans = self.pause_spans
+        if spans is None:
+            yield
+            return
+        clock = clock_for(self.root_device)
+        start = clock.mark()
+        try:
+            yield
+        finally:
+            spans.append((start, clock.mark()))
 
     # -- collectives ------------------------------------------------------------------------------
 

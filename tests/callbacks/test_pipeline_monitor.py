@@ -344,18 +344,19 @@ def test_a_stages_row_leaves_validation_inside_fit_out(monkeypatch):
 
 def test_checkpoint_saves_inside_fit_are_left_out_of_the_stages_time(tmp_path, monkeypatch):
     """A save every optimizer step stalls every stage while it writes; the monitor counted that as bubble (a save per
-    step took flush's bubble fraction from 0.20 to ~0.65 on 2 processes). Each save of the fit (its write, here made
-    long) lies inside a pause the monitor hands its rows, which leave out what of it falls inside a stage's measured
-    range (the test above); the last step's saves come after the last logged interval."""
+    step took flush's bubble fraction from 0.20 to ~0.65 on 2 processes). The strategy times each save (weights-only
+    ones too, which Lightning's callback hooks never see) for the monitor, whose rows leave out what of it falls
+    inside a stage's measured range (the test above); the last step's saves come after the last logged interval."""
     from lit_efficient.callbacks import pipeline_monitor
+    from lit_efficient.strategy import stage_checkpoints
 
     saves, pauses = [], []
-    write, rows = PACIStrategy.save_checkpoint, pipeline_monitor._local_rows
+    write, rows = stage_checkpoints.save, pipeline_monitor._local_rows
 
-    def slow_write(self, *args, **kwargs):
+    def slow_write(*args, **kwargs):
         start = time.perf_counter()
         time.sleep(0.05)  # the writes and collectives of a save on processes
-        out = write(self, *args, **kwargs)
+        out = write(*args, **kwargs)
         saves.append((start, time.perf_counter()))
         return out
 
@@ -363,7 +364,7 @@ def test_checkpoint_saves_inside_fit_are_left_out_of_the_stages_time(tmp_path, m
         pauses.extend(paused)
         return rows(trainer, runtime, tokens, samples, paused)
 
-    monkeypatch.setattr(PACIStrategy, "save_checkpoint", slow_write)
+    monkeypatch.setattr(stage_checkpoints, "save", slow_write)
     monkeypatch.setattr(pipeline_monitor, "_local_rows", seen_rows)
     L.seed_everything(0)
     model = GPT(vocab_size=256, block_size=16, n_layer=2, n_head=2, n_embd=16, max_steps=100)
@@ -374,12 +375,16 @@ def test_checkpoint_saves_inside_fit_are_left_out_of_the_stages_time(tmp_path, m
         default_root_dir=tmp_path, val_check_interval=4, num_sanity_val_steps=0,
         callbacks=[
             GradientAccumulation(2), PipelineMonitor(logging_interval=3),
-            L.pytorch.callbacks.ModelCheckpoint(every_n_train_steps=1, save_top_k=-1, save_last=True),
+            L.pytorch.callbacks.ModelCheckpoint(every_n_train_steps=1, save_top_k=-1),
+            L.pytorch.callbacks.ModelCheckpoint(
+                dirpath=tmp_path / "weights", monitor="train_loss", every_n_train_steps=1, save_top_k=-1,
+                save_weights_only=True,
+            ),
         ],
     )  # fmt: skip
     data = DataLoader(_tokens(6 * 2 * 4, 16), batch_size=4)
     trainer.fit(model, data, DataLoader(_tokens(8, 16), batch_size=4))
-    assert len(saves) == 12  # two saves per step (save_last): one pause from the first's start
+    assert len(saves) == 12  # two saves per step, one of weights only
     inside = [any(p_start <= start and end <= p_end for p_start, p_end in pauses) for start, end in saves]
     assert inside == [True] * 10 + [False] * 2, (saves, pauses)
     bubbles = [r for r in _metrics(Path(logger.log_dir)) if r.get("pipeline/bubble_fraction")]

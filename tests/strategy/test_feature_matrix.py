@@ -80,6 +80,7 @@ from tests.support.feature_matrix_parts import (
     _lrs_logged,
     _manual,
     _no_manual_advice,
+    _no_sync_dist_advice,
     _one_row_per_step,
     _own_dropout_streams,
     _pipeline_actions,
@@ -288,7 +289,8 @@ ROWS: list[Row] = [
     # -- logging and tooling
     Row("self.log on step: one logger row per optimizer step", check=_one_row_per_step,
         note="issue 22 item 1; every row compares the logged rows"),
-    Row("self.log on_epoch from pipeline_loss", module=_as(_LogsEpoch), trainer=dict(EPOCHS)),
+    Row("self.log on_epoch from pipeline_loss", module=_as(_LogsEpoch), trainer=dict(EPOCHS),
+        check=_no_sync_dist_advice),
     Row("log_every_n_steps", trainer=dict(max_steps=4, log_every_n_steps=2), check=_every_other_step),
     Row("progress bar and model summary", trainer=dict(enable_progress_bar=True, enable_model_summary=True)),
     Row("simple profiler", trainer=dict(profiler="simple"), inspect=_profiled, check=_pipeline_actions,
