@@ -18,7 +18,7 @@ from __future__ import annotations
 import atexit
 from collections import deque
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -139,7 +139,6 @@ from lit_efficient.strategy.trainer_glue import (
     point_metrics_at,
     share_rank_zero_metrics,
     smallest_window,
-    without_sync_dist_advice,
     writers_where_the_predictions_are,
 )
 from lit_efficient.tools.window import advise_window
@@ -419,7 +418,6 @@ class PACIStrategy(DDPStrategy):
         self.final_state: FinalState | None = None  # the hosted stages at the end of training (stage_checkpoints.py)
         # A LocalSGD/DiLoCo replica's own weights while an evaluation holds the first replica's (`setup`, `teardown`).
         self._weights_before_evaluation: tuple[list[Tensor], list[Tensor]] | None = None
-        self._quiet_sync_advice: ExitStack | None = None  # `trainer_glue.without_sync_dist_advice`, setup to teardown
         # Each save's (start, end) on the root device's clock while a `PipelineMonitor` asks (it sets a list at the
         # start of training): a save's writes and collectives stall every stage, and are no pipeline bubble.
         self.pause_spans: list[tuple[Mark, Mark]] | None = None
@@ -584,6 +582,7 @@ class PACIStrategy(DDPStrategy):
     @override
     def setup(self, trainer: Trainer) -> None:
         assert self.accelerator is not None and self.topology is not None
+        self._failed = False  # a failed run's teardown kept rank 0's model split; this run's may gather it again
         self.restored_window_grads = []  # a fit that failed before on_train_start left its restore's here
         self.restored_random_stream = None
         self._epoch_end_seen = False  # whether the last training step was its epoch's last (`end_epoch`)
@@ -606,8 +605,6 @@ class PACIStrategy(DDPStrategy):
         self.model = self.precision_plugin.convert_module(module)
         self.model_to_device()
         fitting = trainer.state.fn == TrainerFn.FITTING
-        if not self.in_process and self.topology.num_replicas == 1 and self._quiet_sync_advice is None:
-            self._quiet_sync_advice = without_sync_dist_advice()
         if self.topology.num_replicas > 1:
             # Every replica of a stage starts from its first replica's weights, as DDP broadcasts at wrap:
             # under torchrun or SLURM each process builds its own model, and processes not seeded alike
@@ -922,9 +919,6 @@ class PACIStrategy(DDPStrategy):
             self.replicas.shutdown()
             self.replicas = None
         self._destroy_groups()
-        if self._quiet_sync_advice is not None:
-            self._quiet_sync_advice.close()
-            self._quiet_sync_advice = None
         super().teardown()
         if healthy and isinstance(self.launcher, _MultiProcessingLauncher) and dist.is_initialized():
             # A spawned (or forked) rank lives for this one run and ends right after it: release the

@@ -11,9 +11,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import re
-import warnings
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from typing import Any, Literal
 
 import torch
@@ -21,7 +20,6 @@ import torch.distributed as dist
 from lightning.fabric.utilities.seed import _set_rng_states
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint
-from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch import Tensor
 from torch.utils._pytree import tree_flatten  # as tools/fake_memory.py
 from typing_extensions import override
@@ -339,15 +337,3 @@ def batch_fingerprint(batch: Any) -> str:
         elif isinstance(leaf, (str, bytes, int, float, bool, type(None))):  # not an object's address-bearing repr
             digest.update(repr(leaf).encode())
     return digest.hexdigest()
-
-
-def without_sync_dist_advice() -> ExitStack:
-    """Lightning's advice to log epoch-level metrics with ``sync_dist=True`` "in distributed setting", silenced until
-    the returned stack is closed (which gives the warning filters back): with one replica per stage a metric is the
-    last stage's alone (`PACIStrategy.reduce` reduces over that stage's replicas), so the advice changes nothing."""
-    stack = ExitStack()
-    stack.enter_context(warnings.catch_warnings())
-    warnings.filterwarnings(
-        "ignore", message=r"It is recommended to use `self\.log\(.*sync_dist=True\)`", category=PossibleUserWarning
-    )
-    return stack
