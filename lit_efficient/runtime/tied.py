@@ -94,7 +94,7 @@ class TiedWeight:
         is_first: Whether this is the first stage (the embedding's side) or the last (the LM head's).
         schedule: ``"1f1b_flush"`` (exact sum) or ``"paci"`` (delayed first-stage gradient).
         delay: PACI's delay d in updates (`tie_delay`); ignored under flush.
-        exchange: The transport to the other copy's stage.
+        exchange: The transport to the other copy's stage (dropped when the run is over: `HostedStage.release_links`).
     """
 
     def __init__(

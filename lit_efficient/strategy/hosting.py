@@ -53,6 +53,13 @@ class HostedStage:
         """The stage's number in the pipeline."""
         return self.runtime.stage.stage
 
+    def release_links(self) -> None:
+        """The run is over: drop its transports (the neighbours' and the tied weights'), whose groups were
+        destroyed (`PACIStrategy.teardown`: they would keep those groups' threads and sockets)."""
+        self.runtime.comm = None
+        for tied in self.tied:
+            tied.exchange = None
+
     def tied_copy_names(self, names: dict[int, str]) -> tuple[list[str], list[str]]:
         """Names (``names``: parameter id -> name) of this stage's tied weights in tie order: (first copies,
         second copies); one of them is empty."""

@@ -296,6 +296,13 @@ def replace_sigterm_barrier(
     return pending
 
 
+def restore_sigterm_barrier(trainer: Trainer) -> None:
+    """Lightning's own per-batch SIGTERM broadcast again (`replace_sigterm_barrier`'s is on the run's group, which
+    is destroyed at teardown: kept on the loop, it would keep that group's gloo threads and sockets alive with the
+    Trainer, and another fit with this Trainer would first install its own anyway)."""
+    trainer.fit_loop.epoch_loop.__dict__.pop("_broadcast_sigterm_tensor", None)
+
+
 def _notify_sigterm_without_a_barrier(trainer: Trainer) -> None:
     """Lightning's SIGTERM handler does what this one does and then broadcasts the flag on the default group and
     waits for it. Under this strategy no rank joins that broadcast (the per-window one of `replace_sigterm_barrier`

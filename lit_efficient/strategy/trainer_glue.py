@@ -263,15 +263,24 @@ def smallest_window(trainer: Trainer) -> int:
     return min(windows)
 
 
-def point_metrics_at(module: LightningModule, group: dist.ProcessGroup) -> None:
-    """torchmetrics sync over the last stage's replicas: the only ranks that update and compute them."""
+def point_metrics_at(module: LightningModule, group: dist.ProcessGroup) -> list[tuple[Any, Any]]:
+    """torchmetrics sync over the last stage's replicas: the only ranks that update and compute them. Returns each
+    metric with the group it had, for `give_metrics_back`."""
     try:
         from torchmetrics import Metric
     except ImportError:  # pragma: no cover - torchmetrics is a dependency
-        return
-    for m in module.modules():
-        if isinstance(m, Metric):
-            m.process_group = group
+        return []
+    metrics = [(m, m.process_group) for m in module.modules() if isinstance(m, Metric)]
+    for m, _ in metrics:
+        m.process_group = group
+    return metrics
+
+
+def give_metrics_back(metrics: list[tuple[Any, Any]]) -> None:
+    """Each metric's own group again (`point_metrics_at`) when the run's groups are destroyed: the user's module
+    must not keep a dead group (a later run's sync would use it), nor keep its gloo threads and sockets alive."""
+    for m, group in metrics:
+        m.process_group = group
 
 
 def first_training_batch(trainer: Trainer) -> Any:
