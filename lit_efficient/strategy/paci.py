@@ -146,6 +146,8 @@ from lit_efficient.strategy.trainer_glue import (
 from lit_efficient.tools.window import advise_window
 from lit_efficient.transport.collectives import broadcast_flat
 from lit_efficient.transport.failures import (
+    begin_run,
+    check_peers_alive,
     is_raw_comm_error,
     release_peers_keeping_the_store,
     report_failure,
@@ -439,6 +441,7 @@ class PACIStrategy(DDPStrategy):
         self._was_automatic = True
         self._eval_index = 0
         self._failed = False
+        self._group_kept = False  # whether this run found the default group formed (`setup_distributed`)
 
     @property
     def wire_format(self) -> WireFormat:
@@ -543,6 +546,8 @@ class PACIStrategy(DDPStrategy):
             )  # fmt: skip
             if backend == "nccl":  # as Lightning's own setup does, which now returns early
                 atexit.register(_destroy_dist_connection)
+        # A later run in a process that keeps its group (a notebook, a script that fits again) checks its peers.
+        self._group_kept = dist.is_initialized()
         launch_streams = _collect_rng_states(include_cuda=False)  # before Lightning's re-seed replaces them
         super().setup_distributed()
         self._launch_streams = launch_streams
@@ -558,6 +563,9 @@ class PACIStrategy(DDPStrategy):
             _warn_single_replica(self.local_sgd_steps, self.topology, in_process=True)
             return
         super().setup_environment()
+        if self._group_kept:
+            check_peers_alive(timedelta(seconds=self.p2p_timeout))  # within the time the first group would wait
+        begin_run(publishes=self.global_rank == 0)
         self.topology = Topology.for_world(self.world_size, self.pipeline_stages)
         backend = dist.get_backend()
         # Every rank creates every group, in the same order: new_group is collective.

@@ -7,6 +7,7 @@ import contextlib
 import re
 import sys
 import time
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -91,6 +92,48 @@ def report_failure(message: str) -> None:
         _store().compare_set(_ABORT_KEY, "", message)
     except Exception as err:  # noqa: BLE001 - reporting must never hide the original error
         _store_failed(err)
+
+
+def begin_run(publishes: bool) -> None:
+    """A run starts on every rank (collective: after `check_peers_alive`, or where the group is new): its first
+    failure is printed and published afresh. A process that runs again (a notebook, a script that fits twice) kept
+    its earlier run's cause in the store, and every failure of the later run was explained by it; ``publishes``
+    (one rank) empties the published cause."""
+    global _printed_failure
+    _printed_failure = False
+    if publishes:
+        try:
+            _store().set(_ABORT_KEY, "")  # `_published` reads "" as none; compare_set publishes over it
+        except Exception as err:  # noqa: BLE001 - the store gone with its host: the run's first transfer says so
+            _store_failed(err)
+
+
+def check_peers_alive(timeout: timedelta) -> None:
+    """Before a later run in a process that keeps its default group (a notebook, a script that fits again): every
+    rank must still be there. Without this, a rank that exited or was killed since the earlier run left the new
+    run's first group waiting out its whole timeout (``p2p_timeout``, 600 s by default) with a store error that
+    names no rank; gloo's connections report a lost peer in milliseconds. Collective. gloo only: NCCL has no
+    monitored barrier, and its barrier would wait out the watchdog all the same."""
+    if dist.get_backend() != "gloo":
+        return
+    start = time.monotonic()
+    try:
+        dist.monitored_barrier(timeout=timeout, wait_all_ranks=True)
+    except RuntimeError as err:
+        text = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
+        me = f"rank {dist.get_rank()}"
+        # gloo says "Rank 1 failed to pass monitoredBarrier in 40000 ms" for a closed connection too, at once.
+        if time.monotonic() - start >= 0.9 * timeout.total_seconds():
+            raise PipelineCommError(
+                f"{me}: not every rank started this run within {timeout.total_seconds():g} s ({text}). Every rank "
+                "of the process group this process's earlier run used must call fit, validate, test and predict in "
+                "the same order; raise PACIStrategy(p2p_timeout=...) if one is only slow to get there"
+            ) from err
+        raise PipelineCommError(
+            f"{me}: a rank of this process's earlier run is gone (gloo, at once: {text}): a pipeline needs every "
+            "rank, and a rank that exited or was killed cannot join the group again. Start every process again "
+            "(torchrun --max-restarts restarts them all, and a fit resumes from its last checkpoint)"
+        ) from err
 
 
 def read_failure() -> str | None:

@@ -7,9 +7,12 @@ their teardowns skipped gathering the whole model there (``model(x)`` then refus
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import os
+import time
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +20,7 @@ from lightning.pytorch.callbacks import Callback
 from torchmetrics import Metric
 
 from lit_efficient import PACIStrategy
+from lit_efficient.transport.failures import PipelineCommError
 from tests.support.gpt_runs import gpt_model, gpt_trainer, ordered_data
 from tests.support.multiproc import spawn, values
 
@@ -84,3 +88,52 @@ def test_runs_release_their_transports_without_a_garbage_collection():
         assert len(seen) == 3 and seen[-1] == seen[0], f"rank {rank}: (threads, descriptors) after each run {seen}"
         # The user's metrics sync on their own group again, not on the run's destroyed one.
         assert ran["metric groups"] == ["None", "None"], ran["metric groups"]
+
+
+class _FailOnRank(Callback):
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_rank == self.rank and batch_idx == 3:
+            raise RuntimeError(f"the user's callback failed on rank {self.rank}")
+
+
+def _fail_on_each_rank_then_lose_one(rank: int, world: int, out: str) -> dict:
+    warnings.filterwarnings("ignore")
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    model, seen = gpt_model(), {}
+    for run, failing in (("first", 1), ("second", 0)):
+        trainer = gpt_trainer(
+            PACIStrategy(pipeline_stages=2, schedule="1f1b_flush"), world, 3, callbacks=[_FailOnRank(failing)]
+        )
+        try:
+            trainer.fit(model, datamodule=ordered_data())
+        except Exception as err:  # noqa: BLE001 - the script catches it and goes on, as a notebook's cell does
+            seen[run] = str(err)
+    if rank == 1:
+        Path(out).write_text(json.dumps(seen))
+        os._exit(0)  # rank 1's script ends; rank 0 fits again, with its default group from the runs before
+    start = time.monotonic()
+    trainer = gpt_trainer(PACIStrategy(pipeline_stages=2, schedule="1f1b_flush"), world, 3)
+    with pytest.raises(PipelineCommError) as gone:
+        trainer.fit(model, datamodule=ordered_data())
+    return {**seen, "third": str(gone.value), "third took": time.monotonic() - start}
+
+
+def test_later_fits_name_their_own_failure_and_a_gone_rank_at_once(tmp_path):
+    out = tmp_path / "rank1.json"
+    rank0 = spawn(_fail_on_each_rank_then_lose_one, 2, str(out), timeout=240, torchrun_env=True)[0]
+    assert "ok" in rank0, rank0.get("traceback", rank0)
+    rank0, rank1 = rank0["ok"], json.loads(out.read_text())
+    # Each fit's failure is its own on every rank: the store kept the first fit's cause, and rank 1 explained rank
+    # 0's failure in the second fit by it ("the pipeline stopped because stage 0 (rank 1) raised ... on rank 1").
+    assert rank1["first"] == "the user's callback failed on rank 1", rank1
+    raised = "raised RuntimeError: the user's callback failed on rank"
+    assert rank0["first"].endswith(f"because stage 0 (rank 1) {raised} 1"), rank0
+    assert rank0["second"] == "the user's callback failed on rank 0", rank0
+    assert rank1["second"].endswith(f"because stage 1 (rank 0) {raised} 0"), rank1
+    # Rank 1 gone: the next fit said so at once. It waited out p2p_timeout (600 s) in its first group's rendezvous,
+    # then raised the store's "wait timeout ... keys: /default_pg/0//7//cpu//0/1", which names no rank.
+    assert "a rank of this process's earlier run is gone" in rank0["third"], rank0["third"]
+    assert rank0["third took"] < 60, rank0["third took"]
