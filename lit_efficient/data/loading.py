@@ -12,10 +12,14 @@ resumable"). Two pieces make the data modules' training order a function of (see
   which a resumed process never made.
 - `ResumableLoader`: a DataLoader whose state is (epoch, batches yielded in it). Resumed in the same
   epoch it skips that many batches of the epoch's index order without loading them; resumed in a later
-  epoch (the checkpoint was taken at an epoch's end) it skips nothing. Under several replicas Lightning
-  wraps the sampler in its distributed wrapper, which forwards ``set_epoch``: the same state holds. The state
-  also records the replicas reading the epoch: their batches interleave one order, so a count of batches means
-  another position on another number of replicas; resumed there mid-epoch the epoch restarts, with a warning.
+  epoch (the checkpoint was taken at an epoch's end) it skips nothing, and reads the epoch after the saved one
+  even where Lightning counts one more: resuming training bounded by ``max_steps`` from an epoch's end, Lightning
+  2.6 restarts the finished epoch, reads none of its batches, counts it again, and sets every later epoch one
+  higher than the uninterrupted run did (each epoch read the next one's order; 5e-4 in the weights after 4 steps).
+  Under several replicas Lightning wraps the sampler in its distributed wrapper, which forwards ``set_epoch``: the
+  same state holds. The state also records the replicas reading the epoch: their batches interleave one order, so
+  a count of batches means another position on another number of replicas; resumed there mid-epoch the epoch
+  restarts, with a warning.
 """
 
 from __future__ import annotations
@@ -85,7 +89,9 @@ class ResumableLoader(DataLoader):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._epoch: int | None = None
+        self._epoch: int | None = None  # the epoch whose order the last iteration read
+        self._counted: int | None = None  # the epoch Lightning had set for it
+        self._ahead = 0  # how far Lightning's count runs ahead of the epochs read, since a resume (module docstring)
         self._yielded = 0
         self._resume: dict[str, Any] | None = None
         self._skipping = 0
@@ -109,11 +115,28 @@ class ResumableLoader(DataLoader):
     def _sampler_epoch(self) -> int | None:
         return self._sampler_int("epoch")
 
+    def _read_epoch(self, counted: int | None, resume: dict[str, Any] | None) -> tuple[int | None, bool]:
+        """The epoch whose order this iteration reads, for Lightning's ``counted``, and whether it continues the
+        saved one; keeps how far Lightning counts ahead (`_ahead`)."""
+        if counted is None:
+            return None, False
+        if resume is not None and resume["epoch"] is not None:
+            saved_count = resume.get("counted", resume["epoch"])  # states before 12-06: no count of their own
+            same = counted == saved_count
+            epoch = resume["epoch"] if same else resume["epoch"] + 1 if counted > saved_count else counted
+            self._ahead = counted - epoch
+            return epoch, same
+        return counted - self._ahead, False
+
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         # A generator: the body runs at the first batch, after Lightning's set_epoch for the epoch.
-        epoch, resume, self._resume = self._sampler_epoch(), self._resume, None
-        same_epoch = resume is not None and epoch is not None and resume["epoch"] == epoch
-        skip = resume["batches"] if same_epoch else 0
+        counted, resume, self._resume = self._sampler_epoch(), self._resume, None
+        epoch, same_epoch = self._read_epoch(counted, resume)
+        if epoch != counted:  # Lightning counts ahead: the sampler draws the order of the epoch read
+            for sampler in (self.sampler, getattr(self.batch_sampler, "sampler", None)):
+                if callable(getattr(sampler, "set_epoch", None)):
+                    sampler.set_epoch(epoch)
+        skip = resume["batches"] if same_epoch and resume is not None else 0
         saved, replicas = (resume or {}).get("replicas", 1), self._replicas()
         if skip and saved != replicas and _rank_zero():  # every rank's loader finds it: said once
             warnings.warn(
@@ -132,20 +155,21 @@ class ResumableLoader(DataLoader):
             batches = super().__iter__()
         finally:
             self._skipping = 0
-        self._epoch, self._yielded = epoch, skip
+        self._epoch, self._counted, self._yielded = epoch, counted, skip
         for batch in batches:
             self._yielded += 1
             yield batch
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self._epoch, "batches": self._yielded, "replicas": self._replicas()}
+        return {"epoch": self._epoch, "batches": self._yielded, "replicas": self._replicas(), "counted": self._counted}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if not {"epoch", "batches"} <= set(state) <= {"epoch", "batches", "replicas"}:  # replicas: since 12-04
+        known = {"epoch", "batches", "replicas", "counted"}  # replicas: since 12-04; counted: since 12-06
+        if not {"epoch", "batches"} <= set(state) <= known:
             raise ValueError(
                 f"ResumableLoader.load_state_dict: the checkpoint's loader state has keys {sorted(state)}, not "
-                "['batches', 'epoch', 'replicas']: it was saved by another training loader. Resume with the data "
-                "module that wrote the checkpoint."
+                "['batches', 'counted', 'epoch', 'replicas']: it was saved by another training loader. Resume with the "
+                "data module that wrote the checkpoint."
             )
         self._resume = dict(state)
 
