@@ -259,7 +259,7 @@ def separate_tied_copies(split: Split) -> None:
 
     A process hosting both the first and the last stage holds both layers in one module, where a tied weight
     is one parameter; the two-copy rule (`lit_efficient.runtime.tied`) needs the two copies each stage holds
-    on its own rank. `tie_again` makes them one parameter again (the first layer's).
+    on its own rank. `tie_again` makes them one parameter again (the first layer's, with the last's value).
     """
     for tie in split.ties:
         holder, attr = _holder(split, tie.last)
@@ -268,11 +268,20 @@ def separate_tied_copies(split: Split) -> None:
 
 
 def tie_again(split: Split) -> None:
-    """Make every tie of ``split`` one parameter again: the last layer's copy becomes the first layer's."""
+    """Make every tie of ``split`` one parameter again, the first layer's, holding the last layer's copy's value.
+
+    The copies differ under PACI between its delayed updates (a checkpoint taken mid-run holds both): the value kept
+    is the one ``load_state_dict`` of the whole model keeps (the later key, the last layer's), and so one device's
+    ``load_from_checkpoint``; one process (a tie kept one parameter while evaluating) loads it so too. Rebuilding
+    rank 0's model after an evaluation on processes kept the embedding's copy: 7e-9 from one process's weights."""
     for tie in split.ties:
         part, name = tie.first
         holder, attr = _holder(split, tie.last)
-        setattr(holder, attr, _get(*split.slots[part][1:]).get_parameter(name))
+        first, last = _get(*split.slots[part][1:]).get_parameter(name), getattr(holder, attr)
+        if last is not first:
+            with torch.no_grad():
+                first.copy_(last)
+        setattr(holder, attr, first)
 
 
 def _holder(split: Split, where: tuple[int, str]) -> tuple[nn.Module, str]:

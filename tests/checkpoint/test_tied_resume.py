@@ -18,6 +18,7 @@ from lit_efficient import PACIStrategy
 from lit_efficient.models import GPT
 from tests.support.compare import assert_equal
 from tests.support.gpt_runs import gpt_model, gpt_trainer, max_diff, ordered_data
+from tests.support.multiproc import spawn, values
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # one process and S processes agree bit for bit
 
@@ -77,3 +78,26 @@ def test_another_layout_restarts_the_delay_line_and_says_so(tmp_path):
     with pytest.warns(UserWarning, match=r"the per-rank state does not: .*restarts its delay line under PACI"):
         resumed = _fit(3, 1, 6, 4, ckpt_path=tmp_path / "step=3.ckpt")
     assert max_diff(resumed, gpt_model(tie_weights=True)) > 1e-3  # it trained on
+
+
+def _evaluate(rank: int, world: int, path: str) -> dict[str, torch.Tensor] | None:
+    model = gpt_model(tie_weights=True)
+    trainer = gpt_trainer(PACIStrategy(pipeline_stages=2, sync_start_steps=0), world, 6)
+    trainer.validate(model, datamodule=ordered_data(), ckpt_path=path, verbose=False)
+    return {k: v.clone() for k, v in model.state_dict().items()} if rank == 0 else None
+
+
+@pytest.mark.multiproc
+def test_an_evaluation_of_a_mid_run_checkpoint_leaves_one_devices_weights_in_one_process_and_on_processes(tmp_path):
+    """A checkpoint taken between PACI's delayed updates holds the tied weight's two copies with different values.
+    The model an evaluation leaves is what one device's ``load_state_dict`` makes of it (the later key's value), in
+    one process and on rank 0 of processes alike: there the embedding's copy was kept (7e-9 from one process)."""
+    _fit(2, 1, 6, 2, save_to=tmp_path, every=3)
+    path = str(tmp_path / "step=3.ckpt")
+    saved = torch.load(path, weights_only=False)["state_dict"]
+    assert not torch.equal(saved["embed.wte.weight"], saved["head.lm_head.weight"])  # the copies differ mid-run
+    one_device = gpt_model(tie_weights=True)
+    one_device.load_state_dict(saved)
+    assert_equal(_evaluate(0, 1, path), one_device.state_dict(), "one process")
+    on_processes = values(spawn(_evaluate, 2, path, timeout=180, torchrun_env=True))[0]
+    assert_equal(on_processes, one_device.state_dict(), "rank 0 of 2 processes")

@@ -100,9 +100,11 @@ def test_split_keeps_a_real_copy_on_each_side_and_unsplit_ties_again():
     assert type(model.layers[0]).__name__ == "LayerOnOtherStage"
     assert model.layers[3].weight.device.type == "cpu"  # the tied copy stayed real (Module.to would not)
     fresh = _Model(None)
+    last_copy = model.layers[3].weight.detach().clone()
     unsplit(split, {0: fresh.layers[0].state_dict(), 1: fresh.layers[1].state_dict()}, torch.device("cpu"))
-    assert torch.equal(model.layers[0].weight, fresh.layers[0].weight)
+    assert torch.equal(model.layers[1].weight, fresh.layers[1].weight)  # the other rank's layers, rebuilt
     assert model.layers[3].weight is model.layers[0].weight
+    assert torch.equal(model.layers[0].weight, last_copy)  # the last copy's value: load_state_dict's of the whole
 
 
 def test_header_carries_which_tensors_need_a_gradient():
