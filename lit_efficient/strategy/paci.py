@@ -559,6 +559,7 @@ class PACIStrategy(DDPStrategy):
             # process keeps the random streams one device has here, as every rank of a process pipeline
             # is given them (keep_launch_random_streams), so the streams agree.
             Strategy.setup_environment(self)
+            begin_run(publishes=False)  # its first failure printed afresh (no store: nothing published)
             self.topology = Topology(self.pipeline_stages)
             _warn_single_replica(self.local_sgd_steps, self.topology, in_process=True)
             return
@@ -1198,6 +1199,8 @@ class PACIStrategy(DDPStrategy):
             )
             if not self.in_process and is_raw_comm_error(exception):  # a peer's failure seen here: name its cause
                 report_lost_peers(here, exception)
+            elif isinstance(exception, KeyboardInterrupt):  # Ctrl-C: what the user did, not a failure; peers name it
+                report_failure(f"{here} was interrupted (KeyboardInterrupt)", heading="stopped")
             else:
                 detail = f": {exception}" if str(exception) else ""
                 report_failure(f"{here} raised {type(exception).__name__}{detail}")

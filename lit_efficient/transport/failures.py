@@ -77,17 +77,17 @@ def _store_failed(err: BaseException) -> None:
             _gone_store = dist.distributed_c10d._get_default_store()
 
 
-def report_failure(message: str) -> None:
+def report_failure(message: str, heading: str = "pipeline failure") -> None:
     """Publish the first failure of the run in the rendezvous store, so peers can name the cause, and
-    print this process's first one to stderr at once: a launcher that sees a rank die may kill the others
-    (Lightning's does, within seconds) before their exception's traceback is printed.
+    print this process's first one to stderr at once, under ``heading``: a launcher that sees a rank die may kill
+    the others (Lightning's does, within seconds) before their exception's traceback is printed.
 
     Best effort: the store may be gone with the rank that hosted it.
     """
     global _printed_failure
     if not _printed_failure:
         _printed_failure = True
-        print(f"lit-efficient: pipeline failure: {message}", file=sys.stderr, flush=True)
+        print(f"lit-efficient: {heading}: {message}", file=sys.stderr, flush=True)
     try:
         _store().compare_set(_ABORT_KEY, "", message)
     except Exception as err:  # noqa: BLE001 - reporting must never hide the original error

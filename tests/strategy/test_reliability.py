@@ -38,6 +38,35 @@ def _killed_mid_training(rank, world, victim_stage, stamp):
     runtime.drain()
 
 
+def test_ctrl_c_is_said_as_a_stop_not_a_failure(capsys):
+    """Ctrl-C printed "pipeline failure: ... raised KeyboardInterrupt", a failure line for what the user did on
+    purpose; and a later fit's first failure in the same process printed nothing (the line is said once a run)."""
+
+    class CtrlC(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx == 1:
+                raise KeyboardInterrupt
+
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        with pytest.raises(SystemExit):  # Lightning's graceful shutdown ends the script
+            _trainer(PACIStrategy(pipeline_stages=2), 1, 4, callbacks=[CtrlC()]).fit(_model(), datamodule=_ordered())
+    finally:
+        signal.signal(signal.SIGINT, handler)  # Lightning ignores further Ctrl-C for its shutdown
+    err = capsys.readouterr().err
+    assert "lit-efficient: stopped: the pipeline of 2 stages in this process was interrupted" in err, err[-2000:]
+    assert "pipeline failure" not in err, err[-2000:]
+
+    class Boom(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            raise ValueError("boom")
+
+    with pytest.raises(ValueError, match="boom"):  # the next fit in this process: its own failure is said
+        _trainer(PACIStrategy(pipeline_stages=2), 1, 4, callbacks=[Boom()]).fit(_model(), datamodule=_ordered())
+    err = capsys.readouterr().err
+    assert "pipeline failure: the pipeline of 2 stages in this process raised ValueError: boom" in err, err[-2000:]
+
+
 @pytest.mark.multiproc
 @pytest.mark.parametrize("world,victim", [(2, 0), (4, 1)])
 def test_sigkilled_stage_stops_every_rank_naming_it(world, victim, tmp_path):
