@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import atexit
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal
@@ -141,6 +141,7 @@ from lit_efficient.strategy.trainer_glue import (
     point_metrics_at,
     share_rank_zero_metrics,
     smallest_window,
+    without_sync_advice,
     writers_where_the_predictions_are,
 )
 from lit_efficient.tools.window import advise_window
@@ -438,6 +439,7 @@ class PACIStrategy(DDPStrategy):
         self._launch_streams: dict[str, Any] | None = None
         self._sigterm_pending: deque[tuple[dist.Work, Tensor, int]] = deque()
         self._metric_groups: list[tuple[Any, Any]] = []  # the user's metrics with their own groups (give_metrics_back)
+        self._sync_advice_back: Callable[[], None] | None = None  # Lightning's own warning cache (without_sync_advice)
         self._was_automatic = True
         self._eval_index = 0
         self._failed = False
@@ -812,6 +814,8 @@ class PACIStrategy(DDPStrategy):
         if not any(isinstance(cb, SyncCallbackMetrics) for cb in trainer.callbacks):
             trainer.callbacks.insert(0, SyncCallbackMetrics())
         agree_on_evaluation_results(trainer)
+        if not self.in_process:
+            self._sync_advice_back = without_sync_advice(self.topology.num_replicas)
 
     def _setup_stage_optimizer(self, trainer: Trainer, index: int) -> None:
         """Lightning's `setup_optimizers` while only stage ``index``'s layers are present, refusing anything but one
@@ -935,6 +939,9 @@ class PACIStrategy(DDPStrategy):
         # fitting again and again gathered them: 9 threads and 15 descriptors more per fit on 2 ranks).
         give_metrics_back(self._metric_groups)
         self._metric_groups = []
+        if self._sync_advice_back is not None:
+            self._sync_advice_back()
+            self._sync_advice_back = None
         if trainer is not None:
             restore_sigterm_barrier(trainer)
         self._destroy_groups()

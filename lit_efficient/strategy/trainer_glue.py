@@ -276,6 +276,42 @@ def point_metrics_at(module: LightningModule, group: dist.ProcessGroup) -> list[
     return metrics
 
 
+_SYNC_ADVICE = "It is recommended to use `self.log("
+
+
+class _WithoutSyncAdvice:
+    """Lightning's result-collection warnings (its module's `WarningCache`, which it forwards to) without the advice
+    to log an epoch-level value with ``sync_dist=True``: with one replica that reduce is over one rank (the last
+    stage's), so every run on processes that logs an epoch-level metric was told to add what changes nothing."""
+
+    def __init__(self, cache: Any) -> None:
+        self.cache = cache
+
+    def warn(self, message: str, stacklevel: int = 5, **kwargs: Any) -> None:
+        if not message.startswith(_SYNC_ADVICE):
+            self.cache.warn(message, stacklevel=stacklevel + 1, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.cache, name)
+
+
+def without_sync_advice(num_replicas: int) -> Callable[[], None]:
+    """From now on Lightning does not advise ``sync_dist=True`` when there is ``num_replicas == 1`` (with more, each
+    replica logs its share, and the advice stands); returns what puts its own cache back, which it keeps deduping
+    with (catching the warning instead, ``warnings.catch_warnings``, reset the registries: other warnings came back
+    every fit)."""
+    from lightning.pytorch.trainer.connectors.logger_connector import result
+
+    own = result.warning_cache
+    if num_replicas == 1 and not isinstance(own, _WithoutSyncAdvice):
+        result.warning_cache = _WithoutSyncAdvice(own)
+
+    def put_back() -> None:
+        result.warning_cache = own
+
+    return put_back
+
+
 def give_metrics_back(metrics: list[tuple[Any, Any]]) -> None:
     """Each metric's own group again (`point_metrics_at`) when the run's groups are destroyed: the user's module
     must not keep a dead group (a later run's sync would use it), nor keep its gloo threads and sockets alive."""
