@@ -112,8 +112,8 @@ def pipeline_state(strategy: Any, hosted: HostedStage) -> dict[str, Any]:
         state["rng"] = {"cpu": torch.get_rng_state()}
         if strategy.root_device.type == "cuda":
             state["rng"]["cuda"] = torch.cuda.get_rng_state(strategy.root_device)
-    if hosted.averager is not None:
-        state["averager"] = hosted.averager.state_dict()
+    if hosted.averager is not None:  # with the sync period it ran with, for a resume that changes it
+        state["averager"] = {**hosted.averager.state_dict(), "local_sgd_steps": strategy.local_sgd_steps}
     if hosted.tied:  # the tied weights' delay line (`runtime.tied`), by this stage's name of its copy
         state["tied"] = {names[id(t.param)]: t.state_dict() for t in hosted.tied}
     return state
@@ -484,6 +484,15 @@ def _load_rank_state(
         )
         saved = None
     if averager is not None and saved is not None:
+        period = saved.get("local_sgd_steps", strategy.local_sgd_steps)  # recorded since 12-06
+        if period != strategy.local_sgd_steps and hosted is strategy.hosted[-1]:  # said once per process
+            rank_zero_warn(
+                f"the checkpoint's run synced its replicas every {period} steps; this run syncs every "
+                f"{strategy.local_sgd_steps} (PACIStrategy(local_sgd_steps=...)): from step {global_step} on the "
+                f"syncs follow the new period, counted from the run's first step, and each replica continues from "
+                f"its own weights until the next one. Resume with local_sgd_steps={period} to continue the run as "
+                "it was."
+            )
         averager.load_state_dict(saved)
     elif averager is not None:  # built at setup from the initial weights: anchor it at the loaded ones
         averager.restart(global_step)

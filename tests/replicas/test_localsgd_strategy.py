@@ -27,7 +27,7 @@ from lit_efficient.runtime.topology import Topology
 from lit_efficient.strategy.config import _warn_single_replica
 from tests.support.gpt_runs import gpt_trainer as _trainer
 from tests.support.gpt_runs import max_diff as _max_diff
-from tests.support.multiproc import SpawnedDDP
+from tests.support.multiproc import SpawnedDDP, spawn, values
 
 BLOCK = 32
 
@@ -245,6 +245,27 @@ def test_diloco_resume_mid_window_follows_uninterrupted_run(tmp_path):
     assert started[0] == started[1]
     synced = _read(switched, 2)
     assert synced[0] == synced[1]
+
+
+def _resume_with_another_period(rank: int, world: int, folder: str) -> list[str]:
+    def fit(max_steps, period, callbacks=(), ckpt_path=None):
+        strategy = PACIStrategy(pipeline_stages=1, local_sgd_steps=period)
+        trainer = _trainer(strategy, world, max_steps, callbacks=list(callbacks), enable_checkpointing=bool(callbacks))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(_model(), datamodule=_data(), ckpt_path=ckpt_path)
+        return [str(w.message) for w in caught]
+
+    fit(3, 2, callbacks=[ModelCheckpoint(dirpath=folder, every_n_train_steps=3, filename="{step}")])
+    return fit(4, 3, ckpt_path=f"{folder}/step=3.ckpt")
+
+
+@pytest.mark.multiproc
+def test_a_resume_with_another_sync_period_says_so(tmp_path):
+    """Two replicas synced every 2 steps, resumed syncing every 3: accepted (the step count continues, each replica
+    from its own weights), and said, where it was silent."""
+    said = values(spawn(_resume_with_another_period, 2, str(tmp_path), timeout=180, torchrun_env=True))[0]
+    assert [m for m in said if "synced its replicas every 2 steps; this run syncs every 3" in m], said
 
 
 def test_bad_local_sgd_arguments_raise():
