@@ -235,6 +235,26 @@ def unsplit(split: Split, state_dicts: dict[int, dict[str, torch.Tensor]], devic
 
 
 @contextmanager
+def every_layer(split: Split) -> Iterator[list[nn.Module] | None]:
+    """Within the block, every layer is in its place in the module: the hosted ones as they are, the others as their
+    structure on the meta device (no weights); yields them in layer order. None where a layer is an adapter (parts
+    of its own, not one module of the tree): there is no one module to give. Every part is back afterwards."""
+    counts = [i for i, _, _ in split.slots]
+    if len(counts) != len(set(counts)):  # an adapter's several parts
+        yield None
+        return
+    parts = [_get(parent, name) for _, parent, name in split.slots]
+    try:
+        for (_, parent, name), part in zip(split.slots, parts, strict=True):
+            if isinstance(part, LayerOnOtherStage):
+                _set(parent, name, part.structure)
+        yield [_get(parent, name) for _, parent, name in split.slots]
+    finally:
+        for (_, parent, name), part in zip(split.slots, parts, strict=True):
+            _set(parent, name, part)
+
+
+@contextmanager
 def only_stage(split: Split, stage: int) -> Iterator[None]:
     """Within the block, the split module holds only ``stage``'s parts (the others are placeholders without
     parameters), as on that stage's rank after `split_module`: ``parameters()``, ``state_dict()`` and

@@ -55,6 +55,7 @@ from lit_efficient.runtime.split import (
     LayerOnOtherStage,
     Split,
     check_stage_parameters,
+    every_layer,
     find_ties,
     layer_parameter_counts,
     only_stage,
@@ -93,6 +94,7 @@ from lit_efficient.strategy.config import (
 )
 from lit_efficient.strategy.divergence import LossTrend
 from lit_efficient.strategy.fault_tolerant import start_replicas
+from lit_efficient.strategy.forward_check import forward_outside_layers
 from lit_efficient.strategy.hosting import HostedStage, gather_model_on_rank_zero
 from lit_efficient.strategy.lr_finder import (
     FinderRun,
@@ -149,6 +151,7 @@ from lit_efficient.transport.collectives import broadcast_flat
 from lit_efficient.transport.failures import (
     begin_run,
     check_peers_alive,
+    clear_published_failure,
     is_raw_comm_error,
     release_peers_keeping_the_store,
     report_failure,
@@ -444,6 +447,7 @@ class PACIStrategy(DDPStrategy):
         self._eval_index = 0
         self._failed = False
         self._group_kept = False  # whether this run found the default group formed (`setup_distributed`)
+        self._forward_unchecked = False  # whether the fit's first batch is still to check forward (`forward_check`)
 
     @property
     def wire_format(self) -> WireFormat:
@@ -537,6 +541,9 @@ class PACIStrategy(DDPStrategy):
         # hands over with the previous attempt's keys in it: form it under this attempt's own prefix
         # (runs.attempt_store), every later group inherits the prefix. Lightning's own setup then finds
         # the group formed and does the rest (seeds, ranks).
+        # A later run in a process that keeps its group (a notebook, a script that fits again) checks its peers;
+        # read before the group is formed here (under torchrun, a first run's group is formed just below).
+        self._group_kept = dist.is_initialized()
         store = attempt_store(self._timeout)
         if store is not None and not dist.is_initialized():
             assert self.cluster_environment is not None
@@ -548,8 +555,6 @@ class PACIStrategy(DDPStrategy):
             )  # fmt: skip
             if backend == "nccl":  # as Lightning's own setup does, which now returns early
                 atexit.register(_destroy_dist_connection)
-        # A later run in a process that keeps its group (a notebook, a script that fits again) checks its peers.
-        self._group_kept = dist.is_initialized()
         launch_streams = _collect_rng_states(include_cuda=False)  # before Lightning's re-seed replaces them
         super().setup_distributed()
         self._launch_streams = launch_streams
@@ -561,14 +566,14 @@ class PACIStrategy(DDPStrategy):
             # process keeps the random streams one device has here, as every rank of a process pipeline
             # is given them (keep_launch_random_streams), so the streams agree.
             Strategy.setup_environment(self)
-            begin_run(publishes=False)  # its first failure printed afresh (no store: nothing published)
+            begin_run()
             self.topology = Topology(self.pipeline_stages)
             _warn_single_replica(self.local_sgd_steps, self.topology, in_process=True)
             return
+        begin_run()  # first: a failure of the check below is this run's
         super().setup_environment()
         if self._group_kept:
             check_peers_alive(timedelta(seconds=self.p2p_timeout))  # within the time the first group would wait
-        begin_run(publishes=self.global_rank == 0)
         self.topology = Topology.for_world(self.world_size, self.pipeline_stages)
         backend = dist.get_backend()
         # Every rank creates every group, in the same order: new_group is collective.
@@ -581,6 +586,10 @@ class PACIStrategy(DDPStrategy):
         self._p2p_groups = LinkGroups.create(timeout=timedelta(seconds=self.p2p_timeout))
         wait = {"timeout": self._timeout}
         self._header_group = None if backend == "gloo" else dist.new_group(backend="gloo", **wait)
+        if self.global_rank == 0:
+            # Every rank is past its earlier run now: a gloo group connects all its pairs as it is made (the p2p
+            # groups on gloo, the header group beside NCCL, whose own groups connect at their first use).
+            clear_published_failure()
         for stage in range(self.pipeline_stages):
             self._dp_groups[stage] = dist.new_group(self.topology.replica_ranks(stage), **wait)
         for replica in range(self.topology.num_replicas):
@@ -635,6 +644,7 @@ class PACIStrategy(DDPStrategy):
             self._after_finder = False
             self._fit_trained = False  # set when the fit's own run starts (not a learning-rate finder's): `teardown`
             self._first_batch_unchecked = not self.in_process  # one process reads one stream
+            self._forward_unchecked = True
             self._was_automatic = module.automatic_optimization
             module.automatic_optimization = False  # the stages zero, accumulate and step themselves
             if ties and {0, self.pipeline_stages - 1} <= set(hosted):
@@ -939,6 +949,7 @@ class PACIStrategy(DDPStrategy):
         # fitting again and again gathered them: 9 threads and 15 descriptors more per fit on 2 ranks).
         give_metrics_back(self._metric_groups)
         self._metric_groups = []
+        self._sigterm_pending.clear()  # a failed fit's broadcasts on the signal group destroyed next
         if self._sync_advice_back is not None:
             self._sync_advice_back()
             self._sync_advice_back = None
@@ -993,6 +1004,22 @@ class PACIStrategy(DDPStrategy):
         rank_zero_info(f"PACIStrategy: {len(layers)} layers over {self.pipeline_stages} stages as {sizes}")
         return sizes
 
+    def _say_forward_outside_layers(self, batch: Any) -> None:
+        """Warn where the module's forward is not its layers one after another (`forward_check`): the model the
+        pipeline trains is the chain, and nothing else would say so. On global rank 0, at the fit's first batch: the
+        layers of other stages are there as their structure, which is all a trace on fake tensors needs."""
+        module = self.lightning_module
+        assert module is not None and self._split is not None
+        with every_layer(self._split) as layers:
+            found = None if layers is None else forward_outside_layers(module, layers, batch)
+        if found is not None:
+            rank_zero_warn(
+                f"PACIStrategy: {type(module).__name__}.forward is not its pipeline_layers() one after another: "
+                f"{found}. The pipeline trains and evaluates the layers chained (layer k on layer k-1's output, the "
+                "last one's to pipeline_loss), not forward: move what forward computes between them (a residual, "
+                "an activation, a reshape) into a layer."
+            )
+
     def _profiled_sizes(self, module: LightningModule, layers: list, trainer: Trainer) -> list[int]:
         sizes_box: list[Any] = [None]
         if self.global_rank == 0:
@@ -1021,6 +1048,10 @@ class PACIStrategy(DDPStrategy):
         loop = trainer.fit_loop.epoch_loop
         log_once_per_optimizer_step(trainer)  # rows as one device writes them under accumulation
         self._update_accumulation(trainer, batch_idx)
+        if self._forward_unchecked:
+            self._forward_unchecked = False
+            if self.global_rank == 0:
+                self._say_forward_outside_layers(batch)
         if self._first_batch_unchecked or (batch_idx == 0 and not self.in_process):  # the fit's, each epoch's
             self._first_batch_unchecked = False
             check_stages_read_alike(batch, self.topology, self._signal_group, "training", trainer.current_epoch)

@@ -94,18 +94,21 @@ def report_failure(message: str, heading: str = "pipeline failure") -> None:
         _store_failed(err)
 
 
-def begin_run(publishes: bool) -> None:
-    """A run starts on every rank (collective: after `check_peers_alive`, or where the group is new): its first
-    failure is printed and published afresh. A process that runs again (a notebook, a script that fits twice) kept
-    its earlier run's cause in the store, and every failure of the later run was explained by it; ``publishes``
-    (one rank) empties the published cause."""
+def begin_run() -> None:
+    """A run starts in this process: its first failure is printed afresh (a process that runs again, a notebook or a
+    script that fits twice, printed only its first run's)."""
     global _printed_failure
     _printed_failure = False
-    if publishes:
-        try:
-            _store().set(_ABORT_KEY, "")  # `_published` reads "" as none; compare_set publishes over it
-        except Exception as err:  # noqa: BLE001 - the store gone with its host: the run's first transfer says so
-            _store_failed(err)
+
+
+def clear_published_failure() -> None:
+    """Empty the published cause for a run every rank has entered (one rank calls it, after a collective that every
+    rank reaches only once done with its earlier run): kept, an earlier run's cause explained every failure of the
+    later run, on every rank."""
+    try:
+        _store().set(_ABORT_KEY, "")  # `_published` reads "" as none; compare_set publishes over it
+    except Exception as err:  # noqa: BLE001 - the store gone with its host: the run's first transfer says so
+        _store_failed(err)
 
 
 def check_peers_alive(timeout: timedelta) -> None:
