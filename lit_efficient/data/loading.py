@@ -13,9 +13,13 @@ resumable"). Two pieces make the data modules' training order a function of (see
 - `ResumableLoader`: a DataLoader whose state is (epoch, batches yielded in it). Resumed in the same
   epoch it skips that many batches of the epoch's index order without loading them; resumed in a later
   epoch (the checkpoint was taken at an epoch's end) it skips nothing, and reads the epoch after the saved one
-  even where Lightning counts one more: resuming training bounded by ``max_steps`` from an epoch's end, Lightning
-  2.6 restarts the finished epoch, reads none of its batches, counts it again, and sets every later epoch one
-  higher than the uninterrupted run did (each epoch read the next one's order; 5e-4 in the weights after 4 steps).
+  even where Lightning counts one more: resuming training bounded by ``max_steps`` from a checkpoint written after
+  an epoch's validation (ModelCheckpoint's default moment), Lightning 2.6 restarts the finished epoch, reads none
+  of its batches, counts it again, and sets every later epoch one higher than the uninterrupted run did (each
+  epoch read the next one's order; 5e-4 in the weights after 4 steps). Not covered, as no loader can: from a
+  checkpoint written at the training epoch's end without a validation there, Lightning reads one batch of the
+  restarted epoch before it counts ahead; and ``reload_dataloaders_every_n_epochs`` gives the resumed run a new
+  loader after the state was loaded into the old one.
   Under several replicas Lightning wraps the sampler in its distributed wrapper, which forwards ``set_epoch``: the
   same state holds. The state also records the replicas reading the epoch: their batches interleave one order, so
   a count of batches means another position on another number of replicas; resumed there mid-epoch the epoch
