@@ -432,7 +432,9 @@ def reinstate_random_stream(strategy: Any) -> None:
     continue exactly), put back at the first training batch after a restore rather than at the restore: in between
     Lightning starts the training loader's epoch, and a plain shuffled loader draws its order from this stream
     there. One device draws it from the stream the script seeded; so does a rank now (a plain loader restarts its
-    epoch on a resume: the order it restarts in is one device's)."""
+    epoch on a resume: the order it restarts in is one device's). Later epochs draw from the checkpoint's stream:
+    the uninterrupted run's orders after a mid-epoch checkpoint, neither run's after an epoch-end one
+    (docs/checkpoints.md; `lit_efficient.data.ResumableLoader` is exact from both)."""
     saved, strategy.restored_random_stream = strategy.restored_random_stream, None
     torch.set_rng_state(saved["cpu"])
     if "cuda" in saved and strategy.root_device.type == "cuda":
