@@ -53,6 +53,7 @@ def forward_outside_layers(module: nn.Module, layers: list[nn.Module], batch: An
         handles.append(layer.register_forward_hook(after(index), with_kwargs=True))
     # A forward that logs would hand Lightning fake tensors: its logging is off for the trace. The random streams are
     # as before it (a fake dropout draws nothing, but nothing here may move a user's stream).
+    own = {name: module.__dict__[name] for name in ("log", "log_dict") if name in module.__dict__}  # the strategy's
     module.__dict__["log"] = module.__dict__["log_dict"] = lambda *args, **kwargs: None
     try:
         with torch.random.fork_rng(devices=[]), fake_module(module) as mode, torch.no_grad():
@@ -64,6 +65,7 @@ def forward_outside_layers(module: nn.Module, layers: list[nn.Module], batch: An
         for handle in handles:
             handle.remove()
         del module.__dict__["log"], module.__dict__["log_dict"]
+        module.__dict__.update(own)
     if not calls:
         return None
     order = [index for index, _, _ in calls]
