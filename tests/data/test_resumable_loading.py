@@ -177,14 +177,22 @@ def _resume_against_uninterrupted(
 
 
 @pytest.mark.usefixtures("one_thread")
-@pytest.mark.parametrize("strategy", ["auto", "pipeline"])
+@pytest.mark.parametrize(
+    "strategy",
+    ["auto", "pipeline", pytest.param("two-replicas", marks=pytest.mark.multiproc)],
+)
 def test_a_run_bounded_by_max_steps_resumes_from_an_epochs_end_exactly(tmp_path, strategy):
-    """last.ckpt after epoch 1's validation (step 4), resumed to step 8 (epochs 2 and 3), plain one-device Lightning
-    and the pipeline in one process alike. Resuming ``max_steps`` training from an epoch's end, Lightning 2.6 counts
+    """last.ckpt after epoch 1's validation (step 4), resumed to step 8 (epochs 2 and 3), plain one-device Lightning,
+    the pipeline in one process and two replicas on processes (Lightning's distributed sampler around the shuffle,
+    which it forwards the epoch to) alike. Resuming ``max_steps`` training from an epoch's end, Lightning 2.6 counts
     the finished epoch twice and sets every later epoch one higher: each resumed epoch read the next one's order
     (5e-4 in the weights, module docstring of `lit_efficient.data.loading`)."""
-    make = (lambda: "auto") if strategy == "auto" else (lambda: PACIStrategy(pipeline_stages=2))
-    diff = _resume_against_uninterrupted(tmp_path, make, 1, checkpoints=_after_each_validation, stop=4, steps=8)
+    make, devices = {
+        "auto": (lambda: "auto", 1),
+        "pipeline": (lambda: PACIStrategy(pipeline_stages=2), 1),
+        "two-replicas": (lambda: PACIStrategy(pipeline_stages=1, start_method="forkserver"), 2),
+    }[strategy]
+    diff = _resume_against_uninterrupted(tmp_path, make, devices, checkpoints=_after_each_validation, stop=4, steps=8)
     assert diff == 0.0
 
 
