@@ -124,13 +124,17 @@ class ResumableLoader(DataLoader):
         saved one; keeps how far Lightning counts ahead (`_ahead`)."""
         if counted is None:
             return None, False
-        if resume is not None and resume["epoch"] is not None:
-            saved_count = resume.get("counted", resume["epoch"])  # states before 12-06: no count of their own
-            same = counted == saved_count
-            epoch = resume["epoch"] if same else resume["epoch"] + 1 if counted > saved_count else counted
-            self._ahead = counted - epoch
-            return epoch, same
-        return counted - self._ahead, False
+        if resume is None or resume["epoch"] is None:
+            return counted - self._ahead, False
+        saved_count = resume.get("counted", resume["epoch"])  # states before 12-06: no count of their own
+        if counted == saved_count:  # the saved epoch continues
+            epoch = resume["epoch"]
+        elif counted > saved_count:  # a later one: the one after the saved epoch, however far Lightning counted
+            epoch = resume["epoch"] + 1
+        else:
+            epoch = counted
+        self._ahead = counted - epoch
+        return epoch, counted == saved_count
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         # A generator: the body runs at the first batch, after Lightning's set_epoch for the epoch.

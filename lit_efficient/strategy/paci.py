@@ -561,16 +561,15 @@ class PACIStrategy(DDPStrategy):
 
     @override
     def setup_environment(self) -> None:
+        begin_run()  # first: a failure of the peer check below is this run's
         if self.in_process:
             # No peer, so no process group: Lightning's collectives see a world of one. No re-seed: the
             # process keeps the random streams one device has here, as every rank of a process pipeline
             # is given them (keep_launch_random_streams), so the streams agree.
             Strategy.setup_environment(self)
-            begin_run()
             self.topology = Topology(self.pipeline_stages)
             _warn_single_replica(self.local_sgd_steps, self.topology, in_process=True)
             return
-        begin_run()  # first: a failure of the check below is this run's
         super().setup_environment()
         if self._group_kept:
             check_peers_alive(timedelta(seconds=self.p2p_timeout))  # within the time the first group would wait
@@ -944,12 +943,23 @@ class PACIStrategy(DDPStrategy):
         if self.replicas is not None:
             self.replicas.shutdown()
             self.replicas = None
-        # Nothing may keep the groups destroyed next: kept, they hold their gloo threads and sockets for as long as
-        # the Trainer lives, a reference cycle of Lightning's that only a full garbage collection frees (a notebook
-        # fitting again and again gathered them: 9 threads and 15 descriptors more per fit on 2 ranks).
+        self._let_go_of_the_run(trainer)
+        super().teardown()
+        if healthy and isinstance(self.launcher, _MultiProcessingLauncher) and dist.is_initialized():
+            # A spawned (or forked) rank lives for this one run and ends right after it: release the
+            # default group too while the interpreter is whole. Left to finalization, its gloo threads
+            # can abort the process ("terminate called without an active exception", pytorch#179291).
+            # Only on success: after a failure a peer may be gone, and the process exits anyway.
+            dist.destroy_process_group()
+
+    def _let_go_of_the_run(self, trainer: Trainer | None) -> None:
+        """Destroy the run's groups, and first give back what held them or patched Lightning for the run. Nothing may
+        keep a destroyed group: it holds its gloo threads and sockets for as long as the Trainer lives, a reference
+        cycle of Lightning's that only a full garbage collection frees (a notebook fitting again and again gathered
+        them: 9 threads and 15 descriptors more per fit on 2 ranks)."""
         give_metrics_back(self._metric_groups)
         self._metric_groups = []
-        self._sigterm_pending.clear()  # a failed fit's broadcasts on the signal group destroyed next
+        self._sigterm_pending.clear()  # a failed fit's broadcasts on the signal group
         if self._sync_advice_back is not None:
             self._sync_advice_back()
             self._sync_advice_back = None
@@ -958,13 +968,6 @@ class PACIStrategy(DDPStrategy):
         self._destroy_groups()
         for hosted in self.hosted:
             hosted.release_links()
-        super().teardown()
-        if healthy and isinstance(self.launcher, _MultiProcessingLauncher) and dist.is_initialized():
-            # A spawned (or forked) rank lives for this one run and ends right after it: release the
-            # default group too while the interpreter is whole. Left to finalization, its gloo threads
-            # can abort the process ("terminate called without an active exception", pytorch#179291).
-            # Only on success: after a failure a peer may be gone, and the process exits anyway.
-            dist.destroy_process_group()
 
     def _destroy_groups(self) -> None:
         """Release the subgroups this strategy made, now, rather than at interpreter exit: a gloo group

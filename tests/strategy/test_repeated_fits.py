@@ -20,8 +20,8 @@ from lightning.pytorch.callbacks import Callback
 from torchmetrics import Metric
 
 from lit_efficient import PACIStrategy
-from lit_efficient.models import GPT
 from lit_efficient.transport.failures import PipelineCommError
+from tests.support.feature_matrix_parts import _LogsEpoch
 from tests.support.gpt_runs import gpt_model, gpt_trainer, ordered_data
 from tests.support.multiproc import spawn, values
 
@@ -140,14 +140,6 @@ def test_later_fits_name_their_own_failure_and_a_gone_rank_at_once(tmp_path):
     assert rank0["third took"] < 60, rank0["third took"]
 
 
-class _LogsTrainLossPerEpoch(GPT):
-    def pipeline_loss(self, output, batch):
-        loss, items = super().pipeline_loss(output, batch)
-        if self.trainer.training:
-            self.log("train_loss", loss, on_step=True, on_epoch=True, batch_size=batch[0].shape[0])
-        return loss, items
-
-
 def _warnings_of_two_fits(rank: int, world: int) -> list[list[str]]:
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     seen = []
@@ -155,7 +147,7 @@ def _warnings_of_two_fits(rank: int, world: int) -> list[list[str]]:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("default")
             model = gpt_model()
-            model.__class__ = _LogsTrainLossPerEpoch
+            model.__class__ = _LogsEpoch  # the feature matrix's: an epoch-level value from pipeline_loss
             trainer = gpt_trainer(PACIStrategy(pipeline_stages=2, schedule="1f1b_flush"), world, 3)
             trainer.fit(model, datamodule=ordered_data())
         seen.append([str(w.message) for w in caught])
@@ -164,7 +156,8 @@ def _warnings_of_two_fits(rank: int, world: int) -> list[list[str]]:
 
 def test_one_replica_is_not_told_to_sync_an_epoch_level_value_it_alone_computes():
     # With one replica the last stage's rank alone computes an epoch-level value: Lightning's sync_dist advice is a
-    # reduce over one rank. Silencing it with catch_warnings reset the registries (other warnings came back every
+    # reduce over one rank (every processes row of the feature matrix checks it is not given). Here: two fits in one
+    # process, as a notebook's. Silencing it with catch_warnings reset the registries (other warnings came back every
     # fit); Lightning's own cache stays in charge of the others.
     first, second = values(spawn(_warnings_of_two_fits, 2, timeout=240, torchrun_env=True))[0]
     assert not [m for m in first + second if "sync_dist=True" in m], first + second
