@@ -239,8 +239,8 @@ def every_layer(split: Split) -> Iterator[list[nn.Module] | None]:
     """Within the block, every layer is in its place in the module: the hosted ones as they are, the others as their
     structure on the meta device (no weights); yields them in layer order. None where a layer is an adapter (parts
     of its own, not one module of the tree): there is no one module to give. Every part is back afterwards."""
-    counts = [i for i, _, _ in split.slots]
-    if len(counts) != len(set(counts)):  # an adapter's several parts
+    indices = [i for i, _, _ in split.slots]
+    if len(indices) != len(set(indices)):  # an adapter's several parts
         yield None
         return
     parts = [_get(parent, name) for _, parent, name in split.slots]
