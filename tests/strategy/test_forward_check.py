@@ -58,14 +58,14 @@ class _Blocks(L.LightningModule):
         return DataLoader(TensorDataset(torch.randn(32, 4, generator=g), torch.randint(0, 2, (32,), generator=g)), 4)
 
 
-def _said(devices: int, residual: bool) -> list[str]:
+def _said(devices: int, residual: bool, model: L.LightningModule | None = None, datamodule=None) -> list[str]:
     trainer = L.Trainer(
         accelerator="cpu", devices=devices, strategy=PACIStrategy(pipeline_stages=2, schedule="1f1b_flush"),
         max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer.fit(_Blocks(residual))
+        trainer.fit(model or _Blocks(residual), datamodule=datamodule)
     return [str(w.message) for w in caught if "forward is not its pipeline_layers()" in str(w.message)]
 
 
@@ -85,3 +85,15 @@ def test_a_residual_in_forward_is_said_on_processes():
     # Rank 0 hosts the last stage: the other stage's layers are traced as their structure, without weights.
     said = values(spawn(_said_on_rank, 2, True, timeout=180, torchrun_env=True))[0]
     assert len(said) == 1 and "layer 2 (Linear) is given something other than layer 1's output" in said[0], said
+
+
+def test_a_hugging_face_model_is_not_said():
+    """A foreign model's forward runs its own blocks, not the package's adapters (the pipeline's layers): nothing to
+    follow, so nothing is said (and across tests/models, the Hugging Face zoo included, nothing was)."""
+    transformers = pytest.importorskip("transformers")
+    from lit_efficient.data import TextDataModule
+    from lit_efficient.models import HFCausalLM
+
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=256, n_positions=16)
+    model = HFCausalLM(transformers.GPT2LMHeadModel(config))
+    assert _said(1, False, model, TextDataModule(block_size=16, batch_size=2, max_bytes=20_000)) == []
