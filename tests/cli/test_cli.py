@@ -10,6 +10,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -178,6 +179,8 @@ def wandb_records(path: Path):
         if length == 0 and kind == 0:
             pos += block - pos % block
             continue
+        if pos + 7 + length > len(data):  # a chunk still being written
+            return
         pending += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):  # FULL or LAST chunk: a record is complete
@@ -187,9 +190,17 @@ def wandb_records(path: Path):
             yield record
 
 
-def read_offline_run(run_dir: Path) -> tuple[dict, list[dict]]:
-    """(config, history rows) of an offline W&B run directory, values JSON-decoded."""
+def read_offline_run(run_dir: Path, patience: float = 60.0) -> tuple[dict, list[dict]]:
+    """(config, history rows) of an offline W&B run directory, values JSON-decoded, once its log is complete.
+
+    ``wandb.finish()`` and a finished process can return before W&B's service has written the run's last records
+    (seen on a loaded machine: the resumed run's rows absent at the read, present a minute later), so the log is
+    read again until it ends with the run's ``exit`` record."""
     (log,) = run_dir.glob("run-*.wandb")
+    deadline = time.monotonic() + patience
+    while not any(record.WhichOneof("record_type") == "exit" for record in wandb_records(log)):
+        assert time.monotonic() < deadline, f"{log} has no exit record after {patience:.0f} s: the run never ended"
+        time.sleep(0.5)
     config: dict = {}
     history: list[dict] = []
     for record in wandb_records(log):
