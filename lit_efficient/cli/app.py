@@ -47,7 +47,13 @@ from lit_efficient.callbacks import (  # noqa: F401 - known to --trainer.callbac
 from lit_efficient.checks import closest_choice
 from lit_efficient.models import GPT, HFCausalLM  # noqa: F401 - HFCausalLM: known to --model by name
 from lit_efficient.strategy import PACIStrategy  # importing it registers the names "paci" and "1f1b_flush"
-from lit_efficient.strategy.config import RefusedSetting, explain_refused, options_of, refusal_footer
+from lit_efficient.strategy.config import (
+    CheckpointNotFound,
+    RefusedSetting,
+    explain_refused,
+    options_of,
+    refusal_footer,
+)
 from lit_efficient.strategy.runs import restartable_job_id, run_dir
 
 DEFAULT_SAVE_DIR = "runs"
@@ -469,7 +475,7 @@ class LitEfficientCLI(LightningCLI):
     def _run_subcommand(self, subcommand: str) -> None:  # Lightning's private hook around the subcommand's run
         try:
             super()._run_subcommand(subcommand)
-        except RefusedSetting as error:  # refused before any process started: a usage error, as a constructor's
+        except (RefusedSetting, CheckpointNotFound) as error:  # before any process started: a usage error
             usage_error(self.parser, str(error), error)
 
     def after_fit(self) -> None:

@@ -53,13 +53,35 @@ class _ChecksFirst:
     Classes, not a wrapped method: the spawn launcher pickles the strategy and its launcher."""
 
     def launch(self, function: Any, *args: Any, trainer: Trainer | None = None, **kwargs: Any) -> Any:
-        self._check(trainer)
+        self._check(trainer, function, args, kwargs)
         return super().launch(function, *args, trainer=trainer, **kwargs)  # type: ignore[misc]
 
     @staticmethod
-    def _check(trainer: Trainer | None) -> None:
+    def _check(trainer: Trainer | None, function: Any, args: tuple, kwargs: dict) -> None:
+        # fit/validate/test/predict's own ckpt_path, whatever its position in the call
+        check_checkpoint_path(inspect.signature(function).bind_partial(*args, **kwargs).arguments.get("ckpt_path"))
         if trainer is not None and hasattr(trainer.strategy, "_check_before_launch"):
             trainer.strategy._check_before_launch(trainer)
+
+
+class CheckpointNotFound(FileNotFoundError):
+    """A ``ckpt_path`` with no file or folder there, said before any process starts (`check_checkpoint_path`)."""
+
+
+def check_checkpoint_path(ckpt_path: Any) -> None:
+    """Refuse a ``ckpt_path`` that names nothing, with Lightning's words and the fix: every rank would otherwise
+    start, then each fail in its own traceback. Lightning's keywords ("last", "best", ...) and remote URLs are
+    Lightning's to resolve."""
+    if not isinstance(ckpt_path, (str, os.PathLike)):
+        return
+    path = os.fspath(ckpt_path)
+    if path in ("last", "best", "hpc") or path.startswith("registry") or "://" in path or os.path.exists(path):
+        return
+    raise CheckpointNotFound(
+        f"Checkpoint file not found: {path} (ckpt_path={path!r}; no file or folder there). Give the path of a .ckpt "
+        "file or of a sharded checkpoint folder (at the end of a fit the CLI prints its own as 'resume: --ckpt_path "
+        "...'), or ckpt_path='last' for the latest checkpoint of the run's ModelCheckpoint."
+    )
 
 
 class RefusedSetting(ValueError):
@@ -102,7 +124,7 @@ class _CheckedScriptLauncher(_ChecksFirst, _SubprocessScriptLauncher):
     def launch(self, function: Any, *args: Any, trainer: Trainer | None = None, **kwargs: Any) -> Any:
         # Lightning's launch (2.6's `_SubprocessScriptLauncher.launch`, line for line), with the check first and this
         # package's observer.
-        self._check(trainer)
+        self._check(trainer, function, args, kwargs)
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         if not self.cluster_environment.creates_processes_externally:
             self._call_children_scripts()

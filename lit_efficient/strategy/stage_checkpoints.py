@@ -44,6 +44,7 @@ from lit_efficient.checkpoint.restore import local_accumulation, local_optimizer
 from lit_efficient.checkpoint.single_file import gather_to_rank_zero, load_file, write_atomically
 from lit_efficient.replicas.sharded_optimizer import ShardedOptimizer
 from lit_efficient.runtime.tied import restore_tied
+from lit_efficient.strategy.config import check_checkpoint_path
 from lit_efficient.strategy.hosting import HostedStage
 from lit_efficient.transport.collectives import broadcast_flat
 
@@ -285,6 +286,7 @@ def remove(strategy: Any, filepath: Any) -> None:
 def load(strategy: Any, checkpoint_path: Any, weights_only: bool | None) -> dict[str, Any]:
     """``PACIStrategy.load_checkpoint``: the dict one device would have saved (from a sharded folder, only what this
     process's stages need), with the step count where the pipeline's loop keeps it."""
+    check_checkpoint_path(checkpoint_path)  # in one process: nothing was launched to check it before
     path = Path(checkpoint_path)
     if sharded_write.is_sharded(path):  # this process's part only
         module = strategy.lightning_module

@@ -78,6 +78,35 @@ def test_a_setting_refused_before_launch_is_a_usage_error(capsys, args, line):
     assert f"lit-efficient: error: {line}" in err
 
 
+@pytest.mark.parametrize("subcommand", ["fit", "validate"])
+def test_a_checkpoint_path_with_nothing_there_is_a_usage_error_before_anything_is_written(
+    capsys, tmp_path, monkeypatch, subcommand
+):
+    """It started both ranks, wrote a W&B run and the run's config, then printed a traceback per rank."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    err = _usage_error(capsys, cli_main, subcommand, "--config", QUICKSTART, "--ckpt_path", "nope/missing.ckpt")
+    assert "lit-efficient: error: Checkpoint file not found: nope/missing.ckpt" in err
+    assert "or ckpt_path='last'" in err
+    assert not (tmp_path / "runs" / "lit-efficient").exists() and not list(tmp_path.rglob("offline-run-*"))
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_a_checkpoint_path_with_nothing_there_is_refused_before_any_rank_starts(tmp_path, devices):
+    """From Python: one FileNotFoundError in the launching process (this test has no ``multiproc`` mark, so a rank
+    started would fail it), with Lightning's words; in one process, before anything is loaded."""
+    from lightning.pytorch import Trainer
+
+    from lit_efficient.data import TextDataModule
+
+    trainer = Trainer(accelerator="cpu", devices=devices, max_steps=1, logger=False, enable_progress_bar=False,
+                      strategy=PACIStrategy(pipeline_stages=2), default_root_dir=tmp_path)  # fmt: skip
+    with pytest.raises(FileNotFoundError, match=r"Checkpoint file not found: .*missing\.ckpt"):
+        trainer.fit(GPT(n_layer=2, n_embd=32, n_head=2, block_size=16),
+                    datamodule=TextDataModule(block_size=16, batch_size=2, max_bytes=4000),
+                    ckpt_path=tmp_path / "missing.ckpt")  # fmt: skip
+
+
 class _BrokenLayers(GPT):
     """A module whose pipeline_layers() has a bug: a ValueError of the user's code, no setting."""
 
