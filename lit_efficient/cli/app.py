@@ -134,6 +134,25 @@ def run_id_of_checkpoint(ckpt_path: Any) -> str | None:
     return folder.parent.name or None if folder.name == "checkpoints" else None
 
 
+def latest_last_checkpoint(project_dir: Path) -> Path | None:
+    """The newest ``last`` checkpoint (file, sharded folder or link) of any run under ``<save_dir>/<project>``, the
+    CLI's layout ``<run id>/checkpoints/last*.ckpt``; None if there is none."""
+    found = [path for path in project_dir.glob("*/checkpoints/last*.ckpt") if path.exists()]  # a link to nothing: out
+    return max(found, key=lambda path: (path.stat().st_mtime, str(path)), default=None)
+
+
+def _wandb_loggers(config: Any) -> list:
+    """The ``WandbLogger`` entries of a subcommand's parsed config."""
+    loggers = config.trainer.logger if isinstance(config.trainer.logger, list) else [config.trainer.logger]
+    return [logger for logger in loggers if str(getattr(logger, "class_path", "")).endswith("WandbLogger")]
+
+
+def _checkpoints_have_a_dirpath(trainer_config: Any) -> bool:
+    callbacks = trainer_config.get("callbacks") or []
+    callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
+    return any((getattr(cb, "init_args", None) or {}).get("dirpath") for cb in callbacks)
+
+
 class StrategyOptionParser(LightningArgumentParser):
     """LightningCLI's parser, whose refusals of unknown options name the closest known one.
 
@@ -453,23 +472,52 @@ class LitEfficientCLI(LightningCLI):
         # Before the logger exists: wandb reads these variables when it starts, in this process and in
         # every rank launched from it (popen re-runs this command, spawn inherits the environment).
         config = self.config[self.subcommand] if self.subcommand else self.config
-        loggers = config.trainer.logger if isinstance(config.trainer.logger, list) else [config.trainer.logger]
-        for logger in loggers:
-            if str(getattr(logger, "class_path", "")).endswith("WandbLogger"):
-                init = logger.init_args
-                offline = bool(init.get("offline")) or "offline" in (init.get("mode"), os.environ.get("WANDB_MODE"))
-                keep_wandb_local(init.get("save_dir") or init.get("dir") or ".", offline)
-                if init.get("id") or init.get("version") or self.subcommand not in (None, "fit"):
-                    continue  # the user's own run id wins; an evaluation is a run of its own, not the training's
-                # One W&B run, and one checkpoint folder (<save_dir>/<project>/<run id>/checkpoints), for every
-                # attempt of a job: a restarted attempt continues the chart and finds its ckpt_path="last", where a
-                # fresh id per launch would start the run over. A run resumed by hand from a checkpoint of that
-                # layout continues the run that wrote it, likewise.
-                run = restartable_job_id() or run_id_of_checkpoint(config.get("ckpt_path"))
-                if run is not None:
-                    init["id"] = run
-                    if init.get("resume") is None:
-                        init["resume"] = "allow"
+        for logger in _wandb_loggers(config):
+            init = logger.init_args
+            offline = bool(init.get("offline")) or "offline" in (init.get("mode"), os.environ.get("WANDB_MODE"))
+            keep_wandb_local(init.get("save_dir") or init.get("dir") or ".", offline)
+            if init.get("id") or init.get("version") or self.subcommand not in (None, "fit"):
+                continue  # the user's own run id wins; an evaluation is a run of its own, not the training's
+            # One W&B run, and one checkpoint folder (<save_dir>/<project>/<run id>/checkpoints), for every
+            # attempt of a job: a restarted attempt continues the chart and finds its ckpt_path="last", where a
+            # fresh id per launch would start the run over. A run resumed by hand from a checkpoint of that
+            # layout continues the run that wrote it, likewise.
+            run = restartable_job_id() or run_id_of_checkpoint(config.get("ckpt_path"))
+            if run is not None:
+                init["id"] = run
+                if init.get("resume") is None:
+                    init["resume"] = "allow"
+
+    @override
+    def _parse_ckpt_path(self) -> None:  # Lightning's private step that reads a checkpoint path's hyperparameters
+        if self.config.get("subcommand") == "fit":
+            self._resume_the_latest_run(self.config.fit)
+        super()._parse_ckpt_path()
+
+    @staticmethod
+    def _resume_the_latest_run(config: Namespace) -> None:
+        """``--ckpt_path last`` launched by hand (no job id that every attempt shares): each launch is a W&B run of
+        its own, with a checkpoint folder of its own, where Lightning's "last" finds nothing and starts over. So
+        "last" is the newest ``last`` checkpoint of the project's runs, then taken as if given (its run id and
+        its hyperparameters, as any path). A user's ModelCheckpoint ``dirpath`` or run id: Lightning's "last"."""
+        if str(config.get("ckpt_path")) != "last" or restartable_job_id():
+            return
+        if _checkpoints_have_a_dirpath(config.trainer):
+            return
+        for logger in _wandb_loggers(config):
+            init = logger.init_args
+            if init.get("id") or init.get("version") or not init.get("project"):
+                return
+            project_dir = Path(init.get("save_dir") or ".") / init["project"]
+            latest = latest_last_checkpoint(project_dir)
+            if latest is None:
+                return  # a first launch: Lightning says that no last checkpoint is there, and the fit starts fresh
+            config.ckpt_path = str(latest)
+            rank_zero_info(
+                f"lit-efficient: --ckpt_path last resumes {latest}, the newest last checkpoint under {project_dir} "
+                "(for a fresh run, leave --ckpt_path out)"
+            )
+            return
 
     @override
     def _run_subcommand(self, subcommand: str) -> None:  # Lightning's private hook around the subcommand's run

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import yaml
 
 from lit_efficient import ActivationCheckpointing, GradientAccumulation, PACIStrategy, PipelineMonitor
@@ -325,7 +326,7 @@ def wandb_in_this_process(monkeypatch):
 def test_a_resumed_offline_run_continues_its_chart_in_a_second_folder_of_the_same_run(
     tmp_path, monkeypatch, wandb_in_this_process
 ):
-    """A user's day with the default offline W&B: fit, then resume from the run's last.ckpt. The resumed launch
+    """A user's day with the default offline W&B: fit, then resume with ``--ckpt_path last``. The resumed launch
     writes a second offline folder of the same run id, whose rows continue the chart's step axis
     (trainer/global_step, what W&B plots every metric against) where the first folder's end, in the one
     checkpoint folder of that run."""
@@ -338,7 +339,7 @@ def test_a_resumed_offline_run_continues_its_chart_in_a_second_folder_of_the_sam
     _cli("fit", *run, "--trainer.max_steps=2", run=True)
     wandb_in_this_process.finish()  # as the first launch's process ends
     (last,) = (tmp_path / "runs" / "lit-efficient").glob("*/checkpoints/last.ckpt")
-    _cli("fit", *run, "--trainer.max_steps=4", f"--ckpt_path={last}", run=True)
+    _cli("fit", *run, "--trainer.max_steps=4", "--ckpt_path=last", run=True)  # the run's last.ckpt, found
     wandb_in_this_process.finish()  # its log is complete once the run ends
     first, resumed = sorted((tmp_path / "runs" / "wandb").glob("offline-run-*"))
     run_id = last.parents[1].name
@@ -369,6 +370,30 @@ def test_a_run_resumed_from_its_checkpoint_continues_its_wandb_run(monkeypatch):
     checkpoint = "--ckpt_path=runs-test/lit-efficient/1x2y3z/checkpoints/last.ckpt"
     evaluated = _cli("validate", "--trainer.logger.init_args.save_dir=runs-test", checkpoint, run=True).trainer.logger
     assert evaluated._wandb_init.get("id") is None
+
+
+def test_ckpt_path_last_launched_by_hand_resumes_the_newest_run(tmp_path, monkeypatch):
+    """Each launch by hand is a W&B run with a checkpoint folder of its own, so Lightning's "last" found nothing
+    there and trained from scratch, only warning. It is the newest last checkpoint of the project's runs, and the
+    W&B run is that run; with a ModelCheckpoint dirpath of the user's, Lightning's own "last" is left alone."""
+    for var in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(LitEfficientCLI, "_run_subcommand", lambda self, subcommand: None)  # built, not fitted
+    project = tmp_path / "runs" / "lit-efficient"
+    assert _cli("fit", "--ckpt_path=last", run=True).config.fit.ckpt_path == "last"  # nothing yet: a fresh run
+    for run, age in (("old111", 100), ("new222", 10), ("nolast3", 1)):
+        folder = project / run / "checkpoints"
+        folder.mkdir(parents=True)
+        torch.save({}, folder / ("epoch=0-step=2.ckpt" if run == "nolast3" else "last.ckpt"))
+        for path in folder.iterdir():
+            os.utime(path, (path.stat().st_mtime - age,) * 2)
+    cli = _cli("fit", "--ckpt_path=last", run=True)
+    assert cli.config.fit.ckpt_path == str(Path("runs/lit-efficient/new222/checkpoints/last.ckpt"))
+    assert cli.trainer.logger._wandb_init["id"] == "new222" and cli.trainer.logger._wandb_init["resume"] == "allow"
+    own = _cli("fit", "--ckpt_path=last", "--trainer.callbacks+=ModelCheckpoint",
+               f"--trainer.callbacks.dirpath={tmp_path / 'mine'}", run=True)  # fmt: skip
+    assert own.config.fit.ckpt_path == "last" and own.trainer.logger._wandb_init.get("id") is None
 
 
 def test_any_lightning_data_module_goes_through_the_cli(tmp_path, monkeypatch):
