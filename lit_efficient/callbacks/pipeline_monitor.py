@@ -163,6 +163,13 @@ class PipelineMonitor(Callback):
         self._last_step = self._logged_step = trainer.global_step
         self._timeline_done = not self.timeline
         self._recording, self._recorded = False, None
+        if not trainer.loggers:  # every rank's Trainer has the same loggers: none of them gathers then
+            rank_zero_warn(
+                "PipelineMonitor: the Trainer has no logger (logger=False), so its metrics (utilization, bubble, "
+                "drift, throughput, memory) go nowhere and are not computed"
+                + (", only the timeline files are written" if self.timeline else "")
+                + ". Give the Trainer a logger (CSVLogger needs nothing installed), or remove the callback."
+            )
         if self.timeline and runtime is None:
             rank_zero_warn(
                 f"PipelineMonitor(timeline=True) draws a pipeline's actions; {type(trainer.strategy).__name__} runs "
@@ -187,7 +194,7 @@ class PipelineMonitor(Callback):
                 self._start_recording(runtime, step)
             elif self._recording and step >= self._stop_step:
                 self._stop_recording(runtime)
-        if step % self.logging_interval == 0:
+        if step % self.logging_interval == 0 and trainer.loggers:
             self._log(trainer, runtime)
 
     @override
@@ -209,7 +216,7 @@ class PipelineMonitor(Callback):
         runtime = _runtime(trainer)
         if self._recording:
             self._stop_recording(runtime)
-        if trainer.global_step > self._logged_step:
+        if trainer.global_step > self._logged_step and trainer.loggers:
             self._log(trainer, runtime)
         if self._recorded is not None:
             self._write_timeline(trainer, self._recorded)

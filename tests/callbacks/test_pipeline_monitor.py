@@ -116,6 +116,20 @@ def test_a_run_too_short_for_a_timeline_says_so_and_writes_none(tmp_path):
     assert monitor.timeline_paths == [] and not list(tmp_path.rglob("pipeline_timeline.*"))
 
 
+def test_without_a_logger_it_says_so_and_computes_nothing(tmp_path, monkeypatch):
+    """With logger=False it gathered every rank's row each interval and dropped it, silently."""
+    model = GPT(vocab_size=256, block_size=16, n_layer=1, n_head=2, n_embd=16)
+    monkeypatch.setattr(PipelineMonitor, "_log", lambda *args: pytest.fail("computed a row no logger takes"))
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, strategy=PACIStrategy(pipeline_stages=2), max_steps=3, logger=False,
+        callbacks=[PipelineMonitor(logging_interval=1)], enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, limit_val_batches=0, default_root_dir=tmp_path,
+    )  # fmt: skip
+    with pytest.warns(UserWarning, match=r"PipelineMonitor: the Trainer has no logger \(logger=False\).*CSVLogger"):
+        trainer.fit(model, DataLoader(_tokens(8, 16), batch_size=2))
+    assert trainer.global_step == 3
+
+
 # ---------------------------------------------------------------- single device (in-process)
 
 
