@@ -23,7 +23,7 @@ from typing import Any, Literal
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import LearningRateFinder
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.checkpoint import (
@@ -305,6 +305,30 @@ def named_matches(root: nn.Module, names: Iterable[str]) -> list[tuple[str, nn.M
     return found
 
 
+def plan_line(root: nn.Module, chosen: list[tuple[str, nn.Module]], mode: str, picked: bool) -> str:
+    """What setup says it wraps; for blocks it picked itself, also the blocks of other classes beside them (a hybrid
+    model's attention layers between its Mamba layers, say), which the same-class rule leaves as they are."""
+    counts = Counter(type(module).__name__ for _, module in chosen)
+    line = (
+        f"ActivationCheckpointing: {mode} recomputation of {len(chosen)} blocks ("
+        + ", ".join(f"{name} x{n}" for name, n in counts.items())
+        + f"; {chosen[0][0]}, ...)"
+    )
+    if not picked:
+        return line
+    modules = dict(root.named_modules())
+    classes = {type(module) for _, module in chosen}
+    beside: Counter[str] = Counter()
+    for parent in {name.rpartition(".")[0] for name, _ in chosen}:
+        for child in modules[parent].children():
+            if type(child) not in classes and _has_params(child):
+                beside[type(child).__name__] += 1
+    if beside:
+        left = ", ".join(f"{name} x{n}" for name, n in beside.items())
+        line += f"; beside them, not wrapped: {left} (name every class to wrap in modules=[...])"
+    return line
+
+
 def candidate_classes(root: nn.Module) -> list[str]:
     """``ClassName (xcount)`` for each class of submodule holding parameters, most frequent first."""
     # ModuleList/ModuleDict have no forward of their own: nothing to checkpoint.
@@ -321,20 +345,23 @@ def candidate_classes(root: nn.Module) -> list[str]:
 class ActivationCheckpointing(Callback):
     """Recompute the activations of chosen blocks during backward instead of keeping them.
 
-    Uses non-reentrant `torch.utils.checkpoint` with the RNG state preserved, so dropout masks and
-    gradients are the same as without it. Full mode keeps only each block's input (about one extra
-    forward of compute); selective mode also keeps matmul and attention outputs and recomputes only
-    the cheap ops (LayerNorm, GELU, dropout, adds) in between; a fused attention kernel that draws a
-    dropout mask (attention dropout on CUDA) is recomputed too, so that every mask is the forward's.
+    Uses non-reentrant `torch.utils.checkpoint` with the RNG state preserved, so dropout masks and gradients are the
+    same as without it, under `1F1B-flush` and in PACI's synchronous start. Under PACI a stale micro-batch's block
+    is recomputed at backward on the stage's current weights (its forward ran on older or predicted ones: nothing is
+    stashed), so the run moves away from one without checkpointing by as much as staleness moves it (docs/DESIGN.md,
+    "recompute"). Full mode keeps only each block's input (about one extra forward of compute); selective mode also
+    keeps matmul and attention outputs and recomputes only the cheap ops (LayerNorm, GELU, dropout, adds) in
+    between; a fused attention kernel that draws a dropout mask (attention dropout on CUDA) is recomputed too, so
+    that every mask is the forward's.
 
-    The callback wraps in `on_fit_start`, after the strategy has set up (and, under `PACIStrategy`,
-    split) the model, and unwraps in `teardown`. `validate`/`test`/`predict` run without autograd,
-    where checkpointing saves nothing, so they are left alone. Every `trainer.log_every_n_steps`
-    training batches (and on the first batch after a toggle) it measures the bytes one micro-batch
-    keeps for backward and logs them as ``activation_checkpointing/saved_bytes``: on the stages of the process
-    that logs (under `PACIStrategy` on processes, global rank 0's, the last stage; in one process, every stage,
-    so the two differ: no collective is spent on a metric). A strategy that
-    already recomputes (``PACIStrategy(recompute=True)``) is refused: blocks would be recomputed twice.
+    The callback wraps in `on_fit_start`, after the strategy has set up (and, under `PACIStrategy`, split) the
+    model, and unwraps in `teardown`. `validate`/`test`/`predict` run without autograd, where checkpointing saves
+    nothing, so they are left alone. At the first micro-batch of every `trainer.log_every_n_steps`-th optimizer step
+    (and on the first batch after a toggle) it measures the bytes one micro-batch keeps for backward and logs them
+    as ``activation_checkpointing/saved_bytes``: on the stages of the process that logs (under `PACIStrategy` on
+    processes, global rank 0's, the last stage; in one process, every stage, so the two differ: no collective is
+    spent on a metric). A strategy that already recomputes (``PACIStrategy(recompute=True)``) is refused: blocks
+    would be recomputed twice.
 
     Args:
         modules: Class names (``"Block"``) or dotted class paths (``"lit_efficient.models.gpt.Block"``)
@@ -378,7 +405,7 @@ class ActivationCheckpointing(Callback):
         self._finders: list[LearningRateFinder] = []  # whose lr_find wraps first (`_wrap_before_finders`)
         self._plan: list[tuple[str, type]] = []  # made on the unsplit model in setup()
         self._meter: SavedActivationMeter | None = None
-        self._batches = 0
+        self._window: int | None = None  # the optimizer step (window) the last training batch belonged to
         self._measure_next = True
         self.saved_bytes: int | None = None  # the last measurement
 
@@ -443,8 +470,11 @@ class ActivationCheckpointing(Callback):
         # Lightning calls callback setup before strategy.setup: this is the whole model, so `every_n`
         # counts global block indices and a pipeline rank later wraps exactly its share of the plan.
         found = self.matches(pl_module)
-        self._plan = [(name, type(module)) for name, module in self.select(pl_module, found)]
+        chosen = self.select(pl_module, found)
+        self._plan = [(name, type(module)) for name, module in chosen]
         self._check_plan(pl_module, found)
+        if chosen:
+            rank_zero_info(plan_line(pl_module, chosen, self.mode, picked=self.modules is None))
         self._wrap_before_finders(trainer)
 
     def _wrap_before_finders(self, trainer: Trainer) -> None:
@@ -513,13 +543,16 @@ class ActivationCheckpointing(Callback):
         for _, module in chosen:
             _wrap(module, self._switch)
             self._wrapped.append(module)
-        self._batches = 0
+        self._window = None
         self._measure_next = True
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        due = self._batches % max(1, trainer.log_every_n_steps) == 0
-        self._batches += 1
+        # Once per logged window, at its first micro-batch (Lightning logs a window's rows every log_every_n_steps
+        # optimizer steps), and at the window's step: global_step before the window is counted, train_loss's row.
+        step = trainer.global_step
+        due = step != self._window and step % max(1, trainer.log_every_n_steps) == 0
+        self._window = step
         if (due or self._measure_next) and self._meter is None:
             self._measure_next = False
             # A Python hook per saved tensor for one forward; the count is storage metadata, no device sync.
@@ -542,7 +575,7 @@ class ActivationCheckpointing(Callback):
         # Straight to the loggers (as LearningRateMonitor does): a host int, logged at the batch it was
         # measured whatever the logger cadence; loggers write from rank zero only.
         for logger in trainer.loggers:
-            logger.log_metrics({METRIC_KEY: float(self.saved_bytes)}, step=trainer.global_step)
+            logger.log_metrics({METRIC_KEY: float(self.saved_bytes)}, step=self._window)
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:

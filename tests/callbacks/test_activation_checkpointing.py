@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import copy
 import csv
+import logging
 import pickle
 from types import SimpleNamespace
 
 import pytest
 import torch
-from lightning.pytorch import Callback, Trainer
+from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 
-from lit_efficient.callbacks import ActivationCheckpointing
+from lit_efficient.callbacks import ActivationCheckpointing, GradientAccumulation
 from lit_efficient.callbacks.activation_checkpointing import METRIC_KEY, SavedActivationMeter, is_wrapped
 from lit_efficient.data import TextDataModule
 from lit_efficient.models import GPT
@@ -148,6 +149,41 @@ def test_pipeline_rank_wraps_its_share_of_the_plan_made_on_the_whole_model():
     assert not any(is_wrapped(m) for m in model.modules())
 
 
+class _Mixer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+
+class _Attention(_Mixer):
+    pass
+
+
+class _Hybrid(LightningModule):
+    """A hybrid model's layer list (Jamba's: Mamba layers with attention layers between them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([_Mixer(), _Attention(), _Mixer(), _Attention()])
+
+
+def test_setup_names_what_it_wraps_and_the_blocks_of_another_class_it_leaves_beside_them(caplog):
+    """On a hybrid model the repeated-block rule wrapped the two Mamba-like layers and silently left the attention
+    layers between them as they were."""
+    trainer = fake_trainer()
+    with caplog.at_level(logging.INFO):
+        ActivationCheckpointing().setup(trainer, _Hybrid(), "fit")
+        ActivationCheckpointing(modules=["_Mixer", "_Attention"], mode="selective").setup(trainer, _Hybrid(), "fit")
+        ActivationCheckpointing().setup(trainer, tiny_gpt(n_layer=4), "fit")
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ActivationCheckpointing:")]
+    assert said == [
+        "ActivationCheckpointing: full recomputation of 2 blocks (_Mixer x2; layers.0, ...); beside them, not "
+        "wrapped: _Attention x2 (name every class to wrap in modules=[...])",
+        "ActivationCheckpointing: selective recomputation of 4 blocks (_Mixer x2, _Attention x2; layers.0, ...)",
+        "ActivationCheckpointing: full recomputation of 4 blocks (Block x4; blocks.0, ...)",
+    ]
+
+
 def test_unknown_module_names_raise_listing_the_candidates():
     model, trainer = tiny_gpt(), fake_trainer()
     cb = ActivationCheckpointing(modules=["Blok"])
@@ -234,6 +270,18 @@ def test_real_fit_toggle_mid_run_logged_bytes_and_flag_survives_resume(tmp_path)
     _trainer(tmp_path, [resumed_ac, resumed], max_steps=5).fit(tiny_gpt(dropout=0.1), datamodule=data, ckpt_path=ckpt)
     assert not resumed_ac.enabled
     assert resumed.saved == [off]
+
+
+def test_saved_bytes_are_logged_once_per_window_on_the_train_losss_step(tmp_path):
+    """With N micro-batches per step they were logged at every micro-batch (N rows per step with
+    log_every_n_steps=1), and a window's last at the next window's step."""
+    data = TextDataModule(block_size=32, batch_size=4, max_bytes=200_000, vocab_size=256)
+    trainer = _trainer(tmp_path, [ActivationCheckpointing(), GradientAccumulation(steps=3)], max_steps=4)
+    trainer.fit(tiny_gpt(warmup_steps=1), datamodule=data)
+    with open(trainer.logger.log_dir + "/metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    losses = [int(row["step"]) for row in rows if row.get("train_loss")]
+    assert [int(row["step"]) for row in rows if row.get(METRIC_KEY)] == losses == [0, 1, 2, 3]
 
 
 # -- selective mode and random numbers drawn inside a kept op (fused attention's dropout on CUDA) -------
