@@ -420,7 +420,8 @@ class HFCausalLM(LightningModule):
             ``max_position_embeddings`` when it has one.
         attn_implementation: ``"sdpa"``, ``"eager"``, ... for a model built here; None keeps HF's default.
         dtype: The parameters' dtype of a model built or loaded here (a config dict or a folder); an instance
-            keeps its own (a dtype given with one is refused). None (default) is ``"float32"``: a bfloat16
+            keeps its own (a dtype given with one is refused; its hparams record it, so that
+            ``load_from_checkpoint`` rebuilds it in that dtype). None (default) is ``"float32"``: a bfloat16
             checkpoint (most downloaded ones) loads in float32, so the master weights, the accumulated gradients
             and the AdamW state are float32; train in bf16
             with ``Trainer(precision="bf16-mixed")``. ``"bfloat16"``, ``"float16"`` or ``"auto"`` (the folder's
@@ -459,6 +460,8 @@ class HFCausalLM(LightningModule):
         self.save_hyperparameters(ignore=["model", *unset])
         # A plain value, so a checkpoint rebuilds the architecture (its weights come from the state dict).
         self.hparams["model"] = model if isinstance(model, (Mapping, str)) else self._config_dict()
+        if isinstance(model, nn.Module):  # an instance's own dtype, which the checkpoint's rebuild needs too
+            dtype = next((p.dtype for p in self.model.parameters() if p.is_floating_point()), None)
         if isinstance(dtype, torch.dtype):  # by name: a logger's hparams.yaml cannot hold a torch.dtype
             self.hparams["dtype"] = str(dtype).removeprefix("torch.")
         # Before the structure: a refused loss term is the user's setting to change.

@@ -517,6 +517,22 @@ def test_a_bfloat16_folder_loads_in_float32_unless_asked(tmp_path):
         HFCausalLM(module.model, learning_rate=float("nan"))  # passed every comparison, as GPT's did
 
 
+def test_an_instance_in_bfloat16_reloads_from_its_checkpoint_in_bfloat16(tmp_path):
+    """A model given as an instance (from_pretrained(dtype=torch.bfloat16), say) was rebuilt from the checkpoint's
+    config in float32, and its weights cast into it, silently."""
+    from lightning.pytorch import Trainer
+
+    module = HFCausalLM(llama().to(torch.bfloat16))
+    assert module.hparams["dtype"] == "bfloat16"
+    trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, max_steps=0)
+    trainer.strategy.connect(module)
+    trainer.save_checkpoint(tmp_path / "m.ckpt")
+    loaded = HFCausalLM.load_from_checkpoint(tmp_path / "m.ckpt")
+    assert {p.dtype for p in loaded.parameters()} == {torch.bfloat16}
+    saved, reloaded = module.state_dict(), loaded.state_dict()
+    assert saved.keys() == reloaded.keys() and all(torch.equal(saved[k], reloaded[k]) for k in saved)
+
+
 def test_a_config_key_its_class_does_not_define_is_refused_with_a_suggestion():
     """``num_hidden_layer: 4`` was kept as an unused attribute, and the model built with Llama's default 32 layers."""
     sizes = {"hidden_size": 16, "intermediate_size": 32, "num_attention_heads": 2}
