@@ -249,6 +249,8 @@ def explain_strategy_options(message: str) -> str:
         if class_path.rpartition(".")[2] == "PACIStrategy":
             continue
         options = _init_options(class_path)
+        if not options:  # jsonargparse tried every subclass of the type: a class with no options says nothing here
+            continue
         close = difflib.get_close_matches(name, options, n=1)
         hint = f"did you mean '{close[0]}'? " if close else ""
         lines.append(f"{class_path.rpartition('.')[2]} has no option '{name}': {hint}it takes {', '.join(options)}.")

@@ -306,6 +306,14 @@ def test_the_cli_names_the_closest_key_and_class_of_a_misspelt_config(cli_refusa
     assert "lit_efficient.GradientAccumulaton: did you mean lit_efficient.GradientAccumulation?" in err
 
 
+def test_a_misspelt_callback_option_is_named_with_the_closest_one_and_nothing_else(cli_refusal):
+    """jsonargparse tries every Callback subclass: Lightning's ``Callback`` itself, which has no options, added
+    "Callback has no option 'every_n_train_step': it takes ." after the useful line."""
+    err = cli_refusal("--trainer.callbacks+=ModelCheckpoint", "--trainer.callbacks.init_args.every_n_train_step=5")
+    assert "ModelCheckpoint has no option 'every_n_train_step': did you mean 'every_n_train_steps'?" in err
+    assert "it takes ." not in err
+
+
 def test_the_cli_refuses_a_ddp_option_from_a_yaml_file_saying_what_paci_does_instead(cli_refusal, tmp_path):
     overlay = tmp_path / "ddp.yaml"
     overlay.write_text("trainer:\n  strategy:\n    init_args:\n      find_unused_parameters: true\n")
