@@ -455,6 +455,11 @@ def unsupported_precision(name: Any) -> str:
         if isinstance(name, str) and name.endswith("-true") and name != "64-true"
         else ""
     )
+    if name == "16-mixed":  # a CPU fit takes it: Lightning runs it there as bf16-mixed
+        low = (
+            " (a fit on CPU runs it, as Lightning turns it into bf16-mixed there; on a GPU it is float16 with a "
+            "gradient scaler, which PACIStrategy does not train with)"
+        )
     return f"precision={name!r} is not supported by PACIStrategy: use one of {', '.join(_PRECISIONS)}{low}"
 
 

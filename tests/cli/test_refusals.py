@@ -179,7 +179,8 @@ def _no_measuring(monkeypatch):
         (["--model.init_args.n_layer", "0"], "model (lit_efficient.models.GPT): GPT(n_layer=0)"),
         (["--trainer.accumulate_grad_batches", "0"], "trainer.accumulate_grad_batches=0: micro-batches per optimizer"),
         (["--trainer.devices", "3"], "pipeline_stages=2 does not divide the world size 3"),
-        (["--trainer.precision", "16-mixed"], "precision='16-mixed' is not supported by PACIStrategy"),
+        (["--trainer.precision", "16-mixed"], "precision='16-mixed' is not supported by PACIStrategy: use one of "
+         "32-true, bf16-mixed (a fit on CPU runs it, as Lightning turns it into bf16-mixed there; on a GPU"),
         (["--trainer.precision", "bf16-true"], "bf16-mixed (for weights, gradients and optimizer state in bfloat16, "
          "build the model in that dtype, model.to(torch.bfloat16) or HFCausalLM(dtype='bfloat16'), and keep"),
     ],
