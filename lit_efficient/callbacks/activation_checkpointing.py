@@ -320,8 +320,12 @@ def plan_line(root: nn.Module, chosen: list[tuple[str, nn.Module]], mode: str, p
     classes = {type(module) for _, module in chosen}
     beside: Counter[str] = Counter()
     for parent in {name.rpartition(".")[0] for name, _ in chosen}:
-        for child in modules[parent].children():
-            if type(child) not in classes and _has_params(child):
+        children = [child for child in modules[parent].children() if _has_params(child)]
+        wrapped = [i for i, child in enumerate(children) if any(child is module for _, module in chosen)]
+        repeated = Counter(type(child) for child in children)
+        for i, child in enumerate(children):
+            # between two wrapped blocks, or repeated as they are: a block (not the embedding before, the head after)
+            if type(child) not in classes and (min(wrapped) < i < max(wrapped) or repeated[type(child)] > 1):
                 beside[type(child).__name__] += 1
     if beside:
         left = ", ".join(f"{name} x{n}" for name, n in beside.items())
@@ -356,12 +360,13 @@ class ActivationCheckpointing(Callback):
 
     The callback wraps in `on_fit_start`, after the strategy has set up (and, under `PACIStrategy`, split) the
     model, and unwraps in `teardown`. `validate`/`test`/`predict` run without autograd, where checkpointing saves
-    nothing, so they are left alone. At the first micro-batch of every `trainer.log_every_n_steps`-th optimizer step
-    (and on the first batch after a toggle) it measures the bytes one micro-batch keeps for backward and logs them
-    as ``activation_checkpointing/saved_bytes``: on the stages of the process that logs (under `PACIStrategy` on
-    processes, global rank 0's, the last stage; in one process, every stage, so the two differ: no collective is
-    spent on a metric). A strategy that already recomputes (``PACIStrategy(recompute=True)``) is refused: blocks
-    would be recomputed twice.
+    nothing, so they are left alone. At the first micro-batch of every window whose `train_loss` Lightning logs
+    (every `trainer.log_every_n_steps`-th optimizer step) it measures the bytes one micro-batch keeps for backward
+    and logs them as ``activation_checkpointing/saved_bytes`` on that row's step (at a fit's first batch and the
+    first after a toggle it measures them into ``saved_bytes`` too, logged if the window is): on the stages of the
+    process that logs (under `PACIStrategy` on processes, global rank 0's, the last stage; in one process, every
+    stage, so the two differ: no collective is spent on a metric). A strategy that already recomputes
+    (``PACIStrategy(recompute=True)``) is refused: blocks would be recomputed twice.
 
     Args:
         modules: Class names (``"Block"``) or dotted class paths (``"lit_efficient.models.gpt.Block"``)
@@ -406,6 +411,7 @@ class ActivationCheckpointing(Callback):
         self._plan: list[tuple[str, type]] = []  # made on the unsplit model in setup()
         self._meter: SavedActivationMeter | None = None
         self._window: int | None = None  # the optimizer step (window) the last training batch belonged to
+        self._log_measured = False  # whether the running measurement is logged (a window Lightning logs)
         self._measure_next = True
         self.saved_bytes: int | None = None  # the last measurement
 
@@ -548,13 +554,13 @@ class ActivationCheckpointing(Callback):
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        # Once per logged window, at its first micro-batch (Lightning logs a window's rows every log_every_n_steps
-        # optimizer steps), and at the window's step: global_step before the window is counted, train_loss's row.
+        # Once per window that Lightning logs (its train_loss row: (step + 1) % log_every_n_steps == 0), at its first
+        # micro-batch, and at that row's step: global_step before the window is counted.
         step = trainer.global_step
-        due = step != self._window and step % max(1, trainer.log_every_n_steps) == 0
+        due = step != self._window and (step + 1) % max(1, trainer.log_every_n_steps) == 0
         self._window = step
         if (due or self._measure_next) and self._meter is None:
-            self._measure_next = False
+            self._measure_next, self._log_measured = False, due  # a toggle's measurement: saved_bytes, not a row
             # A Python hook per saved tensor for one forward; the count is storage metadata, no device sync.
             self._meter = SavedActivationMeter(exclude=[pl_module]).start()
 
@@ -572,8 +578,10 @@ class ActivationCheckpointing(Callback):
             return
         self.saved_bytes = self._meter.stop()
         self._meter = None
-        # Straight to the loggers (as LearningRateMonitor does): a host int, logged at the batch it was
-        # measured whatever the logger cadence; loggers write from rank zero only.
+        if not self._log_measured:
+            return
+        # Straight to the loggers (as LearningRateMonitor does): a host int, on the window's train_loss row; loggers
+        # write from rank zero only.
         for logger in trainer.loggers:
             logger.log_metrics({METRIC_KEY: float(self.saved_bytes)}, step=self._window)
 

@@ -136,6 +136,7 @@ class PipelineMonitor(Callback):
         self._interval_start: Mark | None = None
         self._last_step = -1
         self._logged_step = -1
+        self._logging = True  # whether rank 0 has a logger for the rows (decided at each fit's start)
         self._recording = False
         self._stop_step = 0
         # Time inside the current interval that is not training: validation inside fit (here) and checkpoint saves
@@ -158,12 +159,14 @@ class PipelineMonitor(Callback):
         self._tokens = self._samples = 0
         clock = self._device_clock(trainer)
         self._interval_start, self._pauses = clock.mark(), []
-        if isinstance(trainer.strategy, PACIStrategy):
+        # Rank 0's loggers decide for every rank (the gather below is collective; another rank may have none).
+        self._logging = bool(trainer.strategy.broadcast(bool(trainer.loggers)))
+        if isinstance(trainer.strategy, PACIStrategy) and self._logging:
             trainer.strategy.pause_spans = []  # the strategy times its saves from here to on_train_end
         self._last_step = self._logged_step = trainer.global_step
         self._timeline_done = not self.timeline
         self._recording, self._recorded = False, None
-        if not trainer.loggers:  # every rank's Trainer has the same loggers: none of them gathers then
+        if not self._logging:
             rank_zero_warn(
                 "PipelineMonitor: the Trainer has no logger (logger=False), so its metrics (utilization, bubble, "
                 "drift, throughput, memory) go nowhere and are not computed"
@@ -194,7 +197,7 @@ class PipelineMonitor(Callback):
                 self._start_recording(runtime, step)
             elif self._recording and step >= self._stop_step:
                 self._stop_recording(runtime)
-        if step % self.logging_interval == 0 and trainer.loggers:
+        if step % self.logging_interval == 0 and self._logging:
             self._log(trainer, runtime)
 
     @override
@@ -216,7 +219,7 @@ class PipelineMonitor(Callback):
         runtime = _runtime(trainer)
         if self._recording:
             self._stop_recording(runtime)
-        if trainer.global_step > self._logged_step and trainer.loggers:
+        if trainer.global_step > self._logged_step and self._logging:
             self._log(trainer, runtime)
         if self._recorded is not None:
             self._write_timeline(trainer, self._recorded)

@@ -50,13 +50,16 @@ from lit_efficient.strategy import PACIStrategy  # importing it registers the na
 from lit_efficient.strategy.config import (
     CheckpointNotFound,
     RefusedSetting,
+    check_checkpoint_path,
     explain_refused,
+    is_checkpoint_keyword,
     options_of,
     refusal_footer,
 )
 from lit_efficient.strategy.runs import restartable_job_id, run_dir
 
 DEFAULT_SAVE_DIR = "runs"
+_LAST_RESOLVED = "LIT_EFFICIENT_LAST_CHECKPOINT"  # what "last" resolved to, for the ranks the launch starts
 WANDB_PROJECT = "lit-efficient"
 # W&B's own directories besides the run directory (`dir=save_dir`), relative to `<save_dir>/wandb`.
 # Without them wandb writes debug logs and caches into the user's home even for an offline run.
@@ -128,17 +131,32 @@ def keep_wandb_local(save_dir: str | os.PathLike, offline: bool) -> dict[str, st
 def run_id_of_checkpoint(ckpt_path: Any) -> str | None:
     """The W&B run id of a checkpoint saved where the CLI's logger puts them, ``<save_dir>/<project>/<run
     id>/checkpoints/<name>`` (a ``.ckpt`` file or a sharded folder); None for any other path or ``"last"``."""
-    if not isinstance(ckpt_path, (str, os.PathLike)) or str(ckpt_path) in ("last", "best", "hpc", "registry"):
+    if not isinstance(ckpt_path, (str, os.PathLike)) or is_checkpoint_keyword(ckpt_path):
         return None
     folder = Path(ckpt_path).expanduser().parent
     return folder.parent.name or None if folder.name == "checkpoints" else None
 
 
-def latest_last_checkpoint(project_dir: Path) -> Path | None:
-    """The newest ``last`` checkpoint (file, sharded folder or link) of any run under ``<save_dir>/<project>``, the
-    CLI's layout ``<run id>/checkpoints/last*.ckpt``; None if there is none."""
-    found = [path for path in project_dir.glob("*/checkpoints/last*.ckpt") if path.exists()]  # a link to nothing: out
+def latest_last_checkpoint(project_dir: Path, model_class: str | None) -> Path | None:
+    """The newest ``last`` checkpoint (file, sharded folder or link) under ``<save_dir>/<project>``, in the CLI's
+    layout ``<run id>/checkpoints/last*.ckpt``, of a run whose saved ``config.yaml`` trains ``model_class`` (the
+    shipped configs share one project: another model's run is not this one's to resume); None if there is none."""
+    found = [
+        path
+        for path in project_dir.glob("*/checkpoints/last*.ckpt")
+        if path.exists() and _model_class_of_run(path.parents[1]) == model_class  # a link to nothing: out
+    ]
     return max(found, key=lambda path: (path.stat().st_mtime, str(path)), default=None)
+
+
+def _model_class_of_run(run: Path) -> str | None:
+    """The model's class path in the config the CLI saved for a run (`RunConfigCallback`), or None."""
+    try:
+        saved = yaml.safe_load((run / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+    model = saved.get("model") if isinstance(saved, dict) else None
+    return model.get("class_path") if isinstance(model, dict) else None
 
 
 def _wandb_loggers(config: Any) -> list:
@@ -492,34 +510,43 @@ class LitEfficientCLI(LightningCLI):
 
     @override
     def _parse_ckpt_path(self) -> None:  # Lightning's private step that reads a checkpoint path's hyperparameters
-        if self.config.get("subcommand") == "fit":
-            self._resume_the_latest_run(self.config.fit)
+        subcommand = self.config.get("subcommand")
+        if subcommand is not None:
+            config = self.config[subcommand]
+            self._resume_the_latest_run(config)
+            try:  # before anything is built or written (in one process the strategy's own check comes later)
+                check_checkpoint_path(config.get("ckpt_path"))
+            except CheckpointNotFound as error:
+                usage_error(self.parser, str(error), error)
         super()._parse_ckpt_path()
 
     @staticmethod
     def _resume_the_latest_run(config: Namespace) -> None:
         """``--ckpt_path last`` launched by hand (no job id that every attempt shares): each launch is a W&B run of
         its own, with a checkpoint folder of its own, where Lightning's "last" finds nothing and starts over. So
-        "last" is the newest ``last`` checkpoint of the project's runs, then taken as if given (its run id and
-        its hyperparameters, as any path). A user's ModelCheckpoint ``dirpath`` or run id: Lightning's "last"."""
+        "last" is the newest ``last`` checkpoint of the project's runs of the same model class, then taken as if
+        given (its run id and its hyperparameters, as any path). Left to Lightning: a ModelCheckpoint ``dirpath``,
+        a run id of the user's, checkpoints that follow another logger (the first one's folder)."""
         if str(config.get("ckpt_path")) != "last" or restartable_job_id():
             return
-        if _checkpoints_have_a_dirpath(config.trainer):
+        if os.environ.get("LOCAL_RANK", "0") != "0" and os.environ.get(_LAST_RESOLVED):
+            config.ckpt_path = os.environ[_LAST_RESOLVED]  # a rank this launch started: the launching process's pick
             return
-        for logger in _wandb_loggers(config):
-            init = logger.init_args
-            if init.get("id") or init.get("version") or not init.get("project"):
-                return
-            project_dir = Path(init.get("save_dir") or ".") / init["project"]
-            latest = latest_last_checkpoint(project_dir)
-            if latest is None:
-                return  # a first launch: Lightning says that no last checkpoint is there, and the fit starts fresh
-            config.ckpt_path = str(latest)
-            rank_zero_info(
-                f"lit-efficient: --ckpt_path last resumes {latest}, the newest last checkpoint under {project_dir} "
-                "(for a fresh run, leave --ckpt_path out)"
-            )
+        loggers = config.trainer.logger if isinstance(config.trainer.logger, list) else [config.trainer.logger]
+        if not loggers or loggers[0] not in _wandb_loggers(config) or _checkpoints_have_a_dirpath(config.trainer):
             return
+        init = loggers[0].init_args
+        if init.get("id") or init.get("version") or not init.get("project"):
+            return
+        project_dir = Path(init.get("save_dir") or init.get("dir") or ".").expanduser() / init["project"]
+        latest = latest_last_checkpoint(project_dir, getattr(config.get("model"), "class_path", None))
+        if latest is None:
+            return  # a first launch: Lightning says that no last checkpoint is there, and the fit starts fresh
+        config.ckpt_path = os.environ[_LAST_RESOLVED] = str(latest)  # the ranks started from here resolve nothing
+        rank_zero_info(
+            f"lit-efficient: --ckpt_path last resumes {latest}, the newest last checkpoint of a "
+            f"{config.model.class_path} run under {project_dir} (for a fresh run, leave --ckpt_path out)"
+        )
 
     @override
     def _run_subcommand(self, subcommand: str) -> None:  # Lightning's private hook around the subcommand's run

@@ -461,7 +461,8 @@ class HFCausalLM(LightningModule):
         # A plain value, so a checkpoint rebuilds the architecture (its weights come from the state dict).
         self.hparams["model"] = model if isinstance(model, (Mapping, str)) else self._config_dict()
         if isinstance(model, nn.Module):  # an instance's own dtype, which the checkpoint's rebuild needs too
-            dtype = next((p.dtype for p in self.model.parameters() if p.is_floating_point()), None)
+            dtypes = {p.dtype for p in self.model.parameters() if p.is_floating_point()}
+            dtype = dtypes.pop() if len(dtypes) == 1 else None  # mixed: rebuilt in float32, cast up, nothing lost
         if isinstance(dtype, torch.dtype):  # by name: a logger's hparams.yaml cannot hold a torch.dtype
             self.hparams["dtype"] = str(dtype).removeprefix("torch.")
         # Before the structure: a refused loss term is the user's setting to change.

@@ -32,6 +32,7 @@ from lightning.pytorch.strategies.launchers.multiprocessing import _GlobalStateS
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.model_registry import _is_registry
 from torch.nn.parallel import DistributedDataParallel
 
 from lit_efficient import rank_reaper
@@ -64,6 +65,11 @@ class _ChecksFirst:
             trainer.strategy._check_before_launch(trainer)
 
 
+def is_checkpoint_keyword(ckpt_path: Any) -> bool:
+    """Whether ``ckpt_path`` is a name Lightning resolves itself ("last", "best", "hpc", a model registry's)."""
+    return isinstance(ckpt_path, str) and (ckpt_path in ("last", "best", "hpc") or _is_registry(ckpt_path))
+
+
 class CheckpointNotFound(FileNotFoundError):
     """A ``ckpt_path`` with no file or folder there, said before any process starts (`check_checkpoint_path`)."""
 
@@ -75,7 +81,7 @@ def check_checkpoint_path(ckpt_path: Any) -> None:
     if not isinstance(ckpt_path, (str, os.PathLike)):
         return
     path = os.fspath(ckpt_path)
-    if path in ("last", "best", "hpc") or path.startswith("registry") or "://" in path or os.path.exists(path):
+    if is_checkpoint_keyword(path) or "://" in path or os.path.exists(os.path.expanduser(path)):
         return
     raise CheckpointNotFound(
         f"Checkpoint file not found: {path} (ckpt_path={path!r}; no file or folder there). Give the path of a .ckpt "

@@ -175,12 +175,16 @@ def test_setup_names_what_it_wraps_and_the_blocks_of_another_class_it_leaves_bes
         ActivationCheckpointing().setup(trainer, _Hybrid(), "fit")
         ActivationCheckpointing(modules=["_Mixer", "_Attention"], mode="selective").setup(trainer, _Hybrid(), "fit")
         ActivationCheckpointing().setup(trainer, tiny_gpt(n_layer=4), "fit")
+        flat = nn.Sequential(nn.Embedding(8, 8), _Mixer(), _Attention(), _Mixer(), nn.LayerNorm(8), nn.Linear(8, 8))
+        ActivationCheckpointing().setup(trainer, flat, "fit")  # before the first and after the last: not beside
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ActivationCheckpointing:")]
     assert said == [
         "ActivationCheckpointing: full recomputation of 2 blocks (_Mixer x2; layers.0, ...); beside them, not "
         "wrapped: _Attention x2 (name every class to wrap in modules=[...])",
         "ActivationCheckpointing: selective recomputation of 4 blocks (_Mixer x2, _Attention x2; layers.0, ...)",
         "ActivationCheckpointing: full recomputation of 4 blocks (Block x4; blocks.0, ...)",
+        "ActivationCheckpointing: full recomputation of 2 blocks (_Mixer x2; 1, ...); beside them, not wrapped: "
+        "_Attention x1 (name every class to wrap in modules=[...])",
     ]
 
 
@@ -272,16 +276,18 @@ def test_real_fit_toggle_mid_run_logged_bytes_and_flag_survives_resume(tmp_path)
     assert resumed.saved == [off]
 
 
-def test_saved_bytes_are_logged_once_per_window_on_the_train_losss_step(tmp_path):
+@pytest.mark.parametrize("every, logged", [(1, [0, 1, 2, 3, 4, 5]), (2, [1, 3, 5]), (3, [2, 5])])
+def test_saved_bytes_are_logged_once_per_window_on_the_train_losss_step(tmp_path, every, logged):
     """With N micro-batches per step they were logged at every micro-batch (N rows per step with
-    log_every_n_steps=1), and a window's last at the next window's step."""
+    log_every_n_steps=1), a window's last at the next window's step, and on steps Lightning logs nothing."""
     data = TextDataModule(block_size=32, batch_size=4, max_bytes=200_000, vocab_size=256)
-    trainer = _trainer(tmp_path, [ActivationCheckpointing(), GradientAccumulation(steps=3)], max_steps=4)
+    trainer = _trainer(tmp_path, [ActivationCheckpointing(), GradientAccumulation(steps=2)], max_steps=6)
+    trainer.log_every_n_steps = every
     trainer.fit(tiny_gpt(warmup_steps=1), datamodule=data)
     with open(trainer.logger.log_dir + "/metrics.csv") as f:
         rows = list(csv.DictReader(f))
     losses = [int(row["step"]) for row in rows if row.get("train_loss")]
-    assert [int(row["step"]) for row in rows if row.get(METRIC_KEY)] == losses == [0, 1, 2, 3]
+    assert [int(row["step"]) for row in rows if row.get(METRIC_KEY)] == losses == logged
 
 
 # -- selective mode and random numbers drawn inside a kept op (fused attention's dropout on CUDA) -------

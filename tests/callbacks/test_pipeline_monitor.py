@@ -324,7 +324,8 @@ def test_timeline_records_the_same_number_of_windows_after_a_resume(resumed_at, 
 
     runtime = _RecordingRuntime()
     monkeypatch.setattr(pm, "_runtime", lambda trainer: runtime)
-    trainer = SimpleNamespace(global_step=resumed_at, strategy=SimpleNamespace(root_device=torch.device("cpu")))
+    strategy = SimpleNamespace(root_device=torch.device("cpu"), broadcast=lambda obj: obj)
+    trainer = SimpleNamespace(global_step=resumed_at, strategy=strategy, loggers=[])
     monitor = PipelineMonitor(logging_interval=1000, timeline=True)
     monitor.on_train_start(trainer, None)
     recorded = []

@@ -19,7 +19,7 @@ import torch
 import yaml
 
 from lit_efficient import ActivationCheckpointing, GradientAccumulation, PACIStrategy, PipelineMonitor
-from lit_efficient.cli.app import LitEfficientCLI, free_path, keep_wandb_local
+from lit_efficient.cli.app import _LAST_RESOLVED, LitEfficientCLI, free_path, keep_wandb_local
 
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "configs" / "quickstart.yaml"
@@ -330,8 +330,9 @@ def test_a_resumed_offline_run_continues_its_chart_in_a_second_folder_of_the_sam
     writes a second offline folder of the same run id, whose rows continue the chart's step axis
     (trainer/global_step, what W&B plots every metric against) where the first folder's end, in the one
     checkpoint folder of that run."""
-    for var in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
-        monkeypatch.delenv(var, raising=False)
+    for var in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", _LAST_RESOLVED):
+        monkeypatch.setenv(var, "")  # registered: put back as found after the test
+        monkeypatch.delenv(var)
     monkeypatch.chdir(tmp_path)
     run = [*TINY, "--trainer.strategy=lit_efficient.PACIStrategy", "--trainer.strategy.pipeline_stages=2",
            "--trainer.log_every_n_steps=1", "--trainer.val_check_interval=2", "--model.init_args.warmup_steps=1",
@@ -351,12 +352,17 @@ def test_a_resumed_offline_run_continues_its_chart_in_a_second_folder_of_the_sam
     assert [p.name for p in (tmp_path / "runs" / "lit-efficient").iterdir()] == [run_id]
 
 
-def test_a_run_resumed_from_its_checkpoint_continues_its_wandb_run(monkeypatch):
+def test_a_run_resumed_from_its_checkpoint_continues_its_wandb_run(monkeypatch, tmp_path):
     """``--ckpt_path <save_dir>/<project>/<run id>/checkpoints/last.ckpt`` started a new W&B run beside the one
     that wrote the checkpoint: the chart of a resumed run began again at its first logged step."""
     for var in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(LitEfficientCLI, "_run_subcommand", lambda self, subcommand: None)  # built, not fitted
+    monkeypatch.chdir(tmp_path)
+    for path in ("runs-test/lit-efficient/1x2y3z/checkpoints/last.ckpt", "elsewhere/model.ckpt",
+                 "r/p/1x2y3z/checkpoints/a.ckpt"):  # fmt: skip
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        torch.save({}, tmp_path / path)
 
     def logger(*args: str):
         return _cli("fit", "--trainer.logger.init_args.save_dir=runs-test", *args, run=True).trainer.logger
@@ -372,28 +378,42 @@ def test_a_run_resumed_from_its_checkpoint_continues_its_wandb_run(monkeypatch):
     assert evaluated._wandb_init.get("id") is None
 
 
-def test_ckpt_path_last_launched_by_hand_resumes_the_newest_run(tmp_path, monkeypatch):
+def test_ckpt_path_last_launched_by_hand_resumes_the_newest_run_of_its_model(tmp_path, monkeypatch):
     """Each launch by hand is a W&B run with a checkpoint folder of its own, so Lightning's "last" found nothing
-    there and trained from scratch, only warning. It is the newest last checkpoint of the project's runs, and the
-    W&B run is that run; with a ModelCheckpoint dirpath of the user's, Lightning's own "last" is left alone."""
-    for var in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
-        monkeypatch.delenv(var, raising=False)
+    there and trained from scratch, only warning. It is the newest last checkpoint of the project's runs of the
+    same model class (another model's run, newer, is not resumed: the shipped configs share one project), and the
+    W&B run is that run; the ranks a launch starts take its pick. A ModelCheckpoint dirpath of the user's, or a run
+    id of theirs: Lightning's own "last"."""
+    for var in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "LOCAL_RANK", _LAST_RESOLVED):
+        monkeypatch.setenv(var, "")  # registered: put back as found after the test
+        monkeypatch.delenv(var)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(LitEfficientCLI, "_run_subcommand", lambda self, subcommand: None)  # built, not fitted
     project = tmp_path / "runs" / "lit-efficient"
     assert _cli("fit", "--ckpt_path=last", run=True).config.fit.ckpt_path == "last"  # nothing yet: a fresh run
-    for run, age in (("old111", 100), ("new222", 10), ("nolast3", 1)):
+    runs = (("old111", 100, "lit_efficient.models.GPT"), ("new222", 10, "lit_efficient.models.GPT"),
+            ("llama3", 5, "lit_efficient.models.HFCausalLM"), ("nolast4", 1, "lit_efficient.models.GPT"))  # fmt: skip
+    for run, age, model in runs:
         folder = project / run / "checkpoints"
         folder.mkdir(parents=True)
-        torch.save({}, folder / ("epoch=0-step=2.ckpt" if run == "nolast3" else "last.ckpt"))
+        (project / run / "config.yaml").write_text(yaml.safe_dump({"model": {"class_path": model}}))
+        torch.save({}, folder / ("epoch=0-step=2.ckpt" if run == "nolast4" else "last.ckpt"))
         for path in folder.iterdir():
             os.utime(path, (path.stat().st_mtime - age,) * 2)
+    newest = str(Path("runs/lit-efficient/new222/checkpoints/last.ckpt"))
     cli = _cli("fit", "--ckpt_path=last", run=True)
-    assert cli.config.fit.ckpt_path == str(Path("runs/lit-efficient/new222/checkpoints/last.ckpt"))
+    assert cli.config.fit.ckpt_path == newest and os.environ[_LAST_RESOLVED] == newest
     assert cli.trainer.logger._wandb_init["id"] == "new222" and cli.trainer.logger._wandb_init["resume"] == "allow"
+    assert _cli("validate", "--ckpt_path=last", run=True).config.validate.ckpt_path == newest  # it found none either
+    monkeypatch.setenv("LOCAL_RANK", "1")  # a rank the launch started: the launching process's pick, as it made it
+    monkeypatch.setenv(_LAST_RESOLVED, str(project / "old111" / "checkpoints" / "last.ckpt"))
+    assert _cli("fit", "--ckpt_path=last", run=True).config.fit.ckpt_path.endswith("old111/checkpoints/last.ckpt")
+    monkeypatch.delenv("LOCAL_RANK")
     own = _cli("fit", "--ckpt_path=last", "--trainer.callbacks+=ModelCheckpoint",
                f"--trainer.callbacks.dirpath={tmp_path / 'mine'}", run=True)  # fmt: skip
     assert own.config.fit.ckpt_path == "last" and own.trainer.logger._wandb_init.get("id") is None
+    named = _cli("fit", "--ckpt_path=last", "--trainer.logger.init_args.id=mine", run=True)
+    assert named.config.fit.ckpt_path == "last"
 
 
 def test_any_lightning_data_module_goes_through_the_cli(tmp_path, monkeypatch):

@@ -78,17 +78,33 @@ def test_a_setting_refused_before_launch_is_a_usage_error(capsys, args, line):
     assert f"lit-efficient: error: {line}" in err
 
 
+@pytest.mark.parametrize("devices", ["2", "1"])
 @pytest.mark.parametrize("subcommand", ["fit", "validate"])
 def test_a_checkpoint_path_with_nothing_there_is_a_usage_error_before_anything_is_written(
-    capsys, tmp_path, monkeypatch, subcommand
+    capsys, tmp_path, monkeypatch, subcommand, devices
 ):
-    """It started both ranks, wrote a W&B run and the run's config, then printed a traceback per rank."""
+    """It started both ranks, wrote a W&B run and the run's config, then printed a traceback per rank (in one
+    process: wrote them, then failed)."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("WANDB_MODE", "offline")
-    err = _usage_error(capsys, cli_main, subcommand, "--config", QUICKSTART, "--ckpt_path", "nope/missing.ckpt")
+    err = _usage_error(capsys, cli_main, subcommand, "--config", QUICKSTART, "--trainer.devices", devices,
+                       "--ckpt_path", "nope/missing.ckpt")  # fmt: skip
     assert "lit-efficient: error: Checkpoint file not found: nope/missing.ckpt" in err
     assert "or ckpt_path='last'" in err
     assert not (tmp_path / "runs" / "lit-efficient").exists() and not list(tmp_path.rglob("offline-run-*"))
+
+
+def test_a_checkpoint_path_lightning_reads_is_not_refused(tmp_path, monkeypatch):
+    """A path under ``~`` (a YAML value, not expanded by a shell), Lightning's keywords and a registry's name."""
+    from lit_efficient.strategy.config import CheckpointNotFound, check_checkpoint_path
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    torch.save({}, tmp_path / "model.ckpt")
+    for path in ("~/model.ckpt", tmp_path / "model.ckpt", "last", "best", "hpc", "registry:org/model", None):
+        check_checkpoint_path(path)
+    for path in ("~/other.ckpt", "registry_old/model.ckpt", tmp_path / "missing.ckpt"):
+        with pytest.raises(CheckpointNotFound, match="Checkpoint file not found"):
+            check_checkpoint_path(path)
 
 
 @pytest.mark.parametrize("devices", [1, 2])
