@@ -37,7 +37,9 @@ class _BatchTotal:
             loop = trainer.fit_loop.epoch_loop
             # Batches finished in this epoch: none at its start, the restored count on a mid-epoch resume (read at
             # the first batch). Not `ready`, which counts the batch starting (a resumed Rich bar showed 16/17).
-            done = 0 if self._epoch_starting else loop.batch_progress.current.completed
+            # A restarting epoch loop keeps its restored count after this hook (a run resumed from a checkpoint
+            # written at the end of a max_steps run: the next epoch's batches count on from the saved one's).
+            done = 0 if self._epoch_starting and not loop.restarting else loop.batch_progress.current.completed
             remaining = (trainer.max_steps - trainer.global_step) * max(1, trainer.accumulate_grad_batches)
             return min(trainer.num_training_batches, done + remaining)
         return trainer.num_training_batches

@@ -65,6 +65,29 @@ def test_a_mid_epoch_resume_shows_the_batches_of_its_epoch_out_of_their_total(tm
     assert fit(4, tmp_path / "step2.ckpt") == (16, 16)
 
 
+@pytest.mark.parametrize("bar", [TQDMProgressBar, RichProgressBar], ids=["tqdm", "rich"])
+def test_a_resume_from_the_last_checkpoint_of_a_max_steps_run_counts_on_out_of_its_total(tmp_path, bar):
+    """ "Train 2 more steps" from the last.ckpt a max_steps run wrote at its end (the quickstart's ModelCheckpoint:
+    a monitor, no validation yet): Lightning starts the next epoch with the saved epoch's batch count going on (8
+    to 16), and the Rich bar showed ``16/8`` (the CLI's quickstart, 10 then 20 steps: ``80/40``)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lit_efficient import PACIStrategy
+    from tests.support.gpt_runs import gpt_model, gpt_trainer, text_data
+
+    def fit(steps, ckpt_path=None):
+        end, saver = _BarAtTheEnd(), ModelCheckpoint(dirpath=tmp_path, save_last=True, monitor="val_loss")
+        trainer = gpt_trainer(PACIStrategy(pipeline_stages=2), 1, steps, tmp_path, enable_progress_bar=True,
+                              callbacks=[bar(), end, saver],
+                              enable_checkpointing=True, limit_train_batches=40, max_epochs=-1,
+                              accumulate_grad_batches=4)  # fmt: skip
+        trainer.fit(gpt_model(), datamodule=text_data(), ckpt_path=ckpt_path)
+        return end.seen
+
+    assert fit(2) == (8, 8)
+    assert fit(4, tmp_path / "last.ckpt") == (16, 16)
+
+
 @pytest.mark.parametrize("bar", [StepAwareTQDMProgressBar, StepAwareRichProgressBar], ids=["tqdm", "rich"])
 def test_a_later_epoch_that_max_steps_ends_counts_its_own_batches(tmp_path, bar):
     """The bars read their total in on_train_epoch_start, before the epoch loop resets its batch count: the second
