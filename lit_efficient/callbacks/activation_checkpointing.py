@@ -322,10 +322,10 @@ def plan_line(root: nn.Module, chosen: list[tuple[str, nn.Module]], mode: str, p
     for parent in {name.rpartition(".")[0] for name, _ in chosen}:
         children = [child for child in modules[parent].children() if _has_params(child)]
         wrapped = [i for i, child in enumerate(children) if any(child is module for _, module in chosen)]
-        repeated = Counter(type(child) for child in children)
-        for i, child in enumerate(children):
-            # between two wrapped blocks, or repeated as they are: a block (not the embedding before, the head after)
-            if type(child) not in classes and (min(wrapped) < i < max(wrapped) or repeated[type(child)] > 1):
+        # A class with a member between two wrapped blocks is a block (not the embedding before, the head after).
+        between = {type(child) for i, child in enumerate(children) if min(wrapped) < i < max(wrapped)}
+        for child in children:
+            if type(child) not in classes and type(child) in between:
                 beside[type(child).__name__] += 1
     if beside:
         left = ", ".join(f"{name} x{n}" for name, n in beside.items())

@@ -144,9 +144,23 @@ def latest_last_checkpoint(project_dir: Path, model_class: str | None) -> Path |
     found = [
         path
         for path in project_dir.glob("*/checkpoints/last*.ckpt")
-        if path.exists() and _model_class_of_run(path.parents[1]) == model_class  # a link to nothing: out
+        if path.exists() and _same_class(_model_class_of_run(path.parents[1]), model_class)  # a dangling link: out
     ]
     return max(found, key=lambda path: (path.stat().st_mtime, str(path)), default=None)
+
+
+def _same_class(saved: str | None, configured: str | None) -> bool:
+    """Whether two class paths name one class (``lit_efficient.models.GPT`` is ``lit_efficient.models.gpt.GPT``)."""
+    if saved is None or configured is None:
+        return False
+    if saved == configured:
+        return True
+    try:
+        first, second = (getattr(importlib.import_module(p.rpartition(".")[0]), p.rpartition(".")[2]) for p in
+                         (saved, configured))  # fmt: skip
+    except (ImportError, AttributeError, ValueError):
+        return False
+    return first is second
 
 
 def _model_class_of_run(run: Path) -> str | None:
@@ -494,6 +508,9 @@ class LitEfficientCLI(LightningCLI):
         config = self.config[self.subcommand] if self.subcommand else self.config
         for logger in _wandb_loggers(config):
             init = logger.init_args
+            for key in ("save_dir", "dir"):  # one folder for W&B, the run's config and checkpoints, and "last"
+                if isinstance(init.get(key), str) and init[key].startswith("~"):
+                    init[key] = os.path.expanduser(init[key])
             offline = bool(init.get("offline")) or "offline" in (init.get("mode"), os.environ.get("WANDB_MODE"))
             keep_wandb_local(init.get("save_dir") or init.get("dir") or ".", offline)
             if init.get("id") or init.get("version") or self.subcommand not in (None, "fit"):
@@ -513,6 +530,8 @@ class LitEfficientCLI(LightningCLI):
         subcommand = self.config.get("subcommand")
         if subcommand is not None:
             config = self.config[subcommand]
+            if isinstance(config.get("ckpt_path"), str) and config.ckpt_path.startswith("~"):
+                config.ckpt_path = os.path.expanduser(config.ckpt_path)  # a YAML value: no shell expanded it
             self._resume_the_latest_run(config)
             try:  # before anything is built or written (in one process the strategy's own check comes later)
                 check_checkpoint_path(config.get("ckpt_path"))
@@ -529,20 +548,26 @@ class LitEfficientCLI(LightningCLI):
         a run id of the user's, checkpoints that follow another logger (the first one's folder)."""
         if str(config.get("ckpt_path")) != "last" or restartable_job_id():
             return
-        if os.environ.get("LOCAL_RANK", "0") != "0" and os.environ.get(_LAST_RESOLVED):
-            config.ckpt_path = os.environ[_LAST_RESOLVED]  # a rank this launch started: the launching process's pick
-            return
         loggers = config.trainer.logger if isinstance(config.trainer.logger, list) else [config.trainer.logger]
         if not loggers or loggers[0] not in _wandb_loggers(config) or _checkpoints_have_a_dirpath(config.trainer):
             return
         init = loggers[0].init_args
         if init.get("id") or init.get("version") or not init.get("project"):
             return
+        # A rank this process's launch started (popen re-runs the command) takes its launching process's pick: a
+        # checkpoint written meanwhile cannot split them. Another process's pick (an earlier launch's, inherited by
+        # a later torchrun's workers) is not this launch's.
+        launcher, _, picked = os.environ.get(_LAST_RESOLVED, "").partition(":")
+        if picked and launcher == str(os.getppid()):
+            config.ckpt_path = picked
+            return
+        os.environ.pop(_LAST_RESOLVED, None)  # an earlier launch's pick in this process is not this one's
         project_dir = Path(init.get("save_dir") or init.get("dir") or ".").expanduser() / init["project"]
         latest = latest_last_checkpoint(project_dir, getattr(config.get("model"), "class_path", None))
         if latest is None:
             return  # a first launch: Lightning says that no last checkpoint is there, and the fit starts fresh
-        config.ckpt_path = os.environ[_LAST_RESOLVED] = str(latest)  # the ranks started from here resolve nothing
+        config.ckpt_path = str(latest)
+        os.environ[_LAST_RESOLVED] = f"{os.getpid()}:{latest}"  # for the ranks this process starts
         rank_zero_info(
             f"lit-efficient: --ckpt_path last resumes {latest}, the newest last checkpoint of a "
             f"{config.model.class_path} run under {project_dir} (for a fresh run, leave --ckpt_path out)"

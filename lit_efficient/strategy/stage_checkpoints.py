@@ -287,7 +287,7 @@ def load(strategy: Any, checkpoint_path: Any, weights_only: bool | None) -> dict
     """``PACIStrategy.load_checkpoint``: the dict one device would have saved (from a sharded folder, only what this
     process's stages need), with the step count where the pipeline's loop keeps it."""
     check_checkpoint_path(checkpoint_path)  # in one process: nothing was launched to check it before
-    path = Path(checkpoint_path)
+    path = Path(checkpoint_path).expanduser()  # as Lightning's own loader reads it (fsspec)
     if sharded_write.is_sharded(path):  # this process's part only
         module = strategy.lightning_module
         state = module.state_dict()

@@ -130,6 +130,22 @@ def test_without_a_logger_it_says_so_and_computes_nothing(tmp_path, monkeypatch)
     assert trainer.global_step == 3
 
 
+@pytest.mark.parametrize("rank_zero_logs", [True, False])
+def test_whether_it_logs_is_rank_zeros_answer_on_every_rank(rank_zero_logs):
+    """Its gather is collective: a rank without a logger beside a rank 0 with one (a user's rank-dependent logger)
+    gathers too, and none does when rank 0 has none."""
+    from types import SimpleNamespace
+
+    strategy = SimpleNamespace(root_device=torch.device("cpu"), broadcast=lambda obj: rank_zero_logs)
+    for own in ([], [object()]):  # this rank's loggers: no say
+        monitor = PipelineMonitor()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            monitor.on_train_start(SimpleNamespace(global_step=0, strategy=strategy, loggers=own), None)
+        assert monitor._logging is rank_zero_logs
+        assert any("has no logger" in str(w.message) for w in caught) is not rank_zero_logs
+
+
 # ---------------------------------------------------------------- single device (in-process)
 
 

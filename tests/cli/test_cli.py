@@ -384,14 +384,14 @@ def test_ckpt_path_last_launched_by_hand_resumes_the_newest_run_of_its_model(tmp
     same model class (another model's run, newer, is not resumed: the shipped configs share one project), and the
     W&B run is that run; the ranks a launch starts take its pick. A ModelCheckpoint dirpath of the user's, or a run
     id of theirs: Lightning's own "last"."""
-    for var in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "LOCAL_RANK", _LAST_RESOLVED):
+    for var in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", _LAST_RESOLVED):
         monkeypatch.setenv(var, "")  # registered: put back as found after the test
         monkeypatch.delenv(var)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(LitEfficientCLI, "_run_subcommand", lambda self, subcommand: None)  # built, not fitted
     project = tmp_path / "runs" / "lit-efficient"
     assert _cli("fit", "--ckpt_path=last", run=True).config.fit.ckpt_path == "last"  # nothing yet: a fresh run
-    runs = (("old111", 100, "lit_efficient.models.GPT"), ("new222", 10, "lit_efficient.models.GPT"),
+    runs = (("old111", 100, "lit_efficient.models.gpt.GPT"), ("new222", 10, "lit_efficient.models.GPT"),
             ("llama3", 5, "lit_efficient.models.HFCausalLM"), ("nolast4", 1, "lit_efficient.models.GPT"))  # fmt: skip
     for run, age, model in runs:
         folder = project / run / "checkpoints"
@@ -402,18 +402,25 @@ def test_ckpt_path_last_launched_by_hand_resumes_the_newest_run_of_its_model(tmp
             os.utime(path, (path.stat().st_mtime - age,) * 2)
     newest = str(Path("runs/lit-efficient/new222/checkpoints/last.ckpt"))
     cli = _cli("fit", "--ckpt_path=last", run=True)
-    assert cli.config.fit.ckpt_path == newest and os.environ[_LAST_RESOLVED] == newest
+    assert cli.config.fit.ckpt_path == newest and os.environ[_LAST_RESOLVED] == f"{os.getpid()}:{newest}"
     assert cli.trainer.logger._wandb_init["id"] == "new222" and cli.trainer.logger._wandb_init["resume"] == "allow"
     assert _cli("validate", "--ckpt_path=last", run=True).config.validate.ckpt_path == newest  # it found none either
-    monkeypatch.setenv("LOCAL_RANK", "1")  # a rank the launch started: the launching process's pick, as it made it
-    monkeypatch.setenv(_LAST_RESOLVED, str(project / "old111" / "checkpoints" / "last.ckpt"))
-    assert _cli("fit", "--ckpt_path=last", run=True).config.fit.ckpt_path.endswith("old111/checkpoints/last.ckpt")
-    monkeypatch.delenv("LOCAL_RANK")
+    older = str(project / "old111" / "checkpoints" / "last.ckpt")  # of the same class, spelt by its module's path
+    monkeypatch.setenv(_LAST_RESOLVED, f"{os.getppid()}:{older}")  # a rank the launch started: its launcher's pick
+    assert _cli("fit", "--ckpt_path=last", run=True).config.fit.ckpt_path == older
+    monkeypatch.setenv(_LAST_RESOLVED, f"{os.getpid()}:{older}")  # this process's earlier launch: not this one's
+    assert _cli("fit", "--ckpt_path=last", run=True).config.fit.ckpt_path == newest
     own = _cli("fit", "--ckpt_path=last", "--trainer.callbacks+=ModelCheckpoint",
                f"--trainer.callbacks.dirpath={tmp_path / 'mine'}", run=True)  # fmt: skip
     assert own.config.fit.ckpt_path == "last" and own.trainer.logger._wandb_init.get("id") is None
     named = _cli("fit", "--ckpt_path=last", "--trainer.logger.init_args.id=mine", run=True)
     assert named.config.fit.ckpt_path == "last"
+    (project / "new222" / "checkpoints" / "last.ckpt").unlink()  # the old run's pick is the newest of its class now
+    os.utime(project / "old111" / "checkpoints" / "last.ckpt")
+    assert _cli("fit", "--ckpt_path=last", run=True).config.fit.ckpt_path == older.replace(str(tmp_path) + "/", "")
+    monkeypatch.setenv("HOME", str(tmp_path))  # a save_dir under ~ (a YAML value): one folder for every writer
+    home = _cli("fit", "--trainer.logger.init_args.save_dir=~/runs", "--ckpt_path=last", run=True)
+    assert home.trainer.logger.save_dir == str(tmp_path / "runs") and home.config.fit.ckpt_path == older
 
 
 def test_any_lightning_data_module_goes_through_the_cli(tmp_path, monkeypatch):

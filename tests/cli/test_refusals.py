@@ -107,6 +107,27 @@ def test_a_checkpoint_path_lightning_reads_is_not_refused(tmp_path, monkeypatch)
             check_checkpoint_path(path)
 
 
+def test_a_checkpoint_path_under_home_resumes(tmp_path, monkeypatch):
+    """``ckpt_path: ~/...`` (a YAML value: no shell expands it) passed the check and then failed to load."""
+    from lightning.pytorch import Trainer
+
+    from lit_efficient.data import TextDataModule
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+
+    def fit(steps: int, ckpt_path=None) -> Trainer:
+        trainer = Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_progress_bar=False,
+                          enable_checkpointing=False, strategy=PACIStrategy(pipeline_stages=2), limit_val_batches=0,
+                          default_root_dir=tmp_path)  # fmt: skip
+        data = TextDataModule(block_size=16, batch_size=2, max_bytes=4000)
+        model = GPT(n_layer=2, n_embd=32, n_head=2, block_size=16, warmup_steps=1)
+        trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
+        return trainer
+
+    fit(1).save_checkpoint(tmp_path / "m.ckpt")
+    assert fit(2, "~/m.ckpt").global_step == 2  # resumed at 1, one step more
+
+
 @pytest.mark.parametrize("devices", [1, 2])
 def test_a_checkpoint_path_with_nothing_there_is_refused_before_any_rank_starts(tmp_path, devices):
     """From Python: one FileNotFoundError in the launching process (this test has no ``multiproc`` mark, so a rank

@@ -531,6 +531,9 @@ def test_an_instance_in_bfloat16_reloads_from_its_checkpoint_in_bfloat16(tmp_pat
     assert {p.dtype for p in loaded.parameters()} == {torch.bfloat16}
     saved, reloaded = module.state_dict(), loaded.state_dict()
     assert saved.keys() == reloaded.keys() and all(torch.equal(saved[k], reloaded[k]) for k in saved)
+    mixed = llama().to(torch.bfloat16)
+    mixed.model.norm.float()  # float32 parts of the user's own: rebuilt in float32, cast up, nothing lost
+    assert HFCausalLM(mixed).hparams["dtype"] is None
 
 
 def test_a_config_key_its_class_does_not_define_is_refused_with_a_suggestion():
