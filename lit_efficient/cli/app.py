@@ -173,10 +173,14 @@ def _model_class_of_run(run: Path) -> str | None:
     return model.get("class_path") if isinstance(model, dict) else None
 
 
-def _wandb_loggers(config: Any) -> list:
-    """The ``WandbLogger`` entries of a subcommand's parsed config."""
-    loggers = config.trainer.logger if isinstance(config.trainer.logger, list) else [config.trainer.logger]
-    return [logger for logger in loggers if str(getattr(logger, "class_path", "")).endswith("WandbLogger")]
+def _loggers(config: Any) -> list:
+    """The logger entries of a subcommand's parsed config, in order (one, a list, or ``False``: none)."""
+    logger = config.trainer.logger
+    return [entry for entry in (logger if isinstance(logger, list) else [logger]) if entry]
+
+
+def _is_wandb(logger: Any) -> bool:
+    return str(getattr(logger, "class_path", "")).endswith("WandbLogger")
 
 
 def _checkpoints_have_a_dirpath(trainer_config: Any) -> bool:
@@ -506,7 +510,7 @@ class LitEfficientCLI(LightningCLI):
         # Before the logger exists: wandb reads these variables when it starts, in this process and in
         # every rank launched from it (popen re-runs this command, spawn inherits the environment).
         config = self.config[self.subcommand] if self.subcommand else self.config
-        for logger in _wandb_loggers(config):
+        for logger in filter(_is_wandb, _loggers(config)):
             init = logger.init_args
             for key in ("save_dir", "dir"):  # one folder for W&B, the run's config and checkpoints, and "last"
                 if isinstance(init.get(key), str) and init[key].startswith("~"):
@@ -548,8 +552,8 @@ class LitEfficientCLI(LightningCLI):
         a run id of the user's, checkpoints that follow another logger (the first one's folder)."""
         if str(config.get("ckpt_path")) != "last" or restartable_job_id():
             return
-        loggers = config.trainer.logger if isinstance(config.trainer.logger, list) else [config.trainer.logger]
-        if not loggers or loggers[0] not in _wandb_loggers(config) or _checkpoints_have_a_dirpath(config.trainer):
+        loggers = _loggers(config)  # checkpoints go to the first logger's folder
+        if not loggers or not _is_wandb(loggers[0]) or _checkpoints_have_a_dirpath(config.trainer):
             return
         init = loggers[0].init_args
         if init.get("id") or init.get("version") or not init.get("project"):
