@@ -233,8 +233,9 @@ class Toggler(Callback):
             getattr(self.ac, action)()
 
 
-def _trainer(tmp_path, callbacks, max_steps: int) -> Trainer:
+def _trainer(tmp_path, callbacks, max_steps: int, **kw) -> Trainer:
     return Trainer(
+        **kw,
         accelerator="cpu",
         devices=1,
         max_steps=max_steps,
@@ -277,12 +278,20 @@ def test_real_fit_toggle_mid_run_logged_bytes_and_flag_survives_resume(tmp_path)
     assert resumed.saved == [off]
 
 
-@pytest.mark.parametrize("every, logged", [(1, [0, 1, 2, 3, 4, 5]), (2, [1, 3, 5]), (3, [2, 5])])
-def test_saved_bytes_are_logged_once_per_window_on_the_train_losss_step(tmp_path, every, logged):
+@pytest.mark.parametrize(
+    "every, logged, pipeline",
+    [(1, [0, 1, 2, 3, 4, 5], False), (2, [1, 3, 5], False), (3, [2, 5], False), (2, [1, 3, 5], True)],
+)
+def test_saved_bytes_are_logged_once_per_window_on_the_train_losss_step(tmp_path, every, logged, pipeline):
     """With N micro-batches per step they were logged at every micro-batch (N rows per step with
-    log_every_n_steps=1), a window's last at the next window's step, and on steps Lightning logs nothing."""
+    log_every_n_steps=1), a window's last at the next window's step, and on steps Lightning logs nothing. One device,
+    and the pipeline in one process (by hand: on 2 processes, PACI and flush, the same steps)."""
+    from lit_efficient import PACIStrategy
+
     data = TextDataModule(block_size=32, batch_size=4, max_bytes=200_000, vocab_size=256)
-    trainer = _trainer(tmp_path, [ActivationCheckpointing(), GradientAccumulation(steps=2)], max_steps=6)
+    callbacks = [ActivationCheckpointing(), GradientAccumulation(steps=2)]
+    strategy = {"strategy": PACIStrategy(pipeline_stages=2)} if pipeline else {}
+    trainer = _trainer(tmp_path, callbacks, max_steps=6, **strategy)
     trainer.log_every_n_steps = every
     trainer.fit(tiny_gpt(warmup_steps=1), datamodule=data)
     with open(trainer.logger.log_dir + "/metrics.csv") as f:
