@@ -23,6 +23,13 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
+# One torch thread per test process when two workers share the two cores (set here, before any test imports torch;
+# xdist names the worker count before it reads this file). With torch's default of a thread per core, an in-process
+# test's OpenMP threads spun waiting for a core the other worker's ranks held: a 0.7 s test took 28 s beside them.
+# The forkserver and the subprocesses a test starts inherit it; a test that needs more threads sets its own.
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 @pytest.fixture(scope="module")
 def one_thread():
