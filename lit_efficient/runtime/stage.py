@@ -275,6 +275,8 @@ class PipelineStage:
                 outputs = run_layers(self._callables, inputs, self.first_layer)
             record.outputs = outputs
         result: Payload | Tensor = outputs
+        if not self.is_last:
+            self._check_crossing(outputs)
         if self.is_last:
             loss, weight = self._loss(outputs, batch)
             record.outputs, record.loss, record.weight = None, loss, weight
@@ -401,8 +403,24 @@ class PipelineStage:
         start = self.clock.mark()
         with self._own_rng(), torch.no_grad(), self.forward_context():
             outputs = run_layers(self._callables, inputs, self.first_layer)
+        if not self.is_last:
+            self._check_crossing(outputs)
         self.stats.times.add("evaluate", start, self.clock.mark())
         return outputs
+
+    def _check_crossing(self, outputs: Payload) -> None:
+        """What a stage sends on must be tensors (or None): the next stage may be another process, and both
+        transports carry tensors only. A Python value there failed deep in a transport ("'int' object has no
+        attribute 'dtype'") on processes and otherwise in one process, while plain Lightning trained it."""
+        for i, value in enumerate(outputs):
+            if value is not None and not isinstance(value, Tensor):
+                k, layer = self.first_layer + len(self.layers) - 1, self.layers[-1]
+                raise TypeError(
+                    f"pipeline layer {k} ({type(layer).__name__}), the last of stage {self.stage}, returned a value "
+                    f"of type {type(value).__name__}, not a tensor, at position {i} of its output ({value!r:.60}): "
+                    "only tensors (or None) cross a stage boundary. Return it as a tensor (e.g. torch.tensor(value)), "
+                    "keep a constant on the module that needs it, or move the boundary with PACIStrategy(balance=...)."
+                )
 
     def reset_stats(self) -> None:
         """Start this stage's accounting afresh (counters, drift, times), on its own clock."""

@@ -166,3 +166,29 @@ def test_a_layer_failing_on_its_input_is_named_with_what_it_got():
         run_layers(layers, (ids,))
     with pytest.raises(RuntimeError, match=r"pipeline layer 1 \(Block\) failed on input \(Tensor\(1, 4, 8\)\)"):
         run_layers(layers[1:], (torch.zeros(1, 4, 8),), first_layer=1)
+
+
+class _PassesAnInt(nn.Module):
+    """A layer that hands the next one a Python value along with its hidden state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x), 3
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_a_python_value_sent_to_the_next_stage_is_named_with_its_layer(recompute):
+    """Only tensors (or None) cross a stage boundary. A Python int there failed inside the transport: "'int' object
+    has no attribute 'dtype'" on processes, "... no attribute 'detach'" in one process (plain Lightning trains it)."""
+    stage = PipelineStage([nn.Linear(4, 4), _PassesAnInt()], 0, 2, None, None, recompute=recompute, first_layer=1)
+    said = r"pipeline layer 2 \(_PassesAnInt\), the last of stage 0, returned a value of type int, not a tensor, "
+    said += r"at position 1 of its output \(3\)"
+    with pytest.raises(TypeError, match=said + r": only tensors \(or None\) cross a stage boundary"):
+        stage.forward(0, (torch.ones(2, 4),))
+    with pytest.raises(TypeError, match=said):
+        stage.evaluate((torch.ones(2, 4),))
+    last = PipelineStage([_PassesAnInt()], 1, 2, None, lambda out, batch: out[0].sum())
+    assert last.forward(0, (torch.ones(2, 4),)).shape == ()  # on the last stage it goes to pipeline_loss, as a user's
