@@ -36,6 +36,18 @@ def partition_uniform(num_layers: int, num_stages: int) -> list[int]:
     return [base + (first <= s < first + extra) for s in range(num_stages)]
 
 
+def planned_sizes(balance: str | Sequence[int], num_stages: int, counts: Sequence[int]) -> list[int] | None:
+    """Layers per stage for a ``balance`` decided without running the model (module docstring), given each layer's
+    parameter count; None for ``"profile"``, which measures."""
+    if not isinstance(balance, str):
+        return [int(n) for n in balance]
+    if balance == "uniform":
+        return partition_uniform(len(counts), num_stages)
+    if balance == "parameters":
+        return partition_balanced([max(c, 1) for c in counts], num_stages)
+    return None
+
+
 def partition_balanced(weights: Sequence[float], num_stages: int) -> list[int]:
     """The contiguous split minimizing the heaviest stage's total weight (exact).
 

@@ -368,7 +368,9 @@ def _check_registered_once(module: nn.Module, layers: Sequence[nn.Module]) -> No
                     f"in {type(module).__name__}, as '{found[0]}' and '{found[1]}' (e.g. the original model kept "
                     "as an attribute next to wrappers around its own layers). Register each layer once: keep "
                     "wrappers out of the module tree (in a plain list) or drop the original model's attribute; for a "
-                    "Hugging Face model use lit_efficient.models.HFCausalLM(model)."
+                    "Hugging Face model use lit_efficient.models.HFCausalLM(model). To share weights on purpose, give "
+                    "each layer its own module holding the same nn.Parameter (layers on one stage share it; across "
+                    "stages only the first and the last layer may, as a tied embedding and head)."
                 )
 
 

@@ -39,7 +39,9 @@ from lit_efficient import rank_reaper
 from lit_efficient.checks import closest_choice, is_count
 from lit_efficient.protocol import PIPELINE_METHODS, missing_pipeline_methods
 from lit_efficient.replicas.averaging import check_outer_optimizer
+from lit_efficient.runtime.partition import planned_sizes
 from lit_efficient.runtime.schedules import SCHEDULES
+from lit_efficient.runtime.split import check_stage_parameters, find_ties, layer_parameter_counts, layer_slots
 from lit_efficient.runtime.stage import OnNonFinite
 from lit_efficient.runtime.staleness import CORRECTIONS, READS_MOMENTS
 from lit_efficient.runtime.topology import Topology
@@ -229,7 +231,18 @@ _WRAPPER_EQUIVALENTS = {
     "ddp_comm_state": f"PostLocalSGDState: {_LOCAL_SGD}",
     "ddp_comm_hook": f"post_localSGD_hook: {_LOCAL_SGD}; none for compression hooks (fp16, bf16, PowerSGD)",
 }
+# Other pipeline libraries' names for the micro-batch count or size (GPipe/torchgpipe/fairscale's chunks, torch
+# pipelining's n_microbatches, DeepSpeed's micro_batch_size): here the data loader and the accumulation say it.
+_MICRO_BATCHES = (
+    "a loader batch is one micro-batch (its size: the DataLoader's batch_size); micro-batches per optimizer step N: "
+    "Trainer(accumulate_grad_batches=N) or GradientAccumulation(steps=N)"
+)
+_MICRO_BATCH_NAMES = (
+    "chunks", "num_chunks", "microbatches", "num_microbatches", "n_microbatches", "micro_batches", "num_micro_batches",
+    "micro_batch_size", "microbatch_size",
+)  # fmt: skip
 _NOT_USED = {
+    **dict.fromkeys(_MICRO_BATCH_NAMES, _MICRO_BATCHES),
     "replicas": (
         "data-parallel replicas come from the world size: devices x num_nodes = pipeline_stages x replicas (2 stages "
         "on devices=4 train 2 replicas); raise Trainer(devices=...) for more"
@@ -423,6 +436,20 @@ def check_layers(pipeline_stages: int, balance: Any, layers: list) -> None:
             f"PACIStrategy(balance={balance}) sums to {sum(balance)} layers, but pipeline_layers() has {len(layers)} "
             f"({describe_layers(layers)}): make the counts add up to {len(layers)}"
         )
+
+
+def check_split(module: LightningModule, layers: list, pipeline_stages: int, balance: Any) -> None:
+    """What setup refuses about the layers' structure, refused before any process starts (once, in the launching
+    process, instead of on every rank after launch): a layer not registered in the module, a module registered
+    twice, a parameter in no layer or shared across stages otherwise than as a tie, a stage without parameters.
+    The same functions setup runs; the sharing and the stages' parameters need the split, known here unless
+    ``balance="profile"`` measures it."""
+    counts = layer_parameter_counts(module, layers)
+    layer_slots(module, layers)
+    sizes = planned_sizes(balance, pipeline_stages, counts)
+    if sizes is not None:
+        find_ties(module, layers, sizes)
+        check_stage_parameters(counts, sizes)
 
 
 def describe_layers(layers: list) -> str:
@@ -692,3 +719,4 @@ def check_before_launch(strategy: Any, trainer: Trainer, layers: list | None) ->
     _check_module(trainer.lightning_module, strategy.precision_plugin)
     if layers is not None:
         check_layers(strategy.pipeline_stages, strategy.balance, layers)
+        check_split(module, layers, strategy.pipeline_stages, strategy.balance)

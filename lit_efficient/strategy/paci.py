@@ -48,7 +48,7 @@ from lit_efficient.replicas.fault_tolerance import TorchftReplicas, group_settin
 from lit_efficient.replicas.sharded_optimizer import ShardedOptimizer
 from lit_efficient.runtime.clock import Mark, clock_for
 from lit_efficient.runtime.host import StageHost
-from lit_efficient.runtime.partition import partition_balanced, partition_uniform, predicted_utilization
+from lit_efficient.runtime.partition import planned_sizes, predicted_utilization
 from lit_efficient.runtime.profile import profile_layers
 from lit_efficient.runtime.schedules import SCHEDULES, ScheduleName
 from lit_efficient.runtime.split import (
@@ -995,13 +995,9 @@ class PACIStrategy(DDPStrategy):
     def _stage_sizes(self, module: LightningModule, layers: list, trainer: Trainer) -> list[int]:
         check_layers(self.pipeline_stages, self.balance, layers)  # before launch too, unless configure_model builds
         counts = layer_parameter_counts(module, layers)
-        if isinstance(self.balance, list):
-            sizes = [int(n) for n in self.balance]  # checked: its entries in __init__, their sum by check_layers
-        elif self.balance == "uniform":
-            sizes = partition_uniform(len(layers), self.pipeline_stages)
-        elif self.balance == "parameters":
-            sizes = partition_balanced([max(c, 1) for c in counts], self.pipeline_stages)
-        else:
+        # an explicit list: its entries checked in __init__, their sum by check_layers
+        sizes = planned_sizes(self.balance, self.pipeline_stages, counts)
+        if sizes is None:
             sizes = self._profiled_sizes(module, layers, trainer)
         check_stage_parameters(counts, sizes)
         rank_zero_info(f"PACIStrategy: {len(layers)} layers over {self.pipeline_stages} stages as {sizes}")

@@ -379,6 +379,72 @@ def test_configuration_errors_fail_before_any_process_starts(devices, trainer_kw
     assert not torch.distributed.is_initialized()
 
 
+class _OwnLayers(L.LightningModule):
+    """Four linear layers as a user writes them, with one of the structure mistakes setup refuses."""
+
+    def __init__(self, mistake: str) -> None:
+        super().__init__()
+        self.mistake = mistake
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(4))
+        if mistake == "registered twice":  # wrappers registered beside the layers they wrap
+            self.wrapped = torch.nn.ModuleList(torch.nn.Sequential(layer) for layer in self.layers)
+        if mistake == "shared across stages":
+            self.layers[2].weight = self.layers[1].weight
+        if mistake == "stage without parameters":
+            self.layers[0] = torch.nn.ReLU()
+
+    def pipeline_layers(self):
+        if self.mistake == "not registered":
+            return [*self.layers, torch.nn.Linear(4, 4)]  # made in the call: a stage could not find it
+        return list(self.wrapped if self.mistake == "registered twice" else self.layers)
+
+    def pipeline_input(self, batch):
+        return batch[0]
+
+    def pipeline_loss(self, output, batch):
+        return torch.nn.functional.mse_loss(output, batch[1])
+
+    def training_step(self, batch, batch_idx):  # one device's; Lightning asks for it
+        x = self.pipeline_input(batch)
+        for layer in self.pipeline_layers():
+            x = layer(x)
+        return self.pipeline_loss(x, batch)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        x = torch.randn(8, 4)
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x), batch_size=2)
+
+
+@pytest.mark.parametrize(
+    ("mistake", "balance", "said"),
+    [
+        ("not registered", "parameters", r"pipeline_layers\(\)\[4\] \(Linear\) is not a submodule of the module"),
+        (
+            "registered twice",
+            "parameters",
+            r"a Linear registered twice in _OwnLayers, as 'layers.0' and.*To share "
+            r"weights on purpose, give each layer its own module holding the same",
+        ),
+        ("shared across stages", [2, 2], r"parameter 'layers.1.weight' is shared by pipeline layers 1 \(Linear\), 2"),
+        ("stage without parameters", [1, 3], r"stage 0 would hold pipeline layers 0..0, which have no parameters"),
+    ],
+)
+def test_a_layer_structure_setup_refuses_is_refused_before_any_process_starts(mistake, balance, said):
+    """Each was refused in setup, on every rank after launch: the message four times among two ranks' tracebacks
+    (a user audit of their own model on 2 processes). Now once, from the launching process; in one process too."""
+    for devices in (2, 1):
+        strategy = PACIStrategy(pipeline_stages=2, balance=balance, start_method="forkserver")
+        trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=1, logger=False,
+                            enable_progress_bar=False, enable_checkpointing=False)  # fmt: skip
+        # A rank started here would fail this unmarked test (tests/conftest.py's rank check).
+        with pytest.raises(ValueError, match=said):
+            trainer.fit(_OwnLayers(mistake))
+        assert not torch.distributed.is_initialized()
+
+
 # -- what a failure on one process leaves behind -----------------------------------------------------------
 
 _HANG_SCRIPT = textwrap.dedent(

@@ -380,6 +380,10 @@ def test_the_cli_names_the_option_meant_for_a_typo_anywhere(cli_refusal, args, w
         ({"replica_groups": 2, "replica_group_id": 1}, r"replica_group_id=1, replica_groups=2: options of fault_tol"),
         ({"min_replica_groups": 2}, r"min_replica_groups=2: options of fault_tolerance='torchft'.*which is off"),
         ({"replicas": 2}, r"replicas=2: data-parallel replicas come from the world size.*raise Trainer\(devices"),
+        # Other pipeline libraries' micro-batch options said only "not an option of PACIStrategy".
+        ({"chunks": 4}, r"chunks=4: a loader batch is one micro-batch.*Trainer\(accumulate_grad_batches=N\)"),
+        ({"n_microbatches": 4}, r"n_microbatches=4: a loader batch is one micro-batch \(its size: the DataLoader"),
+        ({"micro_batch_size": 2}, r"micro_batch_size=2: a loader batch is one micro-batch.*GradientAccumulation"),
         ({"start_method": "Spawn"}, "start_method='Spawn' must be one of 'popen', 'spawn', 'fork', 'forkserver'"),
         ({"precision_plugin": "bf16-mixed"}, r"precision_plugin='bf16-mixed' must be a Precision.*Trainer\(precision="),
         ({"timeout": 30}, r"timeout=30 must be a timedelta or None; pass datetime.timedelta"),
