@@ -1,10 +1,10 @@
 """The ``lit-efficient`` command line: LightningCLI over any model and data module (`GPT` and `TextDataModule` by
 default), with W&B kept local.
 
-This file owns the CLI's wiring and nothing else: which classes it exposes (any LightningModule taking
-``vocab_size`` and ``block_size``, such as `GPT` or `HFCausalLM`, and any LightningDataModule giving them, such as
-`TextDataModule` or `TokenizedDataModule`; GPT and TextDataModule by default), the links that keep the data and the
-model consistent (``data.block_size`` and ``data.vocab_size`` feed the model's), the default
+This file owns the CLI's wiring and nothing else: which classes it exposes (any LightningModule, such as `GPT`,
+`HFCausalLM` or a user's own, language model or not, and any LightningDataModule, such as `TextDataModule` or
+`TokenizedDataModule`; GPT and TextDataModule by default), the links that keep the data and the model consistent
+(``data.block_size`` and ``data.vocab_size`` feed the model's, where the data module has them), the default
 logger (W&B, offline, under ``runs/``; one run id for every attempt of a torchrun or SLURM job, so a
 restart continues its chart and finds its checkpoints), where W&B may write, and where the resolved run
 config is saved. Every option's help text comes from the docstrings of the classes it configures.
