@@ -98,19 +98,22 @@ def pytest_xdist_auto_num_workers(config):
 
 
 # Multi-process tests that mostly wait by design (a peer's timeout, a grace period, a kill): 73% of the hung-rank
-# test's time has a core idle. Their group runs beside the other multi-process tests' group.
+# test's time has a core idle. Their group runs beside the other multi-process tests' group, and so do the tests
+# marked ``command``: a user's command (the console script, an example, torchrun) in fresh interpreters, most of
+# whose time is their start-up (importing torch and Lightning), not ranks computing in step.
 _WAITING_FILES = {Path(__file__).parent / "strategy" / "test_reliability.py"}
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Two groups of ``multiproc`` tests, each on one worker, one test after another (xdist's ``loadgroup``; its
-    own hook reads the mark after this one): the tests that wait on failures, and the others. At most one test
-    that computes on several ranks runs at a time; a worker takes in-process tests when its group is done."""
+    own hook reads the mark after this one): the tests that wait on failures or start commands, and the others. At
+    most one test whose ranks compute in step runs at a time; a worker takes in-process tests when its group is
+    done. The serial "processes" group is the suite's longest path: what leaves it shortens the suite."""
     for item in items:
         if item.get_closest_marker("multiproc"):
-            waiting = Path(item.path) in _WAITING_FILES
-            item.add_marker(pytest.mark.xdist_group("failures" if waiting else "processes"))
+            beside = Path(item.path) in _WAITING_FILES or item.get_closest_marker("command") is not None
+            item.add_marker(pytest.mark.xdist_group("failures" if beside else "processes"))
         elif item.get_closest_marker("gpu"):  # one device, and a CUDA clock checked against sleeps: one at a time
             item.add_marker(pytest.mark.xdist_group("gpu"))
 

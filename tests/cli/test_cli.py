@@ -235,6 +235,7 @@ def test_fit_says_where_its_checkpoint_is_or_that_there_is_none(tmp_path, caplog
 
 
 @pytest.mark.multiproc
+@pytest.mark.command
 def test_console_script_quickstart_offline_wandb_run(tmp_path):
     home, runs = tmp_path / "home", tmp_path / "runs"
     home.mkdir()

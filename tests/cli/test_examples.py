@@ -46,6 +46,7 @@ def test_checkpointing_memory_saves_activation_memory(monkeypatch):
 
 
 @pytest.mark.multiproc
+@pytest.mark.command
 def test_own_hf_model_example_is_a_users_day_from_a_folder_to_save_pretrained(tmp_path, demo_model):
     """examples/own_hf_model.py as docs/hf-on-n-gpus.md runs it (two processes, PACI, its own tokenizer's data):
     the folder it saves reloads with from_pretrained, holds the checkpoint's weights, and answers the validation

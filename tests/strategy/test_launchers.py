@@ -82,6 +82,7 @@ def _check(result: Path, one_device, environment: str) -> None:
     assert _max_diff(trained, one_device) <= 1e-5
 
 
+@pytest.mark.command
 def test_two_torchrun_agents_with_c10d_rendezvous(tmp_path, one_device):
     script, result = tmp_path / "train.py", tmp_path / "weights.pt"
     script.write_text(_SCRIPT)
@@ -113,6 +114,7 @@ def test_two_torchrun_agents_with_c10d_rendezvous(tmp_path, one_device):
     _check(result, one_device, "TorchElasticEnvironment")
 
 
+@pytest.mark.command
 def test_srun_style_launch_with_slurm_variables(tmp_path, one_device):
     """What srun sets for 2 nodes x 1 task: Lightning's SLURMEnvironment reads ranks and the rendezvous."""
     script, result = tmp_path / "train.py", tmp_path / "weights.pt"

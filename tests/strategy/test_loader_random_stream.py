@@ -128,6 +128,7 @@ if __name__ == "__main__":
 
 
 @pytest.mark.multiproc
+@pytest.mark.command
 def test_every_stage_reads_the_batches_one_device_reads(tmp_path: Path) -> None:
     script = tmp_path / "run.py"
     script.write_text(_SCRIPT.format(repo=str(REPO)))
