@@ -33,6 +33,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.model_registry import _is_registry
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lit_efficient import rank_reaper
@@ -118,9 +119,20 @@ def layers_before_launch(module: LightningModule) -> list | None:
     if is_overridden("configure_model", module) or not callable(getattr(module, "pipeline_layers", None)):
         return None
     try:
-        return list(module.pipeline_layers())
+        layers = list(module.pipeline_layers())
     except (AttributeError, RuntimeError):
         return None
+    return layers if all(isinstance(layer, nn.Module) for layer in layers) else None  # a None: built in setup()
+
+
+def setup_may_build_layers(module: LightningModule) -> bool:
+    """Whether ``module.setup()``, Lightning's hook for building layers once the data are known, is the user's own:
+    the layers seen before launch may then be placeholders it replaces on every rank (`check_split` is left to
+    setup there). The package's models override it only to check their configuration."""
+    for cls in type(module).__mro__:
+        if "setup" in vars(cls):
+            return not cls.__module__.startswith(("lit_efficient.", "lightning."))
+    return False
 
 
 class _CheckedScriptLauncher(_ChecksFirst, _SubprocessScriptLauncher):
@@ -440,10 +452,10 @@ def check_layers(pipeline_stages: int, balance: Any, layers: list) -> None:
 
 def check_split(module: LightningModule, layers: list, pipeline_stages: int, balance: Any) -> None:
     """What setup refuses about the layers' structure, refused before any process starts (once, in the launching
-    process, instead of on every rank after launch): a layer not registered in the module, a module registered
-    twice, a parameter in no layer or shared across stages otherwise than as a tie, a stage without parameters.
-    The same functions setup runs; the sharing and the stages' parameters need the split, known here unless
-    ``balance="profile"`` measures it."""
+    process of a spawn, forkserver or popen launch, instead of on every rank after it; under torchrun or SLURM
+    each rank's launch): a layer not registered in the module, a module registered twice, a parameter in no layer
+    or shared across stages otherwise than as a tie, a stage without parameters. The same functions setup runs;
+    the sharing and the stages' parameters need the split, known here unless ``balance="profile"`` measures it."""
     counts = layer_parameter_counts(module, layers)
     layer_slots(module, layers)
     sizes = planned_sizes(balance, pipeline_stages, counts)
@@ -719,4 +731,5 @@ def check_before_launch(strategy: Any, trainer: Trainer, layers: list | None) ->
     _check_module(trainer.lightning_module, strategy.precision_plugin)
     if layers is not None:
         check_layers(strategy.pipeline_stages, strategy.balance, layers)
-        check_split(module, layers, strategy.pipeline_stages, strategy.balance)
+        if not setup_may_build_layers(module):
+            check_split(module, layers, strategy.pipeline_stages, strategy.balance)

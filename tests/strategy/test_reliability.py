@@ -445,6 +445,30 @@ def test_a_layer_structure_setup_refuses_is_refused_before_any_process_starts(mi
         assert not torch.distributed.is_initialized()
 
 
+class _HeadBuiltInSetup(_OwnLayers):
+    """Lightning's hook for building layers once the data are known: the head is a placeholder until ``setup``."""
+
+    def __init__(self, placeholder: torch.nn.Module | None) -> None:
+        super().__init__("none")
+        self.layers[3] = placeholder
+
+    def setup(self, stage: str) -> None:
+        self.layers[3] = torch.nn.Linear(4, 4)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("placeholder", [None, torch.nn.Identity()], ids=["None", "Identity"])
+def test_layers_a_users_setup_builds_are_checked_where_they_exist(placeholder):
+    """The check before launch saw the placeholder (a None failed with an AttributeError, an Identity as a stage
+    without parameters) where each rank's setup() builds the real layer: a module that trained was refused (the
+    review of the check). Before launch the layers are checked only when setup() is not the user's own."""
+    strategy = PACIStrategy(pipeline_stages=2, balance=[3, 1], start_method="forkserver")
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=2, logger=False,
+                        enable_progress_bar=False, enable_checkpointing=False)  # fmt: skip
+    trainer.fit(_HeadBuiltInSetup(placeholder))
+    assert trainer.state.finished and trainer.callback_metrics["train_loss"].isfinite(), trainer.callback_metrics
+
+
 # -- what a failure on one process leaves behind -----------------------------------------------------------
 
 _HANG_SCRIPT = textwrap.dedent(
