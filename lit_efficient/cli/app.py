@@ -440,7 +440,7 @@ class LitEfficientCLI(LightningCLI):
             "allow_abbrev": False,
         })  # fmt: skip
         super().__init__(
-            LightningModule,  # GPT by default (below), HFCausalLM or any module with vocab_size/block_size
+            LightningModule,  # GPT by default (below), HFCausalLM or any LightningModule of the user's
             LightningDataModule,  # TextDataModule by default (below), TokenizedDataModule or any data module
             subclass_mode_model=True,
             subclass_mode_data=True,

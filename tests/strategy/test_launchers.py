@@ -164,7 +164,8 @@ def test_forkserver_ranks_see_the_launching_process_as_it_is_now(tmp_path, monke
     forkserver is started once per process, so its ranks would see the environment of the first fit (a
     stale MASTER_PORT, a stale seed) and, on CPU, share the module's parameter memory with each other.
     Two fits with a changed environment in between; each must see its own, with private parameters."""
-    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # not the suite's 1 (tests/conftest.py): the ranks must read it now
+    # Neither the suite's 1 (tests/conftest.py) nor torch's default of one per core: the ranks must read it now.
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
     for fit, mark in enumerate(("first", "second")):
         monkeypatch.setenv("LIT_EFFICIENT_TEST_MARK", mark)
         monkeypatch.setenv("MASTER_PORT", str(_free_port()))
@@ -174,5 +175,5 @@ def test_forkserver_ranks_see_the_launching_process_as_it_is_now(tmp_path, monke
         model = _model()
         _trainer(strategy, 2, 1, callbacks=[_RecordRank(out)]).fit(model, datamodule=_data())
         seen = [json.loads(Path(out, f"rank-{r}.json").read_text()) for r in range(2)]
-        want = {"mark": mark, "port": os.environ["MASTER_PORT"], "threads": 2, "shared": False}
+        want = {"mark": mark, "port": os.environ["MASTER_PORT"], "threads": 3, "shared": False}
         assert seen == [want, want], f"fit {fit}"
