@@ -275,13 +275,13 @@ class PipelineStage:
                 outputs = run_layers(self._callables, inputs, self.first_layer)
             record.outputs = outputs
         result: Payload | Tensor = outputs
-        if not self.is_last:
-            self._check_crossing(outputs)
         if self.is_last:
             loss, weight = self._loss(outputs, batch)
             record.outputs, record.loss, record.weight = None, loss, weight
             record.bad = (~torch.isfinite(loss.detach())).to(torch.float64)
             result = loss.detach()
+        else:
+            self._check_crossing(outputs)
         self._in_flight[microbatch] = record
         return result
 
