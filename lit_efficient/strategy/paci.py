@@ -141,6 +141,7 @@ from lit_efficient.strategy.trainer_glue import (
     keep_users_sampler,
     normalize_mode,
     point_metrics_at,
+    seed_workers_by_replica,
     share_rank_zero_metrics,
     smallest_window,
     without_sync_advice,
@@ -502,6 +503,11 @@ class PACIStrategy(DDPStrategy):
         world = self.pipeline_stages if self.in_process else self.num_nodes * self.num_processes
         topo = Topology.for_world(world, self.pipeline_stages)
         return {"num_replicas": topo.num_replicas, "rank": topo.replica_of(self.global_rank)}
+
+    @override
+    def process_dataloader(self, dataloader: Any) -> Any:
+        seed_workers_by_replica(dataloader, self.distributed_sampler_kwargs["rank"])
+        return dataloader
 
     @override
     def _configure_launcher(self) -> None:

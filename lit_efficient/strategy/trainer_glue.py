@@ -1,15 +1,16 @@
 """What PACIStrategy adjusts in Lightning's Trainer and loops, and reads from them.
 
-The sampler a one-replica pipeline keeps (the user's own), the random streams every stage starts from, the
-step count Lightning reads after fit, the callback metrics every rank must agree on (`SyncCallbackMetrics`,
-the strategy's own callback), where torchmetrics sync, how gradients are normalized, a batch's size, and the
-check that the stages of a pipeline read the same batches.
+The sampler a one-replica pipeline keeps (the user's own), the random streams every stage starts from (its
+loader's workers' too), the step count Lightning reads after fit, the callback metrics every rank must agree on
+(`SyncCallbackMetrics`, the strategy's own callback), where torchmetrics sync, how gradients are normalized, a
+batch's size, and the check that the stages of a pipeline read the same batches.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -17,7 +18,7 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.seed import _set_rng_states
+from lightning.fabric.utilities.seed import _set_rng_states, pl_worker_init_function
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint
 from torch import Tensor
@@ -244,6 +245,17 @@ def keep_users_sampler(trainer: Trainer, num_replicas: int) -> None:
         trainer._accelerator_connector.use_distributed_sampler = False
 
 
+def seed_workers_by_replica(loader: Any, replica: int) -> None:
+    """``seed_everything(workers=True)``: Lightning gives a loader without a ``worker_init_fn`` one that seeds each
+    worker by the process's global rank, so the stages of one pipeline (ranks 0 and 1 of one replica) drew
+    different random numbers in their loader's workers (a random crop, noise, masking) and read different
+    batches: the first batches' check refused the run on processes. Seeded here by the replica instead, before
+    Lightning's (which fills only a ``worker_init_fn`` still None): every stage of a replica draws what DDP's
+    rank of that index draws, one replica what one device draws. A ``worker_init_fn`` of the user's own is kept."""
+    if int(os.environ.get("PL_SEED_WORKERS", 0)) and getattr(loader, "worker_init_fn", False) is None:
+        loader.worker_init_fn = functools.partial(pl_worker_init_function, rank=replica)
+
+
 def normalize_mode(trainer: Trainer) -> Literal["mean", "tokens"]:
     for callback in trainer.callbacks:
         mode = getattr(callback, "normalize", None)
@@ -364,8 +376,9 @@ def check_stages_read_alike(
                 "batch's labels, so every stage must read the same batches in the same order (the strategy gives "
                 "every rank rank 0's random streams and the user's loader). Look for data each process draws or "
                 "orders on its own: a generator seeded from the OS (np.random.default_rng(), random.Random()) in "
-                "a Dataset, collate_fn or setup(), files listed in a process-dependent order; seed it from "
-                "torch.initial_seed() or sort it."
+                "a Dataset, collate_fn or setup(), a worker_init_fn of your own seeding by the global rank, files "
+                "listed in a process-dependent order; seed it from torch.initial_seed() (a worker_init_fn: leave it "
+                "to seed_everything(workers=True)) or sort it."
             )
 
 
