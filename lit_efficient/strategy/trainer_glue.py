@@ -8,21 +8,22 @@ batch's size, and the check that the stages of a pipeline read the same batches.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Literal
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.seed import _set_rng_states, pl_worker_init_function
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint
 from torch import Tensor
-from torch.utils._pytree import tree_flatten  # as tools/fake_memory.py
 from typing_extensions import override
 
 from lit_efficient.runtime.profile import first_batch
@@ -378,20 +379,49 @@ def check_stages_read_alike(
                 "orders on its own: a generator seeded from the OS (np.random.default_rng(), random.Random()) in "
                 "a Dataset, collate_fn or setup(), a worker_init_fn of your own seeding by the global rank, files "
                 "listed in a process-dependent order; seed it from torch.initial_seed() (a worker_init_fn: leave it "
-                "to seed_everything(workers=True)) or sort it."
+                "to seed_everything(workers=True)) or sort it. A loader or collate_fn that gives each stage part of "
+                "the batch (branching on the stage or rank) is refused too: every stage receives the whole batch."
             )
 
 
 def batch_fingerprint(batch: Any) -> str:
-    """A digest of a batch's structure and its tensors' bytes, equal on two processes for equal batches."""
-    leaves, spec = tree_flatten(batch)
-    digest = hashlib.blake2b(str(spec).encode(), digest_size=16)
-    for leaf in leaves:
-        if isinstance(leaf, Tensor):
-            t = leaf.detach().cpu()
-            t = (t if t.layout == torch.strided else t.to_dense()).contiguous().reshape(-1)
-            digest.update(f"{t.dtype}{tuple(leaf.shape)}".encode())
-            digest.update(t.view(torch.uint8).numpy().tobytes())
-        elif isinstance(leaf, (str, bytes, int, float, bool, type(None))):  # not an object's address-bearing repr
-            digest.update(repr(leaf).encode())
+    """A digest of a batch's structure and values, equal on two processes for equal batches: tensors and numpy
+    arrays by dtype, shape and bytes; mappings (a dict, Hugging Face's ``BatchEncoding``), lists, tuples, named
+    tuples and dataclasses walked; Python scalars and strings by value; any other object by its type's name
+    alone (its repr may carry its address, a set's order its process's hash seed). torch's pytree took a
+    dataclass, a ``BatchEncoding`` and a numpy array for opaque leaves, so their contents went unseen: stages
+    that read different batches of those trained on, silently."""
+    digest = hashlib.blake2b(digest_size=16)
+    _digest(batch, digest)
     return digest.hexdigest()
+
+
+def _digest(value: Any, digest: Any) -> None:
+    kind = type(value)
+    digest.update(f"<{kind.__module__}.{kind.__qualname__}>".encode())
+    if isinstance(value, Tensor):
+        t = value.detach().cpu()
+        t = (t if t.layout == torch.strided else t.to_dense()).contiguous().reshape(-1)
+        digest.update(f"{t.dtype}{tuple(value.shape)}".encode())
+        digest.update(t.view(torch.uint8).numpy().tobytes())
+    elif isinstance(value, np.ndarray) and value.dtype != object:
+        digest.update(f"{value.dtype}{value.shape}".encode())
+        digest.update(np.ascontiguousarray(value).tobytes())
+    elif isinstance(value, np.ndarray):  # of Python objects (strings): the bytes would be their addresses
+        _digest(value.tolist(), digest)
+    elif isinstance(value, np.generic):
+        digest.update(f"{value.dtype}".encode() + value.tobytes())
+    elif isinstance(value, (str, bytes, int, float, bool, type(None))):
+        digest.update(repr(value).encode())
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            _digest(key, digest)
+            _digest(item, digest)
+    elif isinstance(value, (list, tuple)):
+        digest.update(f"[{len(value)}]".encode())
+        for item in value:
+            _digest(item, digest)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for field in dataclasses.fields(value):
+            digest.update(field.name.encode())
+            _digest(getattr(value, field.name), digest)

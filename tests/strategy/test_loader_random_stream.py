@@ -11,6 +11,7 @@ stage took the loss of one batch's outputs against another batch's targets, sile
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -177,3 +178,38 @@ def test_a_batch_digest_sees_every_byte_shape_and_key_and_no_object_address() ->
     assert batch_fingerprint(sparse) == batch_fingerprint(torch.eye(3).to_sparse())
     assert batch_fingerprint(sparse) != batch_fingerprint((2 * torch.eye(3)).to_sparse())
     assert batch_fingerprint(torch.zeros(2, dtype=torch.bfloat16)) != batch_fingerprint(torch.zeros(2))
+
+
+@dataclasses.dataclass
+class _Pair:
+    ids: torch.Tensor
+    labels: torch.Tensor
+
+
+def test_a_batch_digest_sees_inside_dataclasses_hugging_face_encodings_and_numpy_arrays() -> None:
+    """A user audit: stages whose loader drew its order from the OS were refused for dict and tuple batches, but
+    a dataclass, Hugging Face's BatchEncoding (its collators' batch) and numpy arrays were opaque to the digest:
+    two processes' different batches trained on, stage 0's inputs scored against the other batch's labels."""
+    from transformers import BatchEncoding
+
+    from lit_efficient.strategy.trainer_glue import batch_fingerprint
+
+    ids = torch.arange(12).reshape(3, 4)
+    other = ids.flip(0)
+    alike = [
+        (_Pair(ids, ids + 1), _Pair(ids.clone(), ids + 1), _Pair(other, other + 1)),
+        (
+            BatchEncoding({"input_ids": ids}),
+            BatchEncoding({"input_ids": ids.clone()}),
+            BatchEncoding({"input_ids": other}),
+        ),
+        ({"ids": ids.numpy()}, {"ids": ids.numpy().copy()}, {"ids": other.numpy()}),
+        (np.array(["a", "b"], dtype=object), np.array(["a", "b"], dtype=object), np.array(["a", "c"], dtype=object)),
+        ({"n": np.int64(3)}, {"n": np.int64(3)}, {"n": np.int64(4)}),
+        ({"tags": {"x", "y"}}, {"tags": {"y", "x"}}, None),  # unordered: compared by type alone
+    ]
+    for batch, same, different in alike:
+        assert batch_fingerprint(batch) == batch_fingerprint(same), batch
+        if different is not None:
+            assert batch_fingerprint(batch) != batch_fingerprint(different), (batch, different)
+    assert batch_fingerprint(_Pair(ids, ids)) != batch_fingerprint((ids, ids))  # the container's type counts
