@@ -5,6 +5,7 @@ file as it is, or what `sharded_read` gives a rank), whatever layout wrote it an
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 from torch import Tensor, nn
@@ -20,6 +21,14 @@ def local_state_dict(checkpoint: dict[str, Any], module: nn.Module, replica_key:
         source = {**source, **replicas[replica_key]["state_dict"]}
     keys = module.state_dict().keys()
     return {k: source[k] for k in keys if k in source}
+
+
+def unexpected_keys(checkpoint: dict[str, Any], expected: Collection[str]) -> list[str]:
+    """The checkpoint's weight keys the whole module does not have (a rank reads only its stage's share of a
+    folder, which records all of its keys)."""
+    saved = checkpoint.get("pipeline", {}).get("saved_keys", checkpoint["state_dict"].keys())
+    expected = set(expected)
+    return [k for k in saved if k not in expected]
 
 
 def local_optimizer_state(

@@ -100,7 +100,10 @@ def read(
             request[flat] = None
     loaded = _read(reader, request, weights_only)
     meta = load_file(path / META, weights_only) if (path / META).is_file() else {}
-    return file_view(_tree({**small, **loaded}, paths), meta)
+    view = file_view(_tree({**small, **loaded}, paths), meta)
+    # Every key the folder holds, not only this process's: what a strict load compares with the whole module's.
+    view["pipeline"]["saved_keys"] = [paths[flat][1] for flat in entries if paths[flat][0] == "model"]
+    return view
 
 
 def file_view(tree: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:

@@ -235,23 +235,31 @@ def unsplit(split: Split, state_dicts: dict[int, dict[str, torch.Tensor]], devic
 
 
 @contextmanager
-def every_layer(split: Split) -> Iterator[list[nn.Module] | None]:
-    """Within the block, every layer is in its place in the module: the hosted ones as they are, the others as their
-    structure on the meta device (no weights); yields them in layer order. None where a layer is an adapter (parts
-    of its own, not one module of the tree): there is no one module to give. Every part is back afterwards."""
-    indices = [i for i, _, _ in split.slots]
-    if len(indices) != len(set(indices)):  # an adapter's several parts
-        yield None
-        return
+def every_part_in_place(split: Split) -> Iterator[None]:
+    """Within the block, every part is in its place in the module: the hosted ones as they are, the others as their
+    structure on the meta device (no weights), so the module's ``state_dict`` keys are the unsplit module's. Every
+    part is back afterwards."""
     parts = [_get(parent, name) for _, parent, name in split.slots]
     try:
         for (_, parent, name), part in zip(split.slots, parts, strict=True):
             if isinstance(part, LayerOnOtherStage):
                 _set(parent, name, part.structure)
-        yield [_get(parent, name) for _, parent, name in split.slots]
+        yield
     finally:
         for (_, parent, name), part in zip(split.slots, parts, strict=True):
             _set(parent, name, part)
+
+
+@contextmanager
+def every_layer(split: Split) -> Iterator[list[nn.Module] | None]:
+    """Within the block, every layer is in its place (`every_part_in_place`); yields them in layer order. None where
+    a layer is an adapter (parts of its own, not one module of the tree): there is no one module to give."""
+    indices = [i for i, _, _ in split.slots]
+    if len(indices) != len(set(indices)):  # an adapter's several parts
+        yield None
+        return
+    with every_part_in_place(split):
+        yield [_get(parent, name) for _, parent, name in split.slots]
 
 
 @contextmanager

@@ -16,6 +16,7 @@ The functions take the strategy (`lit_efficient.strategy.paci.PACIStrategy`) who
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import warnings
 from dataclasses import dataclass
@@ -40,9 +41,15 @@ from lit_efficient.checkpoint.merge import (
     regroup_schedulers,
     to_automatic_loops,
 )
-from lit_efficient.checkpoint.restore import local_accumulation, local_optimizer_state, local_state_dict
+from lit_efficient.checkpoint.restore import (
+    local_accumulation,
+    local_optimizer_state,
+    local_state_dict,
+    unexpected_keys,
+)
 from lit_efficient.checkpoint.single_file import gather_to_rank_zero, load_file, write_atomically
 from lit_efficient.replicas.sharded_optimizer import ShardedOptimizer
+from lit_efficient.runtime.split import every_part_in_place
 from lit_efficient.runtime.tied import restore_tied
 from lit_efficient.strategy.config import check_checkpoint_path
 from lit_efficient.strategy.hosting import HostedStage
@@ -353,6 +360,18 @@ def load_weights(strategy: Any, checkpoint: dict[str, Any], strict: bool) -> Non
             UserWarning,
             stacklevel=2,
         )
+    if strict:  # this process's load sees its own keys only: another model's extra layers were dropped silently
+        split = strategy._split  # None: never split here, the module is whole
+        with every_part_in_place(split) if split is not None else contextlib.nullcontext():
+            unexpected = unexpected_keys(checkpoint, module.state_dict().keys())
+        if unexpected:
+            listed = ", ".join(f'"{k}"' for k in unexpected[:8]) + (" ..." if len(unexpected) > 8 else "")
+            raise RuntimeError(
+                f"Error(s) in loading state_dict for {type(module).__name__}:\n\tUnexpected key(s) in state_dict: "
+                f"{listed} ({len(unexpected)} the model does not have). The checkpoint was written for another "
+                "model; resume from one of this model, or set strict_loading = False on the LightningModule to "
+                "drop them."
+            )
     module.load_state_dict(local_state_dict(checkpoint, module, own), strict=strict)
 
 

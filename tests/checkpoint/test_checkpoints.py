@@ -96,6 +96,21 @@ def test_a_two_stage_checkpoint_resumes_on_another_layout(saved, name, strategy,
     assert _max_diff(resumed, saved["full"]) <= 1e-5, name
 
 
+def test_another_models_checkpoint_is_refused_as_one_device_refuses_it_unless_loading_is_not_strict(saved):
+    """A 2-block GPT's checkpoint into a 1-block one: one device raises torch's "Unexpected key(s)"; the pipeline
+    loaded only the keys the model has and resumed silently. ``strict_loading = False`` drops them, as there."""
+    for strategy in ("auto", _flush()):
+        with pytest.raises(RuntimeError, match=r'Unexpected key\(s\) in state_dict: "blocks\.1\.'):
+            _trainer(strategy, 1, 4).fit(_model(n_layer=1), datamodule=_ordered(), ckpt_path=saved["path"])
+    losses = []
+    for strategy in ("auto", _flush()):
+        model = _model(n_layer=1)
+        model.strict_loading = False
+        trainer = _trainer(strategy, 1, 4, limit_val_batches=2)
+        losses.append(trainer.validate(model, datamodule=_ordered(), ckpt_path=saved["path"], verbose=False)[0])
+    assert losses[1]["val_loss"] == pytest.approx(losses[0]["val_loss"], rel=1e-6)
+
+
 def test_a_one_device_checkpoint_resumes_as_a_pipeline(saved):
     resumed = _resume(_flush(), 2, saved["single_path"])
     assert _max_diff(resumed, saved["full"]) <= 1e-5

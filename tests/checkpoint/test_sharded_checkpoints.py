@@ -188,6 +188,13 @@ def test_a_tied_gpt_folder_holds_one_devices_optimizer_and_resumes_on_both_sides
     assert _max_diff(fit(_sharded(), 2, 3, ckpt_path=tmp_path / "piped" / "last.ckpt"), want) <= 1e-6
 
 
+def test_another_models_folder_is_refused_on_every_rank_naming_the_keys_it_does_not_have(saved):
+    """A user audit: a folder of a 2-block GPT resumed a 1-block one silently (each rank loads only its stage's keys,
+    so a strict load never saw the block the model lacks), where one device raises torch's "Unexpected key(s)"."""
+    with pytest.raises(Exception, match=r'Unexpected key\(s\) in state_dict: "blocks\.1\.'):
+        _trainer(_sharded(), 2, 6).fit(_model(n_layer=1), datamodule=_ordered(), ckpt_path=str(saved["path"]))
+
+
 def test_a_rank_reads_only_its_stage(saved):
     """Stage 1 of 2 (the last layers) reads its weights and its parameters' optimizer state, nothing else."""
     model = _model()
