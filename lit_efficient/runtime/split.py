@@ -263,11 +263,12 @@ def every_layer(split: Split) -> Iterator[list[nn.Module] | None]:
 
 
 @contextmanager
-def only_stage(split: Split, stage: int) -> Iterator[None]:
+def only_stage(split: Split, stage: int | None) -> Iterator[None]:
     """Within the block, the split module holds only ``stage``'s parts (the others are placeholders without
     parameters), as on that stage's rank after `split_module`: ``parameters()``, ``state_dict()`` and
-    ``configure_optimizers`` see that stage alone. Every part is back in its place afterwards, the same
-    object, untouched. On a rank that hosts ``stage`` alone nothing changes."""
+    ``configure_optimizers`` see that stage alone (``None``: no layer, only what the module holds itself). Every
+    part is back in its place afterwards, the same object, untouched. On a rank that hosts ``stage`` alone
+    nothing changes."""
     parts = [_get(parent, name) for _, parent, name in split.slots]
     used = {(id(parent), name) for i, parent, name in split.slots if split.stage_of_layer(i) == stage}
     try:

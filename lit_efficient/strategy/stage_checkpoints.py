@@ -49,7 +49,7 @@ from lit_efficient.checkpoint.restore import (
 )
 from lit_efficient.checkpoint.single_file import gather_to_rank_zero, load_file, write_atomically
 from lit_efficient.replicas.sharded_optimizer import ShardedOptimizer
-from lit_efficient.runtime.split import every_part_in_place
+from lit_efficient.runtime.split import every_part_in_place, only_stage
 from lit_efficient.runtime.tied import restore_tied
 from lit_efficient.strategy.config import check_checkpoint_path
 from lit_efficient.strategy.hosting import HostedStage
@@ -130,15 +130,20 @@ def pipeline_state(strategy: Any, hosted: HostedStage) -> dict[str, Any]:
 def live_records(strategy: Any) -> list[StageRecord]:
     """This process's stages as they are now, each read in its own view of the module (`PACIStrategy.stage_view`)."""
     module = strategy.lightning_module
+    # What the module holds outside its layers (a buffer registered on it) is in every stage's view, a copy on each
+    # rank: saved from the last stage's alone (global rank 0's, in both formats; the folder kept another rank's).
+    with only_stage(strategy._split, None):
+        own = set(module.state_dict().keys())
     records = []
     for hosted in strategy.hosted:
         with strategy.stage_view(hosted.index):
             names = {id(p): n for n, p in module.named_parameters()}
             optimizer = hosted.optimizer
             groups = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups] if optimizer else []
+            keys = [k for k in module.state_dict() if hosted.index == strategy.pipeline_stages - 1 or k not in own]
             records.append(StageRecord(
-                hosted.index, strategy.replica, list(module.state_dict().keys()), groups,
-                pipeline_state(strategy, hosted), hosted.tied_copy_names(names)[1],
+                hosted.index, strategy.replica, keys, groups, pipeline_state(strategy, hosted),
+                hosted.tied_copy_names(names)[1],
             ))  # fmt: skip
     return records
 

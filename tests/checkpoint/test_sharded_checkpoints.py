@@ -27,7 +27,7 @@ from lit_efficient.checkpoint import sharded_read, sharded_write
 from lit_efficient.checkpoint.merge import assemble, names_of_groups, rank_share
 from lit_efficient.checkpoint.single_file import load_file
 from lit_efficient.models import GPT
-from tests.support.checkpoints import FORMATS, SaveBothFormatsAt
+from tests.support.checkpoints import FORMATS, SaveBothFormatsAt, one_file
 from tests.support.compare import assert_equal as _assert_equal
 from tests.support.gpt_runs import gpt_model as _model
 from tests.support.gpt_runs import gpt_trainer as _trainer
@@ -193,6 +193,32 @@ def test_another_models_folder_is_refused_on_every_rank_naming_the_keys_it_does_
     so a strict load never saw the block the model lacks), where one device raises torch's "Unexpected key(s)"."""
     with pytest.raises(Exception, match=r'Unexpected key\(s\) in state_dict: "blocks\.1\.'):
         _trainer(_sharded(), 2, 6).fit(_model(n_layer=1), datamodule=_ordered(), ckpt_path=str(saved["path"]))
+
+
+class _CountsInputs(GPT):
+    """A buffer on the module itself, outside its pipeline layers, that ``pipeline_input`` updates: on processes
+    each rank keeps its own copy (stage 0 counts every micro-batch; the last stage, which runs none in training,
+    none)."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.register_buffer("inputs_seen", torch.zeros(()))
+
+    def pipeline_input(self, batch):
+        self.inputs_seen += 1
+        return super().pipeline_input(batch)
+
+
+def test_the_modules_own_state_is_the_last_stages_in_both_formats(tmp_path):
+    """A user audit: the file kept the last stage's copy of such a buffer and the folder stage 0's, so the two
+    formats of one save disagreed. Both now hold the last stage's (global rank 0's, whose model Lightning logs
+    from and evaluates), as docs/own-model.md says."""
+    L.seed_everything(0)
+    model = _CountsInputs(n_layer=2, n_head=2, n_embd=32, block_size=32, warmup_steps=2, max_steps=20)
+    save = SaveBothFormatsAt(tmp_path, batch_idx=7, prefix="mid")
+    _trainer(_sharded(), 2, 3, callbacks=[save]).fit(model, datamodule=_ordered())
+    seen = {fmt: torch.load(one_file(tmp_path / f"mid-{fmt}.ckpt"))["state_dict"]["inputs_seen"] for fmt in FORMATS}
+    assert seen["file"] == seen["sharded"] == 0, seen  # stage 0 had counted 8
 
 
 def test_a_rank_reads_only_its_stage(saved):
