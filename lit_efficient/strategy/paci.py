@@ -447,6 +447,7 @@ class PACIStrategy(DDPStrategy):
         self._was_automatic = True
         self._eval_index = 0
         self._failed = False
+        self._writing_alone = False  # inside a prediction writer's hook, which the last stage's ranks alone run
         self._group_kept = False  # whether this run found the default group formed (`setup_distributed`)
         self._forward_unchecked = False  # whether the fit's first batch is still to check forward (`forward_check`)
 
@@ -822,7 +823,7 @@ class PACIStrategy(DDPStrategy):
             self._module_logs_train_loss = False
             watch_own_train_loss(module, self._module_logged_train_loss)
             checkpoints_see_the_users_optimization(trainer)
-        writers_where_the_predictions_are(trainer, self.is_last_stage)
+        writers_where_the_predictions_are(trainer, self.is_last_stage, None if self.in_process else self._alone)
         swap_stock_progress_bar(trainer)
         split = self._split
         summarize_the_unsplit_model(trainer, lambda: split.ties if split else ())
@@ -1398,6 +1399,37 @@ class PACIStrategy(DDPStrategy):
 
     # -- collectives ------------------------------------------------------------------------------
 
+    @contextmanager
+    def _alone(self) -> Iterator[None]:
+        """A prediction writer's write hooks, which run on the last stage's ranks only: see `_every_rank`."""
+        self._writing_alone = True
+        try:
+            yield
+        finally:
+            self._writing_alone = False
+
+    def _every_rank(self, call: str) -> None:
+        """Refuse a collective of every rank inside a prediction writer's hook: the other stages' ranks run none of
+        those hooks, so it waited for them until the group's timeout (30 minutes by default), then blamed a lost
+        peer, and a SIGTERM did not end the wait."""
+        if self._writing_alone:
+            raise RuntimeError(
+                f"PACIStrategy: {call} inside a BasePredictionWriter's write hook waits for every rank, but only the "
+                "ranks hosting the last stage run those hooks (the predict steps ran there alone), so the others "
+                "would never come. Gather the predictions of the last stage's replicas with pl_module.all_gather(...) "
+                "(each replica's share, as under DDP), or after trainer.predict returns."
+            )
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        self._every_rank("trainer.strategy.barrier()")
+        super().barrier(*args, **kwargs)
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        self._every_rank("trainer.strategy.broadcast()")
+        return super().broadcast(obj, src)
+
     @override
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         # Metrics logged with sync_dist=True come from the last stage of each replica only: reduce
@@ -1415,6 +1447,8 @@ class PACIStrategy(DDPStrategy):
         # stays the world: callbacks call it on every rank (PipelineMonitor gathers every stage's timings).
         if group is dist.group.WORLD and self.topology is not None and self._dp_groups:
             group = self._dp_groups[self.stage]
+        if group is None:
+            self._every_rank("trainer.strategy.all_gather()")
         return super().all_gather(tensor, group=group, sync_grads=sync_grads)
 
     @override

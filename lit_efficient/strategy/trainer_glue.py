@@ -14,7 +14,7 @@ import hashlib
 import os
 import re
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Literal
 
 import numpy as np
@@ -187,17 +187,31 @@ def _as_automatic(callback: ModelCheckpoint) -> Callable[..., None]:
     return on_train_batch_end
 
 
-def writers_where_the_predictions_are(trainer: Trainer, last_stage: bool) -> None:
+def writers_where_the_predictions_are(
+    trainer: Trainer, last_stage: bool, alone: Callable[[], AbstractContextManager[None]] | None = None
+) -> None:
     """A ``BasePredictionWriter`` writes on the ranks of the last stage only (one per replica, as DDP's ranks each
     write their share): elsewhere the predict steps never ran, and every prediction it was given was None (a
-    ``torch.cat`` of them raised on stage 0's ranks and ended the job). `give_callbacks_back` undoes it."""
-    if last_stage:
-        return
+    ``torch.cat`` of them raised on stage 0's ranks and ended the job). On the last stage's ranks its write hooks
+    run within ``alone`` (where the other ranks run none: the strategy refuses a collective of every rank there,
+    which waited for them until the group's timeout). `give_callbacks_back` undoes it."""
     for callback in trainer.callbacks:
         if isinstance(callback, BasePredictionWriter):
             for hook in ("on_predict_batch_end", "on_predict_epoch_end"):
-                if hook not in callback.__dict__:
+                if hook in callback.__dict__:
+                    continue
+                if not last_stage:
                     _shadow(callback, hook, _nothing_to_write)
+                elif alone is not None:
+                    _shadow(callback, hook, _within(alone, getattr(callback, hook)))
+
+
+def _within(context: Callable[[], AbstractContextManager[None]], hook: Callable[..., Any]) -> Callable[..., Any]:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with context():
+            return hook(*args, **kwargs)
+
+    return run
 
 
 def _nothing_to_write(*args: Any, **kwargs: Any) -> None:

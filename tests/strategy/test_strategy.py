@@ -220,6 +220,28 @@ def test_validate_test_and_predict_equal_unsplit_model_on_every_rank(tmp_path):
     assert torch.allclose(predictions, torch.load(tmp_path / "one" / "predictions-0.pt"), atol=1e-5)
 
 
+class _WaitsForEveryRank(_Writer):
+    """A DDP pattern: every rank writes its file, then a barrier before rank 0 reads them all; the last stage's
+    ranks also gather with the module's all_gather (its stage's replicas), which works."""
+
+    def write_on_epoch_end(self, trainer, pl_module, predictions, batch_indices) -> None:
+        super().write_on_epoch_end(trainer, pl_module, predictions, batch_indices)
+        count = pl_module.all_gather(torch.tensor(len(predictions)))
+        Path(self.root, "gathered.json").write_text(json.dumps(count.tolist()))
+        trainer.strategy.barrier()
+
+
+def test_a_writer_waiting_for_every_rank_is_refused_at_once_naming_what_gathers(tmp_path):
+    """A user audit: only the last stage's ranks run a writer's hooks, so its barrier waited for the other ranks
+    until the group's timeout (30 minutes by default; SIGTERM did not end it), then blamed a lost peer."""
+    piped = L.Trainer(accelerator="cpu", devices=2, logger=False, enable_progress_bar=False, limit_predict_batches=2,
+                      strategy=PACIStrategy(start_method="forkserver", timeout=timedelta(seconds=30)),
+                      enable_model_summary=False, callbacks=[_WaitsForEveryRank(tmp_path)])  # fmt: skip
+    with pytest.raises(Exception, match=r"barrier\(\) inside a BasePredictionWriter's write hook (.|\n)*all_gather"):
+        piped.predict(_model(), datamodule=_data(), return_predictions=False)
+    assert json.loads((tmp_path / "gathered.json").read_text()) == [2]
+
+
 def test_validation_metrics_cover_every_replica():
     """2 stages x 2 replicas: each replica validates half of the batches (DistributedSampler), and
     val_loss and val_ppl are the means over all of them, as on one device over the same batches."""
