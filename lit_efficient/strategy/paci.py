@@ -823,7 +823,9 @@ class PACIStrategy(DDPStrategy):
             self._module_logs_train_loss = False
             watch_own_train_loss(module, self._module_logged_train_loss)
             checkpoints_see_the_users_optimization(trainer)
-        writers_where_the_predictions_are(trainer, self.is_last_stage, None if self.in_process else self._alone)
+        # One process, or one stage (every rank the last): every rank runs the writer's hooks.
+        alone = None if self.in_process or self.pipeline_stages == 1 else self._alone
+        writers_where_the_predictions_are(trainer, self.is_last_stage, alone)
         swap_stock_progress_bar(trainer)
         split = self._split
         summarize_the_unsplit_model(trainer, lambda: split.ties if split else ())

@@ -127,13 +127,18 @@ def pipeline_state(strategy: Any, hosted: HostedStage) -> dict[str, Any]:
     return state
 
 
-def live_records(strategy: Any) -> list[StageRecord]:
-    """This process's stages as they are now, each read in its own view of the module (`PACIStrategy.stage_view`)."""
+def live_records(strategy: Any, module_state_on_every_stage: bool = False) -> list[StageRecord]:
+    """This process's stages as they are now, each read in its own view of the module (`PACIStrategy.stage_view`).
+
+    What the module holds outside its layers (a buffer registered on it) is in every stage's view, a copy on each
+    rank: a checkpoint saves the last stage's alone (global rank 0's, in both formats; the folder kept another
+    rank's). ``module_state_on_every_stage``: each stage keeps its own copy, as a healing peer of the same stage
+    loads it (`in_memory`)."""
     module = strategy.lightning_module
-    # What the module holds outside its layers (a buffer registered on it) is in every stage's view, a copy on each
-    # rank: saved from the last stage's alone (global rank 0's, in both formats; the folder kept another rank's).
-    with only_stage(strategy._split, None):
-        own = set(module.state_dict().keys())
+    own: set[str] = set()
+    if not module_state_on_every_stage:
+        with only_stage(strategy._split, None):
+            own = set(module.state_dict().keys())
     records = []
     for hosted in strategy.hosted:
         with strategy.stage_view(hosted.index):
@@ -215,7 +220,8 @@ def _replicas_agree(strategy: Any) -> None:
 def in_memory(strategy: Any, checkpoint: dict[str, Any]) -> dict[str, Any]:
     """This process's stages as the dict a resume loads, built in memory from Lightning's ``checkpoint``: what a
     healing peer rank of another replica group loads (`strategy.fault_tolerant`), by the shares a save writes."""
-    shares, base = _shares(strategy, checkpoint, live_records(strategy), StageOptimizer.of(strategy.hosted))
+    records = live_records(strategy, module_state_on_every_stage=True)
+    shares, base = _shares(strategy, checkpoint, records, StageOptimizer.of(strategy.hosted))
     return assemble(base, shares, strategy.layout())
 
 

@@ -410,7 +410,7 @@ def batch_fingerprint(batch: Any) -> str:
     return digest.hexdigest()
 
 
-def _digest(value: Any, digest: Any) -> None:
+def _digest(value: Any, digest: Any, path: frozenset[int] = frozenset()) -> None:
     kind = type(value)
     digest.update(f"<{kind.__module__}.{kind.__qualname__}>".encode())
     if isinstance(value, Tensor):
@@ -418,24 +418,29 @@ def _digest(value: Any, digest: Any) -> None:
         t = (t if t.layout == torch.strided else t.to_dense()).contiguous().reshape(-1)
         digest.update(f"{t.dtype}{tuple(value.shape)}".encode())
         digest.update(t.view(torch.uint8).numpy().tobytes())
-    elif isinstance(value, np.ndarray) and value.dtype != object:
+    elif isinstance(value, np.ndarray) and not value.dtype.hasobject:
         digest.update(f"{value.dtype}{value.shape}".encode())
         digest.update(np.ascontiguousarray(value).tobytes())
-    elif isinstance(value, np.ndarray):  # of Python objects (strings): the bytes would be their addresses
-        _digest(value.tolist(), digest)
+    elif isinstance(value, np.ndarray):  # holding Python objects (strings): their bytes would be addresses
+        _digest(value.tolist(), digest, path)
     elif isinstance(value, np.generic):
-        digest.update(f"{value.dtype}".encode() + value.tobytes())
+        _digest(value.item(), digest, path)
     elif isinstance(value, (str, bytes, int, float, bool, type(None))):
         digest.update(repr(value).encode())
+    elif id(value) in path:  # a container holding itself (a dataclass pointing back at its parent)
+        digest.update(b"<cycle>")
     elif isinstance(value, Mapping):
+        inside = path | {id(value)}
         for key, item in value.items():
-            _digest(key, digest)
-            _digest(item, digest)
+            _digest(key, digest, inside)
+            _digest(item, digest, inside)
     elif isinstance(value, (list, tuple)):
         digest.update(f"[{len(value)}]".encode())
+        inside = path | {id(value)}
         for item in value:
-            _digest(item, digest)
+            _digest(item, digest, inside)
     elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        inside = path | {id(value)}
         for field in dataclasses.fields(value):
             digest.update(field.name.encode())
-            _digest(getattr(value, field.name), digest)
+            _digest(getattr(value, field.name), digest, inside)

@@ -19,7 +19,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import nn
 
 from lit_efficient import GradientAccumulation, PACIStrategy, consolidate_checkpoint
@@ -27,6 +27,7 @@ from lit_efficient.checkpoint import sharded_read, sharded_write
 from lit_efficient.checkpoint.merge import assemble, names_of_groups, rank_share
 from lit_efficient.checkpoint.single_file import load_file
 from lit_efficient.models import GPT
+from lit_efficient.strategy import stage_checkpoints
 from tests.support.checkpoints import FORMATS, SaveBothFormatsAt, one_file
 from tests.support.compare import assert_equal as _assert_equal
 from tests.support.gpt_runs import gpt_model as _model
@@ -209,14 +210,23 @@ class _CountsInputs(GPT):
         return super().pipeline_input(batch)
 
 
+class _HealsFromItself(Callback):
+    """What a torchft peer of the same stage loads (`stage_checkpoints.in_memory`), loaded strictly by this rank."""
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        dumped = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        stage_checkpoints.load_weights(trainer.strategy, stage_checkpoints.in_memory(trainer.strategy, dumped), True)
+
+
 def test_the_modules_own_state_is_the_last_stages_in_both_formats(tmp_path):
     """A user audit: the file kept the last stage's copy of such a buffer and the folder stage 0's, so the two
     formats of one save disagreed. Both now hold the last stage's (global rank 0's, whose model Lightning logs
-    from and evaluates), as docs/own-model.md says."""
+    from and evaluates), as docs/own-model.md says; a healing peer's state keeps each stage's own copy (the review:
+    stage 0's strict load of it missed the key)."""
     L.seed_everything(0)
     model = _CountsInputs(n_layer=2, n_head=2, n_embd=32, block_size=32, warmup_steps=2, max_steps=20)
     save = SaveBothFormatsAt(tmp_path, batch_idx=7, prefix="mid")
-    _trainer(_sharded(), 2, 3, callbacks=[save]).fit(model, datamodule=_ordered())
+    _trainer(_sharded(), 2, 3, callbacks=[save, _HealsFromItself()]).fit(model, datamodule=_ordered())
     seen = {fmt: torch.load(one_file(tmp_path / f"mid-{fmt}.ckpt"))["state_dict"]["inputs_seen"] for fmt in FORMATS}
     assert seen["file"] == seen["sharded"] == 0, seen  # stage 0 had counted 8
 

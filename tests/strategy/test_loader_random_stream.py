@@ -213,3 +213,11 @@ def test_a_batch_digest_sees_inside_dataclasses_hugging_face_encodings_and_numpy
         if different is not None:
             assert batch_fingerprint(batch) != batch_fingerprint(different), (batch, different)
     assert batch_fingerprint(_Pair(ids, ids)) != batch_fingerprint((ids, ids))  # the container's type counts
+    # The review: a structured array with an object field hashed its addresses; a cycle recursed without end.
+    record = [("s", object), ("i", int)]
+    assert batch_fingerprint(np.array([("a" * 3, 1)], dtype=record)) == batch_fingerprint(
+        np.array([("".join(["a", "aa"]), 1)], dtype=record)
+    )
+    parent = _Pair(ids, ids)
+    parent.labels = [parent]
+    assert batch_fingerprint(parent) == batch_fingerprint(parent)

@@ -240,6 +240,12 @@ def test_a_writer_waiting_for_every_rank_is_refused_at_once_naming_what_gathers(
     with pytest.raises(Exception, match=r"barrier\(\) inside a BasePredictionWriter's write hook (.|\n)*all_gather"):
         piped.predict(_model(), datamodule=_data(), return_predictions=False)
     assert json.loads((tmp_path / "gathered.json").read_text()) == [2]
+    # One stage on two processes (LocalSGD's switch from DDP): every rank is the last and runs the hooks, as DDP's.
+    replicas = L.Trainer(accelerator="cpu", devices=2, logger=False, enable_progress_bar=False, limit_predict_batches=2,
+                         strategy=PACIStrategy(pipeline_stages=1, start_method="forkserver"),
+                         enable_model_summary=False, callbacks=[_WaitsForEveryRank(tmp_path)])  # fmt: skip
+    replicas.predict(_model(), datamodule=_data(), return_predictions=False)
+    assert json.loads((tmp_path / "gathered.json").read_text()) == [2, 2]
 
 
 def test_validation_metrics_cover_every_replica():
