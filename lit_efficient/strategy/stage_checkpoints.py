@@ -16,7 +16,6 @@ The functions take the strategy (`lit_efficient.strategy.paci.PACIStrategy`) who
 
 from __future__ import annotations
 
-import contextlib
 import shutil
 import warnings
 from dataclasses import dataclass
@@ -372,8 +371,8 @@ def load_weights(strategy: Any, checkpoint: dict[str, Any], strict: bool) -> Non
             stacklevel=2,
         )
     if strict:  # this process's load sees its own keys only: another model's extra layers were dropped silently
-        split = strategy._split  # None: never split here, the module is whole
-        with every_part_in_place(split) if split is not None else contextlib.nullcontext():
+        assert strategy._split is not None  # setup splits before any load (`restore_checkpoint_after_setup`)
+        with every_part_in_place(strategy._split):
             unexpected = unexpected_keys(checkpoint, module.state_dict().keys())
         if unexpected:
             listed = ", ".join(f'"{k}"' for k in unexpected[:8]) + (" ..." if len(unexpected) > 8 else "")
