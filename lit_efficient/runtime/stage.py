@@ -331,7 +331,7 @@ class PipelineStage:
             window: The optimizer step's number (for error messages).
         """
         start = self.clock.mark()
-        params = list(self.parameters())
+        params = self._stepped_parameters()
         grads = [p.grad for p in params if p.grad is not None]
         totals = self._window if self._window is not None else torch.stack([self._one, 0 * self._one, -self._one])
         if self.reduce_gradients is not None:
@@ -436,6 +436,17 @@ class PipelineStage:
                 if id(p) not in seen:
                     seen.add(id(p))
                     yield p
+
+    def _stepped_parameters(self) -> list[nn.Parameter]:
+        """What a step normalizes, checks, clips and reduces: the optimizer's parameters, as Lightning's clipping
+        reads only ``main_params(optimizer)``. A parameter left out of the optimizer ("frozen by omission", its
+        ``requires_grad`` still True) keeps gathering gradients, as on one device, but no longer counted in the
+        clipped norm (it was, and clipped the others by a norm one device never sees)."""
+        if self.optimizer is None:
+            return list(self.parameters())
+        seen: set[int] = set()
+        stepped = [p for group in self.optimizer.param_groups for p in group["params"]]
+        return [p for p in stepped if id(p) not in seen and not seen.add(id(p))]
 
     @property
     def oldest_in_flight(self) -> int | None:
