@@ -184,7 +184,9 @@ class ShardedOptimizer:
         others = [g for g in grads if id(g) not in mine]  # a stage parameter the optimizer does not hold
         bad = torch.zeros((), dtype=totals.dtype, device=totals.device)
         for bucket in self._buckets:
-            live = [p.grad for _, p in bucket.params]
+            # A frozen parameter (no gradient on any replica) reduces zeros and keeps no gradient: stepped with one,
+            # AdamW's weight decay would move it.
+            live = [p.grad if p.grad is not None else torch.zeros_like(p) for _, p in bucket.params]
             flat = bucket.flatten(live)
             chunk = flat.new_empty(bucket.chunk)
             _reduce_scatter(chunk, flat, group=self.group)
@@ -196,8 +198,9 @@ class ShardedOptimizer:
         head = torch.stack([totals[0], totals[1], bad])
         all_reduce_flat([*others, head], self.group)
         totals[:2] = head[:2]
-        if self._params:  # without a host sync: NaN into the first element where any chunk was non-finite
-            first = self._params[0].grad.view(-1)[:1]
+        holding = [p for p in self._params if p.grad is not None]
+        if holding:  # without a host sync: NaN into the first element where any chunk was non-finite
+            first = holding[0].grad.view(-1)[:1]
             first.copy_(torch.where(head[2:3] > 0, torch.full_like(first, float("nan")), first))
         return totals
 

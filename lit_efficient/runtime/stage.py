@@ -332,14 +332,16 @@ class PipelineStage:
         """
         start = self.clock.mark()
         params = self._stepped_parameters()
-        grads = [p.grad for p in params if p.grad is not None]
         totals = self._window if self._window is not None else torch.stack([self._one, 0 * self._one, -self._one])
         if self.reduce_gradients is not None:
-            # Replicas must reduce the same list of tensors: materialize grads of unused parameters.
+            # Replicas must reduce the same list of tensors: materialize grads of unused parameters. Not of frozen
+            # ones (requires_grad=False alike on every replica): given a zero gradient, the optimizer would step
+            # them (AdamW's weight decay moved frozen weights on replicas alone).
             for p in params:
-                if p.grad is None:
+                if p.grad is None and p.requires_grad:
                     p.grad = torch.zeros_like(p)
-            grads = [p.grad for p in params]
+        grads = [p.grad for p in params if p.grad is not None]
+        if self.reduce_gradients is not None:
             totals = self.reduce_gradients(grads, totals)
         for g in grads:
             g.div_(totals[0])

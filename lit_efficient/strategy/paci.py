@@ -713,7 +713,7 @@ class PACIStrategy(DDPStrategy):
         optimizer, configs, step_wise, epoch_wise = None, [], None, []
         if fitting:
             with self.stage_view(index):
-                self._setup_stage_optimizer(trainer, index)
+                self._setup_stage_optimizer(trainer, index, layers)
             optimizer, configs = self.optimizers[0], list(self.lr_scheduler_configs)
             step_wise, epoch_wise = step_schedulers(configs, scheduler_stepper(module))
             if index == self.hosted_stages[0]:
@@ -835,7 +835,7 @@ class PACIStrategy(DDPStrategy):
         if not self.in_process:
             self._sync_advice_back = without_sync_advice(self.topology.num_replicas)
 
-    def _setup_stage_optimizer(self, trainer: Trainer, index: int) -> None:
+    def _setup_stage_optimizer(self, trainer: Trainer, index: int, layers: list) -> None:
         """Lightning's `setup_optimizers` while only stage ``index``'s layers are present, refusing anything but one
         optimizer with the way to write it."""
         one = (
@@ -853,9 +853,7 @@ class PACIStrategy(DDPStrategy):
         except ValueError as err:
             if "empty parameter list" not in str(err):
                 raise
-            raise ValueError(
-                f"configure_optimizers built an optimizer over modules that are all on other stages ({err}). {one}"
-            ) from err
+            raise ValueError(self._empty_optimizer_advice(index, layers, err, one)) from err
         except RuntimeError as err:  # Lightning's advice for several optimizers is manual optimization: not here
             if "multiple optimizers" not in str(err):
                 raise
@@ -870,6 +868,29 @@ class PACIStrategy(DDPStrategy):
             # the user's optimizer, whose parameter groups the sharded one reads at every step.
             ranks = self.topology.replica_ranks(index)
             self.optimizers = [ShardedOptimizer(self.optimizers[0], self._dp_groups[index], ranks)]
+
+    def _empty_optimizer_advice(self, index: int, layers: list, err: ValueError, one: str) -> str:
+        """Why stage ``index``'s optimizer got no parameter, and the fix: the stage has none, it has only frozen
+        ones (a fine-tuner's ``filter(lambda p: p.requires_grad, ...)``), or the optimizer was built over other
+        modules."""
+        assert self._split is not None
+        first, last = self._split.bounds_of(index)
+        where = f"Stage {index} of {self.pipeline_stages} (layers {first} to {last - 1} of pipeline_layers())"
+        params = [p for layer in layers[first:last] for p in layer.parameters()]
+        if not params:
+            return (
+                f"{where} holds no parameters, so its optimizer has none ({err}). Choose a balance "
+                "(PACIStrategy(balance=[...])) that puts a layer with parameters on every stage."
+            )
+        if not any(p.requires_grad for p in params):
+            return (
+                f"{where} has only frozen parameters (requires_grad=False), and configure_optimizers gave the "
+                f"optimizer only trainable ones ({err}). Give it every parameter (self.parameters()): torch's "
+                "optimizers step only parameters that received a gradient, so the frozen ones stay as they are, as "
+                "on one device; or choose a balance (PACIStrategy(balance=[...])) that puts a trainable layer on "
+                "every stage."
+            )
+        return f"configure_optimizers built an optimizer over modules that are all on other stages ({err}). {one}"
 
     def _prepare_runtimes(self, trainer: Trainer) -> None:
         """What every hosted stage's runtime takes from Lightning: a configured profiler (`Trainer(profiler=

@@ -4,10 +4,12 @@ in one process as on processes (torch's "optimizer got an empty parameter list" 
 from __future__ import annotations
 
 import pytest
+import torch
 from lightning.pytorch import Trainer
 
 from lit_efficient import PACIStrategy
 from lit_efficient.data import TextDataModule
+from lit_efficient.models import GPT
 from tests.support.modules import TwoOptimizers as _TwoOptimizers
 
 
@@ -30,3 +32,38 @@ def test_two_optimizers_split_by_module_get_the_packages_message_in_one_process(
 def test_two_optimizers_split_by_module_get_the_packages_message_on_processes():
     with pytest.raises(Exception, match="one optimizer per stage"):
         _fit(2)
+
+
+class _FrozenEmbeddingsAndFirstBlock(GPT):
+    """A fine-tuner's model: the embeddings and first block frozen (all of stage 0 at balance [2, 2])."""
+
+    def __init__(self, trainable_only: bool, **kw) -> None:
+        super().__init__(**kw)
+        self.trainable_only = trainable_only
+        for layer in list(self.pipeline_layers())[:2]:
+            layer.requires_grad_(False)
+
+    def configure_optimizers(self):
+        params = [p for p in self.parameters() if p.requires_grad or not self.trainable_only]
+        return torch.optim.AdamW(params, lr=1e-2)
+
+
+def _frozen_fit(strategy, trainable_only: bool) -> dict:
+    torch.manual_seed(0)
+    model = _FrozenEmbeddingsAndFirstBlock(trainable_only, n_layer=2, n_head=2, n_embd=32, block_size=32)
+    Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, max_steps=2, accumulate_grad_batches=2, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+    ).fit(model, datamodule=TextDataModule(block_size=32, batch_size=4, max_bytes=60_000))  # fmt: skip
+    return model.state_dict()
+
+
+def test_a_stage_of_frozen_layers_is_told_to_give_the_optimizer_every_parameter():
+    """``filter(lambda p: p.requires_grad, ...)`` leaves a frozen stage's optimizer empty: the message said the
+    optimizer was built over other stages' modules and to put all parameters into one optimizer, which the user had
+    done. It names the stage and the fix, and the fix trains as one device does."""
+    flush = lambda: PACIStrategy(pipeline_stages=2, schedule="1f1b_flush", balance=[2, 2])  # noqa: E731
+    with pytest.raises(ValueError, match=r"Stage 0 of 2 \(layers 0 to 1 of pipeline_layers\(\)\) has only frozen"):
+        _frozen_fit(flush(), trainable_only=True)
+    got, want = _frozen_fit(flush(), trainable_only=False), _frozen_fit("auto", trainable_only=True)
+    assert max((got[k] - want[k]).abs().max().item() for k in want) < 1e-6
