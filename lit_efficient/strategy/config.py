@@ -20,6 +20,7 @@ from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.callbacks import (
+    BaseFinetuning,
     GradientAccumulationScheduler,
     LearningRateFinder,
     ModelCheckpoint,
@@ -695,6 +696,16 @@ def check_before_launch(strategy: Any, trainer: Trainer, layers: list | None) ->
                 "PACIStrategy, which runs the module under manual optimization (the stages step themselves). "
                 f"Use lit_efficient.GradientAccumulation(steps={callback.scheduling}): the same {{epoch: N}} "
                 "schedule, which the pipeline reads."
+            )
+        if isinstance(callback, BaseFinetuning):
+            raise ValueError(
+                f"{type(callback).__name__} is not supported under PACIStrategy: it unfreezes modules by adding their "
+                "parameters to trainer.optimizers[0], which is one stage's optimizer (each rank's own on processes, "
+                "the last stage's in one process), so other stages' weights were stepped at other rates than one "
+                "device's, or by the wrong stage. Give configure_optimizers every parameter from the start (torch's "
+                "optimizers step only parameters that received a gradient), freeze with requires_grad_(False), and "
+                "unfreeze with requires_grad_(True) in your own callback's on_train_epoch_start: each stage then "
+                "steps its own layers once they have gradients, as one device does."
             )
         if isinstance(callback, StochasticWeightAveraging):
             raise ValueError(

@@ -38,6 +38,7 @@ from typing import Any
 import pytest
 import torch
 from lightning.pytorch.callbacks import (
+    BackboneFinetuning,
     Callback,
     EarlyStopping,
     EMAWeightAveraging,
@@ -104,8 +105,11 @@ from tests.support.feature_matrix_parts import (
     _top_k_train,
     _tuned,
     _two_kept,
+    _UnfreezesTheEmbedding,
+    _unfrozen_trains,
     _validate_then_fit,
     _weights,
+    _WithBackbone,
 )
 from tests.support.gpt_runs import BLOCK
 from tests.support.modules import TwoOptimizers as _TwoOptimizers
@@ -224,6 +228,9 @@ ROWS: list[Row] = [
         trainer=dict(VAL, val_check_interval=2, max_steps=4), module=_as(_PlateauOfTheirOwn),
         note="the dict's word, not only torch's class"),
     Row("frozen layers (requires_grad=False)", module=_frozen, check=_frozen_stays),
+    Row("frozen layers unfrozen by a callback (requires_grad_(True) at an epoch start)", module=_frozen,
+        trainer=EPOCHS, callbacks=lambda root: [_UnfreezesTheEmbedding()], check=_unfrozen_trains, processes=True,
+        note="configure_optimizers given every parameter; BaseFinetuning is refused"),
     Row("bf16-mixed precision", trainer=dict(precision="bf16-mixed"), processes=True),
     Row("gradient_clip_algorithm='value'", trainer=dict(gradient_clip_val=0.01, gradient_clip_algorithm="value"),
         processes=True),
@@ -253,6 +260,10 @@ ROWS: list[Row] = [
         note="one process only: refused on processes, where a rank holds only its stage"),
     Row("StochasticWeightAveraging", how=ERROR + "StochasticWeightAveraging is not supported under PACIStrategy",
         trainer=EPOCHS, callbacks=lambda root: [StochasticWeightAveraging(swa_lrs=1e-3, swa_epoch_start=1)]),
+    Row("BackboneFinetuning (BaseFinetuning)", how=ERROR + "BackboneFinetuning is not supported under PACIStrategy",
+        trainer=EPOCHS, module=_as(_WithBackbone),
+        callbacks=lambda root: [BackboneFinetuning(unfreeze_backbone_at_epoch=1)],
+        note="it adds parameters to one stage's optimizer; unfreeze with requires_grad_ in a callback instead"),
     Row("LearningRateFinder: lr_find at fit start, then training at its suggestion", callbacks=_lr_finder,
         observe=_found, strategy=dict(sync_start_steps=2), processes=True,
         note="every stage steps the finder's rates; its recorded losses are N x one device's (which divides a "

@@ -557,6 +557,28 @@ def _own_dropout_streams(piped: dict, ref: dict) -> None:
     assert piped["step"] == ref["step"] and piped["hooks"] == ref["hooks"]
 
 
+class _WithBackbone(GPT):
+    """What BackboneFinetuning reads: the module's ``backbone``."""
+
+    @property
+    def backbone(self) -> torch.nn.Module:
+        return self.blocks
+
+
+class _UnfreezesTheEmbedding(Callback):
+    """The fine-tuner's unfreezing without BaseFinetuning (refused): ``requires_grad_(True)`` at epoch 1, the
+    optimizer given every parameter from the start."""
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        if trainer.current_epoch == 1:
+            pl_module.embed.requires_grad_(True)
+
+
+def _unfrozen_trains(piped: dict, ref: dict) -> None:
+    start = _frozen().state_dict()
+    assert not torch.equal(piped["weights"]["embed.wte.weight"], start["embed.wte.weight"])
+
+
 def _frozen_stays(piped: dict, ref: dict) -> None:
     start = _frozen().state_dict()
     assert all(torch.equal(piped["weights"][k], start[k]) for k in start if k.startswith("embed."))
