@@ -55,6 +55,7 @@ bit for bit what the two-rank all-reduce gives them.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections import deque
 from collections.abc import Callable
@@ -246,6 +247,19 @@ def _all(tied: list[TiedWeight]) -> Callable[[], None]:
             t()
 
     return exchange
+
+
+def step_settings(optimizer: Any, param: nn.Parameter) -> tuple[int, dict[str, Any]]:
+    """The settings ``optimizer`` steps ``param`` with (its parameter group's, less the parameters; empty if no
+    group holds it), with a digest of them that fits an int64. Each stage builds its own optimizer over its own
+    copy of a tied weight, seeing only its own layers: a rule by module type or by name there may give the copies
+    different settings (an ``nn.Linear`` LM head's weight decayed, the ``nn.Embedding``'s not), and the copies
+    would drift apart where one device steps one parameter with one group's settings."""
+    groups = getattr(optimizer, "param_groups", None) or []
+    held = [g for g in groups if any(p is param for p in g["params"])]
+    settings = {k: v for k, v in sorted(held[0].items()) if k != "params"} if held else {}
+    digest = hashlib.blake2b(repr(settings).encode(), digest_size=7).digest()
+    return int.from_bytes(digest, "big"), settings
 
 
 def counted_in_global_norm(param: nn.Parameter) -> bool:

@@ -71,7 +71,7 @@ from lit_efficient.runtime.staleness import (
     auto_sync_start_steps,
     make_correction,
 )
-from lit_efficient.runtime.tied import finish_tied, tie_delay, tie_stage, untag
+from lit_efficient.runtime.tied import TiedWeight, finish_tied, step_settings, tie_delay, tie_stage, untag
 from lit_efficient.runtime.topology import Topology
 from lit_efficient.strategy import evaluation, stage_checkpoints
 from lit_efficient.strategy.config import (
@@ -164,6 +164,9 @@ from lit_efficient.transport.process import LinkGroups, ProcessLinks, tie_groups
 from lit_efficient.transport.wire import WireFormat
 
 Balance = Literal["parameters", "uniform", "profile"]
+
+
+_BIG = 1 << 62  # above every `step_settings` digest (7 bytes)
 
 
 def _in_place_compile(module: Any) -> Any:
@@ -660,6 +663,8 @@ class PACIStrategy(DDPStrategy):
         if fitting and self.fault_tolerance is not None:
             self.replicas = start_replicas(self, trainer)
         stages = [self._build_stage(s, layers, trainer, fitting, links) for s in hosted]
+        if fitting and ties:
+            self._check_tied_settings([(part.lightning[0], part.lightning[3]) for part in stages])
         if fitting and not self.in_process:
             self._sigterm_pending = replace_sigterm_barrier(trainer, self.pipeline_stages, self._signal_group)
         accumulate = max(1, trainer.accumulate_grad_batches)
@@ -756,6 +761,37 @@ class PACIStrategy(DDPStrategy):
                 if exact_norm and links.stage_sum.can_post and stage.is_last:
                     post_norm_before_tied_exchange(stage, links.stage_sum)  # else its step and stage 0's wait
         return _BuiltStage(stage, (optimizer, configs, epoch_wise, tied, averager))
+
+    def _check_tied_settings(self, ends: list[tuple[Any, list[TiedWeight]]]) -> None:
+        """Both copies of each tied weight are stepped with the same optimizer settings, or the fit is refused on
+        every rank alike (a collective on processes: every rank calls it, hosting an end of the tie or not)."""
+        assert self._split is not None
+        ties = self._split.ties
+        seen: list[list[tuple[int, str, dict]]] = [[] for _ in ties]  # per tie: (digest, where, settings)
+        for optimizer, tied in ends:
+            for i, copy in enumerate(tied):
+                digest, settings = step_settings(optimizer, copy.param)
+                name = ties[i].name if copy.is_first else ties[i].alias
+                where = f"{name} on stage {0 if copy.is_first else self.pipeline_stages - 1}"
+                seen[i].append((digest, where, settings))
+        # Per tie, (-lowest, highest) digest: one MAX all-reduce makes both the group's.
+        span = torch.tensor(
+            [[-min([d for d, *_ in s], default=_BIG), max([d for d, *_ in s], default=-_BIG)] for s in seen]
+        )
+        if not self.in_process:
+            dist.all_reduce(span, op=dist.ReduceOp.MAX, group=self.cpu_group)
+        for i, ((low, high), tie) in enumerate(zip(span.tolist(), ties, strict=True)):
+            if -low == high:
+                continue
+            settings = _settings_apart(seen[i])
+            raise ValueError(
+                f"The weight tied across stages ({tie.name}, also {tie.alias}) is stepped with other optimizer "
+                f"settings on stage 0 than on stage {self.pipeline_stages - 1} ({settings}). Each stage's "
+                "configure_optimizers sees only its own layers, where the last stage's copy is "
+                f"{tie.alias}: a rule by module type or by name put it in another parameter group. On one device it "
+                "is one parameter with one group's settings; the two copies would drift apart. Give both names the "
+                f"same group (for example by name: treat {tie.alias!r} as {tie.name!r})."
+            )
 
     def _resolve_sync_start(self, trainer: Trainer, optimizers: list[Any]) -> int:
         """Optimizer steps of this fit's synchronous start: ``sync_start_steps``, or for ``"auto"`` the largest
@@ -1490,6 +1526,16 @@ class PACIStrategy(DDPStrategy):
                 strategy_registry.register(
                     name, cls, description=f"Pipeline-parallel training with the {name} schedule", schedule=name
                 )
+
+
+def _settings_apart(ends: list[tuple[int, str, dict]]) -> str:
+    """What tells the copies' settings apart, where this process sees both ends (one process); else this rank's."""
+    if len(ends) == 2:
+        (_, a, first), (_, b, last) = ends
+        keys = [k for k in {**first, **last} if first.get(k, "none") != last.get(k, "none")]
+        return "; ".join(f"{k}={first.get(k, 'none')!r} for {a}, {last.get(k, 'none')!r} for {b}" for k in keys)
+    here = "; ".join(f"{where}: " + ", ".join(f"{k}={v!r}" for k, v in s.items()) for _, where, s in ends)
+    return f"here: {here or 'no copy on this rank'}"
 
 
 class _BuiltStage:

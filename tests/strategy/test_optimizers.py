@@ -67,3 +67,31 @@ def test_a_stage_of_frozen_layers_is_told_to_give_the_optimizer_every_parameter(
         _frozen_fit(flush(), trainable_only=True)
     got, want = _frozen_fit(flush(), trainable_only=False), _frozen_fit("auto", trainable_only=True)
     assert max((got[k] - want[k]).abs().max().item() for k in want) < 1e-6
+
+
+class _GroupsByModuleType(GPT):
+    """minGPT's rule without its special case for the tied head: Linear weights decayed, Embedding weights not."""
+
+    def configure_optimizers(self):
+        decay, rest = [], []
+        for module in self.modules():
+            for name, p in module.named_parameters(recurse=False):
+                (decay if isinstance(module, torch.nn.Linear) and name == "weight" else rest).append(p)
+        return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}])
+
+
+def test_a_tied_weight_whose_copies_get_other_settings_is_refused():
+    """On one device the tied token table is one parameter in one group (``named_parameters`` names it once). Each
+    stage's configure_optimizers sees its own copy: on the last stage the LM head's ``nn.Linear`` weight, which this
+    rule decays. The copies drifted apart silently (4e-2 from one device after four steps, in one process and on
+    two alike); now the fit is refused before training, naming both copies and the settings each got."""
+    torch.manual_seed(0)
+    model = _GroupsByModuleType(n_layer=2, n_head=2, n_embd=32, block_size=32, tie_weights=True)
+    trainer = Trainer(
+        accelerator="cpu", devices=1, strategy=PACIStrategy(pipeline_stages=2), max_steps=2, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="tied across stages") as err:
+        trainer.fit(model, datamodule=TextDataModule(block_size=32, batch_size=4, max_bytes=60_000))
+    assert "weight_decay=0.0 for embed.wte.weight on stage 0, 0.1 for head.lm_head.weight on stage 1" in str(err.value)
+    assert trainer.global_step == 0
