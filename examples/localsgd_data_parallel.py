@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> None:
     )  # fmt: skip
     model = GPT(n_layer=2, n_embd=64, n_head=4, learning_rate=3e-3, warmup_steps=5)
     trainer.fit(model, datamodule=TextDataModule(block_size=64, batch_size=8, max_bytes=2_000_000))
-    if trainer.is_global_zero:  # replica 0's last stage, on its share of the validation set
+    if trainer.is_global_zero:  # the first replica's model, on the whole validation set (every replica's share)
         mode = "DiLoCo" if args.diloco else "LocalSGD"
         print(f"{mode}, H={sync_every}: val_loss {float(trainer.callback_metrics['val_loss']):.3f} nats per byte")
 

@@ -430,6 +430,7 @@ class PACIStrategy(DDPStrategy):
         self.final_state: FinalState | None = None  # the hosted stages at the end of training (stage_checkpoints.py)
         # A LocalSGD/DiLoCo replica's own weights while an evaluation holds the first replica's (`setup`, `teardown`).
         self._weights_before_evaluation: tuple[list[Tensor], list[Tensor]] | None = None
+        self._own_weights_during_validation: tuple[list[Tensor], list[Tensor]] | None = None
         # Each save's (start, end) on the root device's clock while a `PipelineMonitor` asks (it sets a list at the
         # start of training): a save's writes and collectives stall every stage, and are no pipeline bubble.
         self.pause_spans: list[tuple[Mark, Mark]] | None = None
@@ -986,11 +987,9 @@ class PACIStrategy(DDPStrategy):
             give_callbacks_back(trainer)
         split = self._split
         if self._weights_before_evaluation is not None:  # before the split is gathered: these are its tensors
-            own, kept = self._weights_before_evaluation
+            _put_back(*self._weights_before_evaluation)
             self._weights_before_evaluation = None
-            with torch.no_grad():
-                for tensor, value in zip(own, kept, strict=True):
-                    tensor.copy_(value)
+        self.own_weights_back()  # a validation interrupted by an exception
         if module is not None and split is not None:
             if fitting:
                 carry_step_count_to_automatic(trainer)
@@ -1330,6 +1329,33 @@ class PACIStrategy(DDPStrategy):
         if self.runtime is not None:
             self.runtime.drain()
 
+    def score_the_first_replica(self) -> None:
+        """Validation inside fit under LocalSGD/DiLoCo: between syncs the replicas' weights differ, and each replica
+        scored its own on its share of the validation set, one logged score of R models, by which ModelCheckpoint
+        then ranked and named the first replica's model it saves (and EarlyStopping stopped). Every replica scores
+        the first replica's model instead, as an evaluation after fit does; `own_weights_back` puts each replica's
+        own back before any other callback's ``on_validation_end`` (a save there keeps each one's for a resume).
+        Called by the strategy's own callback after its drain; a broadcast of the stage's weights per validation."""
+        module = self.lightning_module
+        fitting = module is not None and module.trainer.state.fn == TrainerFn.FITTING
+        if not fitting or self.local_sgd_steps is None or not self._dp_groups or self.fault_tolerance is not None:
+            return
+        assert self.topology is not None and self._split is not None
+        if self.topology.num_replicas < 2:
+            return
+        first, last = self._split.bounds_of(self.stage)
+        own = [
+            t for layer in list(module.pipeline_layers())[first:last] for t in (*layer.parameters(), *layer.buffers())
+        ]
+        self._own_weights_during_validation = (own, [t.detach().to("cpu", copy=True) for t in own])
+        broadcast_flat(own, self._dp_groups[self.stage])
+
+    def own_weights_back(self) -> None:
+        """After a validation inside fit that scored the first replica's model (`score_the_first_replica`)."""
+        if self._own_weights_during_validation is not None:
+            _put_back(*self._own_weights_during_validation)
+            self._own_weights_during_validation = None
+
     def _start_evaluation(self) -> None:
         self.drain()
         self._eval_index = 0
@@ -1526,6 +1552,13 @@ class PACIStrategy(DDPStrategy):
                 strategy_registry.register(
                     name, cls, description=f"Pipeline-parallel training with the {name} schedule", schedule=name
                 )
+
+
+def _put_back(tensors: list[Tensor], kept: list[Tensor]) -> None:
+    """Copy ``kept`` (host copies) back into ``tensors``, a replica's own weights after an evaluation of another's."""
+    with torch.no_grad():
+        for tensor, value in zip(tensors, kept, strict=True):
+            tensor.copy_(value)
 
 
 def _settings_apart(ends: list[tuple[int, str, dict]]) -> str:

@@ -36,7 +36,8 @@ class SyncCallbackMetrics(Callback):
     Copies rank 0's callback metrics (it holds the last stage) to every rank before checkpoint and
     early-stopping callbacks read them at a validation's, a test's and an epoch's end, so all ranks take the same
     decisions (at a batch's end each ModelCheckpoint's own hook does: `checkpoints_see_the_users_optimization`);
-    and drains the pipeline
+    and drains the pipeline (and under LocalSGD/DiLoCo has every replica score the first replica's model:
+    `PACIStrategy.score_the_first_replica`)
     before any other callback's ``on_validation_start``, ``on_train_epoch_end`` (there also ending an epoch
     cut short: `PACIStrategy.end_epoch`) and ``on_train_end``:
     Lightning calls the callbacks' hooks (and the module's) before the strategy's, and a validation in
@@ -50,9 +51,11 @@ class SyncCallbackMetrics(Callback):
     @override
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         trainer.strategy.drain()  # type: ignore[attr-defined]
+        trainer.strategy.score_the_first_replica()  # type: ignore[attr-defined]
 
     @override
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        trainer.strategy.own_weights_back()  # type: ignore[attr-defined]
         self._sync(trainer)
 
     @override
