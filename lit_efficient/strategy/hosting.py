@@ -8,6 +8,7 @@ checkpoint hooks then loop over `HostedStage` records, whatever k is.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +66,68 @@ class HostedStage:
         second copies); one of them is empty."""
         first = [names[id(t.param)] for t in self.tied if t.is_first]
         return first, [names[id(t.param)] for t in self.tied if not t.is_first]
+
+
+class EditsReachEveryStage:
+    """In one process Lightning is shown the last stage's optimizer (`PACIStrategy.setup`: what rank 0 shows it);
+    on S processes a callback that writes into ``trainer.optimizers`` (a learning rate set by hand, a warmup) writes
+    each rank's own stage's. Here what user code wrote into the shown optimizer's parameter groups since the
+    strategy last looked reaches every other hosted stage's group of the same index, before any stage steps again.
+
+    The strategy's own changes are not the user's: `refresh` after each of the last stage's steps (its scheduler)
+    and after the epoch schedulers; `apply` at each batch the pipeline is fed. Only the values that changed are
+    copied (a stage's own scheduler, stepped on its own schedule, keeps its other values).
+    """
+
+    def __init__(self, shown: Any, others: list[Any]) -> None:
+        self.shown, self.others = shown, others
+        self._seen: list[dict[str, Any]] = []
+        self._warned = False
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Take what the shown optimizer's groups hold now as not the user's."""
+        self._seen = [{k: _kept(v) for k, v in g.items() if k != "params"} for g in self.shown.param_groups]
+
+    def apply(self) -> None:
+        """Copy what changed in the shown optimizer's groups since `refresh` into the other stages' groups."""
+        groups = self.shown.param_groups
+        edits = [
+            (j, key, value)
+            for j, (group, seen) in enumerate(zip(groups, self._seen, strict=False))  # added groups: its own
+            for key, value in group.items()
+            if key != "params" and (key not in seen or _differs(value, seen[key]))
+        ]
+        if edits or len(groups) != len(self._seen):
+            for other in self.others:
+                if len(other.param_groups) != len(groups):
+                    self._warn_once(len(groups), len(other.param_groups))
+                    continue
+                for j, key, value in edits:
+                    other.param_groups[j][key] = _kept(value)
+        self.refresh()
+
+    def _warn_once(self, shown: int, other: int) -> None:
+        if not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"PACIStrategy in one process: trainer.optimizers shows the last stage's optimizer ({shown} parameter "
+                f"groups), and a change to its groups reaches a stage whose optimizer has {other}: not there (on "
+                "processes each rank's callback changes its own stage's). Build the same groups on every stage (an "
+                "empty group is fine) for a change to reach them all.",
+                stacklevel=2,
+            )
+
+
+def _kept(value: Any) -> Any:
+    """A value as `EditsReachEveryStage` keeps or copies it: a tensor (a capturable optimizer's lr) by its own copy."""
+    return value.detach().clone() if isinstance(value, Tensor) else value
+
+
+def _differs(value: Any, seen: Any) -> bool:
+    if isinstance(value, Tensor) or isinstance(seen, Tensor):
+        return not (isinstance(value, Tensor) and isinstance(seen, Tensor) and torch.equal(value, seen))
+    return bool(value != seen)
 
 
 def gather_model_on_rank_zero(split: Split, replica: int, world_size: int, group: dist.ProcessGroup | None) -> None:

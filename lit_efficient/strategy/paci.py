@@ -95,7 +95,7 @@ from lit_efficient.strategy.config import (
 from lit_efficient.strategy.divergence import LossTrend
 from lit_efficient.strategy.fault_tolerant import start_replicas
 from lit_efficient.strategy.forward_check import forward_outside_layers
-from lit_efficient.strategy.hosting import HostedStage, gather_model_on_rank_zero
+from lit_efficient.strategy.hosting import EditsReachEveryStage, HostedStage, gather_model_on_rank_zero
 from lit_efficient.strategy.lr_finder import (
     FinderRun,
     apply_suggestion,
@@ -431,6 +431,7 @@ class PACIStrategy(DDPStrategy):
         # A LocalSGD/DiLoCo replica's own weights while an evaluation holds the first replica's (`setup`, `teardown`).
         self._weights_before_evaluation: tuple[list[Tensor], list[Tensor]] | None = None
         self._own_weights_during_validation: tuple[list[Tensor], list[Tensor]] | None = None
+        self._edits: EditsReachEveryStage | None = None  # one process, fitting
         # Each save's (start, end) on the root device's clock while a `PipelineMonitor` asks (it sets a list at the
         # start of training): a save's writes and collectives stall every stage, and are no pipeline bubble.
         self.pause_spans: list[tuple[Mark, Mark]] | None = None
@@ -689,6 +690,10 @@ class PACIStrategy(DDPStrategy):
             last = self.hosted[-1]
             self.optimizers, self.lr_scheduler_configs = [last.optimizer], last.scheduler_configs
             self.averager = last.averager
+            self._edits = None
+            if len(self.hosted) > 1:  # one process: what user code writes into that optimizer reaches every stage
+                self._edits = EditsReachEveryStage(last.optimizer, [h.optimizer for h in self.hosted[:-1]])
+                last.stage.after_step = _then(last.stage.after_step, self._edits.refresh)
         self.setup_precision_plugin()
         self._prepare_runtimes(trainer)
         if self._dp_groups:
@@ -1121,6 +1126,8 @@ class PACIStrategy(DDPStrategy):
             check_stages_read_alike(batch, self.topology, self._signal_group, "training", trainer.current_epoch)
         if self._in_sync_start and trainer.global_step >= self.sync_start and self.runtime.drained:
             self._end_sync_start()
+        if self._edits is not None:
+            self._edits.apply()
         loss = self.runtime.feed(batch, batch_idx)
         epoch_end = self._epoch_end_seen = loop._num_ready_batches_reached()
         if epoch_end:
@@ -1212,6 +1219,8 @@ class PACIStrategy(DDPStrategy):
         for config in configs:
             if (trainer.current_epoch + 1) % config.frequency == 0:
                 step_with(config.scheduler, step)
+        if self._edits is not None:
+            self._edits.refresh()  # the schedulers' own values
 
     def end_epoch(self) -> None:
         """The epoch's end, before any other callback's ``on_train_epoch_end`` (`SyncCallbackMetrics`): drained. Where
@@ -1327,6 +1336,8 @@ class PACIStrategy(DDPStrategy):
         It costs the pipeline's warm-up once more (S-1 slots) at the next batch.
         """
         if self.runtime is not None:
+            if self._edits is not None:
+                self._edits.apply()  # a drain may step stages: with what user code set since the last batch
             self.runtime.drain()
 
     def score_the_first_replica(self) -> None:
@@ -1552,6 +1563,17 @@ class PACIStrategy(DDPStrategy):
                 strategy_registry.register(
                     name, cls, description=f"Pipeline-parallel training with the {name} schedule", schedule=name
                 )
+
+
+def _then(first: Callable[[], Any] | None, then: Callable[[], None]) -> Callable[[], None]:
+    """``first`` (if any), then ``then``: a stage's `after_step` with one more thing to do."""
+
+    def both() -> None:
+        if first is not None:
+            first()
+        then()
+
+    return both
 
 
 def _put_back(tensors: list[Tensor], kept: list[Tensor]) -> None:

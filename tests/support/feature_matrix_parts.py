@@ -557,6 +557,16 @@ def _own_dropout_streams(piped: dict, ref: dict) -> None:
     assert piped["step"] == ref["step"] and piped["hooks"] == ref["hooks"]
 
 
+class _SetsTheRate(Callback):
+    """A learning rate set by hand in a callback, over the module's scheduler (Lightning's manual warmup, as a
+    callback): every group of ``trainer.optimizers``, at every batch."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        for optimizer in trainer.optimizers:
+            for group in optimizer.param_groups:
+                group["lr"] = min(1.0, (trainer.global_step + 1) / 4) * 1e-2
+
+
 class _WithBackbone(GPT):
     """What BackboneFinetuning reads: the module's ``backbone``."""
 
