@@ -684,13 +684,13 @@ class PACIStrategy(DDPStrategy):
             HostedStage(runtime, *part.lightning) for runtime, part in zip(self.runtime.runtimes, stages, strict=True)
         ]
         self._tied_follow(order)
+        self._edits = None
         if fitting:
             # Lightning and every callback see what global rank 0 shows them: its stage's optimizer and schedulers
             # (in one process the last stage's), so LearningRateMonitor's keys are the same in both hostings.
             last = self.hosted[-1]
             self.optimizers, self.lr_scheduler_configs = [last.optimizer], last.scheduler_configs
             self.averager = last.averager
-            self._edits = None
             if len(self.hosted) > 1:  # one process: what user code writes into that optimizer reaches every stage
                 self._edits = EditsReachEveryStage(last.optimizer, [h.optimizer for h in self.hosted[:-1]])
                 last.stage.after_step = _then(last.stage.after_step, self._edits.refresh)
