@@ -108,8 +108,9 @@ def assemble(checkpoint: dict[str, Any], shares: list[dict[str, Any]], layout: d
 
 def group_key(group: dict[str, Any]) -> str:
     """What makes parameter groups of different stages one group of the unsplit optimizer: equal
-    hyper-parameters besides the learning rate (which a per-stage scheduler or correction may set)."""
-    return repr(sorted((k, v) for k, v in group.items() if k not in ("params", "lr", "initial_lr")))
+    hyper-parameters besides the learning rate (which a per-stage scheduler or correction may set) and the
+    parameters' names (torch keeps them in ``param_names`` for an optimizer given ``named_parameters()``)."""
+    return repr(sorted((k, v) for k, v in group.items() if k not in ("params", "param_names", "lr", "initial_lr")))
 
 
 def merge_group_names(
@@ -145,11 +146,14 @@ def _merge_optimizers(primary: list[dict[str, Any]]) -> tuple[dict[str, Any], li
     for i, s in enumerate(primary):
         for g, group in enumerate(s["optimizer"]["param_groups"]):
             m = slots[(s["stage"], g)]
-            groups[m] = groups[m] or {k: v for k, v in group.items() if k != "params"}
+            groups[m] = groups[m] or {k: v for k, v in group.items() if k not in ("params", "param_names")}
             skip = set(s.get("tied_copies", ()))
-            kept = [(n, local) for n, local in zip(s["groups"][g], group["params"], strict=True) if n not in skip]
-            names[m] += [name for name, _ in kept]
-            members[m] += [(i, local) for _, local in kept]
+            pairs = zip(s["groups"][g], group["params"], group.get("param_names", group["params"]), strict=True)
+            kept = [(n, local, given) for n, local, given in pairs if n not in skip]
+            names[m] += [name for name, _, _ in kept]
+            members[m] += [(i, local) for _, local, _ in kept]
+            if "param_names" in group:  # the names the user gave torch, one device's group's: every stage's
+                groups[m]["param_names"] = groups[m].get("param_names", []) + [given for _, _, given in kept]
     state, index = {}, 0
     for m, group in enumerate(groups):
         group["params"] = []

@@ -67,7 +67,12 @@ def local_optimizer_state(
             )
         saved_group, hyper, _ = by_name[mine[0]]
         group_map.append(saved_group)
-        entry = dict(hyper, params=[])
+        # The stage's own parameter names (``named_parameters()`` groups), not the saved group's, which name
+        # every stage's (torch's load_state_dict takes a loaded group's ``param_names`` over its own).
+        entry = {k: v for k, v in hyper.items() if k != "param_names"}
+        entry["params"] = []
+        if "param_names" in group:
+            entry["param_names"] = list(group["param_names"])
         for name in mine:
             saved = by_name[name][2]
             _check_shapes(name, saved, params[name])

@@ -353,7 +353,7 @@ class PipelineStage:
                 p.grad = None
         elif self.clip_gradients is not None:
             self.clip_gradients(params)
-        with _preserve_versions(params):
+        with _preserve_versions(list(self.parameters())):  # every one: an averager's sync writes them all
             if update and self.optimizer is not None:
                 with self.correction.step_context(self.optimizer, self.version) if self.correction else nullcontext():
                     self.optimizer.step()
@@ -442,8 +442,9 @@ class PipelineStage:
     def _stepped_parameters(self) -> list[nn.Parameter]:
         """What a step normalizes, checks, clips and reduces: the optimizer's parameters, as Lightning's clipping
         reads only ``main_params(optimizer)``. A parameter left out of the optimizer ("frozen by omission", its
-        ``requires_grad`` still True) keeps gathering gradients, as on one device, but no longer counted in the
-        clipped norm (it was, and clipped the others by a norm one device never sees)."""
+        ``requires_grad`` still True) keeps gathering gradients as on one device (their raw sum: not normalized
+        by the window's weight, nor reduced over replicas), and is not counted in the clipped norm (it was, and
+        clipped the others by a norm one device never sees)."""
         if self.optimizer is None:
             return list(self.parameters())
         seen: set[int] = set()

@@ -257,8 +257,10 @@ def step_settings(optimizer: Any, param: nn.Parameter) -> tuple[int, dict[str, A
     would drift apart where one device steps one parameter with one group's settings."""
     groups = getattr(optimizer, "param_groups", None) or []
     held = [g for g in groups if any(p is param for p in g["params"])]
-    settings = {k: v for k, v in sorted(held[0].items()) if k != "params"} if held else {}
-    digest = hashlib.blake2b(repr(settings).encode(), digest_size=7).digest()
+    # Not the parameters or their names (`named_parameters()` groups): each stage's differ by nature.
+    settings = {k: v for k, v in sorted(held[0].items()) if k not in ("params", "param_names")} if held else {}
+    plain = {k: v.tolist() if isinstance(v, Tensor) else v for k, v in settings.items()}  # not the tensor's device
+    digest = hashlib.blake2b(repr(plain).encode(), digest_size=7).digest()
     return int.from_bytes(digest, "big"), settings
 
 

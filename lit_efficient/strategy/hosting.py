@@ -87,7 +87,7 @@ class EditsReachEveryStage:
 
     def refresh(self) -> None:
         """Take what the shown optimizer's groups hold now as not the user's."""
-        self._seen = [{k: _kept(v) for k, v in g.items() if k != "params"} for g in self.shown.param_groups]
+        self._seen = [{k: _mark(v) for k, v in g.items() if k not in _OWN} for g in self.shown.param_groups]
 
     def apply(self) -> None:
         """Copy what changed in the shown optimizer's groups since `refresh` into the other stages' groups."""
@@ -96,7 +96,7 @@ class EditsReachEveryStage:
             (j, key, value)
             for j, (group, seen) in enumerate(zip(groups, self._seen, strict=False))  # added groups: its own
             for key, value in group.items()
-            if key != "params" and (key not in seen or _differs(value, seen[key]))
+            if key not in _OWN and (key not in seen or _mark(value) != seen[key])
         ]
         if edits or len(groups) != len(self._seen):
             for other in self.others:
@@ -104,7 +104,7 @@ class EditsReachEveryStage:
                     self._warn_once(len(groups), len(other.param_groups))
                     continue
                 for j, key, value in edits:
-                    other.param_groups[j][key] = _kept(value)
+                    other.param_groups[j][key] = value.detach().clone() if isinstance(value, Tensor) else value
         self.refresh()
 
     def _warn_once(self, shown: int, other: int) -> None:
@@ -119,15 +119,13 @@ class EditsReachEveryStage:
             )
 
 
-def _kept(value: Any) -> Any:
-    """A value as `EditsReachEveryStage` keeps or copies it: a tensor (a capturable optimizer's lr) by its own copy."""
-    return value.detach().clone() if isinstance(value, Tensor) else value
+_OWN = ("params", "param_names")  # each stage's by nature
 
 
-def _differs(value: Any, seen: Any) -> bool:
-    if isinstance(value, Tensor) or isinstance(seen, Tensor):
-        return not (isinstance(value, Tensor) and isinstance(seen, Tensor) and torch.equal(value, seen))
-    return bool(value != seen)
+def _mark(value: Any) -> Any:
+    """What tells a changed value: itself, or for a tensor (a capturable optimizer's lr) its identity and version
+    counter, which an in-place write bumps (no device read: `apply` runs at every micro-batch)."""
+    return ("tensor", id(value), value._version) if isinstance(value, Tensor) else value
 
 
 def gather_model_on_rank_zero(split: Split, replica: int, world_size: int, group: dist.ProcessGroup | None) -> None:

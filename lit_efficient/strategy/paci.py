@@ -1340,6 +1340,11 @@ class PACIStrategy(DDPStrategy):
                 self._edits.apply()  # a drain may step stages: with what user code set since the last batch
             self.runtime.drain()
 
+    def restored_optimizers(self) -> None:
+        """The stages' optimizers were loaded from a checkpoint: what the shown one holds now is not user code's."""
+        if self._edits is not None:
+            self._edits.refresh()
+
     def score_the_first_replica(self) -> None:
         """Validation inside fit under LocalSGD/DiLoCo: between syncs the replicas' weights differ, and each replica
         scored its own on its share of the validation set, one logged score of R models, by which ModelCheckpoint
@@ -1421,8 +1426,7 @@ class PACIStrategy(DDPStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        if self.runtime is not None:
-            self.runtime.drain()  # a checkpoint holds a consistent model: nothing in flight
+        self.drain()  # a checkpoint holds a consistent model: nothing in flight
         return super().lightning_module_state_dict()
 
     def layout(self) -> dict[str, Any]:

@@ -444,6 +444,7 @@ def load_stage_states(strategy: Any, checkpoint: dict[str, Any]) -> None:
         tied += hosted.tied  # by the name of each copy, as its accumulated gradient above
         tied_states += [mine.get("tied", {}).get(names[id(t.param)]) for t in hosted.tied]
     restore_tied(tied, tied_states)  # continued, or (another layout, an older checkpoint) started again
+    strategy.restored_optimizers()
 
 
 def reinstate_window_gradients(strategy: Any) -> None:

@@ -59,6 +59,11 @@ class SyncCallbackMetrics(Callback):
         self._sync(trainer)
 
     @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        # Before any other callback's (OnExceptionCheckpoint saves each replica's own weights for a resume).
+        trainer.strategy.own_weights_back()  # type: ignore[attr-defined]
+
+    @override
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         trainer.strategy.end_epoch()  # type: ignore[attr-defined]
         self._sync(trainer)

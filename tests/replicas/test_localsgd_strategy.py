@@ -40,6 +40,15 @@ class SGDGPT(GPT):
         return torch.optim.SGD(self.parameters(), lr=self.hparams.learning_rate)
 
 
+class _PositionsLeftOut(GPT):
+    """The fine-tuner's optimizer over what it trains: a weight of stage 0 (``requires_grad`` still True) left out.
+    An averager's sync writes every weight of the stage, this one too, while PACI keeps micro-batches in flight."""
+
+    def configure_optimizers(self):
+        trained = [p for name, p in self.named_parameters() if name != "blocks.0.mlp.c_fc.weight"]
+        return torch.optim.AdamW(trained, lr=self.hparams.learning_rate)
+
+
 def _model(cls: type[GPT] = GPT, **kw) -> GPT:
     L.seed_everything(0)
     args = dict(n_layer=2, n_head=2, n_embd=32, block_size=BLOCK, warmup_steps=2, max_steps=20, learning_rate=3e-3)
@@ -159,15 +168,18 @@ def test_sync_every_step_with_sgd_equals_ddp():
 def test_pipeline_times_localsgd_syncs_each_stage_and_trains(tmp_path):
     # 2 replicas x 2 stages, PACI, H=4, streaming: each stage's replicas are bit-identical right after each of
     # their syncs and apart between, stage by stage: stage 0 at steps 4, 8, ... (the plain schedule), stage 1
-    # two steps later (its turn); the logged numbers are the averager's; it learns.
+    # two steps later (its turn); the logged numbers are the averager's; it learns. A weight left out of the
+    # optimizer is synced too: the syncs' in-place writes once failed the in-flight micro-batches' backward
+    # (torch's version check), for the step kept only the optimizer's weights' versions.
     steps, h = 24, 4
     strategy = PACIStrategy(
-        pipeline_stages=2, schedule="paci", local_sgd_steps=h, streaming_sync=True, start_method="forkserver"
-    )
+        pipeline_stages=2, schedule="paci", local_sgd_steps=h, streaming_sync=True, start_method="forkserver",
+        sync_start_steps=0,
+    )  # fmt: skip
     trainer = _trainer(
         strategy, 4, steps, callbacks=[RecordSteps(tmp_path)], limit_val_batches=4, val_check_interval=8 * 4
     )
-    trainer.fit(_model(), datamodule=_data())
+    trainer.fit(_model(_PositionsLeftOut), datamodule=_data())
     ranks = _read(tmp_path, 4)
     topo = Topology(2, 2)
     for stage in range(2):

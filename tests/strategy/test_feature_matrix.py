@@ -43,6 +43,7 @@ from lightning.pytorch.callbacks import (
     EarlyStopping,
     EMAWeightAveraging,
     GradientAccumulationScheduler,
+    ModelCheckpoint,
     StochasticWeightAveraging,
 )
 
@@ -262,7 +263,8 @@ ROWS: list[Row] = [
     Row("StochasticWeightAveraging", how=ERROR + "StochasticWeightAveraging is not supported under PACIStrategy",
         trainer=EPOCHS, callbacks=lambda root: [StochasticWeightAveraging(swa_lrs=1e-3, swa_epoch_start=1)]),
     Row("a learning rate set by hand in a callback (trainer.optimizers' param groups)",
-        callbacks=lambda root: [_SetsTheRate()], processes=True,
+        trainer=dict(max_steps=4, enable_checkpointing=True), processes=True,
+        callbacks=lambda root: [_SetsTheRate(), ModelCheckpoint(root / "every", every_n_train_steps=1, save_top_k=-1)],
         note="in one process trainer.optimizers shows the last stage's; what is written there reaches every stage"),
     Row("BackboneFinetuning (BaseFinetuning)", how=ERROR + "BackboneFinetuning is not supported under PACIStrategy",
         trainer=EPOCHS, module=_as(_WithBackbone),

@@ -95,3 +95,21 @@ def test_a_tied_weight_whose_copies_get_other_settings_is_refused():
         trainer.fit(model, datamodule=TextDataModule(block_size=32, batch_size=4, max_bytes=60_000))
     assert "weight_decay=0.0 for embed.wte.weight on stage 0, 0.1 for head.lm_head.weight on stage 1" in str(err.value)
     assert trainer.global_step == 0
+
+
+class _NamedOneGroup(GPT):
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.named_parameters(), lr=1e-3, weight_decay=0.0)
+
+
+def test_a_tied_weight_in_named_parameter_groups_is_not_told_apart_by_the_names():
+    """``AdamW(self.named_parameters())``: torch keeps each group's parameter names, which differ from stage to stage
+    by nature; the tied-settings check compared them too and refused every such model."""
+    torch.manual_seed(0)
+    model = _NamedOneGroup(n_layer=2, n_head=2, n_embd=32, block_size=32, tie_weights=True)
+    trainer = Trainer(
+        accelerator="cpu", devices=1, strategy=PACIStrategy(pipeline_stages=2), max_steps=2, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+    )  # fmt: skip
+    trainer.fit(model, datamodule=TextDataModule(block_size=32, batch_size=4, max_bytes=60_000))
+    assert trainer.global_step == 2

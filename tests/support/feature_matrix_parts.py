@@ -559,12 +559,21 @@ def _own_dropout_streams(piped: dict, ref: dict) -> None:
 
 class _SetsTheRate(Callback):
     """A learning rate set by hand in a callback, over the module's scheduler (Lightning's manual warmup, as a
-    callback): every group of ``trainer.optimizers``, at every batch."""
+    callback): every group of ``trainer.optimizers``, at every batch's start and (for the next) end. The end's runs
+    before a ModelCheckpoint's save (Lightning calls checkpoint callbacks last), whose drain steps stages under
+    PACI: on processes each rank has its rate by then, in one process the drain must give it to every stage."""
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._set(trainer, trainer.global_step)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self._set(trainer, trainer.global_step + 1)
+
+    @staticmethod
+    def _set(trainer, step: int) -> None:
         for optimizer in trainer.optimizers:
             for group in optimizer.param_groups:
-                group["lr"] = min(1.0, (trainer.global_step + 1) / 4) * 1e-2
+                group["lr"] = min(1.0, (step + 1) / 4) * 1e-2
 
 
 class _WithBackbone(GPT):

@@ -1,0 +1,64 @@
+"""An optimizer given ``named_parameters()`` (torch keeps the names in each group's ``param_names``): the pipeline's
+checkpoint holds one device's optimizer, names included, and each resumes the other's.
+
+The stages' groups were matched by every hyper-parameter, names included, so a one-group AdamW saved as one group
+per stage: plain Lightning's resume then failed ("loaded state dict has a different number of parameter groups"),
+and a stage resumed with the saved group's names of every stage. Both file formats; one process (the merge and the
+restore by name are the processes' too)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+
+from lit_efficient import PACIStrategy
+from lit_efficient.models import GPT
+from tests.support.checkpoints import one_file
+from tests.support.gpt_runs import ordered_data
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class _Named(GPT):
+    def configure_optimizers(self):
+        decay = [(n, p) for n, p in self.named_parameters() if p.ndim >= 2]
+        rest = [(n, p) for n, p in self.named_parameters() if p.ndim < 2]
+        return torch.optim.AdamW([{"params": decay}, {"params": rest, "weight_decay": 0.0}], lr=1e-2)
+
+
+def _fit(strategy, steps: int, ckpt=None, save=None) -> _Named:
+    torch.manual_seed(0)
+    model = _Named(n_layer=2, n_head=2, n_embd=32, block_size=32)
+    trainer = Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, accumulate_grad_batches=2, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+    )  # fmt: skip
+    trainer.fit(model, datamodule=ordered_data(), ckpt_path=ckpt)
+    if save is not None:
+        trainer.save_checkpoint(save)
+    return model
+
+
+def _flush(**kw) -> PACIStrategy:
+    return PACIStrategy(pipeline_stages=2, schedule="1f1b_flush", **kw)
+
+
+@pytest.mark.parametrize("fmt", ["file", "sharded"])
+def test_named_parameter_groups_save_as_one_device_and_resume_both_ways(tmp_path, fmt):
+    _fit("auto", 2, save=tmp_path / "plain.ckpt")
+    _fit(_flush(checkpoint_format=fmt), 2, save=tmp_path / "piped.ckpt")
+    plain = torch.load(tmp_path / "plain.ckpt", weights_only=True)["optimizer_states"][0]
+    piped = torch.load(one_file(tmp_path / "piped.ckpt"), weights_only=True)["optimizer_states"][0]
+    assert [g["param_names"] for g in piped["param_groups"]] == [g["param_names"] for g in plain["param_groups"]]
+    assert [len(g["params"]) for g in piped["param_groups"]] == [len(g["params"]) for g in plain["param_groups"]]
+    # Each continues the other's run as one device continues its own; each stage keeps its own parameters' names.
+    want = _fit("auto", 3, ckpt=tmp_path / "plain.ckpt").state_dict()
+    for strategy, path in (("auto", one_file(tmp_path / "piped.ckpt")), (_flush(), tmp_path / "plain.ckpt")):
+        got = _fit(strategy, 3, ckpt=path)
+        assert max((got.state_dict()[k] - want[k]).abs().max().item() for k in want) < 1e-6
+        if isinstance(strategy, PACIStrategy):
+            named = {id(p): n for n, p in got.named_parameters()}
+            for hosted in strategy.hosted:
+                for group in hosted.optimizer.param_groups:
+                    assert group["param_names"] == [named[id(p)] for p in group["params"]]
