@@ -24,6 +24,8 @@ from lightning.pytorch.callbacks import (
     GradientAccumulationScheduler,
     LearningRateFinder,
     ModelCheckpoint,
+    ModelPruning,
+    SpikeDetection,
     StochasticWeightAveraging,
     WeightAveraging,
 )
@@ -722,6 +724,26 @@ def check_before_launch(strategy: Any, trainer: Trainer, layers: list | None) ->
                 "torch Optimizer, and there that is the sharded state (ShardedOptimizer). The rates, losses and "
                 "suggestion do not depend on sharding: find the rate with shard_optimizer_state=False, then train "
                 "with it on."
+            )
+        if isinstance(callback, ModelPruning) and world > 1 and strategy.pipeline_stages > 1:
+            raise ValueError(
+                "ModelPruning is not supported on processes under PACIStrategy: it prunes the whole module, and a rank "
+                "holds only its stage's layers (the others are placeholders: it failed at the first epoch's end). "
+                "It prunes as on one device with the whole pipeline in one process (devices=1); on processes, "
+                "prune with torch.nn.utils.prune in your module's on_train_epoch_end, on the layers it holds."
+            )
+        if isinstance(callback, SpikeDetection) and world > 1 and strategy.pipeline_stages > 1:
+            raise ValueError(
+                "SpikeDetection is not supported on processes under PACIStrategy: it reads outputs['loss'] at every "
+                "batch end, which only the last stage's ranks have (the others have no loss). Use it with the whole "
+                "pipeline in one process (devices=1), or watch train_loss (logged per step by the last stage) with "
+                "your own callback."
+            )
+        if isinstance(callback, SpikeDetection) and callback.atol is not None and trainer.accumulate_grad_batches > 1:
+            rank_zero_warn(
+                f"PACIStrategy: SpikeDetection(atol={callback.atol}) compares outputs['loss'], which under the "
+                f"pipeline is the micro-batch's loss itself: one device's is divided by accumulate_grad_batches="
+                f"{trainer.accumulate_grad_batches}. Scale atol by it, or use rtol alone (a ratio reads alike)."
             )
         if isinstance(callback, WeightAveraging) and world > 1 and strategy.pipeline_stages > 1:
             raise ValueError(

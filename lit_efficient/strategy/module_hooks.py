@@ -154,7 +154,8 @@ def uncalled_hooks(module: LightningModule, callbacks: Iterable[Callback]) -> li
         found += [
             f"{type(callback).__name__}.{hook}"
             for hook in CALLBACK_HOOKS_NOT_CALLED
-            if getattr(type(callback), hook, None) is not getattr(Callback, hook)
+            # On the instance too: Lightning's LambdaCallback sets the hooks it is given as instance attributes.
+            if getattr(type(callback), hook, None) is not getattr(Callback, hook) or hook in vars(callback)
         ]
     return found
 

@@ -144,6 +144,7 @@ from lit_efficient.strategy.trainer_glue import (
     seed_workers_by_replica,
     share_rank_zero_metrics,
     smallest_window,
+    throughput_counts_replicas,
     without_sync_advice,
     writers_where_the_predictions_are,
 )
@@ -869,6 +870,7 @@ class PACIStrategy(DDPStrategy):
         alone = None if self.in_process or self.pipeline_stages == 1 else self._alone
         writers_where_the_predictions_are(trainer, self.is_last_stage, alone)
         swap_stock_progress_bar(trainer)
+        throughput_counts_replicas(trainer, self.topology.num_replicas if self.topology is not None else 1)
         split = self._split
         summarize_the_unsplit_model(trainer, lambda: split.ties if split else ())
         if not any(isinstance(cb, SyncCallbackMetrics) for cb in trainer.callbacks):

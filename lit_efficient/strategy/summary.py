@@ -7,6 +7,8 @@ to the total). `PACIStrategy` gives the stock summary callbacks (plain and Rich)
 does the progress bars: the summary walks the module with each placeholder's structure in its place, so its rows
 (at any ``max_depth``), their types, parameters and modes are the unsplit module's, and a parameter tied across
 two stages is one parameter wherever the unsplit module holds it once (the pipeline keeps a copy on each stage).
+With an ``example_input_array`` the in and out sizes are one device's in one process, "?" on processes (a rank
+cannot run the whole forward).
 """
 
 from __future__ import annotations
@@ -65,6 +67,12 @@ def _whole_model_table(kind: type[Summary]) -> type[Summary]:
         def __init__(self, model: Any, max_depth: int, ties: Sequence[Tie]) -> None:
             self._ties = tuple(ties)
             super().__init__(model, max_depth=max_depth)
+
+        def _forward_example_input(self) -> None:
+            # On a rank the other stages' layers are placeholders: the example's forward (for the in and out
+            # sizes) raised that a layer lives on another stage. There the sizes stay "?"; one process has them.
+            if not any(isinstance(m, LayerOnOtherStage) for m in self._model.modules()):
+                super()._forward_example_input()
 
         @property
         def named_modules(self) -> list[tuple[str, nn.Module]]:

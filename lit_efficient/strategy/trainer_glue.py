@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.seed import _set_rng_states, pl_worker_init_function
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint
+from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint, ThroughputMonitor
 from torch import Tensor
 from typing_extensions import override
 
@@ -75,6 +75,17 @@ class SyncCallbackMetrics(Callback):
     @override
     def on_test_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._sync(trainer)  # as after a validation: a callback's on_test_end found nothing on the other ranks
+
+
+def throughput_counts_replicas(trainer: Trainer, replicas: int) -> None:
+    """Lightning's ThroughputMonitor makes a rank's rates job-wide by multiplying them by the world size: the S stages
+    of a replica read the same samples, so its ``samples_per_sec`` (and batches, items, FLOPs) were S times the job's.
+    Multiplied by the replicas instead (each reads its share of the data). Its throughputs are built in the
+    callbacks' ``setup``, before the strategy's."""
+    for callback in trainer.callbacks:
+        if isinstance(callback, ThroughputMonitor):
+            for throughput in callback._throughputs.values():
+                throughput.world_size = replicas
 
 
 def share_rank_zero_metrics(trainer: Trainer) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import LearningRateMonitor
+from lightning.pytorch.callbacks import LambdaCallback, LearningRateMonitor
 
 from lit_efficient import GradientAccumulation
 from lit_efficient.models import GPT
@@ -50,6 +50,13 @@ def test_overrides_that_never_run_are_named():
     assert training_step_logs(module) == ["train_acc", "log_dict(...)"]
     with pytest.warns(UserWarning, match=r"on_after_backward.*train_acc, log_dict\(\.\.\.\).*pipeline_loss"):
         warn_uncalled_hooks(module, [_GradNormLogger()])
+
+
+def test_a_lambda_callbacks_hooks_that_never_run_are_named():
+    """LambdaCallback sets the hooks it is given on the instance: its class overrides none, and a gradient-norm
+    logger given as ``on_before_optimizer_step`` never ran, unannounced. Those it runs are not named."""
+    logger = LambdaCallback(on_before_optimizer_step=lambda *args: None, on_train_batch_end=lambda *args: None)
+    assert uncalled_hooks(GPT(n_layer=1), [logger]) == ["LambdaCallback.on_before_optimizer_step"]
 
 
 class _TrainLossPerEpoch(GPT):
@@ -105,3 +112,24 @@ def test_a_rank_without_the_last_stage_skips_evaluation_epoch_ends_and_explains_
     assert shared == [True]
     undo_epoch_ends(module)
     assert "on_train_epoch_end" not in module.__dict__
+
+
+def test_a_throughput_monitor_multiplies_by_the_replicas_not_the_world_size():
+    """Lightning's ThroughputMonitor makes a rank's rates job-wide by the world size; a pipeline's S stages read the
+    same samples, so on 2 stages of one replica ``train/samples_per_sec`` was twice ``train/device/samples_per_sec``
+    (a user audit: 1498 against 749). The strategy's setup sets its factor to the replicas."""
+    from types import SimpleNamespace
+
+    from lightning.fabric.utilities.throughput import Throughput
+    from lightning.pytorch.callbacks import ThroughputMonitor
+
+    from lit_efficient.strategy.trainer_glue import throughput_counts_replicas
+
+    monitor = ThroughputMonitor(batch_size_fn=len)
+    monitor._throughputs = {s: Throughput(world_size=4, window_size=2) for s in ("train", "validate")}  # 2 x 2
+    throughput_counts_replicas(SimpleNamespace(callbacks=[monitor]), replicas=2)
+    for throughput in monitor._throughputs.values():
+        throughput.update(time=1.0, batches=1, samples=8)
+        throughput.update(time=2.0, batches=2, samples=16)
+        rates = throughput.compute()
+        assert rates["device/samples_per_sec"] == 8.0 and rates["samples_per_sec"] == 16.0, rates

@@ -128,7 +128,10 @@ def _summarized(rank: int, world: int, frozen: bool) -> dict:
     from tests.support.gpt_runs import gpt_model, gpt_trainer, text_data
 
     warnings.filterwarnings("ignore")
+    import torch
+
     model = gpt_model(tie_weights=True)
+    model.example_input_array = torch.zeros(2, 32, dtype=torch.long)  # its forward raised on a rank: sizes are "?"
     if frozen:
         model.embed.wpe.weight.requires_grad_(False)
     trainer = gpt_trainer(PACIStrategy(pipeline_stages=2), 2, 1, enable_model_summary=True)
@@ -150,7 +153,8 @@ def test_the_model_summary_on_processes_is_the_unsplit_models():
     """Under PACI on processes Lightning's summary showed rank 0's stage as "Total params" (90.7K of a 164.9K model),
     and rows that did not add up to the totals: the layers of the other stage as an empty ``LayerOnOtherStage``.
     Every rank now shows plain Lightning's table of the unsplit model (names, types, parameters per row, modes),
-    the whole model's totals, a tied embedding once, a frozen table as non-trainable."""
+    the whole model's totals, a tied embedding once, a frozen table as non-trainable. With an ``example_input_array``
+    Lightning's summary forwarded it through the split module, which raised on every rank."""
     from lightning.pytorch.utilities.model_summary import summarize
 
     from tests.support.gpt_runs import gpt_model

@@ -353,6 +353,10 @@ def test_shard_loading_obeys_weights_only(tmp_path):
         (2, {"accumulate_grad_batches": 2}, {}, ["ga4"], r"accumulate_grad_batches=2\) and GradientAccumulation"),
         # a copy of the whole module where a rank holds its stage: a shape error mid-fit
         (2, {}, {}, ["ema"], r"EMAWeightAveraging is not supported on processes under PACIStrategy"),
+        # it prunes the whole module: a meta-device error at the first epoch's end
+        (2, {}, {}, ["prune"], r"ModelPruning is not supported on processes under PACIStrategy"),
+        # it reads outputs["loss"], which stage 0's ranks do not have: a KeyError there, a gloo error elsewhere
+        (2, {}, {}, ["spike"], r"SpikeDetection is not supported on processes under PACIStrategy"),
         # Lightning's finder builds a torch LR scheduler on the optimizer it is shown: a TypeError on every rank
         (
             4,
@@ -365,9 +369,12 @@ def test_shard_loading_obeys_weights_only(tmp_path):
 )
 def test_configuration_errors_fail_before_any_process_starts(devices, trainer_kw, strategy_kw, callbacks, match):
     """One message from the launching process, before it starts any rank (which would each raise)."""
-    from lightning.pytorch.callbacks import EMAWeightAveraging, LearningRateFinder
+    from lightning.pytorch.callbacks import EMAWeightAveraging, LearningRateFinder, ModelPruning, SpikeDetection
 
-    made = {"ga4": lambda: GradientAccumulation(steps=4), "ema": EMAWeightAveraging, "lr_find": LearningRateFinder}
+    made = {
+        "ga4": lambda: GradientAccumulation(steps=4), "ema": EMAWeightAveraging, "lr_find": LearningRateFinder,
+        "prune": lambda: ModelPruning("l1_unstructured"), "spike": SpikeDetection,
+    }  # fmt: skip
     cbs = [made[name]() for name in callbacks]
     strategy = PACIStrategy(pipeline_stages=2, start_method="forkserver", **strategy_kw)
     trainer = L.Trainer(
