@@ -1300,6 +1300,20 @@ class PACIStrategy(DDPStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
+        self.failed(exception)
+        super().on_exception(exception)
+        if isinstance(self.launcher, _CheckedScriptLauncher) and self.launcher.procs:
+            # This process started the other ranks (start_method="popen"): none may outlive the job (one hung in
+            # user code did). A watcher kills them after this process has exited and they had time to end. It
+            # hosts the store too: at its exit it lets go of the default group and waits for them to read the cause.
+            rank_reaper.watch_after_exit(self.launcher.procs, release=release_peers_keeping_the_store)
+
+    def failed(self, exception: BaseException) -> None:
+        """The run failed with ``exception``: said once, first thing. The strategy's own callback calls it before any
+        other callback's ``on_exception`` (Lightning calls the strategy's after them): an OnExceptionCheckpoint whose
+        save then failed too had replaced the report of what went wrong (and the exception itself)."""
+        if self._failed:
+            return
         self._failed = True
         self.final_state = None  # a save after a failed fit must not write the previous fit's end
         if self.topology is not None and not isinstance(exception, RefusedSetting):  # a refusal is said once, raised
@@ -1317,12 +1331,14 @@ class PACIStrategy(DDPStrategy):
             else:
                 detail = f": {exception}" if str(exception) else ""
                 report_failure(f"{here} raised {type(exception).__name__}{detail}")
-        super().on_exception(exception)
-        if isinstance(self.launcher, _CheckedScriptLauncher) and self.launcher.procs:
-            # This process started the other ranks (start_method="popen"): none may outlive the job (one hung in
-            # user code did). A watcher kills them after this process has exited and they had time to end. It
-            # hosts the store too: at its exit it lets go of the default group and waits for them to read the cause.
-            rank_reaper.watch_after_exit(self.launcher.procs, release=release_peers_keeping_the_store)
+
+    @property
+    def stopped_mid_action(self) -> bool:
+        """A failure left a hosted stage in the middle of its actions (a forward or backward raised, a peer was
+        lost): nothing can be drained. A save then holds each stage's weights after its last step and no unfinished
+        window (as one device's checkpoint holds no gradients), and `drain` does nothing."""
+        runtime = self.runtime
+        return self._failed and runtime is not None and not all(r.quiescent for r in runtime.runtimes)
 
     # -- evaluation (evaluation.py) ----------------------------------------------------------------
 
@@ -1337,7 +1353,7 @@ class PACIStrategy(DDPStrategy):
         the end of training; a callback that needs a consistent model at another point calls this.
         It costs the pipeline's warm-up once more (S-1 slots) at the next batch.
         """
-        if self.runtime is not None:
+        if self.runtime is not None and not self.stopped_mid_action:
             if self._edits is not None:
                 self._edits.apply()  # a drain may step stages: with what user code set since the last batch
             self.runtime.drain()
@@ -1428,6 +1444,14 @@ class PACIStrategy(DDPStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self.stopped_mid_action and not self.in_process:
+            # The save is collective, and a rank whose peer failed mid-action may wait in a receive until its
+            # timeout: refused here, before any collective, so that every rank ends now (the cause was said first).
+            raise RuntimeError(
+                "no checkpoint after a pipeline failure on processes (OnExceptionCheckpoint, or a save in an "
+                "on_exception hook): a rank whose peer failed mid-action may be waiting in a receive, and the save "
+                "is collective. Resume from the last checkpoint saved before the failure (ModelCheckpoint)."
+            )
         self.drain()  # a checkpoint holds a consistent model: nothing in flight
         return super().lightning_module_state_dict()
 

@@ -60,7 +60,9 @@ class SyncCallbackMetrics(Callback):
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        # Before any other callback's (OnExceptionCheckpoint saves each replica's own weights for a resume).
+        # Before any other callback's: the failure said (a save that fails too must not hide it), and under
+        # LocalSGD each replica's own weights back (OnExceptionCheckpoint saves each one's for a resume).
+        trainer.strategy.failed(exception)  # type: ignore[attr-defined]
         trainer.strategy.own_weights_back()  # type: ignore[attr-defined]
 
     @override

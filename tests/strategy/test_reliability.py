@@ -23,7 +23,7 @@ from tests.support.gpt_runs import gpt_model as _model
 from tests.support.gpt_runs import gpt_trainer as _trainer
 from tests.support.gpt_runs import max_diff as _max_diff
 from tests.support.gpt_runs import ordered_data as _ordered
-from tests.support.multiproc import spawn
+from tests.support.multiproc import spawn, values
 from tests.support.runtime_runs import pipeline_on_ranks as _pipeline
 from tests.support.runtime_runs import runtime_batches as _data
 
@@ -896,3 +896,63 @@ def test_a_rank_that_lost_its_peers_names_the_published_cause_and_for_a_timeout_
     failures.report_lost_peers("stage 1 (rank 0)", RuntimeError(gloo + "unbound_buffer.cc:78] Timed out waiting"))
     timed_out = capsys.readouterr().err
     assert "no rank reported a failure of its own" in timed_out and "raise PACIStrategy(timeout=" in timed_out
+
+
+class _FailingBlock(torch.nn.Module):
+    """A block whose forward raises at its ``at``-th training call, as an out-of-memory error would."""
+
+    def __init__(self, block: torch.nn.Module, at: int) -> None:
+        super().__init__()
+        self.block, self.at, self.calls = block, at, 0
+
+    def forward(self, x):
+        if self.training:
+            self.calls += 1
+            if self.calls == self.at:
+                raise RuntimeError(f"layer boom at call {self.at}")
+        return self.block(x)
+
+
+def _fit_failing_in_a_stage(devices: int, root: str) -> tuple[L.Trainer, torch.nn.Module, str]:
+    """A fit whose block 1 (stage 1) raises at its 5th training call, with OnExceptionCheckpoint: the trainer, the
+    module and what was raised (the exception and the one it was raised during)."""
+    from lightning.pytorch.callbacks import OnExceptionCheckpoint
+
+    model = _model()
+    model.blocks[1] = _FailingBlock(model.blocks[1], at=5)
+    strategy = PACIStrategy(pipeline_stages=2, schedule="1f1b_flush")
+    saving = OnExceptionCheckpoint(root)
+    trainer = _trainer(strategy, devices, 6, accumulate_grad_batches=2, callbacks=[saving], enable_checkpointing=True)
+    try:
+        trainer.fit(model, datamodule=_ordered())
+    except Exception as err:  # noqa: BLE001 - what the user sees is the point
+        return trainer, model, f"{type(err).__name__}: {err} | during: {err.__context__!r}"
+    raise AssertionError("the fit did not fail")
+
+
+def _fails_on_ranks(rank: int, world: int, root: str) -> str:
+    return _fit_failing_in_a_stage(world, root)[2]
+
+
+def test_a_failure_in_a_stage_with_on_exception_checkpoint_keeps_its_cause_in_one_process(tmp_path):
+    """OnExceptionCheckpoint saves in ``on_exception``, which Lightning calls before the strategy's: its save drained
+    the failed pipeline, which raised "drained while paused" in place of the user's error and wrote nothing. The
+    save now holds each stage's weights after its last step (nothing can be drained), and the error is the user's."""
+    trainer, model, raised = _fit_failing_in_a_stage(1, str(tmp_path))
+    assert "layer boom at call 5" in raised and "drained while paused" not in raised, raised
+    checkpoint = torch.load(tmp_path / "on_exception.ckpt", weights_only=True)
+    assert checkpoint["global_step"] == trainer.global_step > 0
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in checkpoint["state_dict"].items())
+
+
+@pytest.mark.multiproc
+def test_a_failure_in_a_stage_with_on_exception_checkpoint_ends_every_rank_with_its_cause(tmp_path):
+    """On processes (every rank running the Trainer, as under torchrun) the failing rank's save had raised "drained
+    while paused" before it reported, its peer said it died; once the save got past that, it waited in the save's
+    collective for a peer waiting in a receive. The save is refused at once, after each rank's report, and every
+    rank ends at once (the failing one with the cause in its chain; under torchrun or the default launcher its peer
+    reads the cause too, which this harness's store, hosted by the failing rank, cannot serve)."""
+    raised = values(spawn(_fails_on_ranks, 2, str(tmp_path), timeout=120, torchrun_env=True))
+    assert all("no checkpoint after a pipeline failure on processes" in r for r in raised), raised
+    assert "layer boom at call 5" in raised[0], raised  # the peer reads it from the store of the failed rank
+    assert not (tmp_path / "on_exception.ckpt").exists()
