@@ -233,8 +233,14 @@ def _shares(
     process's last hosted stage built it (on global rank 0, the last stage's: the base of a file)."""
     diverged = strategy.local_sgd_steps is not None and strategy.topology.num_replicas > 1
     last = len(records) - 1
+    # Keys no module tensor has: an on_save_checkpoint hook's (ModelPruning's pruned "weight" in place of the live
+    # "weight_orig" and "weight_mask"). Kept with Lightning's own entries, in the last hosted stage's share: they
+    # were dropped, and a save during fit after the first pruning held an empty state_dict.
+    live = set(strategy.lightning_module.state_dict())
+    added = [k for k in checkpoint["state_dict"] if k not in live]
     views = [
-        _view(strategy, checkpoint, r, o, i == last) for i, (r, o) in enumerate(zip(records, optimizers, strict=True))
+        _view(strategy, checkpoint, r, o, i == last, added if i == last else [])
+        for i, (r, o) in enumerate(zip(records, optimizers, strict=True))
     ]
     shares = [
         _share(view, r, o.optimizer, r.replica == 0 or diverged)
@@ -243,12 +249,20 @@ def _shares(
     return shares, views[-1]
 
 
-def _view(strategy: Any, checkpoint: dict[str, Any], record: StageRecord, stage: StageOptimizer, lightnings: bool):
-    """Lightning's dict as ``record``'s rank would have built it: its keys, its optimizer, its schedulers. Lightning's
-    own entries are those of the stage whose optimizer it holds (``lightnings``: the last hosted), hooks' changes
-    (``on_save_checkpoint``) included; another hosted stage's are read from its optimizer and schedulers."""
+def _view(
+    strategy: Any,
+    checkpoint: dict[str, Any],
+    record: StageRecord,
+    stage: StageOptimizer,
+    lightnings: bool,
+    added: list[str],
+) -> dict[str, Any]:
+    """Lightning's dict as ``record``'s rank would have built it: its keys (and ``added``, hooks' keys no tensor of
+    the module has), its optimizer, its schedulers. Lightning's own entries are those of the stage whose optimizer
+    it holds (``lightnings``: the last hosted), hooks' changes (``on_save_checkpoint``) included; another hosted
+    stage's are read from its optimizer and schedulers."""
     state = checkpoint["state_dict"]
-    view = dict(checkpoint, state_dict={k: state[k] for k in record.keys if k in state})
+    view = dict(checkpoint, state_dict={k: state[k] for k in [*record.keys, *added] if k in state})
     if "optimizer_states" in checkpoint and not lightnings:  # none under save_weights_only
         view["optimizer_states"] = [strategy.optimizer_state(stage.optimizer)]
         view["lr_schedulers"] = [c.scheduler.state_dict() for c in stage.scheduler_configs]

@@ -483,6 +483,18 @@ def _saved(trainer, module) -> dict:
     return {p.name: torch.load(p, weights_only=False)["global_step"] for p in sorted(Path(cb.dirpath).glob("*.ckpt"))}
 
 
+def _saved_weights(trainer, module) -> dict:
+    """The weights each file a ModelCheckpoint wrote holds (compared with one device's files, tensor by tensor)."""
+    (cb,) = trainer.checkpoint_callbacks
+    return {p.name: torch.load(p, weights_only=True)["state_dict"] for p in sorted(Path(cb.dirpath).glob("*.ckpt"))}
+
+
+def _pruned_files(piped: dict, ref: dict) -> None:
+    """Files were written after a pruning, each with the whole model (a pruned save once held no weights)."""
+    files = piped["observed"]
+    assert len(files) == 6 and all(len(weights) == len(files["step=1.ckpt"]) > 0 for weights in files.values())
+
+
 def _kept(trainer, module) -> dict:
     """The top-k files ModelCheckpoint kept, their scores and the weights and step each holds."""
     (cb,) = trainer.checkpoint_callbacks
