@@ -1301,6 +1301,7 @@ class PACIStrategy(DDPStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         self.failed(exception)
+        self.final_state = None  # a save after a failed fit must not write the previous fit's end
         super().on_exception(exception)
         if isinstance(self.launcher, _CheckedScriptLauncher) and self.launcher.procs:
             # This process started the other ranks (start_method="popen"): none may outlive the job (one hung in
@@ -1314,8 +1315,7 @@ class PACIStrategy(DDPStrategy):
         save then failed too had replaced the report of what went wrong (and the exception itself)."""
         if self._failed:
             return
-        self._failed = True
-        self.final_state = None  # a save after a failed fit must not write the previous fit's end
+        self._failed = True  # (the previous fit's end, `final_state`, goes in `on_exception`, after the callbacks')
         if self.topology is not None and not isinstance(exception, RefusedSetting):  # a refusal is said once, raised
             # In one process every stage runs here, and which one raised is in the traceback: no stage is named (the
             # last stage was, for a failure in stage 0's backward).
@@ -1444,14 +1444,6 @@ class PACIStrategy(DDPStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        if self.stopped_mid_action and not self.in_process:
-            # The save is collective, and a rank whose peer failed mid-action may wait in a receive until its
-            # timeout: refused here, before any collective, so that every rank ends now (the cause was said first).
-            raise RuntimeError(
-                "no checkpoint after a pipeline failure on processes (OnExceptionCheckpoint, or a save in an "
-                "on_exception hook): a rank whose peer failed mid-action may be waiting in a receive, and the save "
-                "is collective. Resume from the last checkpoint saved before the failure (ModelCheckpoint)."
-            )
         self.drain()  # a checkpoint holds a consistent model: nothing in flight
         return super().lightning_module_state_dict()
 
@@ -1487,6 +1479,14 @@ class PACIStrategy(DDPStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        if self._after_a_failure_on_processes():
+            rank_zero_warn(
+                f"PACIStrategy: no checkpoint written to {filepath} after a pipeline failure on processes "
+                "(OnExceptionCheckpoint, or a save in an on_exception hook): the save is collective, and a rank "
+                "whose peer failed mid-action may wait in a receive until its timeout. Resume from the last "
+                "checkpoint saved before the failure (ModelCheckpoint)."
+            )
+            return
         if self.replicas is not None:  # a whole-job restart resumes the groups' sync count
             checkpoint["torchft"] = self.replicas.state_dict()
         with self._timed_pause():
@@ -1549,7 +1549,15 @@ class PACIStrategy(DDPStrategy):
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         self._every_rank("trainer.strategy.barrier()")
+        if self._after_a_failure_on_processes():
+            return  # a peer may wait in a receive (the save after a failure writes nothing: `save_checkpoint`)
         super().barrier(*args, **kwargs)
+
+    def _after_a_failure_on_processes(self) -> bool:
+        """A failure left a stage mid-action on processes: no collective may start (a peer may never join it). Not
+        an exception; a save or barrier in an ``on_exception`` hook then does nothing, and Lightning's own handling
+        (the failure's report, the loggers, the teardown, the user's exception) goes on."""
+        return not self.in_process and self.stopped_mid_action
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:

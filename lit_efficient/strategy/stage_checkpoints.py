@@ -16,6 +16,7 @@ The functions take the strategy (`lit_efficient.strategy.paci.PACIStrategy`) who
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import warnings
 from dataclasses import dataclass
@@ -238,6 +239,8 @@ def _shares(
     # were dropped, and a save during fit after the first pruning held an empty state_dict.
     live = set(strategy.lightning_module.state_dict())
     added = [k for k in checkpoint["state_dict"] if k not in live]
+    if added:
+        records = [_named_as_saved(r, checkpoint["state_dict"]) for r in records]
     views = [
         _view(strategy, checkpoint, r, o, i == last, added if i == last else [])
         for i, (r, o) in enumerate(zip(records, optimizers, strict=True))
@@ -247,6 +250,19 @@ def _shares(
         for view, r, o in zip(views, records, optimizers, strict=True)
     ]
     return shares, views[-1]
+
+
+def _named_as_saved(record: StageRecord, state: dict[str, Any]) -> StageRecord:
+    """``record`` with its optimizer's parameters named as the saved weights name them: a hook that saved torch's
+    pruned ``X.weight`` for the live ``X.weight_orig`` (ModelPruning) left the optimizer's state under a name no
+    module has before its pruning, and a resume found none for ``X.weight``."""
+
+    def saved_name(name: str) -> str:
+        plain = name.removesuffix("_orig")
+        return plain if plain != name and name not in state and plain in state else name
+
+    groups = [[saved_name(n) for n in names] for names in record.group_names]
+    return dataclasses.replace(record, group_names=groups)
 
 
 def _view(
