@@ -80,19 +80,28 @@ class _GroupsByModuleType(GPT):
         return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}])
 
 
+def _two_stages() -> Trainer:
+    return Trainer(
+        accelerator="cpu", devices=1, strategy=PACIStrategy(pipeline_stages=2), max_steps=2, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+    )  # fmt: skip
+
+
+def _fit_tied(trainer: Trainer, cls: type[GPT]) -> None:
+    """``cls`` with its token table tied to its LM head (the first and the last stage), fitted by ``trainer``."""
+    torch.manual_seed(0)
+    model = cls(n_layer=2, n_head=2, n_embd=32, block_size=32, tie_weights=True)
+    trainer.fit(model, datamodule=TextDataModule(block_size=32, batch_size=4, max_bytes=60_000))
+
+
 def test_a_tied_weight_whose_copies_get_other_settings_is_refused():
     """On one device the tied token table is one parameter in one group (``named_parameters`` names it once). Each
     stage's configure_optimizers sees its own copy: on the last stage the LM head's ``nn.Linear`` weight, which this
     rule decays. The copies drifted apart silently (4e-2 from one device after four steps, in one process and on
     two alike); now the fit is refused before training, naming both copies and the settings each got."""
-    torch.manual_seed(0)
-    model = _GroupsByModuleType(n_layer=2, n_head=2, n_embd=32, block_size=32, tie_weights=True)
-    trainer = Trainer(
-        accelerator="cpu", devices=1, strategy=PACIStrategy(pipeline_stages=2), max_steps=2, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-    )  # fmt: skip
+    trainer = _two_stages()
     with pytest.raises(ValueError, match="tied across stages") as err:
-        trainer.fit(model, datamodule=TextDataModule(block_size=32, batch_size=4, max_bytes=60_000))
+        _fit_tied(trainer, _GroupsByModuleType)
     assert "weight_decay=0.0 for embed.wte.weight on stage 0, 0.1 for head.lm_head.weight on stage 1" in str(err.value)
     assert trainer.global_step == 0
 
@@ -105,11 +114,6 @@ class _NamedOneGroup(GPT):
 def test_a_tied_weight_in_named_parameter_groups_is_not_told_apart_by_the_names():
     """``AdamW(self.named_parameters())``: torch keeps each group's parameter names, which differ from stage to stage
     by nature; the tied-settings check compared them too and refused every such model."""
-    torch.manual_seed(0)
-    model = _NamedOneGroup(n_layer=2, n_head=2, n_embd=32, block_size=32, tie_weights=True)
-    trainer = Trainer(
-        accelerator="cpu", devices=1, strategy=PACIStrategy(pipeline_stages=2), max_steps=2, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-    )  # fmt: skip
-    trainer.fit(model, datamodule=TextDataModule(block_size=32, batch_size=4, max_bytes=60_000))
+    trainer = _two_stages()
+    _fit_tied(trainer, _NamedOneGroup)
     assert trainer.global_step == 2
