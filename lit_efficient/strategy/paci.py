@@ -430,8 +430,8 @@ class PACIStrategy(DDPStrategy):
         self.async_checkpointer: AsyncCheckpointer | None = None  # the save in flight (checkpoint.async_write)
         self.final_state: FinalState | None = None  # the hosted stages at the end of training (stage_checkpoints.py)
         # A LocalSGD/DiLoCo replica's own weights while an evaluation holds the first replica's (`setup`, `teardown`).
-        self._weights_before_evaluation: tuple[list[Tensor], list[Tensor]] | None = None
-        self._own_weights_during_validation: tuple[list[Tensor], list[Tensor]] | None = None
+        # (Also while a validation inside fit scores the first replica's: `score_the_first_replica`.)
+        self._own_weights: tuple[list[Tensor], list[Tensor]] | None = None
         self._edits: EditsReachEveryStage | None = None  # one process, fitting
         # Each save's (start, end) on the root device's clock while a `PipelineMonitor` asks (it sets a list at the
         # start of training): a save's writes and collectives stall every stage, and are no pipeline bubble.
@@ -644,14 +644,9 @@ class PACIStrategy(DDPStrategy):
             # Every replica of a stage starts from its first replica's weights, as DDP broadcasts at wrap:
             # under torchrun or SLURM each process builds its own model, and processes not seeded alike
             # would otherwise train R different models on averaged gradients, silently.
-            first, last = self._split.bounds_of(self.stage)
-            own = [t for layer in layers[first:last] for t in (*layer.parameters(), *layer.buffers())]
-            if not fitting and self.local_sgd_steps is not None:
-                # An evaluation scores the first replica's model; between LocalSGD/DiLoCo syncs this replica's own
-                # differs, and a save after the evaluation writes it: `teardown` puts it back (kept on the host: the
-                # evaluation's device memory does not grow).
-                self._weights_before_evaluation = (own, [t.detach().to("cpu", copy=True) for t in own])
-            broadcast_flat(own, self._dp_groups[self.stage])
+            # An evaluation scores the first replica's model; between LocalSGD/DiLoCo syncs this replica's own
+            # differs, and a save after the evaluation writes it: `teardown` puts it back.
+            self._take_the_first_replicas_weights(layers, keep_own=not fitting and self.local_sgd_steps is not None)
         if fitting:
             self._after_finder = False
             self._fit_trained = False  # set when the fit's own run starts (not a learning-rate finder's): `teardown`
@@ -993,10 +988,7 @@ class PACIStrategy(DDPStrategy):
         if trainer is not None:
             give_callbacks_back(trainer)
         split = self._split
-        if self._weights_before_evaluation is not None:  # before the split is gathered: these are its tensors
-            _put_back(*self._weights_before_evaluation)
-            self._weights_before_evaluation = None
-        self.own_weights_back()  # a validation interrupted by an exception
+        self.own_weights_back()  # before the split is gathered: these are its tensors
         if module is not None and split is not None:
             if fitting:
                 carry_step_count_to_automatic(trainer)
@@ -1374,21 +1366,29 @@ class PACIStrategy(DDPStrategy):
         fitting = module is not None and module.trainer.state.fn == TrainerFn.FITTING
         if not fitting or self.local_sgd_steps is None or not self._dp_groups or self.fault_tolerance is not None:
             return
-        assert self.topology is not None and self._split is not None
-        if self.topology.num_replicas < 2:
-            return
+        assert self.topology is not None
+        if self.topology.num_replicas > 1:
+            self._take_the_first_replicas_weights(list(module.pipeline_layers()), keep_own=True)
+
+    def _take_the_first_replicas_weights(self, layers: list, keep_own: bool) -> None:
+        """This rank's stage takes its first replica's weights (parameters and buffers); ``keep_own``: keeps its own
+        on the host (the device memory does not grow) for `own_weights_back`."""
+        assert self._split is not None
         first, last = self._split.bounds_of(self.stage)
-        own = [
-            t for layer in list(module.pipeline_layers())[first:last] for t in (*layer.parameters(), *layer.buffers())
-        ]
-        self._own_weights_during_validation = (own, [t.detach().to("cpu", copy=True) for t in own])
+        own = [t for layer in layers[first:last] for t in (*layer.parameters(), *layer.buffers())]
+        if keep_own:
+            self._own_weights = (own, [t.detach().to("cpu", copy=True) for t in own])
         broadcast_flat(own, self._dp_groups[self.stage])
 
     def own_weights_back(self) -> None:
-        """After a validation inside fit that scored the first replica's model (`score_the_first_replica`)."""
-        if self._own_weights_during_validation is not None:
-            _put_back(*self._own_weights_during_validation)
-            self._own_weights_during_validation = None
+        """Each replica's own weights back after an evaluation that scored the first replica's: a validation inside
+        fit (`score_the_first_replica`) or an evaluation of the fit's weights (`setup`)."""
+        if self._own_weights is not None:
+            own, kept = self._own_weights
+            self._own_weights = None
+            with torch.no_grad():
+                for tensor, value in zip(own, kept, strict=True):
+                    tensor.copy_(value)
 
     def _start_evaluation(self) -> None:
         self.drain()
@@ -1498,7 +1498,7 @@ class PACIStrategy(DDPStrategy):
 
     @override
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
-        self._weights_before_evaluation = None  # an evaluation of a checkpoint: its model is every replica's now
+        self._own_weights = None  # an evaluation of a checkpoint: its model is every replica's now
         stage_checkpoints.load_weights(self, checkpoint, strict)
 
     @override
@@ -1612,13 +1612,6 @@ def _then(first: Callable[[], Any] | None, then: Callable[[], None]) -> Callable
         then()
 
     return both
-
-
-def _put_back(tensors: list[Tensor], kept: list[Tensor]) -> None:
-    """Copy ``kept`` (host copies) back into ``tensors``, a replica's own weights after an evaluation of another's."""
-    with torch.no_grad():
-        for tensor, value in zip(tensors, kept, strict=True):
-            tensor.copy_(value)
 
 
 def _settings_apart(ends: list[tuple[int, str, dict]]) -> str:
