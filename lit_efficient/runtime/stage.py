@@ -476,11 +476,11 @@ class PipelineStage:
         self._window = None
         self._window_microbatches = 0
 
-    def accumulation_state(self) -> dict[str, Any]:
+    def accumulation_state(self, window: bool = True) -> dict[str, Any]:
         """What a checkpoint needs besides weights and optimizer: the version, the stage's random stream,
-        and the gradients and weight accumulated in a window not yet stepped."""
+        and (``window``) the gradients and weight accumulated in a window not yet stepped."""
         state: dict[str, Any] = {"version": self.version, "rng": self.rng}
-        if self._window is not None:
+        if window and self._window is not None:
             state.update(
                 window=self._window, grads=[p.grad for p in self.parameters()], microbatches=self._window_microbatches
             )

@@ -659,6 +659,24 @@ def check_accumulate(value: Any, spelled: str = "Trainer(accumulate_grad_batches
         )
 
 
+# Lightning callbacks that need the whole pipeline in one process: (why not on processes, what to do there).
+_WHOLE_PIPELINE_ONLY: dict[type, tuple[str, str]] = {
+    WeightAveraging: (
+        "it averages a copy of the whole module, and a rank holds only its stage's layers",
+        "drop the callback",
+    ),
+    ModelPruning: (
+        "it prunes the whole module, and a rank holds only its stage's layers (the others are placeholders: it "
+        "failed at the first epoch's end)",
+        "prune with torch.nn.utils.prune in your module's on_train_epoch_end, on the layers it holds",
+    ),
+    SpikeDetection: (
+        "it reads outputs['loss'] at every batch end, which only the last stage's ranks have",
+        "watch train_loss (logged per step by the last stage) with a callback of your own",
+    ),
+}
+
+
 def check_before_launch(strategy: Any, trainer: Trainer, layers: list | None) -> None:
     """Refuse a layout or accumulation setting of ``strategy`` (a `PACIStrategy`) that cannot work, before any
     process starts (the launchers above call it in the launching process; one process calls it in setup);
@@ -725,31 +743,17 @@ def check_before_launch(strategy: Any, trainer: Trainer, layers: list | None) ->
                 "suggestion do not depend on sharding: find the rate with shard_optimizer_state=False, then train "
                 "with it on."
             )
-        if isinstance(callback, ModelPruning) and world > 1 and strategy.pipeline_stages > 1:
+        whole = next((why for kind, why in _WHOLE_PIPELINE_ONLY.items() if isinstance(callback, kind)), None)
+        if whole is not None and world > 1 and strategy.pipeline_stages > 1:
             raise ValueError(
-                "ModelPruning is not supported on processes under PACIStrategy: it prunes the whole module, and a rank "
-                "holds only its stage's layers (the others are placeholders: it failed at the first epoch's end). "
-                "It prunes as on one device with the whole pipeline in one process (devices=1); on processes, "
-                "prune with torch.nn.utils.prune in your module's on_train_epoch_end, on the layers it holds."
-            )
-        if isinstance(callback, SpikeDetection) and world > 1 and strategy.pipeline_stages > 1:
-            raise ValueError(
-                "SpikeDetection is not supported on processes under PACIStrategy: it reads outputs['loss'] at every "
-                "batch end, which only the last stage's ranks have (the others have no loss). Use it with the whole "
-                "pipeline in one process (devices=1), or watch train_loss (logged per step by the last stage) with "
-                "your own callback."
+                f"{type(callback).__name__} is not supported on processes under PACIStrategy: {whole[0]}. It works as "
+                f"on one device with the whole pipeline in one process (devices=1); on processes, {whole[1]}."
             )
         if isinstance(callback, SpikeDetection) and callback.atol is not None and trainer.accumulate_grad_batches > 1:
             rank_zero_warn(
                 f"PACIStrategy: SpikeDetection(atol={callback.atol}) compares outputs['loss'], which under the "
                 f"pipeline is the micro-batch's loss itself: one device's is divided by accumulate_grad_batches="
                 f"{trainer.accumulate_grad_batches}. Scale atol by it, or use rtol alone (a ratio reads alike)."
-            )
-        if isinstance(callback, WeightAveraging) and world > 1 and strategy.pipeline_stages > 1:
-            raise ValueError(
-                f"{type(callback).__name__} is not supported on processes under PACIStrategy: it averages a copy "
-                "of the whole module, and a rank holds only its stage's layers. It trains as on one device with "
-                "the whole pipeline in one process (devices=1); on processes, drop the callback."
             )
         check = getattr(callback, "check_accumulation_source", None)
         if callable(check):

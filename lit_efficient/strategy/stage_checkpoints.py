@@ -106,9 +106,8 @@ def pipeline_state(strategy: Any, hosted: HostedStage) -> dict[str, Any]:
     """What ``hosted``'s rank adds to a checkpoint besides weights and optimizer (`checkpoint.merge` merges it)."""
     module = strategy.lightning_module
     names = {id(p): n for n, p in module.named_parameters()}
-    accumulation = hosted.stage.accumulation_state()
-    if strategy.stopped_mid_action:  # a window some of whose micro-batches never finished: not one to continue
-        accumulation = {k: v for k, v in accumulation.items() if k in ("version", "rng")}
+    # After a failure mid-action, a window some of whose micro-batches never finished: not one to continue.
+    accumulation = hosted.stage.accumulation_state(window=not strategy.stopped_mid_action)
     if "grads" in accumulation:  # by name, so another layout can take its share
         accumulation["grads"] = {
             names[id(p)]: g
