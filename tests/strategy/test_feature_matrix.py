@@ -46,6 +46,7 @@ from lightning.pytorch.callbacks import (
     ModelCheckpoint,
     ModelPruning,
     StochasticWeightAveraging,
+    ThroughputMonitor,
 )
 
 from lit_efficient import ActivationCheckpointing, GradientAccumulation
@@ -269,6 +270,10 @@ ROWS: list[Row] = [
         trainer=dict(max_steps=4, enable_checkpointing=True), processes=True,
         callbacks=lambda root: [_SetsTheRate(), ModelCheckpoint(root / "every", every_n_train_steps=1, save_top_k=-1)],
         note="in one process trainer.optimizers shows the last stage's; what is written there reaches every stage"),
+    Row("ThroughputMonitor",
+        callbacks=lambda root: [ThroughputMonitor(batch_size_fn=lambda batch: len(batch[0]), window_size=2)],
+        ignore=r"train/(device/.*|time)", processes=True,
+        note="the counters exact, the rates timed; job-wide rates count the replicas, not the stages"),
     Row("ModelPruning, ModelCheckpoint every step", trainer=dict(EPOCHS, enable_checkpointing=True),
         callbacks=lambda root: [ModelPruning("l1_unstructured", amount=0.3, use_global_unstructured=False),
                                 ModelCheckpoint(root / "every", every_n_train_steps=1, save_top_k=-1,
