@@ -45,7 +45,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from lit_efficient.checkpoint.merge import RANK_RECORD, assemble, rank_key, to_automatic_loops
 from lit_efficient.checkpoint.single_file import save_durably, sync_folder
@@ -161,10 +161,29 @@ class Prepared:
     coordinator: bool
 
     def finish(self) -> None:
-        """On the coordinator: meta.pt, then the folder renamed into place. Elsewhere nothing."""
+        """On the coordinator: meta.pt, then the folder renamed into place, once every rank's files are seen in it.
+        Elsewhere nothing."""
         if self.coordinator:
+            check_every_share_is_here(self.tmp, self.path)
             save_durably(self.meta, self.tmp / META)  # DCP's writer fsyncs the shares' files itself
             publish(self.tmp, self.path)
+
+
+def check_every_share_is_here(tmp: Path, path: Path) -> None:
+    """Raise, publishing nothing, when a file DCP's index names is not in the folder as this process sees it: the
+    ranks wrote to a folder that is not one (node-local disks, each node writing its own ``PATH.partial``). Published,
+    such a folder looked complete until a resume or a consolidation failed on the missing share."""
+    index = FileSystemReader(tmp).read_metadata()
+    named = {info.relative_path for info in index.storage_data.values()}
+    missing = sorted(named - {entry.name for entry in tmp.iterdir()})
+    if missing:
+        raise RuntimeError(
+            f"the sharded checkpoint {path} is not complete where global rank 0 sees it: {', '.join(missing)} "
+            f"(written by other ranks, __<rank>_0.distcp) not in {tmp}. Every rank writes its own share into the "
+            "folder, so it must be on a file system every rank sees (a shared dirpath); on node-local disks use "
+            "checkpoint_format='file', which global rank 0 writes alone. Nothing was published: the previous "
+            "checkpoint is where it was"
+        )
 
 
 def prepare(

@@ -557,14 +557,14 @@ class PACIStrategy(DDPStrategy):
         # A later run in a process that keeps its group (a notebook, a script that fits again) checks its peers;
         # read before the group is formed here (under torchrun, a first run's group is formed just below).
         self._group_kept = dist.is_initialized()
-        store = attempt_store(self._timeout)
-        if store is not None and not dist.is_initialized():
-            assert self.cluster_environment is not None
+        assert self.cluster_environment is not None
+        rank = self.cluster_environment.global_rank()
+        store = None if self._group_kept else attempt_store(rank, self._timeout)
+        if store is not None:
             backend = self._get_process_group_backend()
             dist.init_process_group(
-                backend, store=store, rank=self.cluster_environment.global_rank(),
-                world_size=self.cluster_environment.world_size(), timeout=self._timeout,
-                device_id=self.root_device if self.root_device.type != "cpu" else None,
+                backend, store=store, rank=rank, world_size=self.cluster_environment.world_size(),
+                timeout=self._timeout, device_id=self.root_device if self.root_device.type != "cpu" else None,
             )  # fmt: skip
             if backend == "nccl":  # as Lightning's own setup does, which now returns early
                 atexit.register(_destroy_dist_connection)

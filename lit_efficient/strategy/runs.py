@@ -10,8 +10,12 @@ from the attempt before (`attempt_store`), so their process groups must not read
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import socket
+import threading
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -31,17 +35,7 @@ def run_dir(trainer: Trainer) -> Path:
     return Path(save_dir, str(logger.name), version)
 
 
-def restart_count() -> int:
-    """Which attempt of the run this process belongs to: 0 for the first launch, k after k restarts
-    (torchrun's ``TORCHELASTIC_RESTART_COUNT``, else SLURM's ``SLURM_RESTART_COUNT`` of a requeued job)."""
-    for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"):
-        value = os.environ.get(name, "")
-        if value.isdigit():
-            return int(value)
-    return 0
-
-
-def attempt_store(timeout: timedelta) -> dist.Store | None:
+def attempt_store(rank: int, timeout: timedelta) -> dist.Store | None:
     """Under torchrun's shared store: a client of it whose keys are this attempt's own, else None.
 
     torchrun (c10d and static rendezvous) hosts one TCPStore in the elastic agent and has every worker
@@ -53,14 +47,91 @@ def attempt_store(timeout: timedelta) -> dist.Store | None:
     "connectFullMesh failed ... Connection refused", or waits for good on a count the old attempt
     completed. A strategy with more groups (PACIStrategy makes a group per pipeline direction, per
     stage's replicas, per pipeline and for signals) loses that race more often. The prefix makes the
-    keys of every attempt distinct; the attempt number is each agent's own count, the same on every
-    node when every node's workers failed, as a pipeline's do when one rank dies (its peers' transfers
-    fail). Cost: one store client per rank, made once per process.
+    keys of every attempt distinct.
+
+    The attempt's number is drawn by its rank 0 from a counter in the store, not read from torchrun's
+    ``TORCHELASTIC_RESTART_COUNT``: that is each agent's own count, and on several nodes they differ (the
+    agent whose worker failed counts a restart; another, seeing the rendezvous change before its own worker
+    fails, restarts its workers uncounted), so two prefixes waited for each other until the timeout. The other
+    ranks read the number where rank 0 publishes it, which may still hold the previous attempt's; they take
+    it only once rank 0's beacon (`_Beacon`, on ``MASTER_ADDR``, rank 0's node under torchrun) confirms it:
+    the previous attempt's rank 0 is gone with its beacon. Cost: one store client per rank and a listening
+    socket on rank 0, made once per process.
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
         return None
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
-    return dist.PrefixStore(f"lit_efficient/attempt_{restart_count()}", store)
+    host = os.environ["MASTER_ADDR"]
+    store = dist.TCPStore(host, int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    if rank == 0:
+        attempt = str(store.add(_ATTEMPTS_KEY, 1))
+        _Beacon.start(attempt)
+        store.set(_ATTEMPT_KEY, f"{attempt} {_Beacon.running.port}")
+    else:
+        attempt = _confirmed_attempt(store, host, rank, timeout)
+    return dist.PrefixStore(f"lit_efficient/attempt_{attempt}", store)
+
+
+_ATTEMPTS_KEY, _ATTEMPT_KEY = "lit_efficient/attempts", "lit_efficient/attempt"
+
+
+def _confirmed_attempt(store: dist.Store, host: str, rank: int, timeout: timedelta) -> str:
+    """The attempt number this attempt's rank 0 published, once its beacon confirms it is not a dead one's."""
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        if store.check([_ATTEMPT_KEY]):
+            attempt, port = store.get(_ATTEMPT_KEY).decode().split()
+            if _Beacon.ask(host, int(port)) == attempt:
+                return attempt
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"rank {rank} waited {timeout.total_seconds():g} s for this attempt's rank 0 to publish its number in "
+                f"torchrun's store (at {host}): start every node's torchrun together, or raise "
+                "PACIStrategy(timeout=...)"
+            )
+        time.sleep(0.05)
+
+
+class _Beacon:
+    """A socket on rank 0 that answers every connection with the attempt's number, then closes it: a number read
+    from the store is this attempt's only if the process listening where it says answers it. Lives as long as
+    the process (the ranks of an NCCL group may connect after rank 0's group is formed); a daemon thread."""
+
+    running: _Beacon | None = None
+
+    def __init__(self, attempt: str) -> None:
+        self.answer = attempt.encode()
+        family = socket.AF_INET6 if socket.has_dualstack_ipv6() else socket.AF_INET
+        self.server = socket.create_server(("", 0), family=family, dualstack_ipv6=family == socket.AF_INET6)
+        self.port = self.server.getsockname()[1]
+        threading.Thread(target=self._serve, name="lit-efficient-attempt-beacon", daemon=True).start()
+
+    @classmethod
+    def start(cls, attempt: str) -> None:
+        cls.stop()
+        cls.running = cls(attempt)
+
+    @classmethod
+    def stop(cls) -> None:
+        if cls.running is not None:
+            with contextlib.suppress(OSError):  # wakes the thread's accept, which a close alone leaves listening
+                cls.running.server.shutdown(socket.SHUT_RDWR)
+            cls.running.server.close()
+            cls.running = None
+
+    def _serve(self) -> None:
+        with contextlib.suppress(OSError):  # closed by `stop`
+            while True:
+                connection, _ = self.server.accept()
+                with connection:
+                    connection.sendall(self.answer)
+
+    @staticmethod
+    def ask(host: str, port: int) -> str | None:
+        try:
+            with socket.create_connection((host, port), timeout=2.0) as connection:
+                return connection.makefile("rb").read(64).decode()
+        except OSError:  # nothing listens there (the previous attempt's rank 0 is gone): not confirmed
+            return None
 
 
 def restartable_job_id() -> str | None:

@@ -23,7 +23,9 @@ import multiprocessing
 import os
 import shutil
 import signal
+import time
 import uuid
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -124,23 +126,117 @@ def test_run_restarted_after_a_sigkilled_rank_ends_at_the_deliberate_resume(tmp_
 
 def test_each_attempt_rendezvouses_under_its_own_keys_in_torchruns_store(monkeypatch):
     """What the restart rests on (lit_efficient.strategy.runs.attempt_store): under torchrun's shared store, a group's
-    keys are written under the attempt's prefix, so attempt 1 never reads what attempt 0 left; elsewhere
-    (SLURM, a plain launch, spawned ranks) nothing changes."""
-    from datetime import timedelta
+    keys are written under the attempt's prefix, so attempt 2 never reads what attempt 1 left, even where a rank
+    of attempt 2 reads the store before its rank 0 has published the new number; elsewhere (SLURM, a plain
+    launch, spawned ranks) nothing changes."""
+    import threading
 
     import torch.distributed as dist
 
-    from lit_efficient.strategy.runs import attempt_store
+    from lit_efficient.strategy.runs import _Beacon, attempt_store
 
+    wait = timedelta(seconds=20)
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
-    assert attempt_store(timedelta(seconds=5)) is None
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=5))
+    assert attempt_store(0, wait) is None
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=wait)
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(server.port))
-    for attempt in ("0", "1"):
-        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", attempt)
-        attempt_store(timedelta(seconds=5)).set("0/rank_0", f"address of attempt {attempt}")  # type: ignore[union-attr]
-    assert server.get("lit_efficient/attempt_0/0/rank_0") == b"address of attempt 0"
-    assert server.get("lit_efficient/attempt_1/0/rank_0") == b"address of attempt 1"
-    assert not server.check(["0/rank_0"])
+    try:
+        for attempt in (1, 2):
+            stores: dict[int, dist.Store] = {}
+            early = threading.Thread(target=lambda got=stores: got.__setitem__(1, attempt_store(1, wait)))
+            if attempt == 2:  # rank 1 first: the store still names attempt 1, whose rank 0 is gone
+                early.start()
+                time.sleep(0.5)
+                assert early.is_alive(), "rank 1 took the dead attempt's number"
+            stores[0] = attempt_store(0, wait)
+            if attempt == 1:
+                early.start()
+            early.join(20)
+            for rank, store in stores.items():
+                store.set(f"0/rank_{rank}", f"address of attempt {attempt}")
+            _Beacon.stop()  # rank 0's process ends with its attempt
+        for attempt in (1, 2):
+            for rank in (0, 1):
+                assert (
+                    server.get(f"lit_efficient/attempt_{attempt}/0/rank_{rank}")
+                    == f"address of attempt {attempt}".encode()
+                )
+        assert not server.check(["0/rank_0"])
+    finally:
+        _Beacon.stop()
+
+
+# -- two nodes: each agent counts its own restarts ------------------------------------------------------------
+
+
+class _KillRankOneOnce(Callback):
+    """SIGKILLs rank 1 at optimizer step ``KILL_AT`` of the first attempt (a marker file says which attempt that
+    is: the two agents' restart counts differ), and records the step each attempt of rank 0 started at."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if trainer.global_rank == 0:
+            with open(self.out / "starts", "a") as f:
+                f.write(f"{trainer.global_step} {os.environ['TORCHELASTIC_RESTART_COUNT']}\n")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        marker = self.out / "killed"
+        if trainer.global_rank == 1 and trainer.global_step == KILL_AT and not marker.exists():
+            marker.write_text(os.environ["TORCHELASTIC_RESTART_COUNT"])
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _node_worker(out: str) -> None:
+    torch.set_num_threads(1)
+    out_dir = Path(out)
+    ckpt = ModelCheckpoint(dirpath=out_dir / "checkpoints", every_n_train_steps=1, save_last=True)
+    strategy = PACIStrategy(pipeline_stages=2, schedule="1f1b_flush", p2p_timeout=30, timeout=timedelta(seconds=60))
+    trainer = _trainer(strategy, 1, STEPS, num_nodes=2, callbacks=[ckpt, _KillRankOneOnce(out_dir)],
+                       enable_checkpointing=True)  # fmt: skip
+    model = _model()
+    trainer.fit(model, datamodule=_data(), ckpt_path="last")
+    if trainer.global_rank == 0:
+        torch.save(model.state_dict(), out_dir / "weights.pt")
+
+
+def _node_agent(out: str, endpoint: str, run_id: str) -> None:
+    """One node's torchrun agent: one worker, two nodes, one restart."""
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    config = LaunchConfig(
+        min_nodes=2, max_nodes=2, nproc_per_node=1, run_id=run_id, rdzv_backend="c10d", rdzv_endpoint=endpoint,
+        max_restarts=1, monitor_interval=0.1, start_method="fork",
+    )  # fmt: skip
+    elastic_launch(config, _node_worker)(out)
+
+
+def test_a_restart_on_two_nodes_whose_agents_count_their_restarts_apart(tmp_path):
+    """One worker per node, rank 1 SIGKILLed: its agent restarts it as attempt 1, while the other agent, which sees
+    the rendezvous change before its own worker fails, restarts its worker uncounted (attempt 0 again). Keys
+    prefixed by each agent's count kept the two apart: both waited in the default group's rendezvous until its
+    timeout. The restarted run resumes from "last" and ends where one device does (1F1B-flush)."""
+    endpoint, run_id = f"127.0.0.1:{_free_port()}", uuid.uuid4().hex
+    context = multiprocessing.get_context(START_METHOD)
+    agents = [context.Process(target=_node_agent, args=(str(tmp_path), endpoint, run_id)) for _ in range(2)]
+    for agent in agents:
+        agent.start()
+    for agent in agents:
+        agent.join(150)
+    for agent in agents:
+        if agent.is_alive():
+            agent.kill()
+            agent.join()
+    assert [a.exitcode for a in agents] == [0, 0], "an agent failed; its workers' output is above"
+    starts = [line.split() for line in (tmp_path / "starts").read_text().splitlines()]
+    assert len(starts) == 2 and starts[0][0] == "0" and 1 <= int(starts[1][0]) <= KILL_AT, starts
+    one_device = _model()
+    _trainer("auto", 1, STEPS).fit(one_device, datamodule=_data())
+    trained = _model()
+    trained.load_state_dict(torch.load(tmp_path / "weights.pt", weights_only=True))
+    assert _max_diff(trained, _model()) > 1e-3
+    assert _max_diff(trained, one_device) <= 1e-5
