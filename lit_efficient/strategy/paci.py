@@ -130,6 +130,7 @@ from lit_efficient.strategy.summary import summarize_the_unsplit_model
 from lit_efficient.strategy.trainer_glue import (
     SyncCallbackMetrics,
     agree_on_evaluation_results,
+    agree_on_the_checkpoint,
     batch_size_of,
     carry_step_count_to_automatic,
     check_stages_read_alike,
@@ -871,6 +872,7 @@ class PACIStrategy(DDPStrategy):
         if not any(isinstance(cb, SyncCallbackMetrics) for cb in trainer.callbacks):
             trainer.callbacks.insert(0, SyncCallbackMetrics())
         agree_on_evaluation_results(trainer)
+        agree_on_the_checkpoint(trainer)
         if not self.in_process:
             self._sync_advice_back = without_sync_advice(self.topology.num_replicas)
 

@@ -145,6 +145,37 @@ def agree_on_evaluation_results(trainer: Trainer) -> None:
         loop._lit_efficient_agrees = True  # type: ignore[attr-defined]
 
 
+def agree_on_the_checkpoint(trainer: Trainer) -> None:
+    """Every rank restores the same checkpoint (or none), or every rank raises naming what each resolved.
+
+    Lightning resolves ``ckpt_path`` on each rank on its own: ``"last"`` is the newest checkpoint in
+    ModelCheckpoint's folder as this rank's file system shows it. On node-local disks only global rank 0's node
+    had it, so the other node's ranks started afresh while rank 0's restored, and their collectives met out of
+    order: the run hung (plain DDP fails there on a mismatched collective). The restore is wrapped once per
+    trainer: one small collective of every rank before it (the path each resolved, or None)."""
+    connector = trainer._checkpoint_connector
+    if getattr(connector, "_lit_efficient_agrees", False):
+        return
+    restore = connector._restore_modules_and_callbacks
+
+    def restore_agreed(checkpoint_path: Any = None, *args: Any, **kwargs: Any) -> None:
+        if trainer.world_size > 1 and dist.is_initialized():
+            every: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(every, None if checkpoint_path is None else str(checkpoint_path))
+            if len(set(every)) > 1:
+                found = ", ".join(f"rank {r}: {p!r}" for r, p in enumerate(every))
+                raise RuntimeError(
+                    f"PACIStrategy: the ranks resolved different checkpoints to restore ({found}). Every rank must "
+                    "read the same checkpoint: with ckpt_path=\"last\", each rank looks in ModelCheckpoint's dirpath "
+                    "on its own node, and on node-local disks only global rank 0's node has the checkpoints. Put "
+                    "dirpath on a file system every node sees, or pass the path of a checkpoint every rank can read"
+                )
+        restore(checkpoint_path, *args, **kwargs)
+
+    connector._restore_modules_and_callbacks = restore_agreed  # type: ignore[method-assign]
+    connector._lit_efficient_agrees = True  # type: ignore[attr-defined]
+
+
 @contextmanager
 def global_step_reading(trainer: Trainer, step: int) -> Iterator[None]:
     """``trainer.global_step`` reads ``step`` inside: set on the counter Lightning reads for it now (the manual loop's

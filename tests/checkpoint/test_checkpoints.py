@@ -182,3 +182,34 @@ def test_a_linked_last_checkpoint_resumes_a_restart(tmp_path, fmt):
     assert last.resolve().name == "epoch=1-step=6.ckpt"  # the link follows the latest save
     _, whole = fit(6)  # saves at step 3 too: PACI drains there, the same trajectory
     assert _max_diff(resumed, whole) == 0.0
+
+
+def _resume_where_only_rank_zero_finds_it(rank: int, world: int, root: str) -> str:
+    """A fit that saves (the file: global rank 0 writes it), then a fit whose ranks resolved ``ckpt_path`` apart: rank
+    0 the file, rank 1 nothing, as ``"last"`` resolves on node-local disks where only rank 0's node has it."""
+    from datetime import timedelta
+
+    saved = Path(root, "saved.ckpt")
+    strategy = PACIStrategy(pipeline_stages=2, schedule="1f1b_flush")
+    trainer = _trainer(strategy, 2, 2, accumulate_grad_batches=2)
+    trainer.fit(_model(), datamodule=_ordered())
+    trainer.save_checkpoint(saved)
+    strategy = PACIStrategy(pipeline_stages=2, schedule="1f1b_flush", p2p_timeout=20, timeout=timedelta(seconds=20))
+    trainer = _trainer(strategy, 2, 4, accumulate_grad_batches=2)
+    try:
+        trainer.fit(_model(), datamodule=_ordered(), ckpt_path=saved if rank == 0 else None)
+    except Exception as err:  # noqa: BLE001 - what each rank says is the point
+        return f"{type(err).__name__}: {err}"
+    return "fit ended"
+
+
+def test_ranks_that_resolved_different_checkpoints_are_told_so_on_every_rank(tmp_path):
+    """Lightning resolves ``ckpt_path`` on each rank: with ``"last"`` on node-local disks only global rank 0's node
+    found the checkpoint, the other node's rank started afresh, and the collectives of a restore and of a fresh start
+    met out of order: the run hung until a timeout. Every rank now raises before the restore, naming each one's."""
+    from tests.support.multiproc import spawn, values
+
+    said = values(spawn(_resume_where_only_rank_zero_finds_it, 2, str(tmp_path), timeout=120, torchrun_env=True))
+    for text in said:
+        assert "the ranks resolved different checkpoints to restore" in text, said
+        assert f"rank 0: '{tmp_path / 'saved.ckpt'}', rank 1: None" in text and "file system every node sees" in text
