@@ -166,7 +166,7 @@ def agree_on_the_checkpoint(trainer: Trainer) -> None:
                 found = ", ".join(f"rank {r}: {p!r}" for r, p in enumerate(every))
                 raise RuntimeError(
                     f"PACIStrategy: the ranks resolved different checkpoints to restore ({found}). Every rank must "
-                    "read the same checkpoint: with ckpt_path=\"last\", each rank looks in ModelCheckpoint's dirpath "
+                    'read the same checkpoint: with ckpt_path="last", each rank looks in ModelCheckpoint\'s dirpath '
                     "on its own node, and on node-local disks only global rank 0's node has the checkpoints. Put "
                     "dirpath on a file system every node sees, or pass the path of a checkpoint every rank can read"
                 )
