@@ -38,6 +38,7 @@ from lightning.pytorch.strategies import DDPStrategy, Strategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor
 from typing_extensions import override
 
@@ -159,6 +160,7 @@ from lit_efficient.transport.failures import (
     release_peers_keeping_the_store,
     report_failure,
     report_lost_peers,
+    report_stop,
 )
 from lit_efficient.transport.hosting import host_stages
 from lit_efficient.transport.local import LocalLinks
@@ -1321,7 +1323,12 @@ class PACIStrategy(DDPStrategy):
             if not self.in_process and is_raw_comm_error(exception):  # a peer's failure seen here: name its cause
                 report_lost_peers(here, exception)
             elif isinstance(exception, KeyboardInterrupt):  # Ctrl-C: what the user did, not a failure; peers name it
-                report_failure(f"{here} was interrupted (KeyboardInterrupt)", heading="stopped")
+                report_stop(f"{here} was interrupted (KeyboardInterrupt)")
+            elif isinstance(exception, SIGTERMException):  # from outside, maybe after a peer died
+                report_stop(
+                    f"{here} received SIGTERM (torchrun sends it to a node's other ranks when one of them fails; a job "
+                    "manager, to stop the job)"
+                )
             else:
                 detail = f": {exception}" if str(exception) else ""
                 report_failure(f"{here} raised {type(exception).__name__}{detail}")

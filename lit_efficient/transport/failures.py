@@ -17,6 +17,7 @@ class PipelineCommError(RuntimeError):
 
 
 _ABORT_KEY = "lit_efficient/abort"
+_STOP_KEY = "lit_efficient/stopped"  # the first rank stopped from outside (`report_stop`), apart from the failures
 
 
 # gloo says "Timed out waiting 5000ms for recv operation"; NCCL's watchdog "Watchdog caught collective
@@ -94,6 +95,31 @@ def report_failure(message: str, heading: str = "pipeline failure") -> None:
         _store_failed(err)
 
 
+def report_stop(message: str) -> None:
+    """A rank stopped from outside (SIGTERM, Ctrl-C): printed here at once under "stopped", and published apart from
+    the failures. torchrun stops a node's other ranks with SIGTERM when one of them dies, and a killed rank publishes
+    nothing: published as a failure, the stop was named as the run's cause on every rank, over the death that led to
+    it. A peer names a stop where nothing else explains what it saw (`explain_link_failure`, `report_lost_peers`)."""
+    global _printed_failure
+    if not _printed_failure:
+        _printed_failure = True
+        print(f"lit-efficient: stopped: {message}", file=sys.stderr, flush=True)
+    try:
+        _store().compare_set(_STOP_KEY, "", message)
+    except Exception as err:  # noqa: BLE001 - reporting must never hide the original error
+        _store_failed(err)
+
+
+def read_stop() -> str | None:
+    """The first stop published by any rank (`report_stop`), if one was and the store is still reachable."""
+    try:
+        store = _store()
+        return (store.get(_STOP_KEY).decode() or None) if store.check([_STOP_KEY]) else None
+    except Exception as err:  # noqa: BLE001 - the store is gone with its host
+        _store_failed(err)
+        return None
+
+
 def begin_run() -> None:
     """A run starts in this process: its first failure is printed afresh (a process that runs again, a notebook or a
     script that fits twice, printed only its first run's)."""
@@ -107,6 +133,7 @@ def clear_published_failure() -> None:
     later run, on every rank."""
     try:
         _store().set(_ABORT_KEY, "")  # `_published` reads "" as none; compare_set publishes over it
+        _store().set(_STOP_KEY, "")
     except Exception as err:  # noqa: BLE001 - the store gone with its host: the run's first transfer says so
         _store_failed(err)
 
@@ -189,16 +216,22 @@ def await_failure(grace: float = PUBLISH_GRACE_S) -> str | None:
         time.sleep(0.05)
 
 
-def explain_link_failure(err: BaseException, timed_out: tuple[str, str], lost: tuple[str, str]) -> str:
+def explain_link_failure(
+    err: BaseException, timed_out: tuple[str, str], lost: tuple[str, str], peer: str | None = None
+) -> str:
     """The message of a transfer that failed with ``err``, for a stage link and the tied-weight exchange alike:
     ``head: the pipeline stopped because <the cause a rank published>``, else ``head: fallback``, with ``(head,
     fallback)`` from ``timed_out`` or ``lost``. A timeout reads what is published now (a stage further up may have
     timed out on the real culprit first) and is not published itself: it may be an innocent rank waiting on a chain
     that ends at the hung one. A lost peer awaits the peer's own report (it may publish a moment after its
-    connections close) and, confirmed, is published as the run's cause."""
+    connections close) and, confirmed, is published as the run's cause; a ``peer`` (``stage s (rank r)``) that was
+    itself stopped from outside (`report_stop`) is named so, and that is not published as a failure."""
     is_late = is_timeout(err)
     head, fallback = timed_out if is_late else lost
     cause = read_failure() if is_late else await_failure()
+    stop = None if cause or is_late or peer is None else read_stop()
+    if stop is not None and stop.startswith(f"{peer} "):
+        return f"{head}: the pipeline stopped because {stop}"
     message = f"{head}: " + (f"the pipeline stopped because {cause}" if cause else fallback)
     if not is_late:
         report_failure(message)
@@ -211,12 +244,14 @@ def report_lost_peers(here: str, err: BaseException) -> None:
     timeout, the option that bounds it. Not published: it is not this rank's failure."""
     timed_out = is_timeout(err)
     cause = read_failure() if timed_out else await_failure()
+    stop = None if cause else read_stop()
     text = str(err).strip()
     first_line = text.splitlines()[0][:300] if text else ""
     print(
         f"lit-efficient: {here} lost its peers ({type(err).__name__}: {first_line}); "
         + (f"the pipeline stopped because {cause}" if cause else "no rank reported a failure of its own "
            "(one died, was killed, or is hung or slower than the timeout)")
+        + (f"; meanwhile {stop}" if stop else "")
         + (". If a rank is only slow (a long validation or save on one rank), raise PACIStrategy(timeout="
            "timedelta(...)), which bounds every collective" if timed_out else ""),
         file=sys.stderr, flush=True,

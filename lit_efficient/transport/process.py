@@ -399,6 +399,7 @@ class PointToPoint:
                 f"{me} lost its connection to {them} while exchanging {waiting}",
                 f"{them} died (killed? out of memory?)",
             ),
+            peer=them,
         )
 
 
@@ -495,7 +496,7 @@ class TiedExchange:
     def _explain(self, what: str, err: RuntimeError) -> str:
         them = f"stage {self.peer_stage} (rank {self.peer})"
         head = f"stage {self.stage} (rank {self.rank}) failed the tied-weight gradient {what} with {them}"
-        return explain_link_failure(err, timed_out=(head, f"{err}"), lost=(head, f"{them} died ({err})"))
+        return explain_link_failure(err, timed_out=(head, f"{err}"), lost=(head, f"{them} died ({err})"), peer=them)
 
 
 class GroupStageSum:

@@ -898,6 +898,46 @@ def test_a_rank_that_lost_its_peers_names_the_published_cause_and_for_a_timeout_
     assert "no rank reported a failure of its own" in timed_out and "raise PACIStrategy(timeout=" in timed_out
 
 
+def test_a_rank_stopped_by_its_launcher_is_not_named_the_cause_of_a_peers_death(tmp_path, monkeypatch, capsys):
+    """Two nodes, rank 1 SIGKILLed: torchrun SIGTERMed rank 0 (its node's other rank), which published "raised
+    SIGTERMException" as the run's cause, and every surviving rank blamed it; the killed rank was never named. A stop
+    from outside is published apart now: a peer whose link to the dead rank failed names that rank, one whose link
+    to the stopped rank failed names the stop, and a rank that only lost its peers says no failure was reported."""
+    from lit_efficient.transport import failures
+
+    monkeypatch.setattr(failures, "_printed_failure", False)
+    monkeypatch.setattr(failures, "PUBLISH_GRACE_S", 0.1)
+    dist = torch.distributed
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        failures.clear_published_failure()
+        failures.report_stop("stage 1 (rank 0) received SIGTERM (torchrun sends it ...)")
+        assert "lit-efficient: stopped: stage 1 (rank 0) received SIGTERM" in capsys.readouterr().err
+        assert failures.read_failure() is None  # not a failure
+        closed = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer")
+
+        def lost(peer: str) -> str:
+            head = f"stage 1 (rank 2) lost its connection to {peer}"
+            return failures.explain_link_failure(
+                closed, timed_out=(head, "late"), lost=(head, f"{peer} died (killed? out of memory?)"), peer=peer
+            )
+
+        assert lost("stage 1 (rank 0)").endswith(
+            "the pipeline stopped because stage 1 (rank 0) received SIGTERM (torchrun sends it ...)"
+        )
+        assert failures.read_failure() is None  # a stop named is still not published as the cause
+        assert lost("stage 0 (rank 1)").endswith("stage 0 (rank 1) died (killed? out of memory?)")
+        assert failures.read_failure().endswith("stage 0 (rank 1) died (killed? out of memory?)")  # the cause now
+        failures.clear_published_failure()
+        failures.report_stop("stage 1 (rank 0) received SIGTERM (torchrun sends it ...)")
+        failures.report_lost_peers("stage 0 (rank 3)", closed)
+        said = capsys.readouterr().err
+        assert "no rank reported a failure of its own" in said, said
+        assert "meanwhile stage 1 (rank 0) received SIGTERM" in said, said
+    finally:
+        dist.destroy_process_group()
+
+
 class _FailingBlock(torch.nn.Module):
     """A block whose forward raises at its ``at``-th training call, as an out-of-memory error would."""
 
