@@ -33,7 +33,7 @@ from torch.utils.checkpoint import (
 )
 from typing_extensions import override
 
-from lit_efficient.checks import is_count
+from lit_efficient.checks import check_flags, is_count
 
 METRIC_KEY = "activation_checkpointing/saved_bytes"
 _MODES = ("full", "selective")
@@ -386,9 +386,15 @@ class ActivationCheckpointing(Callback):
         every_n: int = 1,
         enabled: bool = True,
     ) -> None:
+        check_flags("ActivationCheckpointing", enabled=enabled)
         if isinstance(modules, str):
             raise ValueError(f"ActivationCheckpointing(modules={modules!r}) must be a list; use modules=[{modules!r}].")
         if modules is not None:
+            if not isinstance(modules, (list, tuple)):
+                raise ValueError(
+                    f"ActivationCheckpointing(modules={modules!r}) must be a list of class names such as ['Block'], "
+                    "or None to checkpoint the model's repeated blocks."
+                )
             modules = list(modules)
             if not modules:
                 raise ValueError(
@@ -405,7 +411,7 @@ class ActivationCheckpointing(Callback):
             )
         self.modules = modules
         self.every_n = every_n
-        self._switch = _Switch(bool(enabled), mode)
+        self._switch = _Switch(enabled, mode)
         self._wrapped: list[nn.Module] = []
         self._finders: list[LearningRateFinder] = []  # whose lr_find wraps first (`_wrap_before_finders`)
         self._plan: list[tuple[str, type]] = []  # made on the unsplit model in setup()

@@ -58,7 +58,7 @@ from lit_efficient.runtime.actions import Action
 from lit_efficient.runtime.clock import Clock, Mark, clock_for
 from lit_efficient.runtime.host import StageHost
 from lit_efficient.strategy.paci import PACIStrategy
-from lit_efficient.strategy.runs import run_dir
+from lit_efficient.strategy.runs import free_path, run_dir
 from lit_efficient.strategy.trainer_glue import first_tensor
 
 # The timeline records a bounded window: _TIMELINE_STEPS optimizer steps from the first window end at
@@ -319,7 +319,9 @@ class PipelineMonitor(Callback):
             )
             return
         folder.mkdir(parents=True, exist_ok=True)
-        json_path, png_path = folder / TIMELINE_JSON, folder / TIMELINE_PNG
+        # A later fit into the same run (a resume) keeps the earlier timeline, as the CLI keeps the earlier config.
+        png_path = free_path(folder / TIMELINE_PNG, also=(Path(TIMELINE_JSON).suffix,))
+        json_path = png_path.with_suffix(Path(TIMELINE_JSON).suffix)
         json_path.write_text(json.dumps(chrome_trace(events)))
         draw_gantt(events, png_path)
         self.timeline_paths = [png_path, json_path]

@@ -56,7 +56,7 @@ from lit_efficient.strategy.config import (
     options_of,
     refusal_footer,
 )
-from lit_efficient.strategy.runs import restartable_job_id, run_dir
+from lit_efficient.strategy.runs import free_path, restartable_job_id, run_dir
 
 DEFAULT_SAVE_DIR = "runs"
 _LAST_RESOLVED = "LIT_EFFICIENT_LAST_CHECKPOINT"  # what "last" resolved to, for the ranks the launch starts
@@ -104,15 +104,6 @@ def dump_all(parser: LightningArgumentParser, config: Any) -> str:
         return parser.dump(config, skip_unset=False)
     except TypeError:  # jsonargparse < 4.49 spells it skip_none
         return parser.dump(config, skip_none=False)
-
-
-def free_path(path: Path) -> Path:
-    """`path` if nothing is there, else the first of ``<stem>-1<suffix>``, ``<stem>-2<suffix>``, ... that is free."""
-    candidate, n = path, 0
-    while candidate.exists():
-        n += 1
-        candidate = path.with_name(f"{path.stem}-{n}{path.suffix}")
-    return candidate
 
 
 def keep_wandb_local(save_dir: str | os.PathLike, offline: bool) -> dict[str, str]:
@@ -281,6 +272,12 @@ def explain_strategy_options(message: str) -> str:
     if not refused:
         return message
     lines = []
+    for class_path in dict.fromkeys(c for c, name in refused if name == "class_path"):  # options beside class_path
+        lines.append(
+            f"{class_path.rpartition('.')[2]}'s options go under init_args, not beside class_path:\n"
+            f"  class_path: {class_path}\n  init_args:\n    <option>: <value>"
+        )
+    refused = [(c, name) for c, name in refused if name != "class_path"]
     for class_path, name in refused:
         if class_path.rpartition(".")[2] == "PACIStrategy":
             continue

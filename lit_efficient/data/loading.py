@@ -35,6 +35,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Sampler
 
+from lit_efficient.checks import is_count
+
 
 class EpochShuffle(Sampler[int]):
     """A random permutation of ``range(size)`` per epoch, a function of ``seed`` and the epoch alone.
@@ -47,6 +49,12 @@ class EpochShuffle(Sampler[int]):
     """
 
     def __init__(self, size: int, seed: int) -> None:
+        if not is_count(size, 0):
+            raise ValueError(
+                f"EpochShuffle(size={size!r}) must be an integer >= 0: the dataset's length (len(dataset))."
+            )
+        if not is_count(seed, -(1 << 63)):
+            raise ValueError(f"EpochShuffle(seed={seed!r}) must be an integer (epoch e draws with seed + e).")
         self.size = size
         self.seed = seed
         self.epoch = 0

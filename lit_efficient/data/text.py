@@ -10,6 +10,7 @@ interpreter, which every machine that runs this has.
 from __future__ import annotations
 
 import numbers
+import os
 from pathlib import Path
 from typing import Any
 
@@ -168,6 +169,11 @@ class TextDataModule(LightningDataModule):
         vocab_size: int | None = None,
     ) -> None:
         super().__init__()
+        if path is not None and not (isinstance(path, (str, os.PathLike)) and os.fspath(path)):
+            raise ValueError(
+                f"{type(self).__name__}(path={path!r}) must be the path of a text file, folder"
+                f"{' or .bin' if self.reads_token_files else ''}, or None for the embedded corpus."
+            )
         source = None if path is None else Path(path).expanduser()
         if source is not None and not source.exists():
             raise ValueError(
@@ -197,6 +203,10 @@ class TextDataModule(LightningDataModule):
                 f"{type(self).__name__}(max_bytes={max_bytes!r}) must be an integer >= 1, or None for no cap."
             )
         self.is_token_file = source is not None and source.is_file() and source.suffix == ".bin"
+        if vocab_size is not None and not is_count(vocab_size):
+            raise ValueError(
+                f"{type(self).__name__}(vocab_size={vocab_size!r}) must be an integer, or None to derive it."
+            )
         if vocab_size is not None and vocab_size < (1 if self.is_token_file else 256):
             raise ValueError(
                 f"TextDataModule(vocab_size={vocab_size}) is too small: text is byte-level and needs 256; "

@@ -54,6 +54,13 @@ def load_tokenizer(tokenizer: Any) -> Any:
             f"TokenizedDataModule(tokenizer={str(tokenizer)!r}): no such folder. Nothing is downloaded: save the "
             "tokenizer with tokenizer.save_pretrained(folder) (or download it yourself) and pass the folder."
         )
+    saved = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "spiece.model")
+    if not any((folder / name).exists() for name in saved):
+        raise ValueError(
+            f"TokenizedDataModule(tokenizer={str(tokenizer)!r}) holds no saved tokenizer (none of {', '.join(saved)}): "
+            "pass the folder tokenizer.save_pretrained(folder) wrote (a model's save_pretrained folder saved with "
+            "its tokenizer has them too)."
+        )
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)

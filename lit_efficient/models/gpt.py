@@ -12,7 +12,6 @@ compute the same function and share `state_dict` keys (`embed.*`, `blocks.<i>.*`
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,7 +23,7 @@ from torch import Tensor, nn
 from torchmetrics.text import Perplexity
 from typing_extensions import override
 
-from lit_efficient.checks import is_count
+from lit_efficient.checks import check_flags, is_count, is_real
 
 # Targets equal to this are ignored by the loss and the perplexity (padding); nanoGPT's convention.
 IGNORE_INDEX = -1
@@ -167,7 +166,7 @@ def cosine_with_warmup(step: int, warmup_steps: int, max_steps: int, min_lr_rati
 def check_finite(owner: str, **values: Any) -> None:
     """Refuse a rate that is not a finite number: NaN passes every range comparison, and inf trains to NaN weights."""
     for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        if not is_real(value):
             raise ValueError(f"{owner}({name}={value!r}) must be a finite number.")
 
 
@@ -272,6 +271,7 @@ class GPT(LightningModule):
         min_lr_ratio: float = 0.1,
     ) -> None:
         super().__init__()
+        check_flags("GPT", bias=bias, tie_weights=tie_weights)
         _check_args(
             vocab_size,
             block_size,

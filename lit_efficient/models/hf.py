@@ -45,6 +45,7 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lit_efficient.checks import is_count
 from lit_efficient.models.gpt import adamw_with_warmup_cosine, check_recipe
 from lit_efficient.models.hf_router import (
     RouterAux,
@@ -452,6 +453,11 @@ class HFCausalLM(LightningModule):
     ) -> None:
         super().__init__()
         check_recipe("HFCausalLM", learning_rate, weight_decay, betas, warmup_steps, max_steps, min_lr_ratio)
+        for name, size in (("vocab_size", vocab_size), ("block_size", block_size)):
+            if size is not None and not is_count(size):
+                raise ValueError(
+                    f"HFCausalLM({name}={size!r}) must be an integer >= 1, or None (the CLI links it from the data)."
+                )
         self.model = load_hf_model(model, vocab_size, attn_implementation, dtype)
         _check_has_a_head(self.model)
         # The data's sizes only when given (as TextDataModule saves its vocab_size): Lightning refuses a key that the

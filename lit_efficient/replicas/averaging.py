@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from lit_efficient.checks import is_count
+from lit_efficient.checks import is_count, is_real
 from lit_efficient.transport.collectives import all_reduce_flat, broadcast_flat
 
 OuterOptimizer = Literal["average", "nesterov"]
@@ -43,10 +43,14 @@ def check_outer_optimizer(outer_optimizer: str, outer_lr: float, outer_momentum:
     """The one check of the outer optimizer's arguments (`ReplicaAverager`'s and PACIStrategy's, same names)."""
     if outer_optimizer not in OUTER_OPTIMIZERS:
         raise ValueError(f"outer_optimizer={outer_optimizer!r} is unknown; choose one of {OUTER_OPTIMIZERS}.")
-    if not outer_lr > 0:
-        raise ValueError(f"outer_lr={outer_lr} must be > 0; DiLoCo uses 0.7, 1.0 with momentum 0 is plain averaging.")
-    if not 0 <= outer_momentum < 1:
-        raise ValueError(f"outer_momentum={outer_momentum} must be in [0, 1); DiLoCo uses 0.9, 0 disables it.")
+    if not (is_real(outer_lr) and outer_lr > 0):
+        raise ValueError(
+            f"outer_lr={outer_lr!r} must be a number > 0; DiLoCo uses 0.7, 1.0 with momentum 0 is plain averaging."
+        )
+    if not (is_real(outer_momentum) and 0 <= outer_momentum < 1):
+        raise ValueError(
+            f"outer_momentum={outer_momentum!r} must be a number in [0, 1); DiLoCo uses 0.9, 0 disables it."
+        )
 
 
 class ReplicaAverager:

@@ -8,12 +8,15 @@ import math
 import numbers
 import os
 import signal
+import zipfile
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, get_args
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment, TorchCheckpointIO
 from lightning.fabric.strategies.launchers.multiprocessing import _disable_module_memory_sharing
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
@@ -40,7 +43,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lit_efficient import rank_reaper
-from lit_efficient.checks import closest_choice, is_count
+from lit_efficient.checkpoint.sharded_write import INDEX, is_sharded
+from lit_efficient.checks import check_flags, closest_choice, is_count
 from lit_efficient.protocol import PIPELINE_METHODS, missing_pipeline_methods
 from lit_efficient.replicas.averaging import check_outer_optimizer
 from lit_efficient.runtime.partition import planned_sizes
@@ -77,7 +81,8 @@ def is_checkpoint_keyword(ckpt_path: Any) -> bool:
 
 
 class CheckpointNotFound(FileNotFoundError):
-    """A ``ckpt_path`` with no file or folder there, said before any process starts (`check_checkpoint_path`)."""
+    """A ``ckpt_path`` with no checkpoint there (nothing, or a file or folder of another kind), said before any
+    process starts (`check_checkpoint_path`)."""
 
 
 def check_checkpoint_path(ckpt_path: Any) -> None:
@@ -87,13 +92,44 @@ def check_checkpoint_path(ckpt_path: Any) -> None:
     if not isinstance(ckpt_path, (str, os.PathLike)):
         return
     path = os.fspath(ckpt_path)
-    if is_checkpoint_keyword(path) or "://" in path or os.path.exists(os.path.expanduser(path)):
+    if is_checkpoint_keyword(path) or "://" in path:
+        return
+    local = Path(os.path.expanduser(path))
+    if local.exists():
+        _check_is_a_checkpoint(local, path)
         return
     raise CheckpointNotFound(
         f"Checkpoint file not found: {path} (ckpt_path={path!r}; no file or folder there). Give the path of a .ckpt "
         "file or of a sharded checkpoint folder (at the end of a fit the CLI prints its own as 'resume: --ckpt_path "
         "...'), or ckpt_path='last' for the latest checkpoint of the run's ModelCheckpoint."
     )
+
+
+def _check_is_a_checkpoint(local: Path, path: str) -> None:
+    """Refuse a ``ckpt_path`` that is there but holds no checkpoint, before any process starts: a folder failed in
+    every rank with IsADirectoryError, a file of another kind with torch's unpickling error (whose advice, to load
+    with weights_only=False, is unsafe), and one file of a sharded checkpoint with a wrong diagnosis."""
+    if local.is_dir():
+        if is_sharded(local):
+            return
+        found = sorted(str(p) for pattern in ("*.ckpt", "*/*.ckpt", "*/*/*.ckpt") for p in local.glob(pattern))
+        raise CheckpointNotFound(
+            f"ckpt_path={path!r} is a folder but not a sharded checkpoint (it has no {INDEX}): give a .ckpt file or "
+            "a sharded checkpoint's folder"
+            + (f"; in it: {', '.join(found[:5])}{' ...' if len(found) > 5 else ''}" if found else "")
+        )
+    if is_sharded(local.parent):
+        raise CheckpointNotFound(
+            f"ckpt_path={path!r} is one file of the sharded checkpoint {str(local.parent)!r}: pass the folder"
+        )
+    with open(local, "rb") as f:
+        head = f.read(4)
+    zipped = head == b"PK\x03\x04" and zipfile.is_zipfile(local)  # a whole zip: its first entry and its index
+    if not (zipped or head[:1] == b"\x80"):  # torch.save's zip archive, or its legacy pickle
+        raise CheckpointNotFound(
+            f"ckpt_path={path!r} is not a checkpoint (not a file torch.save wrote): give a .ckpt file that "
+            "ModelCheckpoint or trainer.save_checkpoint wrote, or a sharded checkpoint's folder"
+        )
 
 
 class RefusedSetting(ValueError):
@@ -571,20 +607,32 @@ def _check_compile_options(options: dict[str, Any]) -> None:
             f"compile_layers={options!r}: mode={options['mode']!r} is not one of torch.compile's modes "
             f"{', '.join(map(repr, _COMPILE_MODES[1:]))}."
         )
+    backend = options.get("backend")
+    if isinstance(backend, str):  # a callable is the user's own backend
+        from torch._dynamo import list_backends  # torch.compile imports it anyway; it refuses a name at its first call
+
+        known = list_backends(exclude_tags=())
+        if backend not in known:
+            close = difflib.get_close_matches(backend, known, n=1)
+            raise ValueError(
+                f"compile_layers={options!r}: backend={backend!r} is not a torch.compile backend; "
+                + (f"did you mean {close[0]!r}? " if close else "")
+                + "'inductor' is the default (torch._dynamo.list_backends() lists the others)."
+            )
 
 
 _START_METHODS = ("popen", "spawn", "fork", "forkserver")
 
 
 def check_kinds(
-    flags: dict[str, Any], start_method: Any, precision_plugin: Any, cluster_environment: Any, timeout: Any
+    flags: dict[str, Any], start_method: Any, precision_plugin: Any, cluster_environment: Any, timeout: Any,
+    process_group_backend: Any = None, parallel_devices: Any = None,
 ) -> None:  # fmt: skip
-    """Options of the wrong kind, refused now: a string for a flag is truthy and would switch it on (``"no"``), and
-    the arguments passed through to Lightning's DDP machinery fail deep inside it, or are dropped (a precision
-    given as a string left the run in float32), without naming the option."""
-    for name, value in flags.items():
-        if not isinstance(value, bool):
-            raise ValueError(f"{name}={value!r} must be True or False")
+    """Options of the wrong kind, refused now, before any check that reads them: a string for a flag is truthy and
+    would switch it on (``"no"``; read as True, ``async_checkpoint="false"`` was told to need the sharded format),
+    and the arguments passed through to Lightning's DDP machinery fail deep inside it, in every rank, or are dropped
+    (a precision given as a string left the run in float32), without naming the option."""
+    check_flags("PACIStrategy", **flags)
     if start_method not in _START_METHODS:
         raise ValueError(f"start_method={start_method!r} must be one of {', '.join(map(repr, _START_METHODS))}")
     kinds = [("precision_plugin", precision_plugin, Precision, "Trainer(precision='bf16-mixed')"),
@@ -594,6 +642,28 @@ def check_kinds(
     for name, value, kind, example in kinds:
         if value is not None and not isinstance(value, kind):
             raise ValueError(f"{name}={value!r} must be a {kind.__name__} or None; pass {example}")
+    if timeout is not None and timeout <= timedelta(0):
+        raise ValueError(f"timeout={timeout!r} must be positive: how long a collective waits for a slow rank")
+    if process_group_backend is not None and not _known_backend(process_group_backend):
+        known = ", ".join(repr(b) for b in dist.Backend.backend_list if b not in ("undefined", "fake"))
+        raise ValueError(
+            f"process_group_backend={process_group_backend!r} is not a torch.distributed backend: one of {known} "
+            "(or per device, as 'cpu:gloo,cuda:nccl'), or None for the accelerator's (gloo on CPU, nccl on CUDA)"
+        )
+    if parallel_devices is not None and not (
+        isinstance(parallel_devices, (list, tuple)) and all(isinstance(d, torch.device) for d in parallel_devices)
+    ):
+        raise ValueError(
+            f"parallel_devices={parallel_devices!r} must be a list of torch.device or None; leave it None and set "
+            "Trainer(accelerator=..., devices=...)"
+        )
+
+
+def _known_backend(name: Any) -> bool:
+    """``gloo``, ``nccl``, ... or a per-device form ``cpu:gloo,cuda:nccl``."""
+    if not isinstance(name, str) or not name:
+        return False
+    return all(part.rpartition(":")[2].lower() in dist.Backend.backend_list for part in name.split(","))
 
 
 def check_sync_start(sync_start_steps: Any) -> None:
@@ -619,6 +689,16 @@ def check_replica_groups(
     before it), and torchft's group options (``replica_group_id``, ``replica_groups``, ``min_replica_groups`` other
     than its default 1) without it: they would be ignored. A sharded optimizer state is refused by its own check: it
     needs per-step gradient averaging, and this needs ``local_sgd_steps``."""
+    if replica_group_id is not None and not is_count(replica_group_id, 0):
+        raise ValueError(
+            f"PACIStrategy(replica_group_id={replica_group_id!r}) must be an integer >= 0: this replica group's "
+            "index, 0..replica_groups-1 (or None to read it from the launch environment)"
+        )
+    if replica_groups is not None and not is_count(replica_groups):
+        raise ValueError(
+            f"PACIStrategy(replica_groups={replica_groups!r}) must be an integer >= 1: the number of replica groups "
+            "launched (or None to read it from the launch environment)"
+        )
     given = {"replica_group_id": replica_group_id, "replica_groups": replica_groups}
     if not (type(min_replica_groups) is int and min_replica_groups == 1):  # True is not the default 1
         given["min_replica_groups"] = min_replica_groups

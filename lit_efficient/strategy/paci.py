@@ -371,6 +371,11 @@ class PACIStrategy(DDPStrategy):
     ) -> None:
         # First, before any value check: a misspelt or ignored keyword must not pass for an option in force.
         _refuse_unknown(kwargs, PACIStrategy.__init__)
+        flags = dict(recompute=recompute, average_buffers=average_buffers, streaming_sync=streaming_sync,
+                     async_checkpoint=async_checkpoint)  # fmt: skip
+        check_kinds(
+            flags, start_method, precision_plugin, cluster_environment, timeout, process_group_backend, parallel_devices
+        )
         check_options(
             pipeline_stages, schedule, balance, p2p_timeout, on_nonfinite, local_sgd_steps, local_sgd_warmup_steps,
             outer_optimizer, outer_lr, outer_momentum, shard_optimizer_state, staleness_correction,
@@ -380,9 +385,6 @@ class PACIStrategy(DDPStrategy):
             fault_tolerance, local_sgd_steps, min_replica_groups, streaming_sync, replica_group_id, replica_groups
         )
         check_sync_start(sync_start_steps)
-        flags = dict(recompute=recompute, average_buffers=average_buffers, streaming_sync=streaming_sync,
-                     async_checkpoint=async_checkpoint)  # fmt: skip
-        check_kinds(flags, start_method, precision_plugin, cluster_environment, timeout)
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
             precision_plugin=precision_plugin, process_group_backend=process_group_backend, timeout=timeout,

@@ -35,6 +35,16 @@ def run_dir(trainer: Trainer) -> Path:
     return Path(save_dir, str(logger.name), version)
 
 
+def free_path(path: Path, also: tuple[str, ...] = ()) -> Path:
+    """`path` if nothing is there, else the first of ``<stem>-1<suffix>``, ``<stem>-2<suffix>``, ... that is free,
+    with its namesakes of the suffixes ``also`` (a pair of files written together: one number for both)."""
+    candidate, n = path, 0
+    while any(p.exists() for p in (candidate, *(candidate.with_suffix(s) for s in also))):
+        n += 1
+        candidate = path.with_name(f"{path.stem}-{n}{path.suffix}")
+    return candidate
+
+
 def attempt_store(rank: int, timeout: timedelta) -> dist.Store | None:
     """Under torchrun's shared store: a client of it whose keys are this attempt's own, else None.
 

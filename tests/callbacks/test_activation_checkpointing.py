@@ -53,6 +53,8 @@ class Placeholder(nn.Module):
         (dict(mode="partial"), "mode='partial'.*'full' or 'selective'"),
         (dict(modules=[]), r"modules=\[\].*modules=None"),
         (dict(modules="Block"), r"modules=\['Block'\]"),
+        (dict(modules=3), r"modules=3\) must be a list of class names"),  # a TypeError from list()
+        (dict(enabled="false"), r"enabled='false'\) must be True or False"),  # a truthy string: checkpointing on
     ],
 )
 def test_bad_arguments_raise_with_the_value_and_the_fix(kwargs, match):

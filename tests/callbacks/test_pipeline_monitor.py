@@ -116,6 +116,31 @@ def test_a_run_too_short_for_a_timeline_says_so_and_writes_none(tmp_path):
     assert monitor.timeline_paths == [] and not list(tmp_path.rglob("pipeline_timeline.*"))
 
 
+def test_a_resumed_fit_into_the_same_run_keeps_the_earlier_timeline(tmp_path):
+    """A resume into the same run folder overwrote the earlier fit's pipeline_timeline.png/.json (the CLI keeps its
+    config as config-1.yaml): the second fit's pair is numbered instead."""
+
+    def fit(steps: int, ckpt_path=None) -> L.Trainer:
+        trainer = L.Trainer(
+            accelerator="cpu", devices=1, strategy=PACIStrategy(pipeline_stages=2), max_steps=steps,
+            accumulate_grad_batches=2, logger=CSVLogger(tmp_path, version=0),
+            callbacks=[PipelineMonitor(timeline=True)], enable_progress_bar=False, enable_model_summary=False,
+            limit_val_batches=0,
+        )  # fmt: skip
+        model = GPT(vocab_size=256, block_size=16, n_layer=1, n_head=2, n_embd=16)
+        trainer.fit(model, DataLoader(_tokens(24, 16), batch_size=2), ckpt_path=ckpt_path)
+        return trainer
+
+    first = fit(3)
+    folder = tmp_path / "lightning_logs" / "version_0"
+    kept = {p.name: p.read_bytes() for p in folder.glob("pipeline_timeline*")}
+    assert kept.keys() == {TIMELINE_PNG, TIMELINE_JSON}
+    fit(6, ckpt_path=first.checkpoint_callback.best_model_path)
+    names = {p.name for p in folder.glob("pipeline_timeline*")}
+    assert names == {TIMELINE_PNG, TIMELINE_JSON, "pipeline_timeline-1.png", "pipeline_timeline-1.json"}, names
+    assert all((folder / name).read_bytes() == data for name, data in kept.items())
+
+
 def test_without_a_logger_it_says_so_and_computes_nothing(tmp_path, monkeypatch):
     """With logger=False it gathered every rank's row each interval and dropped it, silently."""
     model = GPT(vocab_size=256, block_size=16, n_layer=1, n_head=2, n_embd=16)

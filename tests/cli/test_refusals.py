@@ -107,6 +107,37 @@ def test_a_checkpoint_path_lightning_reads_is_not_refused(tmp_path, monkeypatch)
             check_checkpoint_path(path)
 
 
+def test_a_checkpoint_path_to_something_else_is_refused_naming_what_it_is(tmp_path):
+    """A folder failed in every rank with IsADirectoryError, a YAML file with torch's unpickling error (advising an
+    unsafe weights_only=False), a truncated .ckpt with "Invalid argument", and a sharded folder's meta.pt with a
+    diagnosis of weights-only checkpoints; a run folder names the checkpoints in it."""
+    from lit_efficient.checkpoint.sharded_write import INDEX
+    from lit_efficient.strategy.config import CheckpointNotFound, check_checkpoint_path
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    torch.save({}, run / "checkpoints" / "last.ckpt")
+    check_checkpoint_path(run / "checkpoints" / "last.ckpt")
+    with pytest.raises(CheckpointNotFound, match=r"is a folder but not a sharded checkpoint .*in it: .*last\.ckpt"):
+        check_checkpoint_path(run)
+    (tmp_path / "config.yaml").write_text("trainer: {}\n")
+    whole = (run / "checkpoints" / "last.ckpt").read_bytes()
+    (tmp_path / "head_cut.ckpt").write_bytes(whole[10:])
+    (tmp_path / "tail_cut.ckpt").write_bytes(whole[:-10])  # a copy that stopped short
+    for name in ("config.yaml", "head_cut.ckpt", "tail_cut.ckpt"):
+        with pytest.raises(CheckpointNotFound, match=r"is not a checkpoint \(not a file torch.save wrote\)"):
+            check_checkpoint_path(tmp_path / name)
+    sharded = tmp_path / "last.ckpt"
+    sharded.mkdir()
+    (sharded / INDEX).write_bytes(b"")
+    (sharded / "meta.pt").write_bytes(b"")
+    check_checkpoint_path(sharded)
+    with pytest.raises(
+        CheckpointNotFound, match=r"is one file of the sharded checkpoint .*last\.ckpt'. pass the folder"
+    ):
+        check_checkpoint_path(sharded / "meta.pt")
+
+
 def test_a_checkpoint_path_under_home_resumes(tmp_path, monkeypatch):
     """``ckpt_path: ~/...`` (a YAML value: no shell expands it) passed the check and then failed to load."""
     from lightning.pytorch import Trainer

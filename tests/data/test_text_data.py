@@ -125,6 +125,10 @@ def test_bin_tokens_are_memory_mapped_with_their_vocabulary(tmp_path):
         (dict(val_fraction="0.1"), r"val_fraction='0\.1'\) must be a number in \(0, 1\)"),
         (dict(max_bytes=1.5), r"max_bytes=1\.5\) must be an integer >= 1"),  # a TypeError from slicing
         (dict(num_workers="2"), r"num_workers='2'\) must be an integer >= 0"),  # a TypeError from <
+        (dict(path=""), r"path=''\) must be the path of a text file"),  # read as '.', "holds no text file" in setup
+        (dict(path=3), r"path=3\) must be the path of a text file"),  # a TypeError from Path()
+        (dict(vocab_size="2"), r"vocab_size='2'\) must be an integer"),  # a TypeError from <
+        (dict(vocab_size=300.0), r"vocab_size=300\.0\) must be an integer"),  # taken, and saved as a float
     ],
 )
 def test_bad_arguments_raise(kwargs, match):

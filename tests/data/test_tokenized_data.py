@@ -70,6 +70,9 @@ def test_mistakes_are_refused_with_the_fix(tmp_path, demo_model):
     )
     with pytest.raises(ValueError, match=missing):  # it was named TextDataModule, and offered a .bin it refuses
         TokenizedDataModule(str(demo_model), path=str(tmp_path / "missing"))
+    (tmp_path / "no_tokenizer").mkdir()  # transformers said "You need to have sentencepiece or tiktoken installed"
+    with pytest.raises(ValueError, match=r"no_tokenizer'\) holds no saved tokenizer .*tokenizer.save_pretrained"):
+        TokenizedDataModule(str(tmp_path / "no_tokenizer"))
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="holds no text file"):
         TokenizedDataModule(str(demo_model), path=str(tmp_path / "empty"), cache_dir=str(tmp_path)).prepare_data()

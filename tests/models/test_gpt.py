@@ -186,6 +186,8 @@ def test_encode_decode_bytes():
         (dict(n_embd=8.0), r"n_embd=8\.0\) must be a positive integer"),
         (dict(learning_rate=float("nan")), r"learning_rate=nan\) must be a finite number"),  # passed every check
         (dict(weight_decay=float("inf")), r"weight_decay=inf\) must be a finite number"),
+        (dict(tie_weights="false"), r"tie_weights='false'\) must be True or False"),  # a truthy string tied them
+        (dict(bias="false"), r"bias='false'\) must be True or False"),
     ],
 )
 def test_bad_arguments_raise(overrides, match):

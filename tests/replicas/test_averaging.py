@@ -362,7 +362,7 @@ def test_single_replica_state_dict_round_trip() -> None:
         ({"sync_every": True}, "sync_every=True must be an integer"),
         ({"sync_every": 2, "warmup_steps": -1}, "warmup_steps=-1"),
         ({"sync_every": 2, "outer_lr": 0.0}, "outer_lr=0.0"),
-        ({"sync_every": 2, "outer_momentum": 1.0}, r"outer_momentum=1.0 must be in \[0, 1\)"),
+        ({"sync_every": 2, "outer_momentum": 1.0}, r"outer_momentum=1.0 must be a number in \[0, 1\)"),
         ({"sync_every": 2, "outer_momentum": -0.1}, "outer_momentum=-0.1"),
         ({"sync_every": 2, "outer_optimizer": "adam"}, "outer_optimizer='adam' is unknown"),
     ],

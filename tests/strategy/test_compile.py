@@ -131,6 +131,8 @@ def test_compile_layers_refuses_what_it_cannot_use():
         PACIStrategy(compile_layers={"modee": "max-autotune"})
     with pytest.raises(ValueError, match="mode='fastest' is not one of torch.compile's modes 'default'"):
         PACIStrategy(compile_layers={"mode": "fastest"})
+    with pytest.raises(ValueError, match="backend='inductr' is not a torch.compile backend; did you mean 'inductor'"):
+        PACIStrategy(compile_layers={"backend": "inductr"})  # refused in every rank, after the launch
     PACIStrategy(compile_layers={"backend": "aot_eager", "mode": None, "fullgraph": False})
 
 

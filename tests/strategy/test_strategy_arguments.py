@@ -306,6 +306,21 @@ def test_the_cli_names_the_closest_key_and_class_of_a_misspelt_config(cli_refusa
     assert "lit_efficient.GradientAccumulaton: did you mean lit_efficient.GradientAccumulation?" in err
 
 
+@pytest.mark.parametrize(
+    ("section", "name"),
+    [("trainer:\n  strategy:\n    class_path: lit_efficient.PACIStrategy\n    pipeline_stages: 2\n", "PACIStrategy"),
+     ("model:\n  class_path: lit_efficient.models.GPT\n  n_layer: 2\n", "GPT")],
+)  # fmt: skip
+def test_options_beside_class_path_are_told_to_go_under_init_args(cli_refusal, tmp_path, section, name):
+    """A section's options written beside ``class_path`` said "PACIStrategy does not accept: class_path" (a
+    model's, "GPT has no option 'class_path'"): where the options go is said instead."""
+    overlay = tmp_path / "flat.yaml"
+    overlay.write_text(section)
+    err = cli_refusal(f"--config={overlay}")
+    assert f"{name}'s options go under init_args, not beside class_path:" in err, err[-2000:]
+    assert "not an option of PACIStrategy" not in err and "has no option 'class_path'" not in err
+
+
 def test_a_misspelt_callback_option_is_named_with_the_closest_one_and_nothing_else(cli_refusal):
     """jsonargparse tries every Callback subclass: Lightning's ``Callback`` itself, which has no options, added
     "Callback has no option 'every_n_train_step': it takes ." after the useful line."""
@@ -363,8 +378,8 @@ def test_the_cli_names_the_option_meant_for_a_typo_anywhere(cli_refusal, args, w
 @pytest.mark.parametrize(
     ("kwargs", "said"),
     [
-        ({"recompute": "no"}, "recompute='no' must be True or False"),  # a truthy string switched it on
-        ({"streaming_sync": 1, "local_sgd_steps": 4}, "streaming_sync=1 must be True or False"),
+        ({"recompute": "no"}, "recompute='no'\\) must be True or False"),  # a truthy string switched it on
+        ({"streaming_sync": 1, "local_sgd_steps": 4}, "streaming_sync=1\\) must be True or False"),
         ({"pipeline_stages": True}, "pipeline_stages=True must be an integer >= 1"),
         # One test of a count (lit_efficient.checks.is_count): these four took True as 1.
         ({"pipeline_stages": 2, "balance": [True, 1]}, r"balance=\[True, 1\] must list 2 positive layer counts"),
@@ -390,11 +405,31 @@ def test_the_cli_names_the_option_meant_for_a_typo_anywhere(cli_refusal, args, w
         ({"p2p_timeout": "30"}, r"p2p_timeout='30' must be a positive number of seconds"),  # was a TypeError of '>'
         ({"p2p_timeout": True}, r"p2p_timeout=True must be a positive number of seconds"),
         ({"cluster_environment": "slurm"}, "cluster_environment='slurm' must be a ClusterEnvironment or None"),
+        # Read before the flags' kinds, a quoted 'false' was taken as True and told to need the sharded format.
+        ({"async_checkpoint": "false"}, r"async_checkpoint='false'\) must be True or False \(a string such as"),
+        # Refused by torch in every rank after the launch ("Unknown backend type ncll"), or by its socket (0 ms).
+        ({"process_group_backend": "ncll"}, r"process_group_backend='ncll' is not a torch.distributed backend: one "),
+        ({"timeout": __import__("datetime").timedelta(0)}, r"timeout=datetime.timedelta\(0\) must be positive"),
+        ({"parallel_devices": "PACI"}, r"parallel_devices='PACI' must be a list of torch.device or None"),
+        # torchft's group options: a string failed at the launch in a comparison, 0.0 and True passed it.
+        (
+            {"fault_tolerance": "torchft", "local_sgd_steps": 4, "replica_group_id": "1"},
+            r"replica_group_id='1'\) must be an integer >= 0",
+        ),
+        (
+            {"fault_tolerance": "torchft", "local_sgd_steps": 4, "replica_groups": True},
+            r"replica_groups=True\) must be an integer >= 1",
+        ),
+        # DiLoCo's rate as a string was a TypeError of '>'; inf and True were taken.
+        ({"local_sgd_steps": 4, "outer_optimizer": "nesterov", "outer_lr": "0.1"}, "outer_lr='0.1' must be a number"),
+        ({"local_sgd_steps": 4, "outer_optimizer": "nesterov", "outer_lr": float("inf")}, "outer_lr=inf must be a "),
+        ({"local_sgd_steps": 4, "outer_optimizer": "nesterov", "outer_momentum": True}, "outer_momentum=True must "),
     ],
 )
 def test_an_option_of_the_wrong_kind_is_refused_naming_it(kwargs, said):
-    """Refused at construction: a string flag was truthy; the pass-through arguments failed deep in Lightning's DDP
-    machinery, or were dropped (a precision given as a string trained in float32) without naming the option."""
+    """Refused at construction, kinds before any check that reads them: a string flag was truthy; the pass-through
+    arguments failed deep in Lightning's DDP machinery, or were dropped (a precision given as a string trained in
+    float32) without naming the option."""
     with pytest.raises(ValueError, match=said):
         PACIStrategy(**kwargs)
 
