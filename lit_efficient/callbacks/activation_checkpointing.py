@@ -484,7 +484,7 @@ class ActivationCheckpointing(Callback):
         found = self.matches(pl_module)
         chosen = self.select(pl_module, found)
         self._plan = [(name, type(module)) for name, module in chosen]
-        self._check_plan(pl_module, found)
+        self._check_plan(pl_module, found, chosen)
         if chosen:
             rank_zero_info(plan_line(pl_module, chosen, self.mode, picked=self.modules is None))
         self._wrap_before_finders(trainer)
@@ -505,7 +505,29 @@ class ActivationCheckpointing(Callback):
             finder.__dict__["lr_find"] = lr_find
             self._finders.append(finder)
 
-    def _check_plan(self, pl_module: LightningModule, found: list[tuple[str, nn.Module]]) -> None:
+    def check_before_launch(self, trainer: Trainer, layers_may_come_later: bool) -> None:
+        """`setup`'s and `on_fit_start`'s refusals on the whole model, in the launching process: PACIStrategy calls
+        it before any rank starts (on processes they came after the launch, in every rank's traceback, each naming
+        only its own stage's classes). ``layers_may_come_later``: the module builds layers in its own setup or
+        configure_model, so a name that matches nothing yet is left to `on_fit_start`."""
+        _refuse_double_recompute(trainer)
+        pl_module = trainer.lightning_module
+        found = self.matches(pl_module)
+        self._check_plan(pl_module, found, self.select(pl_module, found))
+        if not found and self.modules is not None and not layers_may_come_later:
+            raise ValueError(self._matches_nothing(pl_module))
+
+    def _matches_nothing(self, pl_module: LightningModule) -> str:
+        found = ", ".join(candidate_classes(pl_module)) or "none"
+        return (
+            f"ActivationCheckpointing(modules={self.modules}) matches no module of {type(pl_module).__name__}; "
+            f"classes with parameters found: {found}. Use one of these names (or a dotted class path), or "
+            "modules=None to pick the repeated blocks."
+        )
+
+    def _check_plan(
+        self, pl_module: LightningModule, found: list[tuple[str, nn.Module]], chosen: list[tuple[str, nn.Module]]
+    ) -> None:
         """Refuse a configuration that would silently checkpoint less than it names: an entry of ``modules`` that
         matches nothing beside ones that do (a misspelling), or an ``every_n`` past the last match. (Where nothing
         matches yet, the model may build its layers in configure_model: `on_fit_start` says so then.)"""
@@ -523,7 +545,7 @@ class ActivationCheckpointing(Callback):
                         f"{type(pl_module).__name__}; did you mean {close[0]!r}? Classes with parameters: "
                         f"{', '.join(candidate_classes(pl_module)) or 'none'}."
                     )
-        if not self._plan:
+        if not chosen:
             raise ValueError(
                 f"ActivationCheckpointing(every_n={self.every_n}) is past the {len(found)} matching modules of "
                 f"{type(pl_module).__name__}: nothing would be checkpointed. Use every_n <= {len(found)}."
@@ -543,11 +565,7 @@ class ActivationCheckpointing(Callback):
         if not self._plan and not chosen:
             found = ", ".join(candidate_classes(pl_module)) or "none"
             if self.modules is not None:
-                raise ValueError(
-                    f"ActivationCheckpointing(modules={self.modules}) matches no module of "
-                    f"{type(pl_module).__name__}; classes with parameters found: {found}. Use one of these "
-                    f"names (or a dotted class path), or modules=None to pick the repeated blocks."
-                )
+                raise ValueError(self._matches_nothing(pl_module))
             rank_zero_warn(
                 f"ActivationCheckpointing found no repeated blocks in {type(pl_module).__name__} and checkpoints "
                 f"nothing; pass modules=[...] with one of: {found}."

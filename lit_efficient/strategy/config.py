@@ -838,6 +838,12 @@ def check_before_launch(strategy: Any, trainer: Trainer, layers: list | None) ->
         check = getattr(callback, "check_accumulation_source", None)
         if callable(check):
             check(trainer)
+        check = getattr(callback, "check_before_launch", None)  # ActivationCheckpointing's plan on the whole model
+        if callable(check):
+            check(
+                trainer,
+                layers_may_come_later=setup_may_build_layers(module) or is_overridden("configure_model", module),
+            )
         if strategy.async_checkpoint and isinstance(callback, ModelCheckpoint) and callback.save_last == "link":
             raise ValueError(
                 "ModelCheckpoint(save_last='link') with PACIStrategy(async_checkpoint=True): the link would point at "

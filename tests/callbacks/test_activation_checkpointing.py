@@ -213,6 +213,35 @@ def test_a_misspelt_name_beside_a_match_and_an_every_n_past_the_matches_are_refu
     ActivationCheckpointing(modules=["Block", "LlamaDecoderLayer"]).setup(trainer, model, "fit")
 
 
+@pytest.mark.parametrize(
+    ("callback", "strategy", "said"),
+    [
+        (dict(modules=["Blok"]), {}, r"modules=\['Blok'\]\) matches no module of GPT; .*Block \(x2\)"),
+        (dict(modules=["Block", "Blok"]), {}, r"'Blok' matches no module of GPT; did you mean 'Block'\?"),
+        (dict(every_n=10), {}, r"every_n=10\) is past the 2 matching modules"),
+        ({}, dict(recompute=True), r"cannot be combined with PACIStrategy\(recompute=True\)"),
+    ],
+)
+def test_a_plan_that_cannot_work_is_refused_before_any_rank_starts(tmp_path, monkeypatch, callback, strategy, said):
+    """On processes these were refused after the launch, in every rank's traceback, each rank listing only its own
+    stage's classes (a user audit); now in the launching process, on the whole model, before it starts rank 1."""
+    from lightning.pytorch.strategies.launchers import subprocess_script
+
+    from lit_efficient import PACIStrategy
+
+    def no_rank(*args, **kwargs):
+        raise AssertionError("rank 1 was started before the refusal")
+
+    monkeypatch.setattr(subprocess_script.subprocess, "Popen", no_rank)
+    trainer = Trainer(
+        accelerator="cpu", devices=2, strategy=PACIStrategy(pipeline_stages=2, **strategy), max_steps=1,
+        logger=False, enable_progress_bar=False, callbacks=[ActivationCheckpointing(**callback)],
+        default_root_dir=tmp_path,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=said):
+        trainer.fit(tiny_gpt(), datamodule=TextDataModule(block_size=16, batch_size=2, max_bytes=4000))
+
+
 def test_refuses_a_strategy_that_already_recomputes():
     with pytest.raises(ValueError, match=r"recompute=True.*recompute=False.*remove ActivationCheckpointing"):
         ActivationCheckpointing().setup(fake_trainer(recompute=True), tiny_gpt(), "fit")
