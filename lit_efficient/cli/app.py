@@ -416,6 +416,27 @@ def usage_error(parser: ArgumentParser, message: str, error: Exception) -> None:
     parser.exit(2, f"{parser.prog}: error: {message}\n")
 
 
+# The package's callbacks hold state in checkpoints under their class name: Lightning refuses two of one class with a
+# traceback about state keys ("Found more than one stateful callback"), while the mistake is a config's.
+_ONE_EACH = ("ActivationCheckpointing", "GradientAccumulation", "PipelineMonitor")
+
+
+def _refuse_a_callback_given_twice(parser: ArgumentParser, config: Any) -> None:
+    """A usage error for two of one of the package's callbacks: a config file's list and ``--trainer.callbacks+=``
+    (which appends) each added one."""
+    trainer = config.get("trainer") if hasattr(config, "get") else None
+    callbacks = (trainer.get("callbacks") if trainer is not None else None) or []
+    names = [str(c.get("class_path", "")).rpartition(".")[2] for c in callbacks if hasattr(c, "get")]
+    twice = [name for name in _ONE_EACH if names.count(name) > 1]
+    if twice:
+        message = (
+            f"trainer.callbacks holds {twice[0]} {names.count(twice[0])} times (a config file's list and "
+            "--trainer.callbacks+=... each add one): keep one, and set its options in the config, or with "
+            "--trainer.callbacks.init_args.<option>, which applies to the last callback of the list"
+        )
+        usage_error(parser, message, ValueError(message))
+
+
 class LitEfficientCLI(LightningCLI):
     """LightningCLI with `GPT` and `TextDataModule` as defaults and the data feeding the model's sizes.
 
@@ -507,6 +528,7 @@ class LitEfficientCLI(LightningCLI):
         # Before the logger exists: wandb reads these variables when it starts, in this process and in
         # every rank launched from it (popen re-runs this command, spawn inherits the environment).
         config = self.config[self.subcommand] if self.subcommand else self.config
+        _refuse_a_callback_given_twice(self.parser, config)
         for logger in filter(_is_wandb, _loggers(config)):
             init = logger.init_args
             for key in ("save_dir", "dir"):  # one folder for W&B, the run's config and checkpoints, and "last"

@@ -321,6 +321,16 @@ def test_options_beside_class_path_are_told_to_go_under_init_args(cli_refusal, t
     assert "not an option of PACIStrategy" not in err and "has no option 'class_path'" not in err
 
 
+def test_a_callback_added_twice_is_a_usage_error_naming_where_each_came_from(cli_refusal):
+    """checkpointing.yaml's ActivationCheckpointing and ``--trainer.callbacks+=ActivationCheckpointing`` (which
+    appends a second) gave Lightning's traceback about state keys of stateful callbacks."""
+    err = cli_refusal(
+        f"--config={REPO / 'configs' / 'checkpointing.yaml'}", "--trainer.callbacks+=ActivationCheckpointing"
+    )
+    assert "trainer.callbacks holds ActivationCheckpointing 2 times (a config file's list and" in err, err[-2000:]
+    assert "Traceback" not in err
+
+
 def test_a_misspelt_callback_option_is_named_with_the_closest_one_and_nothing_else(cli_refusal):
     """jsonargparse tries every Callback subclass: Lightning's ``Callback`` itself, which has no options, added
     "Callback has no option 'every_n_train_step': it takes ." after the useful line."""
