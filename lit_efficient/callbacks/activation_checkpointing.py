@@ -390,7 +390,7 @@ class ActivationCheckpointing(Callback):
         if isinstance(modules, str):
             raise ValueError(f"ActivationCheckpointing(modules={modules!r}) must be a list; use modules=[{modules!r}].")
         if modules is not None:
-            if not isinstance(modules, (list, tuple)):
+            if not isinstance(modules, (list, tuple, set, frozenset)):
                 raise ValueError(
                     f"ActivationCheckpointing(modules={modules!r}) must be a list of class names such as ['Block'], "
                     "or None to checkpoint the model's repeated blocks."
@@ -509,7 +509,10 @@ class ActivationCheckpointing(Callback):
         """`setup`'s and `on_fit_start`'s refusals on the whole model, in the launching process: PACIStrategy calls
         it before any rank starts (on processes they came after the launch, in every rank's traceback, each naming
         only its own stage's classes). ``layers_may_come_later``: the module builds layers in its own setup or
-        configure_model, so a name that matches nothing yet is left to `on_fit_start`."""
+        configure_model, so a name that matches nothing yet is left to `on_fit_start`. Fit only: the callback acts
+        in fit alone (validate, test and predict run the model as it is)."""
+        if trainer.state.fn != "fit":
+            return
         _refuse_double_recompute(trainer)
         pl_module = trainer.lightning_module
         found = self.matches(pl_module)

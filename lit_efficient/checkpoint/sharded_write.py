@@ -35,6 +35,7 @@ from __future__ import annotations
 import io
 import os
 import shutil
+import time
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -164,18 +165,27 @@ class Prepared:
         """On the coordinator: meta.pt, then the folder renamed into place, once every rank's files are seen in it.
         Elsewhere nothing."""
         if self.coordinator:
-            check_every_share_is_here(self.tmp, self.path)
+            check_every_share_is_here(self.tmp, self.path, SHARE_PATIENCE_S)
             save_durably(self.meta, self.tmp / META)  # DCP's writer fsyncs the shares' files itself
             publish(self.tmp, self.path)
 
 
-def check_every_share_is_here(tmp: Path, path: Path) -> None:
+SHARE_PATIENCE_S = 10.0  # how long global rank 0 waits to see another node's share in the folder before it refuses
+
+
+def check_every_share_is_here(tmp: Path, path: Path, patience: float = SHARE_PATIENCE_S) -> None:
     """Raise, publishing nothing, when a file DCP's index names is not in the folder as this process sees it: the
     ranks wrote to a folder that is not one (node-local disks, each node writing its own ``PATH.partial``). Published,
-    such a folder looked complete until a resume or a consolidation failed on the missing share."""
+    such a folder looked complete until a resume or a consolidation failed on the missing share. Each file is looked
+    up by name, for up to ``patience`` seconds: a network file system may show another node's new file late."""
     index = FileSystemReader(tmp).read_metadata()
-    named = {info.relative_path for info in index.storage_data.values()}
-    missing = sorted(named - {entry.name for entry in tmp.iterdir()})
+    missing = sorted({info.relative_path for info in index.storage_data.values()})
+    deadline = time.monotonic() + patience
+    while True:
+        missing = [name for name in missing if not (tmp / name).exists()]
+        if not missing or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     if missing:
         raise RuntimeError(
             f"the sharded checkpoint {path} is not complete where global rank 0 sees it: {', '.join(missing)} "

@@ -418,7 +418,7 @@ def usage_error(parser: ArgumentParser, message: str, error: Exception) -> None:
 
 # The package's callbacks hold state in checkpoints under their class name: Lightning refuses two of one class with a
 # traceback about state keys ("Found more than one stateful callback"), while the mistake is a config's.
-_ONE_EACH = ("ActivationCheckpointing", "GradientAccumulation", "PipelineMonitor")
+_ONE_EACH = ("ActivationCheckpointing", "GradientAccumulation")
 
 
 def _refuse_a_callback_given_twice(parser: ArgumentParser, config: Any) -> None:

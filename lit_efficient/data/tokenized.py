@@ -54,8 +54,8 @@ def load_tokenizer(tokenizer: Any) -> Any:
             f"TokenizedDataModule(tokenizer={str(tokenizer)!r}): no such folder. Nothing is downloaded: save the "
             "tokenizer with tokenizer.save_pretrained(folder) (or download it yourself) and pass the folder."
         )
-    saved = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "spiece.model")
-    if not any((folder / name).exists() for name in saved):
+    saved = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "merges.txt", "config.json")
+    if not any((folder / name).exists() for name in saved) and not any(folder.glob("*.model")):
         raise ValueError(
             f"TokenizedDataModule(tokenizer={str(tokenizer)!r}) holds no saved tokenizer (none of {', '.join(saved)}): "
             "pass the folder tokenizer.save_pretrained(folder) wrote (a model's save_pretrained folder saved with "

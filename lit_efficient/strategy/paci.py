@@ -1328,8 +1328,8 @@ class PACIStrategy(DDPStrategy):
                 report_stop(f"{here} was interrupted (KeyboardInterrupt)")
             elif isinstance(exception, SIGTERMException):  # from outside, maybe after a peer died
                 report_stop(
-                    f"{here} received SIGTERM (torchrun sends it to a node's other ranks when one of them fails; a job "
-                    "manager, to stop the job)"
+                    f"{here} was stopped by SIGTERM (torchrun sends it to a node's other ranks when one of them "
+                    "fails; a job manager, to stop the job)"
                 )
             else:
                 detail = f": {exception}" if str(exception) else ""

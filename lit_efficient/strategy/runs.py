@@ -64,38 +64,45 @@ def attempt_store(rank: int, timeout: timedelta) -> dist.Store | None:
     agent whose worker failed counts a restart; another, seeing the rendezvous change before its own worker
     fails, restarts its workers uncounted), so two prefixes waited for each other until the timeout. The other
     ranks read the number where rank 0 publishes it, which may still hold the previous attempt's; they take
-    it only once rank 0's beacon (`_Beacon`, on ``MASTER_ADDR``, rank 0's node under torchrun) confirms it:
-    the previous attempt's rank 0 is gone with its beacon. Cost: one store client per rank and a listening
+    it only once rank 0's beacon (`_Beacon`, on ``MASTER_ADDR``, rank 0's node under torchrun, else on the host
+    name rank 0 publishes) confirms it: the previous attempt's rank 0 is gone with its beacon. A process that
+    forms its group again (the user destroyed it between two fits) takes only a number above the one it took
+    before: its rank 0's beacon may still answer the old one. Cost: one store client per rank and a listening
     socket on rank 0, made once per process.
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
         return None
     host = os.environ["MASTER_ADDR"]
     store = dist.TCPStore(host, int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
-    if rank == 0:
-        attempt = str(store.add(_ATTEMPTS_KEY, 1))
-        _Beacon.start(attempt)
-        store.set(_ATTEMPT_KEY, f"{attempt} {_Beacon.running.port}")
+    global _joined
+    if rank == 0:  # a new number, always
+        attempt = store.add(_ATTEMPTS_KEY, 1)
+        _Beacon.start(str(attempt))
+        assert _Beacon.running is not None
+        store.set(_ATTEMPT_KEY, f"{attempt} {_Beacon.running.port} {socket.gethostname()}")
     else:
-        attempt = _confirmed_attempt(store, host, rank, timeout)
+        attempt = _joined = _confirmed_attempt(store, host, rank, timeout)
     return dist.PrefixStore(f"lit_efficient/attempt_{attempt}", store)
 
 
 _ATTEMPTS_KEY, _ATTEMPT_KEY = "lit_efficient/attempts", "lit_efficient/attempt"
+_joined = 0  # the attempt number a rank other than 0 last formed its default group under, in this process
 
 
-def _confirmed_attempt(store: dist.Store, host: str, rank: int, timeout: timedelta) -> str:
+def _confirmed_attempt(store: dist.Store, host: str, rank: int, timeout: timedelta) -> int:
     """The attempt number this attempt's rank 0 published, once its beacon confirms it is not a dead one's."""
     deadline = time.monotonic() + timeout.total_seconds()
     while True:
         if store.check([_ATTEMPT_KEY]):
-            attempt, port = store.get(_ATTEMPT_KEY).decode().split()
-            if _Beacon.ask(host, int(port)) == attempt:
-                return attempt
+            attempt, port, name = store.get(_ATTEMPT_KEY).decode().split()
+            hosts = dict.fromkeys((host, name))  # MASTER_ADDR first (a service's address may forward no other port)
+            if int(attempt) > _joined and any(_Beacon.ask(h, int(port)) == attempt for h in hosts):
+                return int(attempt)
         if time.monotonic() > deadline:
             raise TimeoutError(
                 f"rank {rank} waited {timeout.total_seconds():g} s for this attempt's rank 0 to publish its number in "
-                f"torchrun's store (at {host}): start every node's torchrun together, or raise "
+                f"torchrun's store and answer it on a port of its own (at {host}): start every node's torchrun "
+                "together, let the nodes reach each other's ports (as gloo and NCCL need), or raise "
                 "PACIStrategy(timeout=...)"
             )
         time.sleep(0.05)

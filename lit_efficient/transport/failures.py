@@ -229,7 +229,7 @@ def explain_link_failure(
     is_late = is_timeout(err)
     head, fallback = timed_out if is_late else lost
     cause = read_failure() if is_late else await_failure()
-    stop = None if cause or is_late or peer is None else read_stop()
+    stop = None if cause or peer is None else read_stop()
     if stop is not None and stop.startswith(f"{peer} "):
         return f"{head}: the pipeline stopped because {stop}"
     message = f"{head}: " + (f"the pipeline stopped because {cause}" if cause else fallback)

@@ -242,6 +242,20 @@ def test_a_plan_that_cannot_work_is_refused_before_any_rank_starts(tmp_path, mon
         trainer.fit(tiny_gpt(), datamodule=TextDataModule(block_size=16, batch_size=2, max_bytes=4000))
 
 
+def test_an_evaluation_is_not_refused_for_a_plan_only_fit_uses(tmp_path):
+    """The callback acts in fit alone: the pre-launch check refused validate with recompute=True beside it (a
+    review), which ran before it."""
+    from lit_efficient import PACIStrategy
+
+    for callback, strategy in ((dict(every_n=10), {}), ({}, dict(recompute=True))):
+        trainer = Trainer(
+            accelerator="cpu", devices=1, strategy=PACIStrategy(pipeline_stages=2, **strategy), logger=False,
+            enable_progress_bar=False, callbacks=[ActivationCheckpointing(**callback)], limit_val_batches=1,
+            default_root_dir=tmp_path,
+        )  # fmt: skip
+        trainer.validate(tiny_gpt(), datamodule=TextDataModule(block_size=16, batch_size=2, max_bytes=4000))
+
+
 def test_refuses_a_strategy_that_already_recomputes():
     with pytest.raises(ValueError, match=r"recompute=True.*recompute=False.*remove ActivationCheckpointing"):
         ActivationCheckpointing().setup(fake_trainer(recompute=True), tiny_gpt(), "fit")

@@ -127,12 +127,14 @@ def test_run_restarted_after_a_sigkilled_rank_ends_at_the_deliberate_resume(tmp_
 def test_each_attempt_rendezvouses_under_its_own_keys_in_torchruns_store(monkeypatch):
     """What the restart rests on (lit_efficient.strategy.runs.attempt_store): under torchrun's shared store, a group's
     keys are written under the attempt's prefix, so attempt 2 never reads what attempt 1 left, even where a rank
-    of attempt 2 reads the store before its rank 0 has published the new number; elsewhere (SLURM, a plain
-    launch, spawned ranks) nothing changes."""
+    of attempt 2 reads the store before its rank 0 has published the new number, and a group formed again in the
+    same processes (attempt 3: the user destroyed it between two fits) never takes the number of the group before,
+    which rank 0's live beacon still answers; elsewhere (SLURM, a plain launch, spawned ranks) nothing changes."""
     import threading
 
     import torch.distributed as dist
 
+    from lit_efficient.strategy import runs
     from lit_efficient.strategy.runs import _Beacon, attempt_store
 
     wait = timedelta(seconds=20)
@@ -143,21 +145,23 @@ def test_each_attempt_rendezvouses_under_its_own_keys_in_torchruns_store(monkeyp
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(server.port))
     try:
-        for attempt in (1, 2):
+        monkeypatch.setattr(runs, "_joined", 0)  # a fresh process's
+        for attempt in (1, 2, 3):
             stores: dict[int, dist.Store] = {}
             early = threading.Thread(target=lambda got=stores: got.__setitem__(1, attempt_store(1, wait)))
-            if attempt == 2:  # rank 1 first: the store still names attempt 1, whose rank 0 is gone
+            if attempt > 1:  # rank 1 first: the store still names the attempt before, whose number it must not take
                 early.start()
                 time.sleep(0.5)
-                assert early.is_alive(), "rank 1 took the dead attempt's number"
+                assert early.is_alive(), f"rank 1 took attempt {attempt - 1}'s number"
             stores[0] = attempt_store(0, wait)
             if attempt == 1:
                 early.start()
             early.join(20)
             for rank, store in stores.items():
                 store.set(f"0/rank_{rank}", f"address of attempt {attempt}")
-            _Beacon.stop()  # rank 0's process ends with its attempt
-        for attempt in (1, 2):
+            if attempt == 1:
+                _Beacon.stop()  # rank 0's process ends with its attempt; after attempt 2, its beacon answers on
+        for attempt in (1, 2, 3):
             for rank in (0, 1):
                 assert (
                     server.get(f"lit_efficient/attempt_{attempt}/0/rank_{rank}")

@@ -295,11 +295,14 @@ def test_publish_replaces_a_file_or_a_folder(tmp_path):
         shutil.rmtree(target)
 
 
-def test_a_folder_missing_another_ranks_share_is_not_published(tmp_path):
+def test_a_folder_missing_another_ranks_share_is_not_published(tmp_path, monkeypatch):
     """Node-local disks: each node's ranks wrote their shares into their own ``PATH.partial``, and global rank 0
     published its folder as complete; the save said nothing, a resume or consolidation later failed on a missing
     file. Here a share DCP's index names is gone from the folder rank 0 sees: the save raises, naming the file and
-    the fix, and the previous checkpoint stays in place."""
+    the fix, and the previous checkpoint stays in place. A share that shows up late (a network file system's
+    cached lookup) is waited for."""
+    import threading
+
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
 
@@ -310,10 +313,17 @@ def test_a_folder_missing_another_ranks_share_is_not_published(tmp_path):
     prepared = sharded_write.prepare(target, shares, base, layout, None, distributed=False)
     with sharded_write.quiet_dcp():
         dcp.save(prepared.tree, storage_writer=FileSystemWriter(prepared.tmp), no_dist=True)
-    (prepared.tmp / "__0_0.distcp").unlink()  # written where global rank 0 does not see it
+    share = prepared.tmp / "__0_0.distcp"
+    written = share.read_bytes()
+    share.unlink()  # written where global rank 0 does not see it
+    monkeypatch.setattr(sharded_write, "SHARE_PATIENCE_S", 0.0)
     with pytest.raises(RuntimeError, match=r"__0_0\.distcp .*a file system every rank sees .*checkpoint_format='file'"):
         prepared.finish()
     assert sorted(p.name for p in target.iterdir()) == before and (target / "__0_0.distcp").exists()
+    late = threading.Timer(0.3, share.write_bytes, args=(written,))
+    late.start()
+    sharded_write.check_every_share_is_here(prepared.tmp, target, patience=20.0)  # no error: it came
+    late.join()
 
 
 # -- the format without processes: shares in, the single file's dict out --------------------------------

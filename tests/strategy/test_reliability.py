@@ -926,6 +926,12 @@ def test_a_rank_stopped_by_its_launcher_is_not_named_the_cause_of_a_peers_death(
             "the pipeline stopped because stage 1 (rank 0) received SIGTERM (torchrun sends it ...)"
         )
         assert failures.read_failure() is None  # a stop named is still not published as the cause
+        late = RuntimeError("[../third_party/gloo/gloo/transport/unbound_buffer.cc:81] Timed out waiting 5000ms")
+        head = "stage 1 (rank 2) waited 5s for activations with stage 1 (rank 0)"
+        said = failures.explain_link_failure(
+            late, timed_out=(head, "hung"), lost=(head, "died"), peer="stage 1 (rank 0)"
+        )
+        assert said.endswith("the pipeline stopped because stage 1 (rank 0) received SIGTERM (torchrun sends it ...)")
         assert lost("stage 0 (rank 1)").endswith("stage 0 (rank 1) died (killed? out of memory?)")
         assert failures.read_failure().endswith("stage 0 (rank 1) died (killed? out of memory?)")  # the cause now
         failures.clear_published_failure()
