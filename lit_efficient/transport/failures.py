@@ -78,21 +78,14 @@ def _store_failed(err: BaseException) -> None:
             _gone_store = dist.distributed_c10d._get_default_store()
 
 
-def report_failure(message: str, heading: str = "pipeline failure") -> None:
+def report_failure(message: str) -> None:
     """Publish the first failure of the run in the rendezvous store, so peers can name the cause, and
-    print this process's first one to stderr at once, under ``heading``: a launcher that sees a rank die may kill
+    print this process's first one to stderr at once, as a "pipeline failure": a launcher that sees a rank die may kill
     the others (Lightning's does, within seconds) before their exception's traceback is printed.
 
     Best effort: the store may be gone with the rank that hosted it.
     """
-    global _printed_failure
-    if not _printed_failure:
-        _printed_failure = True
-        print(f"lit-efficient: {heading}: {message}", file=sys.stderr, flush=True)
-    try:
-        _store().compare_set(_ABORT_KEY, "", message)
-    except Exception as err:  # noqa: BLE001 - reporting must never hide the original error
-        _store_failed(err)
+    _say_and_publish(_ABORT_KEY, "pipeline failure", message)
 
 
 def report_stop(message: str) -> None:
@@ -100,12 +93,18 @@ def report_stop(message: str) -> None:
     the failures. torchrun stops a node's other ranks with SIGTERM when one of them dies, and a killed rank publishes
     nothing: published as a failure, the stop was named as the run's cause on every rank, over the death that led to
     it. A peer names a stop where nothing else explains what it saw (`explain_link_failure`, `report_lost_peers`)."""
+    _say_and_publish(_STOP_KEY, "stopped", message)
+
+
+def _say_and_publish(key: str, heading: str, message: str) -> None:
+    """This process's first report of the run to stderr under ``heading``; ``message`` into the store's ``key``
+    unless a rank published there first."""
     global _printed_failure
     if not _printed_failure:
         _printed_failure = True
-        print(f"lit-efficient: stopped: {message}", file=sys.stderr, flush=True)
+        print(f"lit-efficient: {heading}: {message}", file=sys.stderr, flush=True)
     try:
-        _store().compare_set(_STOP_KEY, "", message)
+        _store().compare_set(key, "", message)
     except Exception as err:  # noqa: BLE001 - reporting must never hide the original error
         _store_failed(err)
 
