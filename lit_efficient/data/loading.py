@@ -28,14 +28,13 @@ resumable"). Two pieces make the data modules' training order a function of (see
 
 from __future__ import annotations
 
+import numbers
 import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Sampler
-
-from lit_efficient.checks import is_count
 
 
 class EpochShuffle(Sampler[int]):
@@ -49,14 +48,15 @@ class EpochShuffle(Sampler[int]):
     """
 
     def __init__(self, size: int, seed: int) -> None:
-        if not is_count(size, 0):
+        # Any integer type, as TextDataModule takes its seed (a numpy one there failed here at the first epoch).
+        if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 0:
             raise ValueError(
                 f"EpochShuffle(size={size!r}) must be an integer >= 0: the dataset's length (len(dataset))."
             )
-        if not is_count(seed, -(1 << 63)):
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
             raise ValueError(f"EpochShuffle(seed={seed!r}) must be an integer (epoch e draws with seed + e).")
-        self.size = size
-        self.seed = seed
+        self.size = int(size)
+        self.seed = int(seed)
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:

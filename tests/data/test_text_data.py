@@ -136,6 +136,21 @@ def test_bad_arguments_raise(kwargs, match):
         TextDataModule(**kwargs)
 
 
+def test_a_numpy_seed_it_takes_draws_its_epochs():
+    """TextDataModule takes any integer seed; EpochShuffle's own check refused a numpy one at the first epoch (a
+    re-read of the change that added the check), after the construction had taken it."""
+    import numpy as np
+
+    from lit_efficient.data import EpochShuffle
+
+    data = TextDataModule(block_size=16, batch_size=2, max_bytes=4000, seed=np.int64(3))
+    data.setup("fit")
+    drawn = [x for x, _ in data.train_dataloader()]
+    assert len(drawn) > 1 and list(EpochShuffle(np.int64(9), seed=np.int64(3))) == list(EpochShuffle(9, seed=3))
+    with pytest.raises(ValueError, match=r"EpochShuffle\(seed=2\.5\) must be an integer"):
+        EpochShuffle(9, seed=2.5)
+
+
 def test_input_errors_say_what_to_change(tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_bytes(b"")
