@@ -53,7 +53,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lit_efficient.checks import is_count
+from lit_efficient.checks import check_flags, is_count
 from lit_efficient.runtime.actions import Action
 from lit_efficient.runtime.clock import Clock, Mark, clock_for
 from lit_efficient.runtime.host import StageHost
@@ -124,8 +124,7 @@ class PipelineMonitor(Callback):
             raise ValueError(
                 f"logging_interval={logging_interval!r} must be an integer >= 1 (optimizer steps between logs)"
             )
-        if not isinstance(timeline, bool):
-            raise ValueError(f"timeline={timeline!r} must be True or False")
+        check_flags("PipelineMonitor", timeline=timeline)
         self.logging_interval = logging_interval
         self.timeline = timeline
         self.timeline_paths: list[Path] = []  # files written (rank 0), for the caller

@@ -408,8 +408,7 @@ def _check_arguments(
 
 def _check_sharding(shard: bool, local_sgd_steps: int | None, correction: str | None) -> None:
     """Refuse what ``shard_optimizer_state=True`` cannot serve, before any process starts."""
-    if not isinstance(shard, bool):
-        raise ValueError(f"shard_optimizer_state={shard!r} must be True or False")
+    check_flags("PACIStrategy", shard_optimizer_state=shard)
     if not shard:
         return
     if local_sgd_steps is not None:

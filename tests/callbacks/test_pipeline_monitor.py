@@ -55,7 +55,7 @@ def test_arguments_are_checked():
     for bad in (0, -3, 2.5, True):
         with pytest.raises(ValueError, match=f"logging_interval={bad!r} must be an integer >= 1"):
             PipelineMonitor(logging_interval=bad)
-    with pytest.raises(ValueError, match="timeline='yes' must be True or False"):
+    with pytest.raises(ValueError, match=r"timeline='yes'\) must be True or False"):
         PipelineMonitor(timeline="yes")  # type: ignore[arg-type]
 
 

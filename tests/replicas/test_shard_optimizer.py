@@ -178,7 +178,7 @@ def test_what_sharding_cannot_serve_is_refused_before_training():
         PACIStrategy(shard_optimizer_state=True, local_sgd_steps=4)
     with pytest.raises(ValueError, match="weight_prediction.*moments of 1/R"):
         PACIStrategy(shard_optimizer_state=True, staleness_correction="weight_prediction")
-    with pytest.raises(ValueError, match="shard_optimizer_state='yes' must be True or False"):
+    with pytest.raises(ValueError, match=r"shard_optimizer_state='yes'\) must be True or False"):
         PACIStrategy(shard_optimizer_state="yes")
     PACIStrategy(shard_optimizer_state=True, staleness_correction="lr_scale")  # reads only the learning rate
     with pytest.raises(ValueError, match="does not support tied weights"):
