@@ -161,7 +161,8 @@ def agree_on_the_checkpoint(trainer: Trainer) -> None:
     def restore_agreed(checkpoint_path: Any = None, *args: Any, **kwargs: Any) -> None:
         if trainer.world_size > 1 and dist.is_initialized():
             every: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(every, None if checkpoint_path is None else str(checkpoint_path))
+            group = getattr(trainer.strategy, "cpu_group", None)  # gloo beside NCCL: no device copy of the strings
+            dist.all_gather_object(every, None if checkpoint_path is None else str(checkpoint_path), group=group)
             if len(set(every)) > 1:
                 found = ", ".join(f"rank {r}: {p!r}" for r, p in enumerate(every))
                 raise RuntimeError(

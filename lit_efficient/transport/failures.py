@@ -112,8 +112,7 @@ def _say_and_publish(key: str, heading: str, message: str) -> None:
 def read_stop() -> str | None:
     """The first stop published by any rank (`report_stop`), if one was and the store is still reachable."""
     try:
-        store = _store()
-        return (store.get(_STOP_KEY).decode() or None) if store.check([_STOP_KEY]) else None
+        return _published(_STOP_KEY)
     except Exception as err:  # noqa: BLE001 - the store is gone with its host
         _store_failed(err)
         return None
@@ -170,11 +169,12 @@ def read_failure() -> str | None:
     return await_failure(grace=0.0)
 
 
-def _published() -> str | None:
-    """The first failure published, or None; raises when the store cannot be read (gone with its host)."""
+def _published(key: str = _ABORT_KEY) -> str | None:
+    """The first failure (or, with `_STOP_KEY`, stop) published, or None; raises when the store cannot be read (gone
+    with its host)."""
     store = _store()
-    if store.check([_ABORT_KEY]):
-        return store.get(_ABORT_KEY).decode() or None
+    if store.check([key]):
+        return store.get(key).decode() or None
     return None
 
 
