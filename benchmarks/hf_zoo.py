@@ -1,5 +1,5 @@
 """Every decoder-only causal LM of the installed transformers through HFCausalLM: works, refused, or not a
-decoder-only text model, with the reason, as a markdown table for the README.
+decoder-only text model, with the reason, as a markdown table for docs/hf-models.md.
 
 For each model type of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` a tiny random model is built from its own
 Config class (`tiny_config`: 2 layers, width 32, vocabulary 256, every dropout 0; nothing downloaded) and
@@ -346,7 +346,7 @@ def _line(err: BaseException) -> str:
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    """The README's table: one row per model type, the counts first."""
+    """docs/hf-models.md's table: one row per model type, the counts first."""
     counts: dict[str, int] = {}
     for r in rows:
         counts[r["status"]] = counts.get(r["status"], 0) + 1

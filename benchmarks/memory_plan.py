@@ -1,6 +1,6 @@
-"""The memory plan against measurement, its speed, and the plans the README shows.
+"""The memory plan against measurement, its speed, and the plans docs/memory-plan.md shows.
 
-Three parts (BENCHMARKS.md, "Memory plan"; README, "Will it fit? The memory plan"):
+Three parts (BENCHMARKS.md, "Memory plan"; docs/memory-plan.md):
 
 - **agreement**: for GPT and Hugging Face Llama models on CPU, each stage's activation bytes and state
   bytes (weights + gradients + optimizer state) in the plan (`lit_efficient.cli.plan.plan`, fake tensors)
@@ -362,7 +362,7 @@ def layout_plans(argv: list[str], layouts: Sequence[tuple[int, int]], shard_opti
 
 
 def config_plans() -> dict[str, Any]:
-    """The README's plans: GPT-2 Medium's two configs as written (and on 2 nodes, sharded), the
+    """docs/memory-plan.md's plans: GPT-2 Medium's two configs as written (and on 2 nodes, sharded), the
     Llama-3-8B-shaped config on 8 GPUs as 8 x 1, 4 x 2 and 2 x 4 (stages x replicas), and the wall time
     of `lit-efficient plan` for each GPT-2 Medium config (the speed check)."""
     out: dict[str, Any] = {"speed": []}

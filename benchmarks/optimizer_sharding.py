@@ -15,7 +15,7 @@ Beside them: what the memory plan (`lit_efficient.cli.plan.plan`) gives each sta
 ``ZeroRedundancyOptimizer``'s whole-parameter partition would leave on its largest replica
 (`memory_plan.replica_shares` of the plan's per-parameter bytes).
 
-With ``--readme-plans`` it plans instead the README's sharded layouts (GPT-2 Medium on 2 nodes as 8 x 2, the
+With ``--readme-plans`` it plans instead docs/memory-plan.md's sharded layouts (GPT-2 Medium on 2 nodes as 8 x 2, the
 Llama-3-8B-shaped config as 8 x 1, 4 x 2 and 2 x 4; `benchmarks.memory_plan.layout_plans`), whole and
 sharded, into ``results/optimizer_sharding_plans.json``.
 
@@ -128,7 +128,9 @@ def _run(replicas: int, shard: bool, root: Path, config: dict[str, Any]) -> list
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smoke run: small model, R=2 only")
-    parser.add_argument("--readme-plans", action="store_true", help="plan the README's sharded layouts instead")
+    parser.add_argument(
+        "--readme-plans", action="store_true", help="plan docs/memory-plan.md's sharded layouts instead"
+    )
     parser.add_argument("--collectives", action="store_true", help="time gloo's three collectives instead")
     args = parser.parse_args()
     if args.readme_plans:
@@ -188,7 +190,7 @@ def main() -> None:
 
 
 def readme_plans() -> None:
-    """The README's sharded layouts, whole and sharded (memory_plan.json's predate the element-wise split)."""
+    """docs/memory-plan.md's sharded layouts, whole and sharded (memory_plan.json's predate the element-wise split)."""
     from benchmarks.memory_plan import GPT2_MEDIUM, LLAMA_8B, layout_plans, plans_table
 
     torch.set_num_threads(1)

@@ -19,9 +19,9 @@ data order) also run on two gloo processes, all of them in one spawned pair of r
 once): there 1F1B-flush equals one device as above, and PACI on processes equals PACI in one process, bit for
 bit. A row that finds a bug carries ``xfail`` with the reason (strict: it fails once fixed).
 
-``python -m tests.support.feature_matrix_table`` prints the README's "What works with what" table from `ROWS`;
-`test_readme_table_is_generated` keeps the two equal. A new Lightning feature gets a row here; the modules, data,
-actions, observations and checks rows are built from live in tests/support/feature_matrix_parts.py.
+``python -m tests.support.feature_matrix_table`` prints docs/compatibility.md's "What works with what" table from
+`ROWS`; `test_readme_table_is_generated` keeps the two equal. A new Lightning feature gets a row here; the modules,
+data, actions, observations and checks rows are built from live in tests/support/feature_matrix_parts.py.
 """
 
 from __future__ import annotations
@@ -510,13 +510,13 @@ def test_processes(runs, on_processes, row):
         row.check(paci, runs.reference(row))
 
 
-# -- the README's table ---------------------------------------------------------------------------------------
+# -- docs/compatibility.md's table -----------------------------------------------------------------------------------
 
 
 def test_readme_table_is_generated():
     from tests.support.feature_matrix_table import README, current_section, section
 
     assert current_section(README.read_text()) == section(), (
-        "README.md's 'What works with what' table is not the generated one: run "
+        "docs/compatibility.md's 'What works with what' table is not the generated one: run "
         "`python -m tests.support.feature_matrix_table --write`"
     )

@@ -1,4 +1,4 @@
-"""Multi-node launches, exercised on one machine: the README's torchrun and SLURM commands.
+"""Multi-node launches, exercised on one machine: docs/multi-node.md's torchrun and SLURM commands.
 
 Two "nodes" of one process each run a 2-stage pipeline whose stages sit on different nodes. Each
 launch trains a few 1F1B-flush steps and must end with the weights one device reaches on the same
