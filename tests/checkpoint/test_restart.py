@@ -33,6 +33,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lit_efficient import PACIStrategy
+from tests.support.gpt_runs import ValHistory
 from tests.support.gpt_runs import gpt_model as _model
 from tests.support.gpt_runs import gpt_trainer as _trainer
 from tests.support.gpt_runs import max_diff as _max_diff
@@ -75,11 +76,16 @@ def _worker(out: str, schedule: str, fmt: str, ckpt_path: str, kill: bool) -> No
     )
     strategy = PACIStrategy(pipeline_stages=2, schedule=schedule, checkpoint_format=fmt, p2p_timeout=30)
     callbacks = [ckpt, _KillOnce(out_dir)] if kill else [ckpt]
-    trainer = _trainer(strategy, 2, STEPS, callbacks=callbacks, enable_checkpointing=True)
+    # Validation inside fit, as a user's Trainer has it: every optimizer step (4 batches), on two batches.
+    trainer = _trainer(
+        strategy, 2, STEPS, callbacks=[*callbacks, ValHistory()], enable_checkpointing=True, limit_val_batches=2,
+        val_check_interval=4,
+    )  # fmt: skip
     model = _model()
     trainer.fit(model, datamodule=_data(), ckpt_path=ckpt_path)
-    if trainer.global_rank == 0:  # rank 0 holds the whole model after fit
+    if trainer.global_rank == 0:  # rank 0 holds the whole model after fit, and the metrics
         torch.save(model.state_dict(), out_dir / "weights.pt")
+        Path(out_dir, "val_losses.json").write_text(json.dumps(model.__dict__.get("_val_history", [])))
 
 
 def _launch(out: Path, schedule: str, fmt: str, ckpt_path: str, kill: bool, max_restarts: int) -> None:
@@ -122,6 +128,10 @@ def test_run_restarted_after_a_sigkilled_rank_ends_at_the_deliberate_resume(tmp_
     deliberate.load_state_dict(torch.load(tmp_path / "resumed" / "weights.pt", weights_only=True))
     assert _max_diff(trained, _model()) > 1e-3  # it trained
     assert _max_diff(trained, deliberate) <= 1e-6
+    # The restarted attempt validated where the deliberate resume did, on the same weights.
+    val_restarted, val_resumed = (json.loads((tmp_path / run / "val_losses.json").read_text()) for run in
+                                  ("restarted", "resumed"))  # fmt: skip
+    assert len(val_restarted) >= STEPS - KILL_AT and val_restarted == pytest.approx(val_resumed, abs=1e-6)
 
 
 def test_each_attempt_rendezvouses_under_its_own_keys_in_torchruns_store(monkeypatch):
