@@ -136,6 +136,7 @@ from lit_efficient.strategy.trainer_glue import (
     carry_step_count_to_automatic,
     check_stages_read_alike,
     checkpoints_see_the_users_optimization,
+    draw_on_from_the_last_stage,
     first_training_batch,
     give_callbacks_back,
     give_metrics_back,
@@ -1406,17 +1407,36 @@ class PACIStrategy(DDPStrategy):
         self._eval_index = 0
         self._first_eval_batch_unchecked = not self.in_process  # each evaluation's first batch, as a fit's
 
+    def _end_evaluation(self) -> None:
+        if not self.in_process and self.topology is not None and self.topology.num_stages > 1:
+            draw_on_from_the_last_stage(self.topology, self.global_rank, self._pipeline_groups)
+
     @override
     def on_validation_start(self) -> None:
         self._start_evaluation()
+
+    @override
+    def on_validation_end(self) -> None:
+        super().on_validation_end()
+        self._end_evaluation()
 
     @override
     def on_test_start(self) -> None:
         self._start_evaluation()
 
     @override
+    def on_test_end(self) -> None:
+        super().on_test_end()
+        self._end_evaluation()
+
+    @override
     def on_predict_start(self) -> None:
         self._start_evaluation()
+
+    @override
+    def on_predict_end(self) -> None:
+        super().on_predict_end()
+        self._end_evaluation()
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:

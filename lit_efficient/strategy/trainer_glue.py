@@ -20,7 +20,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.seed import _set_rng_states, pl_worker_init_function
+from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states, pl_worker_init_function
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint, ThroughputMonitor
 from torch import Tensor
@@ -300,6 +300,19 @@ def keep_launch_random_streams(streams: dict[str, Any], group: dist.ProcessGroup
     host streams only (Lightning's own collect/set): a CUDA generator is per device and draws no sampler."""
     box = [streams]
     dist.broadcast_object_list(box, src=0, group=group)
+    _set_rng_states(box[0])
+
+
+def draw_on_from_the_last_stage(topology: Topology, rank: int, groups: Mapping[int, dist.ProcessGroup]) -> None:
+    """After an evaluation, every rank of this rank's pipeline takes its last stage's host streams (torch's, numpy's,
+    Python's). Only the last stage ran the user's evaluation steps, which draw from them as on one device (a sample
+    from a prior, a random crop, dropout of the module's own outside the layers); the other stages' streams stayed
+    behind, and what every stage draws next must agree: a Dataset's augmentation, an epoch's shuffle, a loader's
+    worker seeds. Left apart, stage 0 computed on another augmentation than the one the last stage scored, silently
+    (or an epoch later the first batches' check refused the run, blaming the data). A collective of the pipeline."""
+    replica = topology.replica_of(rank)
+    box = [_collect_rng_states(include_cuda=False)]
+    dist.broadcast_object_list(box, src=topology.rank_of(topology.num_stages - 1, replica), group=groups[replica])
     _set_rng_states(box[0])
 
 

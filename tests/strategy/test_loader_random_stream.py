@@ -221,3 +221,89 @@ def test_a_batch_digest_sees_inside_dataclasses_hugging_face_encodings_and_numpy
     parent = _Pair(ids, ids)
     parent.labels = [parent]
     assert batch_fingerprint(parent) == batch_fingerprint(parent)
+
+
+# -- the streams after an evaluation: only the last stage ran the user's steps -----------------------------------
+
+
+class _Augmented(torch.utils.data.Dataset):
+    """Each sample with noise from the global torch stream (a random augmentation, no loader workers)."""
+
+    def __init__(self, n: int = 16) -> None:
+        g = torch.Generator().manual_seed(1)
+        self.x, self.y = torch.randn(n, 4, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        return self.x[i] + 0.3 * torch.randn(4), self.y[i]
+
+
+class _SamplesWhileValidating(L.LightningModule):
+    """Two layers through the pipeline protocol; ``validation_step`` draws from the global stream (a sample from a
+    prior that a generative model logs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh()),
+                                           torch.nn.Linear(8, 3)])  # fmt: skip
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+    def pipeline_layers(self):
+        return list(self.layers)
+
+    def pipeline_input(self, batch):
+        return batch[0]
+
+    def pipeline_loss(self, out, batch):
+        return torch.nn.functional.cross_entropy(out, batch[1])
+
+    def training_step(self, batch, batch_idx):
+        return self.pipeline_loss(self(batch[0]), batch)
+
+    def validation_step(self, batch, batch_idx):
+        self.log("sample", torch.randn(()) + self.pipeline_loss(self(batch[0]), batch))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _fit_sampling_model(devices: int, strategy="auto") -> dict[str, torch.Tensor]:
+    """Two epochs validating in the middle and at the end of each, the sanity check as by default."""
+    L.seed_everything(0)
+    g = torch.Generator().manual_seed(2)
+    val = TensorDataset(torch.randn(4, 4, generator=g), torch.randint(0, 3, (4,), generator=g))
+    model = _SamplesWhileValidating()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=devices, strategy=strategy, max_epochs=2, val_check_interval=4, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(model, DataLoader(_Augmented(), batch_size=2), DataLoader(val, batch_size=2))
+    return {k: v.clone() for k, v in model.state_dict().items()}  # rank 0: the whole model after fit
+
+
+def _sampling_on_ranks(rank: int, world: int) -> dict[str, torch.Tensor] | None:
+    weights = _fit_sampling_model(world, PACIStrategy(pipeline_stages=2, schedule="1f1b_flush"))
+    return weights if rank == 0 else None
+
+
+@pytest.mark.multiproc
+@pytest.mark.usefixtures("one_thread")
+def test_random_draws_in_validation_step_leave_every_stage_drawing_what_one_device_draws() -> None:
+    """Only the last stage runs the user's validation_step, whose draws advanced its stream alone: stage 0 then
+    computed on other augmentations than the ones the last stage scored (silently, in the middle of an epoch; at
+    the next epoch the first batches' check refused the run, blaming the data). After an evaluation every stage
+    takes the last stage's streams: the run is one device's."""
+    from tests.support.multiproc import spawn, values
+
+    piped = values(spawn(_sampling_on_ranks, 2, torchrun_env=True))[0]
+    single = _fit_sampling_model(1)
+    assert piped.keys() == single.keys()
+    for key in single:
+        assert torch.equal(piped[key], single[key]), key
