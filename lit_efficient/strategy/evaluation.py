@@ -7,20 +7,35 @@ answered by the pipeline's output (`forward_answers`). The hooks are `PACIStrate
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 from lightning.pytorch import LightningModule
+from torch import Tensor
 
 
 @contextmanager
 def forward_answers(module: LightningModule, output: Any, hook: str) -> Iterator[None]:
-    """While ``hook`` runs on the last stage, ``module(...)`` returns the pipeline's output."""
-    calls = [0]
+    """While ``hook`` runs on the last stage, ``module(...)`` returns the pipeline's output. The pipeline ran one
+    forward, of ``pipeline_input(batch)``: a later call with other arguments (test-time augmentation, ``self(x)``
+    then ``self(x.flip(1))``) would get that same output, silently, so it raises. The first call's arguments are
+    not checked: computing ``pipeline_input(batch)`` again to compare would draw its random numbers (a random
+    masking) twice."""
+    calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        calls[0] += 1
+        if calls and not _same(calls[0], (args, kwargs)):
+            raise RuntimeError(
+                f"{type(module).__name__}.{hook} called self(...) a second time with other arguments than the first. "
+                "Under PACIStrategy the last stage answers the module's forward with the pipeline's output for "
+                "self.pipeline_input(batch), whatever it is called with, so a forward of another input (a test-time "
+                "augmentation, a perturbed copy) would get the same output. Call self(...) with "
+                "self.pipeline_input(batch) only, and evaluate a variation as data of its own (a transform in "
+                "another dataloader, or in pipeline_input)."
+            )
+        calls.append((args, kwargs))
         return output
 
     module.forward = forward  # type: ignore[method-assign]
@@ -28,9 +43,36 @@ def forward_answers(module: LightningModule, output: Any, hook: str) -> Iterator
         yield
     finally:
         del module.forward
-    if calls[0] == 0:
+    if not calls:
         raise RuntimeError(
             f"{type(module).__name__}.{hook} never called self(...): under PACIStrategy the last stage answers the "
             f"module's forward with the pipeline's output, so {hook} must obtain its outputs with "
             "self(self.pipeline_input(batch))."
         )
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal values: tensors by shape, dtype and elements, containers element by element, anything else by ``==``."""
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        return (
+            isinstance(a, Tensor) and isinstance(b, Tensor) and a.shape == b.shape and a.dtype == b.dtype
+            and torch.equal(a, b.to(a.device))
+        )  # fmt: skip
+    if isinstance(a, Mapping) or isinstance(b, Mapping):
+        return (
+            isinstance(a, Mapping)
+            and isinstance(b, Mapping)
+            and a.keys() == b.keys()
+            and all(_same(a[k], b[k]) for k in a)
+        )
+    if isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):
+        return (
+            isinstance(a, (list, tuple))
+            and isinstance(b, (list, tuple))
+            and len(a) == len(b)
+            and all(_same(x, y) for x, y in zip(a, b, strict=True))
+        )
+    try:
+        return a is b or bool(a == b)
+    except Exception:  # noqa: BLE001 - a value without a usable equality: not known to be the same
+        return False

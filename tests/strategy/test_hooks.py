@@ -133,3 +133,40 @@ def test_a_throughput_monitor_multiplies_by_the_replicas_not_the_world_size():
         throughput.update(time=2.0, batches=2, samples=16)
         rates = throughput.compute()
         assert rates["device/samples_per_sec"] == 8.0 and rates["samples_per_sec"] == 16.0, rates
+
+
+class _TwoForwards(GPT):
+    """A validation step calling self(...) twice: on the same input again, or on a test-time augmentation."""
+
+    augment = False
+
+    def validation_step(self, batch, batch_idx):
+        x = self.pipeline_input(batch)
+        logits = self(x)
+        again = self(x.flip(1) if self.augment else x.clone())
+        loss, _ = self.pipeline_loss((logits + again) / 2, batch)
+        self.log("val_loss", loss)
+        return loss
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_second_forward_of_another_input_in_an_evaluation_step_is_refused():
+    """The last stage answers self(...) with the pipeline's output for pipeline_input(batch): a test-time
+    augmentation's forward got that same output, silently (its metric was the unaugmented one's)."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lit_efficient import PACIStrategy
+
+    x = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(0))
+    loader = DataLoader(TensorDataset(x, x.roll(-1, 1)), batch_size=2)
+    kw = dict(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False)
+    results = {}
+    for strategy in ("auto", PACIStrategy(pipeline_stages=2)):
+        L.seed_everything(0)
+        model = _TwoForwards(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=64)
+        results[str(strategy)] = L.Trainer(strategy=strategy, **kw).validate(model, loader, verbose=False)
+    assert results["auto"] == results[str(strategy)]  # the same input twice: one device's result
+    model = _TwoForwards(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=64)
+    model.augment = True
+    with pytest.raises(RuntimeError, match=r"_TwoForwards.validation_step called self\(...\) a second time with other"):
+        L.Trainer(strategy=PACIStrategy(pipeline_stages=2), **kw).validate(model, loader, verbose=False)
