@@ -123,6 +123,9 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "granitemoehybrid": dict(_MAMBA, layer_types=["mamba", "attention"]),
     "mamba2": dict(num_heads=4, head_dim=16, state_size=16, n_groups=1, chunk_size=16),  # num_heads x head_dim = 2 x 32
     "zaya": dict(num_experts_per_tok=1),  # "ZAYA currently supports num_experts_per_tok=1 only"
+    # "NVFP4 rounding of keys and values needs a `head_dim` that is a multiple of 16" (2 heads x 16 = 32), and
+    # "`index_num_heads` must be between 1 and" the heads.
+    "kolibri1_1": dict(num_attention_heads=2, num_key_value_heads=1, head_dim=16, index_num_heads=1),
     "olmo_hybrid": dict(layer_types=["linear_attention", "full_attention"]),  # needs an attention layer
     # Per-layer input tables of the vocabulary's size (262,144 rows by default), key/value sharing across the last
     # 15 layers by default: none of 2 layers here, so every layer type producing a cache also uses one.
