@@ -7,11 +7,12 @@ answered by the pipeline's output (`forward_answers`). The hooks are `PACIStrate
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
-import torch
+import numpy as np
 from lightning.pytorch import LightningModule
 from torch import Tensor
 
@@ -52,27 +53,32 @@ def forward_answers(module: LightningModule, output: Any, hook: str) -> Iterator
 
 
 def _same(a: Any, b: Any) -> bool:
-    """Equal values: tensors by shape, dtype and elements, containers element by element, anything else by ``==``."""
-    if isinstance(a, Tensor) or isinstance(b, Tensor):
-        return (
-            isinstance(a, Tensor) and isinstance(b, Tensor) and a.shape == b.shape and a.dtype == b.dtype
-            and torch.equal(a, b.to(a.device))
-        )  # fmt: skip
-    if isinstance(a, Mapping) or isinstance(b, Mapping):
-        return (
-            isinstance(a, Mapping)
-            and isinstance(b, Mapping)
-            and a.keys() == b.keys()
-            and all(_same(a[k], b[k]) for k in a)
+    """The same values: tensors and arrays element by element (NaN equal to NaN, any dtype and device), mappings,
+    sequences and dataclasses field by field, a keyword argument given as None the same as one not given, anything
+    else by ``==``."""
+    if a is b:
+        return True
+    if isinstance(a, Tensor) and isinstance(b, Tensor):
+        if a.shape != b.shape:
+            return False
+        b = b.to(a.device)
+        return bool(((a == b) | (a.isnan() & b.isnan())).all())
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+        return a.shape == b.shape and bool(
+            np.array_equal(a, b, equal_nan=a.dtype.kind in "fc" and b.dtype.kind in "fc")
         )
-    if isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):
-        return (
-            isinstance(a, (list, tuple))
-            and isinstance(b, (list, tuple))
-            and len(a) == len(b)
-            and all(_same(x, y) for x, y in zip(a, b, strict=True))
-        )
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        a, b = ({k: v for k, v in m.items() if v is not None} for m in (a, b))
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if dataclasses.is_dataclass(a) and type(a) is type(b):
+        return all(_same(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a))
+    if isinstance(a, (Tensor, np.ndarray, Mapping, list, tuple)) or isinstance(
+        b, (Tensor, np.ndarray, Mapping, list, tuple)
+    ):
+        return False  # one a container or an array, the other not
     try:
-        return a is b or bool(a == b)
+        return bool(a == b)
     except Exception:  # noqa: BLE001 - a value without a usable equality: not known to be the same
         return False

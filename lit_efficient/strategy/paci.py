@@ -1407,9 +1407,10 @@ class PACIStrategy(DDPStrategy):
         self._eval_index = 0
         self._first_eval_batch_unchecked = not self.in_process  # each evaluation's first batch, as a fit's
 
-    def _end_evaluation(self) -> None:
+    def end_evaluation(self) -> None:
+        """Every stage draws on from the last stage's random streams (`trainer_glue.draw_on_from_the_last_stage`)."""
         if not self.in_process and self.topology is not None and self.topology.num_stages > 1:
-            draw_on_from_the_last_stage(self.topology, self.global_rank, self._pipeline_groups)
+            draw_on_from_the_last_stage(self.topology, self.global_rank, self._pipeline_groups, self.root_device)
 
     @override
     def on_validation_start(self) -> None:
@@ -1418,7 +1419,7 @@ class PACIStrategy(DDPStrategy):
     @override
     def on_validation_end(self) -> None:
         super().on_validation_end()
-        self._end_evaluation()
+        self.end_evaluation()
 
     @override
     def on_test_start(self) -> None:
@@ -1427,7 +1428,7 @@ class PACIStrategy(DDPStrategy):
     @override
     def on_test_end(self) -> None:
         super().on_test_end()
-        self._end_evaluation()
+        self.end_evaluation()
 
     @override
     def on_predict_start(self) -> None:
@@ -1436,7 +1437,7 @@ class PACIStrategy(DDPStrategy):
     @override
     def on_predict_end(self) -> None:
         super().on_predict_end()
-        self._end_evaluation()
+        self.end_evaluation()
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:

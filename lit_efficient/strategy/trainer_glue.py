@@ -57,6 +57,7 @@ class SyncCallbackMetrics(Callback):
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         trainer.strategy.own_weights_back()  # type: ignore[attr-defined]
         self._sync(trainer)
+        trainer.strategy.end_evaluation()  # type: ignore[attr-defined]  # before a ModelCheckpoint saves the streams
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
@@ -77,6 +78,11 @@ class SyncCallbackMetrics(Callback):
     @override
     def on_test_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._sync(trainer)  # as after a validation: a callback's on_test_end found nothing on the other ranks
+        trainer.strategy.end_evaluation()  # type: ignore[attr-defined]
+
+    @override
+    def on_predict_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        trainer.strategy.end_evaluation()  # type: ignore[attr-defined]
 
 
 def throughput_counts_replicas(trainer: Trainer, replicas: int) -> None:
@@ -303,17 +309,27 @@ def keep_launch_random_streams(streams: dict[str, Any], group: dist.ProcessGroup
     _set_rng_states(box[0])
 
 
-def draw_on_from_the_last_stage(topology: Topology, rank: int, groups: Mapping[int, dist.ProcessGroup]) -> None:
-    """After an evaluation, every rank of this rank's pipeline takes its last stage's host streams (torch's, numpy's,
-    Python's). Only the last stage ran the user's evaluation steps, which draw from them as on one device (a sample
-    from a prior, a random crop, dropout of the module's own outside the layers); the other stages' streams stayed
-    behind, and what every stage draws next must agree: a Dataset's augmentation, an epoch's shuffle, a loader's
-    worker seeds. Left apart, stage 0 computed on another augmentation than the one the last stage scored, silently
-    (or an epoch later the first batches' check refused the run, blaming the data). A collective of the pipeline."""
+def draw_on_from_the_last_stage(
+    topology: Topology, rank: int, groups: Mapping[int, dist.ProcessGroup], device: torch.device
+) -> None:
+    """After an evaluation, every rank of this rank's pipeline takes its last stage's random streams: the host's
+    (torch's, numpy's, Python's) and its device's CUDA generator, set on this rank's own device. Only the last stage
+    ran the user's evaluation steps, which draw from them as on one device (a sample from a prior, a random crop, a
+    diffusion model's noise on the GPU); the other stages' streams stayed behind, and what every stage draws next
+    must agree: a Dataset's augmentation, ``on_after_batch_transfer``'s, an epoch's shuffle, a loader's worker seeds.
+    Left apart, stage 0 computed on another augmentation than the one the last stage scored, silently (or an epoch
+    later the first batches' check refused the run, blaming the data). The stages' own streams (the layers' dropout)
+    are kept apart from these (`PipelineStage`). A collective of the pipeline; called at the strategy's first
+    callback's evaluation end (before a ModelCheckpoint saves each rank's streams) and at the strategy's own (after
+    a callback that drew on the last stage's rank only)."""
     replica = topology.replica_of(rank)
-    box = [_collect_rng_states(include_cuda=False)]
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    box = [(_collect_rng_states(include_cuda=False), cuda)]
     dist.broadcast_object_list(box, src=topology.rank_of(topology.num_stages - 1, replica), group=groups[replica])
-    _set_rng_states(box[0])
+    host, cuda = box[0]
+    _set_rng_states(host)
+    if cuda is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(cuda, device)
 
 
 def keep_users_sampler(trainer: Trainer, num_replicas: int) -> None:

@@ -170,3 +170,31 @@ def test_a_second_forward_of_another_input_in_an_evaluation_step_is_refused():
     model.augment = True
     with pytest.raises(RuntimeError, match=r"_TwoForwards.validation_step called self\(...\) a second time with other"):
         L.Trainer(strategy=PACIStrategy(pipeline_stages=2), **kw).validate(model, loader, verbose=False)
+
+
+def test_the_second_forward_check_takes_equal_values_as_the_same_input():
+    """The same input again in another form is not refused: the same tensor holding a NaN, an equal numpy copy, a
+    dataclass holding a clone, ids of another integer dtype, a keyword given as None; other values are refused."""
+    import dataclasses
+
+    import numpy as np
+
+    from lit_efficient.strategy.evaluation import _same
+
+    @dataclasses.dataclass
+    class Inputs:
+        ids: torch.Tensor
+
+    x, ids = torch.tensor([[1.0, float("nan")]]), torch.arange(4)
+    same = [
+        (x, x), (x, x.clone()), (np.arange(4.0), np.arange(4.0)), (Inputs(ids), Inputs(ids.clone())), (ids, ids.int()),
+        (((ids,), {}), ((ids,), {"mask": None})), ({"input_ids": ids}, {"input_ids": ids.clone()}),
+    ]  # fmt: skip
+    for a, b in same:
+        assert _same(a, b), (a, b)
+    other = [
+        (ids, ids.flip(0)), (ids, ids[:3]), (x, x * 2), (np.arange(4), np.arange(1, 5)), (Inputs(ids), Inputs(ids + 1)),
+        (((ids,), {}), ((ids,), {"mask": ids})), ((ids,), [ids, ids]), (ids, ids.tolist()),
+    ]  # fmt: skip
+    for a, b in other:
+        assert not _same(a, b), (a, b)

@@ -227,17 +227,21 @@ def test_a_batch_digest_sees_inside_dataclasses_hugging_face_encodings_and_numpy
 
 
 class _Augmented(torch.utils.data.Dataset):
-    """Each sample with noise from the global torch stream (a random augmentation, no loader workers)."""
+    """Each sample with noise from the global torch stream (a random augmentation, no loader workers), the noise's
+    sums kept in ``drawn``."""
 
     def __init__(self, n: int = 16) -> None:
         g = torch.Generator().manual_seed(1)
         self.x, self.y = torch.randn(n, 4, generator=g), torch.randint(0, 3, (n,), generator=g)
+        self.drawn: list[float] = []
 
     def __len__(self) -> int:
         return len(self.x)
 
     def __getitem__(self, i: int):
-        return self.x[i] + 0.3 * torch.randn(4), self.y[i]
+        noise = torch.randn(4)
+        self.drawn.append(float(noise.sum()))
+        return self.x[i] + 0.3 * noise, self.y[i]
 
 
 class _SamplesWhileValidating(L.LightningModule):
@@ -293,6 +297,28 @@ def _sampling_on_ranks(rank: int, world: int) -> dict[str, torch.Tensor] | None:
     return weights if rank == 0 else None
 
 
+def _resume_after_a_validation_end_save(rank: int, world: int, folder: str) -> list[float]:
+    """A fit saving at each validation's end (a ModelCheckpoint monitoring validation: its default), then a fit resumed
+    from the save after the first validation; what the resumed fit's Dataset drew on this rank."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    drawn = []
+    for steps, ckpt_path in ((8, None), (16, f"{folder}/step=4.ckpt")):
+        L.seed_everything(0)
+        data = _Augmented(32)
+        save = ModelCheckpoint(dirpath=folder, filename="{step}", save_top_k=-1, save_on_train_epoch_end=False)
+        trainer = L.Trainer(
+            accelerator="cpu", devices=world, strategy=PACIStrategy(pipeline_stages=2, schedule="1f1b_flush"),
+            max_steps=steps, val_check_interval=4, num_sanity_val_steps=0, logger=False, callbacks=[save],
+            enable_progress_bar=False, enable_model_summary=False,
+        )  # fmt: skip
+        val = TensorDataset(torch.randn(4, 4), torch.randint(0, 3, (4,)))
+        trainer.fit(_SamplesWhileValidating(), DataLoader(data, batch_size=1), DataLoader(val, batch_size=2),
+                    ckpt_path=ckpt_path)  # fmt: skip
+        drawn = data.drawn
+    return drawn
+
+
 @pytest.mark.multiproc
 @pytest.mark.usefixtures("one_thread")
 def test_random_draws_in_validation_step_leave_every_stage_drawing_what_one_device_draws() -> None:
@@ -307,3 +333,15 @@ def test_random_draws_in_validation_step_leave_every_stage_drawing_what_one_devi
     assert piped.keys() == single.keys()
     for key in single:
         assert torch.equal(piped[key], single[key]), key
+
+
+@pytest.mark.multiproc
+@pytest.mark.usefixtures("one_thread")
+def test_a_checkpoint_saved_at_a_validations_end_resumes_with_the_stages_drawing_alike(tmp_path) -> None:
+    """Each rank saves its own streams: a ModelCheckpoint saving in on_validation_end ran before the strategy's own
+    hook took the last stage's streams, so stage 0's checkpoint held its stream from before, and the resume put it
+    back a validation's draws behind the last stage."""
+    from tests.support.multiproc import spawn, values
+
+    last_stage, stage_0 = values(spawn(_resume_after_a_validation_end_save, 2, str(tmp_path), torchrun_env=True))
+    assert len(last_stage) >= 12 and last_stage == stage_0
