@@ -168,6 +168,26 @@ from lit_efficient.transport.local import LocalLinks
 from lit_efficient.transport.process import LinkGroups, ProcessLinks, tie_groups
 from lit_efficient.transport.wire import WireFormat
 
+
+class _NoLossHere(dict):
+    """``on_train_batch_end``'s ``outputs`` on a rank without the last stage: empty, as documented, and a read of a
+    key says why instead of a bare ``KeyError: 'loss'`` (Lightning copies it with ``copy()``: itself)."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        self.where = where
+
+    def copy(self) -> _NoLossHere:
+        return self
+
+    def __missing__(self, key: Any) -> Any:
+        raise KeyError(
+            f"outputs[{key!r}] on {self.where}, which hosts no last stage: the loss is computed on the last stage "
+            "(global rank 0), so on_train_batch_end's outputs are empty here. Read them under "
+            "`if trainer.strategy.is_last_stage:`."
+        )
+
+
 Balance = Literal["parameters", "uniform", "profile"]
 
 
@@ -1142,8 +1162,8 @@ class PACIStrategy(DDPStrategy):
             self._log_averaging()
             if self._finder_run is not None and not self.in_process:  # the finder reads a loss on every rank
                 loss = share_finder_loss(loss, self._signal_group)
-        if loss is None:
-            return None
+        if loss is None:  # a rank without the last stage: its outputs explain themselves
+            return _NoLossHere(f"stage {self.stage} (rank {self.global_rank})")
         if window_end:
             # What one device logs for the step: its last micro-batch's loss. As a host copy: the one host
             # sync per optimizer step on the last stage, which sets the pipeline's pace. Lightning converts

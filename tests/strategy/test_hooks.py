@@ -198,3 +198,17 @@ def test_the_second_forward_check_takes_equal_values_as_the_same_input():
     ]  # fmt: skip
     for a, b in other:
         assert not _same(a, b), (a, b)
+
+
+def test_on_train_batch_ends_outputs_off_the_last_stage_say_why_a_key_is_missing():
+    """A callback reading ``outputs["loss"]`` on stage 0's rank got a bare ``KeyError: 'loss'``: the outputs there are
+    empty, as documented, and now a missing key says why. Through Lightning's own conversion of the step's output."""
+    from lightning.pytorch.loops.optimization.manual import ManualResult
+
+    from lit_efficient.strategy.paci import _NoLossHere
+
+    outputs = ManualResult.from_training_step_output(_NoLossHere("stage 0 (rank 1)")).asdict()
+    assert outputs == {} and not outputs and outputs.get("loss") is None and "loss" not in outputs
+    said = r"outputs\['loss'\] on stage 0 \(rank 1\), which hosts no last stage.*is_last_stage"
+    with pytest.raises(KeyError, match=said):
+        outputs["loss"]
