@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lit_efficient import PACIStrategy
 from lit_efficient.models import GPT
+from tests.support.modules import LayerList
 
 
 class _Batches(Callback):
@@ -244,9 +245,9 @@ class _Augmented(torch.utils.data.Dataset):
         return self.x[i] + 0.3 * noise, self.y[i]
 
 
-class _SamplesWhileValidating(L.LightningModule):
-    """Two layers through the pipeline protocol; ``validation_step`` draws from the global stream (a sample from a
-    prior that a generative model logs)."""
+class _SamplesWhileValidating(LayerList):
+    """Two layers; ``validation_step`` draws from the global stream (a sample from a prior that a generative model
+    logs)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -254,22 +255,8 @@ class _SamplesWhileValidating(L.LightningModule):
         self.layers = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh()),
                                            torch.nn.Linear(8, 3)])  # fmt: skip
 
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
-    def pipeline_layers(self):
-        return list(self.layers)
-
-    def pipeline_input(self, batch):
-        return batch[0]
-
     def pipeline_loss(self, out, batch):
         return torch.nn.functional.cross_entropy(out, batch[1])
-
-    def training_step(self, batch, batch_idx):
-        return self.pipeline_loss(self(batch[0]), batch)
 
     def validation_step(self, batch, batch_idx):
         self.log("sample", torch.randn(()) + self.pipeline_loss(self(batch[0]), batch))
