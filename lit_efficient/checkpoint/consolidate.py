@@ -8,7 +8,7 @@ from pathlib import Path
 from torch import Tensor
 
 from lit_efficient.checkpoint.sharded_read import consolidated_state_dict
-from lit_efficient.checkpoint.sharded_write import INDEX
+from lit_efficient.checkpoint.sharded_write import INDEX, not_a_checkpoint_folder
 from lit_efficient.checkpoint.single_file import load_file
 
 
@@ -20,5 +20,5 @@ def consolidate_checkpoint(path: str | os.PathLike) -> dict[str, Tensor]:
     if (path / INDEX).is_file():  # a sharded folder (torch.distributed.checkpoint's index)
         return consolidated_state_dict(path)
     if path.is_dir():
-        raise ValueError(f"{path} is a folder without {INDEX}: not a checkpoint this package writes")
+        raise ValueError(f"{not_a_checkpoint_folder(path)}: give a checkpoint file or a sharded checkpoint's folder")
     return load_file(path)["state_dict"]

@@ -62,6 +62,21 @@ def is_sharded(path: str | os.PathLike) -> bool:
     return path.is_dir() and (path / INDEX).is_file()
 
 
+def not_a_checkpoint_folder(path: str | os.PathLike) -> str:
+    """Why the folder ``path`` is no checkpoint this version reads, for an error message: the first directory
+    format's (2026-12-01: ``pipeline.json`` and one ``stage{s}-replica{r}.pt`` per rank; `FORMAT` 1), which no
+    later version reads, is named with the way forward."""
+    path = Path(path)
+    if (path / "pipeline.json").is_file() and any(path.glob("stage*-replica*.pt")):
+        return (
+            f"{str(path)!r} is a checkpoint folder of lit_efficient's first directory format (pipeline.json and a "
+            "stage*-replica*.pt per rank, written until 2026-12-01), which this version no longer reads. Resume it "
+            "once with a version of that time (commit 9e7fed1 reads it) and save with checkpoint_format='file', or "
+            "consolidate its weights there (torch.load each stage file's 'state_dict')"
+        )
+    return f"{str(path)!r} is a folder without {INDEX}: not a sharded checkpoint"
+
+
 def partial_path(path: Path) -> Path:
     """Where a checkpoint is written before it is published: not a name `ckpt_path="last"` matches."""
     return path.with_name(path.name + ".partial")

@@ -43,7 +43,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lit_efficient import rank_reaper
-from lit_efficient.checkpoint.sharded_write import INDEX, is_sharded
+from lit_efficient.checkpoint.sharded_write import is_sharded, not_a_checkpoint_folder
 from lit_efficient.checks import check_flags, closest_choice, is_count
 from lit_efficient.protocol import PIPELINE_METHODS, missing_pipeline_methods
 from lit_efficient.replicas.averaging import check_outer_optimizer
@@ -114,8 +114,7 @@ def _check_is_a_checkpoint(local: Path, path: str) -> None:
             return
         found = sorted(str(p) for pattern in ("*.ckpt", "*/*.ckpt", "*/*/*.ckpt") for p in local.glob(pattern))
         raise CheckpointNotFound(
-            f"ckpt_path={path!r} is a folder but not a sharded checkpoint (it has no {INDEX}): give a .ckpt file or "
-            "a sharded checkpoint's folder"
+            f"ckpt_path={path!r}: {not_a_checkpoint_folder(local)}; give a .ckpt file or a sharded checkpoint's folder"
             + (f"; in it: {', '.join(found[:5])}{' ...' if len(found) > 5 else ''}" if found else "")
         )
     if is_sharded(local.parent):

@@ -118,8 +118,23 @@ def test_a_checkpoint_path_to_something_else_is_refused_naming_what_it_is(tmp_pa
     (run / "checkpoints").mkdir(parents=True)
     torch.save({}, run / "checkpoints" / "last.ckpt")
     check_checkpoint_path(run / "checkpoints" / "last.ckpt")
-    with pytest.raises(CheckpointNotFound, match=r"is a folder but not a sharded checkpoint .*in it: .*last\.ckpt"):
+    with pytest.raises(
+        CheckpointNotFound, match=r"is a folder without \.metadata: not a sharded checkpoint.*in it: .*last\.ckpt"
+    ):
         check_checkpoint_path(run)
+    # The first directory format (2026-12-01), which no later version reads: named, with the way forward, here and
+    # by consolidate_checkpoint (which called it "not a checkpoint this package writes").
+    first = tmp_path / "step=3.ckpt"
+    first.mkdir()
+    (first / "pipeline.json").write_text("{}")
+    torch.save({}, first / "stage0-replica0.pt")
+    said = r"first directory format .*no longer reads.*commit 9e7fed1 reads it"
+    with pytest.raises(CheckpointNotFound, match=said):
+        check_checkpoint_path(first)
+    from lit_efficient import consolidate_checkpoint
+
+    with pytest.raises(ValueError, match=said):
+        consolidate_checkpoint(first)
     (tmp_path / "config.yaml").write_text("trainer: {}\n")
     whole = (run / "checkpoints" / "last.ckpt").read_bytes()
     (tmp_path / "head_cut.ckpt").write_bytes(whole[10:])
