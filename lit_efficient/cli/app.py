@@ -22,6 +22,7 @@ torchrun, SLURM): every rank parses the same arguments and builds the same model
 
 from __future__ import annotations
 
+import ast
 import difflib
 import importlib
 import inspect
@@ -290,9 +291,32 @@ def explain_strategy_options(message: str) -> str:
     names = [name for class_path, name in refused if class_path.rpartition(".")[2] == "PACIStrategy"]
     if names:
         options = options_of(PACIStrategy.__init__)
+        names = list(dict.fromkeys([*names, *_every_refused_strategy_option(message, options)]))
         listed = "".join(f"\n  - {explain_refused(name, options, show_value=False)}" for name in names)
         lines.append(f"PACIStrategy does not accept:{listed}\n{refusal_footer(names, options)}")
+        if len(names) > 1:
+            lines.append(
+                f"Remove these {len(names)} keys from the strategy's init_args at once: {', '.join(names)}. (A run's "
+                "config.yaml saved by lit-efficient before commit 6906908 of 2026-12-01 lists every option of "
+                "Lightning's DDPStrategy, which PACIStrategy no longer takes.)"
+            )
     return "\n".join([message, *lines])
+
+
+def _every_refused_strategy_option(message: str, options: list[str]) -> list[str]:
+    """Every init_args key of PACIStrategy it does not take, read from the value jsonargparse quotes: jsonargparse
+    names the first one only, and a config with many (one an earlier version saved) was refused once per key."""
+    given = re.search(r"Given value: (\{.*\})", message)
+    if given is None:
+        return []
+    try:
+        value = ast.literal_eval(given.group(1))
+    except (ValueError, SyntaxError, MemoryError, RecursionError):  # a value that is no literal: the first name only
+        return []
+    if not isinstance(value, dict) or str(value.get("class_path", "")).rpartition(".")[2] != "PACIStrategy":
+        return []
+    init_args = value.get("init_args")
+    return [key for key in init_args if key not in options] if isinstance(init_args, dict) else []
 
 
 def explain_class_paths(message: str) -> str:

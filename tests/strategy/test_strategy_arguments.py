@@ -450,3 +450,19 @@ def test_a_schedule_named_otherwise_is_refused_naming_the_one_meant():
         want = f"schedule={given!r} is not one of paci, 1f1b_flush (did you mean {meant!r}?)"
         assert want in _refusal(schedule=given)
     assert _refusal(schedule="gpipe") == "schedule='gpipe' is not one of paci, 1f1b_flush"  # nothing close: no guess
+
+
+def test_a_config_with_several_options_the_strategy_does_not_take_names_them_all_at_once(cli_refusal, tmp_path):
+    """jsonargparse names the first option it refuses: a run's config.yaml saved before PACIStrategy refused
+    DDPStrategy's options (every one of them listed, None) took one run per key to clean, 23 runs."""
+    old = tmp_path / "saved.yaml"
+    old.write_text(
+        "trainer:\n  strategy:\n    class_path: lit_efficient.PACIStrategy\n    init_args:\n      pipeline_stages: 2\n"
+        "      checkpoint_io: null\n      ddp_comm_hook: null\n      static_graph: false\n"
+    )
+    err = cli_refusal(f"--config={old}")
+    assert err.count("Option 'checkpoint_io' is not accepted") == 1  # jsonargparse's own, the first only
+    for name in ("checkpoint_io", "ddp_comm_hook", "static_graph"):
+        assert f"\n  - {name}: " in err, name
+    said = "Remove these 3 keys from the strategy's init_args at once: checkpoint_io, ddp_comm_hook, static_graph"
+    assert said in err
