@@ -213,6 +213,7 @@ class TorchftReplicas:
             hostname=socket.gethostname(),
         )
         self.group_id = group_id
+        self.device = device
         self._store_server = store_server
         self.participants = 0  # live groups in the latest quorum
         self.alone = False  # `ReplicaMean`: even alone, a group reduces (others may join at any quorum)
@@ -232,6 +233,12 @@ class TorchftReplicas:
         self.participants = self.manager.num_participants()
         averagers = list(due())
         reduced = [averager.reduce() for averager in averagers]
+        if not averagers:
+            # The live groups' same ranks meet before the commit all the same: a rank healing from another group's
+            # rank reads that rank's state in its quorum, which the source serves only until its own commit. With
+            # nothing to reduce (the join at a fresh start, a stage not due under streaming), a source committed
+            # before a slow reader had read it: its read failed after 60 s (HTTP 500), and both groups with it.
+            self([torch.zeros(1, device=self.device)])
         committed = self.manager.should_commit()
         if committed:
             for averager, means in zip(averagers, reduced, strict=True):
