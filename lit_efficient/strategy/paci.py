@@ -1430,7 +1430,7 @@ class PACIStrategy(DDPStrategy):
     def end_evaluation(self) -> None:
         """Every stage draws on from the last stage's random streams (`trainer_glue.draw_on_from_the_last_stage`)."""
         if not self.in_process and self.topology is not None and self.topology.num_stages > 1:
-            draw_on_from_the_last_stage(self.topology, self.global_rank, self._pipeline_groups, self.root_device)
+            draw_on_from_the_last_stage(self.topology, self.global_rank, self._signal_group, self.root_device)
 
     @override
     def on_validation_start(self) -> None:

@@ -309,9 +309,7 @@ def keep_launch_random_streams(streams: dict[str, Any], group: dist.ProcessGroup
     _set_rng_states(box[0])
 
 
-def draw_on_from_the_last_stage(
-    topology: Topology, rank: int, groups: Mapping[int, dist.ProcessGroup], device: torch.device
-) -> None:
+def draw_on_from_the_last_stage(topology: Topology, rank: int, group: dist.ProcessGroup, device: torch.device) -> None:
     """After an evaluation, every rank of this rank's pipeline takes its last stage's random streams: the host's
     (torch's, numpy's, Python's) and its device's CUDA generator, set on this rank's own device. Only the last stage
     ran the user's evaluation steps, which draw from them as on one device (a sample from a prior, a random crop, a
@@ -321,12 +319,13 @@ def draw_on_from_the_last_stage(
     later the first batches' check refused the run, blaming the data). The stages' own streams (the layers' dropout)
     are kept apart from these (`PipelineStage`). A collective of the pipeline; called at the strategy's first
     callback's evaluation end (before a ModelCheckpoint saves each rank's streams) and at the strategy's own (after
-    a callback that drew on the last stage's rank only)."""
-    replica = topology.replica_of(rank)
+    a callback that drew on the last stage's rank only). A collective of every rank on ``group``, the strategy's
+    gloo group of the whole world (an object collective without device copies, as its others; on NCCL the
+    pipelines' groups would move the objects through the GPU): each rank takes its own pipeline's last stage's."""
     cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    box = [(_collect_rng_states(include_cuda=False), cuda)]
-    dist.broadcast_object_list(box, src=topology.rank_of(topology.num_stages - 1, replica), group=groups[replica])
-    host, cuda = box[0]
+    every: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, (_collect_rng_states(include_cuda=False), cuda), group=group)
+    host, cuda = every[topology.rank_of(topology.num_stages - 1, topology.replica_of(rank))]
     _set_rng_states(host)
     if cuda is not None and device.type == "cuda":
         torch.cuda.set_rng_state(cuda, device)
