@@ -434,7 +434,9 @@ class GPT(LightningModule):
 
         The context is cropped to the last `block_size` tokens. `temperature` 0 picks the argmax;
         `top_k` keeps only the k most likely tokens. Runs in eval mode (no dropout) and restores the
-        previous mode. Needs the whole model on this process (not a pipeline stage).
+        previous mode. Needs the whole model on this process: under PACIStrategy on processes, after fit on
+        global rank 0 (``if trainer.is_global_zero:``), not inside a fit's or an evaluation's hooks
+        (docs/python-api.md, "The whole model").
         """
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0.")

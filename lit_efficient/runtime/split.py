@@ -35,6 +35,10 @@ import torch
 from torch import nn
 
 
+class LayerNotHereError(RuntimeError):
+    """A layer of another stage was called: code ran the model's layers itself where this rank holds only its own."""
+
+
 class LayerOnOtherStage(nn.Module):
     """Stands in for a pipeline layer that lives on another stage.
 
@@ -51,10 +55,14 @@ class LayerOnOtherStage(nn.Module):
         self.__dict__["structure"] = structure  # not a submodule: no keys, no parameters
 
     def forward(self, *args: object, **kwargs: object) -> None:
-        raise RuntimeError(
-            f"pipeline layer {self.index} lives on stage {self.stage}, not on this rank. Under PACIStrategy a "
-            "module's forward is answered by the pipeline: evaluation steps must call self(self.pipeline_input(batch)) "
-            "once instead of running the layers themselves."
+        raise LayerNotHereError(
+            f"pipeline layer {self.index} lives on stage {self.stage}, not on this rank: under PACIStrategy on "
+            "processes each rank holds only its own stages' layers while a fit, validate, test or predict runs (when "
+            "it returns, global rank 0 holds the whole model again). Code that runs the layers itself (a generation "
+            "loop, a Hugging Face generate(), a sample at an epoch's end) runs after fit under `if "
+            "trainer.is_global_zero:`, or on one device from a checkpoint; an evaluation step gets its output from "
+            'the pipeline with self(self.pipeline_input(batch)), called once (docs/python-api.md, "The whole '
+            'model").'
         )
 
     def extra_repr(self) -> str:

@@ -17,6 +17,8 @@ from typing import Any
 from lightning.pytorch import Callback, LightningModule
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
+from lit_efficient.runtime.split import LayerNotHereError
+
 # Called by Lightning's automatic-optimization loop or precision plugin; under PACIStrategy the
 # stages run forward, backward, clipping and their local steps themselves, so none of these runs.
 MODULE_HOOKS_NOT_CALLED = (
@@ -107,7 +109,7 @@ def epoch_ends_where_the_steps_ran(
         try:
             out = original(*args, **kwargs)
         except Exception as err:
-            if hosts_last_stage:
+            if hosts_last_stage or isinstance(err, LayerNotHereError):  # the layer's own message says what ran
                 raise
             raise RuntimeError(
                 f"{type(module).__name__}.on_train_epoch_end raised on {here}, which hosts no last stage and so runs "

@@ -1484,7 +1484,12 @@ class PACIStrategy(DDPStrategy):
         if outputs is None:
             return None
         module = self.lightning_module
-        with evaluation.forward_answers(module, outputs[0] if len(outputs) == 1 else outputs, hook):
+
+        def pipeline_input() -> Any:  # what stage 0 computed on, for its shapes: drawing nothing a second time
+            with evaluation.streams_untouched(self.root_device):
+                return module.pipeline_input(batch)  # type: ignore[operator]
+
+        with evaluation.forward_answers(module, outputs[0] if len(outputs) == 1 else outputs, hook, pipeline_input):
             return getattr(module, hook)(batch, *args, **kwargs)
 
     # -- checkpoints (stage_checkpoints.py): one save path, one load path, for every hosting -----------

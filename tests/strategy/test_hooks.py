@@ -114,6 +114,109 @@ def test_a_rank_without_the_last_stage_skips_evaluation_epoch_ends_and_explains_
     assert "on_train_epoch_end" not in module.__dict__
 
 
+class _SamplesAtEpochEnd(GPT):
+    def on_train_epoch_end(self) -> None:
+        self.generate(torch.zeros(1, 1, dtype=torch.long), 2)
+
+
+def test_a_layer_of_another_stage_called_at_an_epoch_end_says_where_the_whole_model_is():
+    """Sampling at an epoch's end on processes: stage 0's rank was told that pipeline_loss collected nothing (the
+    wrapper's guess for any error there) and stage 1's that evaluation steps must call self(...), neither the cause.
+    Both now get the layer's own message: where the whole model is, and where to sample."""
+    from lit_efficient.runtime.split import LayerNotHereError, LayerOnOtherStage
+
+    module = _SamplesAtEpochEnd(n_layer=1, n_head=2, n_embd=8, block_size=4, vocab_size=16)
+    module.blocks[0] = LayerOnOtherStage(1, 1, module.blocks[0])  # stage 0's rank: the block lives on stage 1
+    epoch_ends_where_the_steps_ran(module, False, "stage 0 (rank 1)", None)
+    said = r"pipeline layer 1 lives on stage 1, not on this rank.*after fit under `if trainer.is_global_zero:`"
+    with pytest.raises(LayerNotHereError, match=said):
+        module.on_train_epoch_end()
+    undo_epoch_ends(module)
+
+
+class _SamplesInPredict(GPT):
+    def predict_step(self, batch, batch_idx):
+        return self.generate(self.pipeline_input(batch)[:, :5], 1, temperature=0)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_prompt_cut_short_in_an_evaluation_step_is_refused_by_its_shapes():
+    """A predict_step sampling after the first 5 tokens of each row got the token after all 8 (the pipeline's
+    answer to any self(...) is its output for pipeline_input(batch)), silently: the first call's shapes are now
+    checked. Through the Trainer in one process, with the shapes named."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lit_efficient import PACIStrategy
+
+    x = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(0))
+    loader = DataLoader(TensorDataset(x, x.roll(-1, 1)), batch_size=2)
+    kw = dict(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False)
+    model = _SamplesInPredict(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=64)
+    said = r"_SamplesInPredict.predict_step called self\(...\) with tensors of shapes \(2, 5\), but the pipeline ran "
+    said += r"self.pipeline_input\(batch\), of shapes \(2, 8\).*The whole model"
+    with pytest.raises(RuntimeError, match=said):
+        L.Trainer(strategy=PACIStrategy(pipeline_stages=2), **kw).predict(model, loader)
+
+
+def test_the_first_forward_check_takes_fewer_tensors_and_refuses_more_or_other_shapes():
+    """Position by position, args then keyword values: a bare input_ids of an (input_ids, attention_mask) input is
+    taken (a Hugging Face module's forward accepts it), as is an input without tensors to compare; another shape
+    or an extra tensor (one the pipeline never saw) is refused."""
+    from lit_efficient.strategy.evaluation import _check_shapes
+
+    ids, mask = torch.zeros(2, 8, dtype=torch.long), torch.ones(2, 8)
+    taken = [
+        (((ids, mask),), {}), ((ids,), {}), ((), {"input_ids": ids, "attention_mask": mask}), ((ids,), {"mask": None}),
+        ((ids.float(), mask.bool()), {}),
+    ]  # fmt: skip
+    for given in taken:
+        _check_shapes(GPT, "validation_step", given, lambda: (ids, mask))
+    _check_shapes(GPT, "validation_step", ((ids[:, :3],), {}), lambda: {"tokens": "not a tensor"})
+    refused = [((ids[:, :5],), {}), ((ids, mask, mask), {}), ((mask.T,), {}), ((ids,), {"extra": mask[:, :2]})]
+    for given in refused:
+        with pytest.raises(RuntimeError, match=r"called self\(...\) with tensors of shapes"):
+            _check_shapes(GPT, "validation_step", given, lambda: (ids, mask))
+
+
+class _RandomlyMasked(GPT):
+    """A random masking of the input tokens, drawn from the process's streams, in training and evaluation alike."""
+
+    def pipeline_input(self, batch):
+        x = batch[0]
+        return x.masked_fill(torch.rand(x.shape) < 0.25, 0)
+
+    def validation_step(self, batch, batch_idx):
+        loss, _ = self.pipeline_loss(self(self.pipeline_input(batch)), batch)
+        self.log("val_loss", loss)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_the_first_forward_check_draws_nothing_from_the_streams(monkeypatch):
+    """The check computes pipeline_input(batch) again for its shapes: a random masking would draw a second time, and
+    every draw after it (the next batch's masking, a sampler's shuffle) would move. The same validation with the check
+    off gives the same result and leaves the streams where it does."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lit_efficient import PACIStrategy
+    from lit_efficient.strategy import evaluation
+
+    x = torch.randint(1, 64, (8, 8), generator=torch.Generator().manual_seed(0))
+    loader = DataLoader(TensorDataset(x, x.roll(-1, 1)), batch_size=2)
+    kw = dict(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False)
+    results, after = {}, {}
+    for checked in (True, False):
+        if not checked:
+            monkeypatch.setattr(evaluation, "_check_shapes", lambda *args: None)
+        torch.manual_seed(1)
+        model = _RandomlyMasked(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=64)
+        results[checked] = L.Trainer(strategy=PACIStrategy(pipeline_stages=2), **kw).validate(
+            model, loader, verbose=False
+        )
+        after[checked] = torch.rand(3)
+    assert results[True] == results[False]
+    assert torch.equal(after[True], after[False])
+
+
 def test_a_throughput_monitor_multiplies_by_the_replicas_not_the_world_size():
     """Lightning's ThroughputMonitor makes a rank's rates job-wide by the world size; a pipeline's S stages read the
     same samples, so on 2 stages of one replica ``train/samples_per_sec`` was twice ``train/device/samples_per_sec``
