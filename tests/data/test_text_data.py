@@ -28,6 +28,15 @@ def test_embedded_corpus_is_real_deterministic_text():
     assert bytes(data.tokens) == embedded_corpus(50_000) == first
 
 
+def test_the_corpus_walk_reads_the_stdlib_in_the_order_of_its_relative_paths():
+    """The walk stops at the corpus' last byte instead of listing the whole stdlib first (a second per rank); its
+    order is still the relative paths' sorted order, which fixes every run's data ("a-b/" < "a.py" < "a/")."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "dist-packages", "test", "tests", "__pycache__"}
+    listed = [p for p in root.rglob("*.py") if not skip.intersection(p.relative_to(root).parts[:-1])]
+    assert stdlib_files() == sorted(listed, key=lambda p: p.relative_to(root).as_posix())
+
+
 def test_split_sizes_follow_val_fraction(tmp_path):
     path = tmp_path / "t.txt"
     path.write_bytes(bytes(range(256)) * 4)  # 1024 bytes
