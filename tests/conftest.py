@@ -107,13 +107,16 @@ _WAITING_FILES = {Path(__file__).parent / "strategy" / "test_reliability.py"}
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Two groups of ``multiproc`` tests, each on one worker, one test after another (xdist's ``loadgroup``; its
-    own hook reads the mark after this one): "beside", the tests that wait on failures or start commands, and
+    own hook reads the mark after this one): "beside", the tests that wait on failures, start commands or run alone, and
     "processes", the others. At most one test whose ranks compute in step runs at a time; a worker takes in-process
     tests when its group is done. The serial "processes" group is the suite's longest path: what leaves it shortens
     the suite."""
     for item in items:
         if item.get_closest_marker("multiproc"):
             beside = Path(item.path) in _WAITING_FILES or item.get_closest_marker("command") is not None
+            # An ``alone`` test waits, idle, for the other worker's test to end: there the wait is for a short test
+            # of "processes", not for a long one of "beside" (up to 37 s) on the suite's longest path.
+            beside = beside or item.get_closest_marker("alone") is not None
             item.add_marker(pytest.mark.xdist_group("beside" if beside else "processes"))
         elif item.get_closest_marker("gpu"):  # one device, and a CUDA clock checked against sleeps: one at a time
             item.add_marker(pytest.mark.xdist_group("gpu"))

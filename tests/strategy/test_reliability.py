@@ -552,6 +552,8 @@ _HANG_SCRIPT = textwrap.dedent(
 
     if __name__ == "__main__":
         start_method = sys.argv[3]
+        if sys.argv[1] == "hang":  # the launching process's wait for a rank that never ends: not what is tested
+            rank_reaper.LINGER_S = 1.0
         stages = 4 if sys.argv[1] == "raise_on_4" else 2
         trainer = L.Trainer(
             accelerator="cpu", devices=stages, max_steps={"train_on": 100_000}.get(sys.argv[1], 20),
