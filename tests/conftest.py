@@ -52,18 +52,32 @@ def _environment_as_found_by_the_module():
 
 @pytest.fixture(autouse=True)
 def _environment_as_found():
-    """Each test leaves this process's environment and thread count as it found them. Lightning's launchers write
-    MASTER_PORT (and LOCAL_RANK, WORLD_SIZE, ...) here and never take them out: every later fit in the worker then
+    """Each test leaves this process's environment, thread count and loggers as it found them. Lightning's launchers
+    write MASTER_PORT (and LOCAL_RANK, WORLD_SIZE, ...) here and never take them out: every later fit in the worker then
     bound that same port number, which the other worker's gloo may have taken meanwhile ("address already in use").
     A test that set OMP_NUM_THREADS or torch's threads changed the numbers of whichever tests came after it."""
     yield from _environment_restored()
 
 
 def _environment_restored():
+    import logging
+
     import torch
 
     environ, threads = dict(os.environ), torch.get_num_threads()
+    # A run in this process that quiets Lightning (`setLevel(ERROR)` in a helper that also runs as a rank) kept it
+    # quiet for every later test of the worker: a test reading its INFO records through caplog found none.
+    loggers = {
+        name: (logger.level, logger.propagate, logger.disabled)
+        for name, logger in logging.root.manager.loggerDict.items()
+        if isinstance(logger, logging.Logger)
+    }
     yield
+    for name, (level, propagate, disabled) in loggers.items():
+        logger = logging.getLogger(name)
+        if logger.level != level:
+            logger.setLevel(level)
+        logger.propagate, logger.disabled = propagate, disabled
     for key in set(os.environ) - set(environ):
         del os.environ[key]
     for key, value in environ.items():
