@@ -10,6 +10,7 @@ default lr 3e-4 with 100 warmup steps), ending at train loss 2.71 nats per byte 
 entropy is 3.30 nats). configs/quickstart.yaml gets further in less time with shorter sequences and a
 higher learning rate.
 
+Rank 0 then samples 200 bytes after the prompt "def " from the trained model (whole again there after fit).
 The offline W&B run lands in runs/wandb/ (``wandb sync`` it later); the pipeline metrics of
 `PipelineMonitor` (utilization, bubble, drift, throughput, memory) are in it.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 
+import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import WandbLogger
 
@@ -37,8 +39,10 @@ def main() -> None:
     )  # fmt: skip
     model = GPT(n_layer=4, n_embd=128)
     trainer.fit(model, datamodule=TextDataModule())
-    if trainer.is_global_zero:  # rank 0 holds the last stage: the loss lives there
+    if trainer.is_global_zero:  # rank 0 holds the last stage (the loss) and, after fit, the whole trained model
         print(f"final train loss {float(trainer.callback_metrics['train_loss']):.3f} nats per byte")
+        sample = model.generate(torch.tensor([list(b"def ")]), max_new_tokens=200, temperature=0.8)[0]
+        print(bytes(sample.tolist()).decode("utf-8", errors="replace"))  # byte-level: the tokens are the bytes
 
 
 if __name__ == "__main__":
