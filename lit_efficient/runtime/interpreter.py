@@ -359,7 +359,11 @@ class PipelineRuntime:
         stage, j = self.stage, action.index
         if action.kind == "F":
             if stage.is_first:
-                inputs = _as_payload(self.input_fn(self._batch))  # type: ignore[misc]
+                # From the stage's own stream, as its layers' draws: a random masking drawn from the process's
+                # advanced stage 0's rank alone, and the stages' next epoch shuffled apart (the first batches'
+                # check stopped the run, blaming the data).
+                with stage.own_rng():
+                    inputs = _as_payload(self.input_fn(self._batch))  # type: ignore[misc]
             else:
                 inputs = self._recv(self.prev_rank, j, "activations")
                 # What the previous stage sends next is the next micro-batch's activations or, if none

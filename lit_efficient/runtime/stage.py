@@ -249,7 +249,7 @@ class PipelineStage:
                 list(self.parameters()), self.optimizer, pending_steps, window_weight=weight,
                 window_microbatches=self._window_microbatches,
             )  # fmt: skip
-        with self._own_rng(), correct:
+        with self.own_rng(), correct:
             result = self._forward(microbatch, inputs, batch)
         self.stats.forwards += 1
         self.stats.max_in_flight = max(self.stats.max_in_flight, len(self._in_flight))
@@ -295,7 +295,7 @@ class PipelineStage:
         """
         start = self.clock.mark()
         record = self._in_flight.pop(microbatch)
-        with self._own_rng():
+        with self.own_rng():
             aux = self._backward(record, grads)
         self._accumulate(microbatch, aux)
         input_grads = tuple(t.grad if isinstance(t, Tensor) and t.requires_grad else None for t in record.inputs)
@@ -403,7 +403,7 @@ class PipelineStage:
     def evaluate(self, inputs: Payload) -> Payload:
         """Forward without gradients (validation, test, predict)."""
         start = self.clock.mark()
-        with self._own_rng(), torch.no_grad(), self.forward_context():
+        with self.own_rng(), torch.no_grad(), self.forward_context():
             outputs = run_layers(self._callables, inputs, self.first_layer)
         if not self.is_last:
             self._check_crossing(outputs)
@@ -552,8 +552,9 @@ class PipelineStage:
         )
 
     @contextmanager
-    def _own_rng(self) -> Iterator[None]:
-        """Run with this stage's random stream in place of the process's (see ``self.rng``)."""
+    def own_rng(self) -> Iterator[None]:
+        """Run with this stage's random stream in place of the process's (see ``self.rng``): its forwards, backwards
+        and evaluations, and on the first stage the module's ``pipeline_input`` in training (the interpreter's)."""
         outer = _capture_rng(self.device)
         _restore_rng(self.rng, self.device)
         try:

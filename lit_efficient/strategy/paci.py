@@ -18,7 +18,7 @@ from __future__ import annotations
 import atexit
 from collections import deque
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -1479,7 +1479,11 @@ class PACIStrategy(DDPStrategy):
         if self._first_eval_batch_unchecked:
             self._first_eval_batch_unchecked = False
             check_stages_read_alike(batch, self.topology, self._signal_group, hook.removesuffix("_step"))
-        outputs = self.runtime.evaluate(batch, self._eval_index)
+        # In one process stage 0's pipeline_input draws with the streams put back: the evaluation step's own call draws
+        # the same numbers once, as one device's (and as the last stage's rank on processes, whose streams every rank
+        # takes at the end); it drew them twice.
+        with evaluation.streams_untouched(self.root_device) if self.in_process else nullcontext():
+            outputs = self.runtime.evaluate(batch, self._eval_index)
         self._eval_index += 1
         if outputs is None:
             return None

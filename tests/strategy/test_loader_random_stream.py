@@ -332,3 +332,48 @@ def test_a_checkpoint_saved_at_a_validations_end_resumes_with_the_stages_drawing
 
     last_stage, stage_0 = values(spawn(_resume_after_a_validation_end_save, 2, str(tmp_path), torchrun_env=True))
     assert len(last_stage) >= 12 and last_stage == stage_0
+
+
+class _RandomlyMasked(GPT):
+    """A random masking of the input tokens in ``pipeline_input``, drawn from the process's torch stream, in training
+    and in GPT's own validation_step alike."""
+
+    def pipeline_input(self, batch):
+        x = batch[0]
+        return x.masked_fill(torch.rand(x.shape) < 0.25, 0)
+
+
+def _fit_masked(devices: int, validate: bool) -> dict[str, torch.Tensor]:
+    """Three epochs of a shuffled loader (the global stream's), validating at each epoch's end or not at all."""
+    L.seed_everything(0)
+    model = _RandomlyMasked(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=64)
+    x = torch.randint(1, 64, (16, 8), generator=torch.Generator().manual_seed(0))
+    data = DataLoader(TensorDataset(x, x.roll(-1, 1)), batch_size=2, shuffle=True)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=devices, strategy=PACIStrategy(pipeline_stages=2, schedule="1f1b_flush"),
+        max_epochs=3, accumulate_grad_batches=2, limit_val_batches=2 if validate else 0, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(model, data, data if validate else None)
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _masked_on_ranks(rank: int, world: int) -> list[dict[str, torch.Tensor]] | None:
+    runs = [_fit_masked(world, validate) for validate in (False, True)]
+    return runs if rank == 0 else None
+
+
+@pytest.mark.multiproc
+@pytest.mark.usefixtures("one_thread")
+def test_a_random_pipeline_input_leaves_the_stages_drawing_alike_in_one_process_as_on_processes() -> None:
+    """Stage 0 drew the masking from the process's stream in training, so its rank's stream ran ahead of the last
+    stage's: at the second epoch their shuffles differed and the first batches' check stopped the run, blaming the
+    data. Now it draws from the stage's own stream, as its layers do. In an evaluation, one process drew the masking
+    twice (stage 0's and the validation step's own call), on processes once per rank: now once, as one device."""
+    from tests.support.multiproc import spawn, values
+
+    piped = values(spawn(_masked_on_ranks, 2, torchrun_env=True))[0]
+    for validate, on_processes in zip((False, True), piped, strict=True):
+        in_process = _fit_masked(1, validate)
+        for key in in_process:
+            assert torch.equal(on_processes[key], in_process[key]), (validate, key)
