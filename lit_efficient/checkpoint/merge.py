@@ -110,7 +110,23 @@ def group_key(group: dict[str, Any]) -> str:
     """What makes parameter groups of different stages one group of the unsplit optimizer: equal
     hyper-parameters besides the learning rate (which a per-stage scheduler or correction may set) and the
     parameters' names (torch keeps them in ``param_names`` for an optimizer given ``named_parameters()``)."""
-    return repr(sorted((k, v) for k, v in group.items() if k not in ("params", "param_names", "lr", "initial_lr")))
+    kept = ((k, _comparable(v)) for k, v in group.items() if k not in ("params", "param_names", "lr", "initial_lr"))
+    return repr(sorted(kept))
+
+
+def _comparable(value: Any) -> Any:
+    """``value`` as its repr compares it across stages: an object of a class without a repr of its own (``<Tag
+    object at 0x...>``, another address on each stage's ``configure_optimizers`` call) by its class and attributes,
+    which split one group into one per stage (a checkpoint one device refused: another number of groups)."""
+    if isinstance(value, (list, tuple)):
+        return type(value)(_comparable(v) for v in value) if type(value) in (list, tuple) else value
+    if isinstance(value, dict):
+        return {k: _comparable(v) for k, v in value.items()}
+    if type(value).__repr__ is object.__repr__:
+        fields = getattr(value, "__dict__", None)
+        attributes = None if fields is None else sorted((k, _comparable(v)) for k, v in fields.items())
+        return (f"{type(value).__module__}.{type(value).__qualname__}", attributes)
+    return value
 
 
 def merge_group_names(

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import io
 import os
-import pickle
 import warnings
 from collections.abc import Collection, Iterable
 from pathlib import Path
@@ -22,11 +21,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lit_efficient.checkpoint.sharded_write import FORMAT, META
-from lit_efficient.checkpoint.single_file import load_file
+from lit_efficient.checkpoint.single_file import load_file, safely_or_in_full
 
 _GLOBAL = ("format", "layout", "param_names", "hyper")  # pipeline entries every rank reads
 
@@ -62,11 +62,16 @@ def read(
     saved_layout = _tree(small, paths).get("pipeline", {}).get("layout")
     mine = set(own) if saved_layout == layout else set()
     keys, names = set(keys), set(names)
+    # Where the folder lacks some of this process's keys, every weight is read (O(model) here, not O(share)): the
+    # module's on_load_checkpoint may rename the saved keys to its own (a legacy layout kept by on_save_checkpoint),
+    # and a strict load then names what the model lacks. By this process's keys only, a renamed folder gave it
+    # nothing, and strict_loading=False trained on fresh weights.
+    every_weight = bool(keys - {paths[flat][1] for flat in entries if paths[flat][0] == "model"})
 
     def wanted(flat: str, p: tuple) -> bool:
         top = p[0]
         if top == "model":
-            return p[1] in keys
+            return every_weight or p[1] in keys
         if top == "optimizer_0":
             return p[1] == "param_groups" or (p[1] == "state" and p[2] in names)
         if top != "pipeline":
@@ -101,8 +106,8 @@ def read(
     loaded = _read(reader, request, weights_only)
     meta = load_file(path / META, weights_only) if (path / META).is_file() else {}
     view = file_view(_tree({**small, **loaded}, paths), meta)
-    # Every key the folder holds, not only this process's: what a strict load compares with the whole module's.
-    view["pipeline"]["saved_keys"] = [paths[flat][1] for flat in entries if paths[flat][0] == "model"]
+    if not every_weight:  # every key the folder holds, not only this process's: what a strict load compares
+        view["pipeline"]["saved_keys"] = [paths[flat][1] for flat in entries if paths[flat][0] == "model"]
     return view
 
 
@@ -174,7 +179,13 @@ def _read(reader: FileSystemReader, request: dict[str, Any], weights_only: bool 
     if request:
         with warnings.catch_warnings():  # DCP warns that no_dist means one process: here each rank reads alone
             warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-            dcp.load(request, storage_reader=reader, planner=_Planner(weights_only), no_dist=True)
+            try:
+                dcp.load(request, storage_reader=reader, planner=_Planner(weights_only, str(reader.path)), no_dist=True)
+            except CheckpointException as err:  # one reader, one failure: its own (weights_only's refusal, say)
+                failures = [failure for failure, _ in err.failures.values() if isinstance(failure, Exception)]
+                if len(failures) == 1:
+                    raise failures[0] from None
+                raise
     return request
 
 
@@ -182,22 +193,21 @@ class _Planner(DefaultLoadPlanner):
     """DCP's planner over flat keys, unpickling non-tensor entries as `single_file.load_file` does (DCP's
     own allows any object)."""
 
-    def __init__(self, weights_only: bool | None) -> None:
+    def __init__(self, weights_only: bool | None, folder: str) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self.weights_only = weights_only
+        self.weights_only, self.folder = weights_only, folder
 
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-        self.state_dict[read_item.dest_index.fqn] = _unpickle(value, self.weights_only)
+        key = read_item.dest_index.fqn
+        self.state_dict[key] = _unpickle(value, self.weights_only, f"{self.folder}'s entry {key}")
 
 
-def _unpickle(value: io.BytesIO, weights_only: bool | None) -> Any:
-    if weights_only is not None:
-        return torch.load(value, map_location="cpu", weights_only=weights_only)
-    try:
-        return torch.load(value, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:
+def _unpickle(value: io.BytesIO, weights_only: bool | None, source: str) -> Any:
+    def load(safe: bool) -> Any:
         value.seek(0)
-        return torch.load(value, map_location="cpu", weights_only=False)
+        return torch.load(value, map_location="cpu", weights_only=safe)
+
+    return load(weights_only) if weights_only is not None else safely_or_in_full(load, source)
 
 
 def _tree(flat: dict[str, Any], paths: dict[str, tuple]) -> dict[str, Any]:

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,15 +65,25 @@ def load_file(path: str | os.PathLike, weights_only: bool | None = None) -> dict
     only load such checkpoints from sources you trust."""
     if weights_only is not None:
         return _load(path, weights_only)
+    return safely_or_in_full(lambda safe: _load(path, safe), str(path))
+
+
+def safely_or_in_full(load: Callable[[bool], Any], source: str) -> Any:
+    """``load(True)`` (torch's ``weights_only=True``), or where that refuses the content's Python objects,
+    ``load(False)`` with a warning naming their types and the three ways to choose instead."""
     try:
-        return _load(path, True)
+        return load(True)
     except pickle.UnpicklingError as err:
+        refused = sorted(set(re.findall(r"Unsupported global: GLOBAL ([\w.]+)", str(err))))
+        types = ", ".join(refused) or re.sub(r"\x1b\[[0-9;]*m", "", str(err).splitlines()[0])[:200]
         warnings.warn(
-            f"{path} holds objects weights_only=True refuses ({str(err).splitlines()[0][:200]}); loading it fully. "
-            "Only load checkpoints you trust.",
-            stacklevel=2,
+            f"{source} holds Python objects that weights_only=True refuses ({types}); loading it in full, as a "
+            "checkpoint you trust. Pass weights_only=True (trainer.fit(..., weights_only=True), also to validate, "
+            "test and predict) to refuse such files instead, or weights_only=False to load them without this "
+            "warning; torch.serialization.add_safe_globals allows named types in a safe load.",
+            stacklevel=3,
         )
-        return _load(path, False)
+        return load(False)
 
 
 def _load(path: str | os.PathLike, weights_only: bool) -> dict[str, Any]:

@@ -11,8 +11,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import inspect
 import os
 import re
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Literal
@@ -177,10 +179,28 @@ def agree_on_the_checkpoint(trainer: Trainer) -> None:
                     "on its own node, and on node-local disks only global rank 0's node has the checkpoints. Put "
                     "dirpath on a file system every node sees, or pass the path of a checkpoint every rank can read"
                 )
+        if not args and "weights_only" not in kwargs and "weights_only" in inspect.signature(restore).parameters:
+            kwargs["weights_only"] = weights_only_given_to_run(trainer)
         restore(checkpoint_path, *args, **kwargs)
 
     connector._restore_modules_and_callbacks = restore_agreed  # type: ignore[method-assign]
     connector._lit_efficient_agrees = True  # type: ignore[attr-defined]
+
+
+def weights_only_given_to_run(trainer: Trainer) -> bool | None:
+    """The ``weights_only`` the user gave fit, validate, test or predict. Lightning's ``Trainer._run`` restores a
+    strategy that restores after its setup without it (Lightning 2.6's second ``_restore_modules_and_callbacks``
+    call), so the load saw None whatever was asked: a checkpoint the user wanted loaded safely was unpickled in
+    full, with a warning at most. Read from that call's frame, the restore's caller; None where it is not found."""
+    frame = sys._getframe(1)
+    for _ in range(4):
+        if frame is None:
+            break
+        if frame.f_code.co_name == "_run" and frame.f_locals.get("self") is trainer:
+            value = frame.f_locals.get("weights_only")
+            return value if isinstance(value, bool) else None
+        frame = frame.f_back
+    return None
 
 
 @contextmanager

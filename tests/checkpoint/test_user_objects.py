@@ -1,0 +1,118 @@
+"""A checkpoint that holds more than tensors: the user's own objects in an optimizer's groups, the load's
+``weights_only`` as the user asked it, and an ``on_save_checkpoint`` that renames the weights' keys (a user audit).
+
+One process: the merge, the restore and both readers are the processes' own (the audit saw the same on 2 ranks)."""
+
+from __future__ import annotations
+
+import pickle
+import warnings
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+
+from lit_efficient import PACIStrategy
+from lit_efficient.checkpoint.merge import group_key
+from lit_efficient.models import GPT
+from tests.support.gpt_runs import ordered_data
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class Tag:
+    """A user's marker in a parameter group: a class without a repr of its own (``<Tag object at 0x...>``)."""
+
+    def __init__(self, decay: bool) -> None:
+        self.decay = decay
+
+
+class _Tagged(GPT):
+    def configure_optimizers(self):
+        decay = [p for p in self.parameters() if p.ndim >= 2]
+        rest = [p for p in self.parameters() if p.ndim < 2]
+        groups = [{"params": decay, "tag": Tag(True)}, {"params": rest, "weight_decay": 0.0, "tag": Tag(False)}]
+        return torch.optim.AdamW(groups, lr=1e-2)
+
+
+class _LegacyKeys(GPT):
+    """Keeps its checkpoints in an older key layout: renamed on save, renamed back on load."""
+
+    def on_save_checkpoint(self, checkpoint):
+        checkpoint["state_dict"] = {"legacy." + k: v for k, v in checkpoint["state_dict"].items()}
+
+    def on_load_checkpoint(self, checkpoint):
+        checkpoint["state_dict"] = {k.removeprefix("legacy."): v for k, v in checkpoint["state_dict"].items()}
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)  # no warmup: a step moves the weights by ~1e-2
+
+
+def _fit(cls, strategy, steps: int, ckpt=None, save=None, **fit_kw) -> GPT:
+    torch.manual_seed(0)
+    model = cls(n_layer=2, n_head=2, n_embd=32, block_size=32)
+    trainer = Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, accumulate_grad_batches=2, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+    )  # fmt: skip
+    trainer.fit(model, datamodule=ordered_data(), ckpt_path=ckpt, **fit_kw)
+    if save is not None:
+        trainer.save_checkpoint(save)
+    return model
+
+
+def _flush(**kw) -> PACIStrategy:
+    return PACIStrategy(pipeline_stages=2, schedule="1f1b_flush", **kw)
+
+
+def _differ(a: GPT, b: GPT) -> float:
+    want = b.state_dict()
+    return max((t - want[k]).abs().max().item() for k, t in a.state_dict().items())
+
+
+def test_groups_holding_a_users_object_merge_by_its_class_and_attributes():
+    """Each stage's configure_optimizers made its own Tag, whose default repr holds its address: the stages' groups
+    never matched, and the checkpoint had one group per stage (one device then refused it: "a different number of
+    parameter groups"; a one-device checkpoint resumed under the pipeline was refused the other way)."""
+    assert group_key({"params": [0], "tag": Tag(True)}) == group_key({"params": [1], "tag": Tag(True)})
+    assert group_key({"params": [0], "tag": Tag(True)}) != group_key({"params": [1], "tag": Tag(False)})
+    assert group_key({"params": [0], "tags": [Tag(True)]}) == group_key({"params": [1], "tags": [Tag(True)]})
+
+
+def test_a_checkpoint_with_a_users_object_in_its_groups_resumes_both_ways(tmp_path):
+    _fit(_Tagged, "auto", 2, save=tmp_path / "plain.ckpt")
+    _fit(_Tagged, _flush(), 2, save=tmp_path / "piped.ckpt")
+    groups = torch.load(tmp_path / "piped.ckpt", weights_only=False)["optimizer_states"][0]["param_groups"]
+    assert [g["tag"].decay for g in groups] == [True, False]
+    want = _fit(_Tagged, "auto", 3, ckpt=tmp_path / "plain.ckpt", weights_only=False)
+    for strategy, path in (("auto", tmp_path / "piped.ckpt"), (_flush(), tmp_path / "plain.ckpt")):
+        assert _differ(_fit(_Tagged, strategy, 3, ckpt=path, weights_only=False), want) < 1e-6
+
+
+@pytest.mark.parametrize("fmt", ["file", "sharded"])
+def test_a_resume_loads_as_weights_only_says(tmp_path, fmt):
+    """Lightning restores a strategy that restores after its setup without the fit's weights_only: the load saw None
+    and unpickled the user's objects in full even when weights_only=True was asked (plain Lightning refuses)."""
+    path = tmp_path / "tagged.ckpt"
+    _fit(_Tagged, _flush(checkpoint_format=fmt), 2, save=path)
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        _fit(_Tagged, _flush(), 3, ckpt=path, weights_only=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*weights_only=True refuses")
+        _fit(_Tagged, _flush(), 3, ckpt=path, weights_only=False)
+    said = r"holds Python objects that weights_only=True refuses \(tests.checkpoint.test_user_objects.Tag\); loading"
+    with pytest.warns(UserWarning, match=said):
+        _fit(_Tagged, _flush(), 3, ckpt=path)
+
+
+def test_renamed_keys_resume_from_a_folder_as_from_a_file(tmp_path):
+    """A rank reads only its own keys from a folder: keys its on_save_checkpoint had renamed were none of them, the
+    strict load blamed "another model", and strict_loading=False went on with fresh weights. A process missing keys
+    reads every weight, for on_load_checkpoint to rename."""
+    for fmt in ("file", "sharded"):
+        _fit(_LegacyKeys, _flush(checkpoint_format=fmt), 2, save=tmp_path / f"{fmt}.ckpt")
+    _fit(_LegacyKeys, "auto", 2, save=tmp_path / "plain.ckpt")
+    from_file = _fit(_LegacyKeys, _flush(), 3, ckpt=tmp_path / "file.ckpt")
+    assert _differ(_fit(_LegacyKeys, _flush(), 3, ckpt=tmp_path / "sharded.ckpt"), from_file) == 0
+    # One device's own resume (a step moves the weights by ~1e-2: fresh weights would be that far off).
+    assert _differ(from_file, _fit(_LegacyKeys, "auto", 3, ckpt=tmp_path / "plain.ckpt")) < 1e-6
