@@ -20,6 +20,7 @@ _PUBLIC = {
     "PipelineMonitor": "lit_efficient.callbacks",
     "PipelineModule": "lit_efficient.protocol",
     "consolidate_checkpoint": "lit_efficient.checkpoint",
+    "LayerNotHereError": "lit_efficient.runtime.split",
 }
 __all__ = sorted(_PUBLIC)
 
@@ -29,6 +30,7 @@ if TYPE_CHECKING:  # what static checkers and IDEs see; at run time `__getattr__
     from lit_efficient.callbacks import PipelineMonitor as PipelineMonitor
     from lit_efficient.checkpoint import consolidate_checkpoint as consolidate_checkpoint
     from lit_efficient.protocol import PipelineModule as PipelineModule
+    from lit_efficient.runtime.split import LayerNotHereError as LayerNotHereError
     from lit_efficient.strategy import PACIStrategy as PACIStrategy
 
 

@@ -67,14 +67,10 @@ def _environment_restored():
     environ, threads = dict(os.environ), torch.get_num_threads()
     # A run in this process that quiets Lightning (`setLevel(ERROR)` in a helper that also runs as a rank) kept it
     # quiet for every later test of the worker: a test reading its INFO records through caplog found none.
-    loggers = {
-        name: (logger.level, logger.propagate, logger.disabled)
-        for name, logger in logging.root.manager.loggerDict.items()
-        if isinstance(logger, logging.Logger)
-    }
+    existing = [logger for logger in logging.root.manager.loggerDict.values() if isinstance(logger, logging.Logger)]
+    loggers = {logger: (logger.level, logger.propagate, logger.disabled) for logger in [logging.root, *existing]}
     yield
-    for name, (level, propagate, disabled) in loggers.items():
-        logger = logging.getLogger(name)
+    for logger, (level, propagate, disabled) in loggers.items():
         if logger.level != level:
             logger.setLevel(level)
         logger.propagate, logger.disabled = propagate, disabled

@@ -108,25 +108,37 @@ def assemble(checkpoint: dict[str, Any], shares: list[dict[str, Any]], layout: d
 
 def group_key(group: dict[str, Any]) -> str:
     """What makes parameter groups of different stages one group of the unsplit optimizer: equal
-    hyper-parameters besides the learning rate (which a per-stage scheduler or correction may set) and the
-    parameters' names (torch keeps them in ``param_names`` for an optimizer given ``named_parameters()``)."""
-    kept = ((k, _comparable(v)) for k, v in group.items() if k not in ("params", "param_names", "lr", "initial_lr"))
-    return repr(sorted(kept))
+    hyper-parameters and base learning rate, and not the parameters' names (torch keeps them in ``param_names`` for
+    an optimizer given ``named_parameters()``). The base rate is ``initial_lr`` where a scheduler set it, whose
+    ``lr`` a stage's own scheduler or correction may have moved, and ``lr`` otherwise: groups that differ only in
+    it (a layer-wise learning-rate decay) are other groups, which merged into one."""
+    base = group.get("initial_lr", group.get("lr"))
+    kept = [(k, _comparable(v)) for k, v in group.items() if k not in ("params", "param_names", "lr", "initial_lr")]
+    return repr(sorted([*kept, ("base lr", base)]))
 
 
-def _comparable(value: Any) -> Any:
+def _comparable(value: Any, depth: int = 0) -> Any:
     """``value`` as its repr compares it across stages: an object of a class without a repr of its own (``<Tag
-    object at 0x...>``, another address on each stage's ``configure_optimizers`` call) by its class and attributes,
-    which split one group into one per stage (a checkpoint one device refused: another number of groups)."""
-    if isinstance(value, (list, tuple)):
-        return type(value)(_comparable(v) for v in value) if type(value) in (list, tuple) else value
+    object at 0x...>``, another address on each stage's ``configure_optimizers`` call) by its class and attributes
+    (``__dict__`` and ``__slots__``), which split one group into one per stage (a checkpoint one device refused:
+    another number of groups). Three levels deep, then by class alone: an object may refer to itself, or to a
+    Trainer and everything it holds."""
+    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+        return type(value)(_comparable(v, depth + 1) for v in value) if depth < 3 else type(value).__name__
     if isinstance(value, dict):
-        return {k: _comparable(v) for k, v in value.items()}
-    if type(value).__repr__ is object.__repr__:
-        fields = getattr(value, "__dict__", None)
-        attributes = None if fields is None else sorted((k, _comparable(v)) for k, v in fields.items())
-        return (f"{type(value).__module__}.{type(value).__qualname__}", attributes)
-    return value
+        return {k: _comparable(v, depth + 1) for k, v in value.items()} if depth < 3 else "dict"
+    if type(value).__repr__ is not object.__repr__:
+        return value
+    name = f"{type(value).__module__}.{type(value).__qualname__}"
+    if depth >= 3:
+        return name
+    fields = dict(getattr(value, "__dict__", {}))
+    for cls in type(value).__mro__:
+        slots = getattr(cls, "__slots__", ())
+        for slot in (slots,) if isinstance(slots, str) else slots:
+            if slot not in ("__dict__", "__weakref__") and hasattr(value, slot):
+                fields[slot] = getattr(value, slot)
+    return (name, sorted((k, _comparable(v, depth + 1)) for k, v in fields.items()))
 
 
 def merge_group_names(

@@ -62,11 +62,12 @@ def read(
     saved_layout = _tree(small, paths).get("pipeline", {}).get("layout")
     mine = set(own) if saved_layout == layout else set()
     keys, names = set(keys), set(names)
-    # Where the folder lacks some of this process's keys, every weight is read (O(model) here, not O(share)): the
+    # Where the folder has none of this process's keys, every weight is read (O(model) here, not O(share)): the
     # module's on_load_checkpoint may rename the saved keys to its own (a legacy layout kept by on_save_checkpoint),
     # and a strict load then names what the model lacks. By this process's keys only, a renamed folder gave it
-    # nothing, and strict_loading=False trained on fresh weights.
-    every_weight = bool(keys - {paths[flat][1] for flat in entries if paths[flat][0] == "model"})
+    # nothing, and strict_loading=False trained on fresh weights. Some keys missing (a new head fine-tuned from a
+    # checkpoint without it) read the share as before.
+    every_weight = bool(keys) and not keys & {paths[flat][1] for flat in entries if paths[flat][0] == "model"}
 
     def wanted(flat: str, p: tuple) -> bool:
         top = p[0]
@@ -197,9 +198,10 @@ class _Planner(DefaultLoadPlanner):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self.weights_only, self.folder = weights_only, folder
 
-    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-        key = read_item.dest_index.fqn
-        self.state_dict[key] = _unpickle(value, self.weights_only, f"{self.folder}'s entry {key}")
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:  # one warning per folder, not per entry
+        self.state_dict[read_item.dest_index.fqn] = _unpickle(
+            value, self.weights_only, f"checkpoint folder {self.folder}"
+        )
 
 
 def _unpickle(value: io.BytesIO, weights_only: bool | None, source: str) -> Any:

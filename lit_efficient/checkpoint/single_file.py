@@ -79,8 +79,8 @@ def safely_or_in_full(load: Callable[[bool], Any], source: str) -> Any:
         warnings.warn(
             f"{source} holds Python objects that weights_only=True refuses ({types}); loading it in full, as a "
             "checkpoint you trust. Pass weights_only=True (trainer.fit(..., weights_only=True), also to validate, "
-            "test and predict) to refuse such files instead, or weights_only=False to load them without this "
-            "warning; torch.serialization.add_safe_globals allows named types in a safe load.",
+            "test and predict; Lightning 2.6 and later) to refuse such files instead, or weights_only=False to load "
+            "them without this warning; torch.serialization.add_safe_globals allows named types in a safe load.",
             stacklevel=3,
         )
         return load(False)

@@ -8,34 +8,29 @@ answered by the pipeline's output (`forward_answers`). The hooks are `PACIStrate
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping
+from collections import Counter
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
-import torch
-from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch import LightningModule
 from torch import Tensor
 
-from lit_efficient.nested import map_tensors
-
 
 @contextmanager
-def forward_answers(
-    module: LightningModule, output: Any, hook: str, pipeline_input: Callable[[], Any]
-) -> Iterator[None]:
+def forward_answers(module: LightningModule, output: Any, hook: str, input_shapes: list[Shape]) -> Iterator[None]:
     """While ``hook`` runs on the last stage, ``module(...)`` returns the pipeline's output. The pipeline ran one
-    forward, of ``pipeline_input(batch)``: a call with other arguments would get that same output, silently, so it
-    raises. The first call's tensors are checked against ``pipeline_input()``'s by shape (a prompt cut short to
-    sample from got the whole input's output), not by value: its random numbers (a random masking) are drawn on
-    stage 0's rank, not here. A later call must repeat the first's values (a test-time augmentation, ``self(x)``
-    then ``self(x.flip(1))``, got the unaugmented output)."""
+    forward, of ``pipeline_input(batch)`` (its tensors' shapes: ``input_shapes``, taken before the hook could change
+    the batch): a call with other arguments would get that same output, silently, so it raises. The first call's
+    tensors are checked by shape (a prompt cut short to sample from got the whole input's output), not by value: its
+    random numbers (a random masking) are drawn on stage 0's rank, not here. A later call must repeat the first's
+    values (a test-time augmentation, ``self(x)`` then ``self(x.flip(1))``, got the unaugmented output)."""
     calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         if not calls:
-            _check_shapes(module, hook, (args, kwargs), pipeline_input)
+            _check_shapes(module, hook, (args, kwargs), input_shapes)
         elif not _same(calls[0], (args, kwargs)):
             raise RuntimeError(
                 f"{type(module).__name__}.{hook} called self(...) a second time with other arguments than the first. "
@@ -64,46 +59,47 @@ def forward_answers(
         )
 
 
-def _check_shapes(module: LightningModule, hook: str, given: Any, pipeline_input: Callable[[], Any]) -> None:
-    """Refuses a first call whose tensors differ in shape from ``pipeline_input(batch)``'s, position by position (args
-    then keyword values), or that has more of them (the pipeline never saw the extra ones). Fewer is taken: a
-    Hugging Face module's forward accepts the bare ``input_ids`` of an ``(input_ids, attention_mask)`` input."""
+Shape = tuple[int, ...]
+
+
+def _check_shapes(module: LightningModule, hook: str, given: Any, expected: list[Shape]) -> None:
+    """Refuses a first call with a tensor of a shape that ``pipeline_input(batch)`` has not (once per tensor it has):
+    another input, or one the pipeline never saw. Order and names are not compared (keyword arguments, a dict in
+    another order); fewer tensors are taken (a Hugging Face module's forward accepts the bare ``input_ids`` of an
+    ``(input_ids, attention_mask)`` input)."""
     args, kwargs = given
-    ours, theirs = _shapes(pipeline_input()), _shapes((args, {k: v for k, v in kwargs.items() if v is not None}))
-    if not ours or theirs == ours[: len(theirs)]:
+    theirs = shapes_of((args, {k: v for k, v in kwargs.items() if v is not None}))
+    unmatched = Counter(theirs) - Counter(expected)
+    if not expected or not unmatched:
         return
     raise RuntimeError(
         f"{type(module).__name__}.{hook} called self(...) with tensors of shapes {_listed(theirs)}, but the pipeline "
-        f"ran self.pipeline_input(batch), of shapes {_listed(ours)}. Under PACIStrategy the last stage answers the "
-        "module's forward with the pipeline's output for self.pipeline_input(batch), whatever it is called with, so "
-        "a forward of another input (a prompt cut short to sample from, a crop) would get the output for the whole "
-        "input. Call self(self.pipeline_input(batch)); sample or generate after fit on global rank 0, or on one "
-        'device from a checkpoint (docs/python-api.md, "The whole model").'
+        f"ran self.pipeline_input(batch), of shapes {_listed(expected)}. Under PACIStrategy the last stage answers "
+        "the module's forward with the pipeline's output for self.pipeline_input(batch), whatever it is called with, "
+        "so a forward of another input (a prompt cut short to sample from, a crop) would get the output for the "
+        "whole input. Call self(self.pipeline_input(batch)); sample or generate after fit on global rank 0, or on "
+        'one device from a checkpoint (docs/python-api.md, "The whole model").'
     )
 
 
-def _shapes(obj: Any) -> list[tuple[int, ...]]:
-    shapes: list[tuple[int, ...]] = []
-    map_tensors(obj, lambda t: shapes.append(tuple(t.shape)))
-    return shapes
+def shapes_of(obj: Any) -> list[Shape]:
+    """The shapes of the tensors in ``obj``: in its mappings (a Hugging Face ``BatchEncoding`` too), sequences and
+    dataclasses, visited in place (nothing rebuilt)."""
+    if isinstance(obj, Tensor):
+        return [tuple(obj.shape)]
+    if isinstance(obj, Mapping):
+        items: Any = obj.values()
+    elif isinstance(obj, (list, tuple)):
+        items = obj
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        items = (getattr(obj, f.name) for f in dataclasses.fields(obj))
+    else:
+        return []
+    return [shape for item in items for shape in shapes_of(item)]
 
 
-def _listed(shapes: list[tuple[int, ...]]) -> str:
+def _listed(shapes: list[Shape]) -> str:
     return ", ".join(str(s) for s in shapes) or "none"
-
-
-@contextmanager
-def streams_untouched(device: torch.device) -> Iterator[None]:
-    """Whatever runs inside draws nothing from this process's streams (torch's, numpy's, Python's, the device's CUDA
-    generator): they are put back as they were."""
-    host = _collect_rng_states(include_cuda=False)
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    try:
-        yield
-    finally:
-        _set_rng_states(host)
-        if cuda is not None:
-            torch.cuda.set_rng_state(cuda, device)
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -147,6 +147,7 @@ from lit_efficient.strategy.trainer_glue import (
     seed_workers_by_replica,
     share_rank_zero_metrics,
     smallest_window,
+    streams_untouched,
     throughput_counts_replicas,
     without_sync_advice,
     writers_where_the_predictions_are,
@@ -1482,18 +1483,15 @@ class PACIStrategy(DDPStrategy):
         # In one process stage 0's pipeline_input draws with the streams put back: the evaluation step's own call draws
         # the same numbers once, as one device's (and as the last stage's rank on processes, whose streams every rank
         # takes at the end); it drew them twice.
-        with evaluation.streams_untouched(self.root_device) if self.in_process else nullcontext():
+        with streams_untouched(self.root_device) if self.in_process else nullcontext():
             outputs = self.runtime.evaluate(batch, self._eval_index)
         self._eval_index += 1
         if outputs is None:
             return None
         module = self.lightning_module
-
-        def pipeline_input() -> Any:  # what stage 0 computed on, for its shapes: drawing nothing a second time
-            with evaluation.streams_untouched(self.root_device):
-                return module.pipeline_input(batch)  # type: ignore[operator]
-
-        with evaluation.forward_answers(module, outputs[0] if len(outputs) == 1 else outputs, hook, pipeline_input):
+        with streams_untouched(self.root_device):  # what stage 0 computed on, for its shapes: nothing drawn twice
+            shapes = evaluation.shapes_of(module.pipeline_input(batch))  # type: ignore[operator]
+        with evaluation.forward_answers(module, outputs[0] if len(outputs) == 1 else outputs, hook, shapes):
             return getattr(module, hook)(batch, *args, **kwargs)
 
     # -- checkpoints (stage_checkpoints.py): one save path, one load path, for every hosting -----------

@@ -342,13 +342,31 @@ def draw_on_from_the_last_stage(topology: Topology, rank: int, group: dist.Proce
     a callback that drew on the last stage's rank only). A collective of every rank on ``group``, the strategy's
     gloo group of the whole world (an object collective without device copies, as its others; on NCCL the
     pipelines' groups would move the objects through the GPU): each rank takes its own pipeline's last stage's."""
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
     every: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(every, (_collect_rng_states(include_cuda=False), cuda), group=group)
-    host, cuda = every[topology.rank_of(topology.num_stages - 1, topology.replica_of(rank))]
+    dist.all_gather_object(every, random_streams(device), group=group)
+    set_random_streams(every[topology.rank_of(topology.num_stages - 1, topology.replica_of(rank))], device)
+
+
+def random_streams(device: torch.device) -> tuple[dict[str, Any], Tensor | None]:
+    """This process's random streams: the host's (torch's, numpy's, Python's) and ``device``'s CUDA generator."""
+    return _collect_rng_states(include_cuda=False), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+def set_random_streams(streams: tuple[dict[str, Any], Tensor | None], device: torch.device) -> None:
+    host, cuda = streams
     _set_rng_states(host)
     if cuda is not None and device.type == "cuda":
         torch.cuda.set_rng_state(cuda, device)
+
+
+@contextmanager
+def streams_untouched(device: torch.device) -> Iterator[None]:
+    """Whatever runs inside draws nothing from this process's random streams: they are put back as they were."""
+    kept = random_streams(device)
+    try:
+        yield
+    finally:
+        set_random_streams(kept, device)
 
 
 def keep_users_sampler(trainer: Trainer, num_replicas: int) -> None:

@@ -158,24 +158,66 @@ def test_a_prompt_cut_short_in_an_evaluation_step_is_refused_by_its_shapes():
         L.Trainer(strategy=PACIStrategy(pipeline_stages=2), **kw).predict(model, loader)
 
 
-def test_the_first_forward_check_takes_fewer_tensors_and_refuses_more_or_other_shapes():
-    """Position by position, args then keyword values: a bare input_ids of an (input_ids, attention_mask) input is
-    taken (a Hugging Face module's forward accepts it), as is an input without tensors to compare; another shape
-    or an extra tensor (one the pipeline never saw) is refused."""
-    from lit_efficient.strategy.evaluation import _check_shapes
+def test_the_first_forward_check_takes_fewer_tensors_in_any_order_and_refuses_more_or_other_shapes():
+    """Each tensor of the call needs one of pipeline_input's of its shape: a bare input_ids of an (input_ids,
+    attention_mask) input is taken (a Hugging Face module's forward accepts it), keyword arguments in another order,
+    a dict, a dataclass; another shape or an extra tensor (one the pipeline never saw) is refused."""
+    import dataclasses
 
-    ids, mask = torch.zeros(2, 8, dtype=torch.long), torch.ones(2, 8)
+    from lit_efficient.strategy.evaluation import _check_shapes, shapes_of
+
+    @dataclasses.dataclass
+    class Inputs:
+        ids: torch.Tensor
+        mask: torch.Tensor
+
+    ids, mask, pixels = torch.zeros(2, 8, dtype=torch.long), torch.ones(2, 8), torch.ones(2, 3, 4, 4)
+    expected = shapes_of({"input_ids": ids, "attention_mask": mask, "pixel_values": pixels})
+    assert expected == shapes_of(Inputs(ids, mask)) + [(2, 3, 4, 4)]
     taken = [
-        (((ids, mask),), {}), ((ids,), {}), ((), {"input_ids": ids, "attention_mask": mask}), ((ids,), {"mask": None}),
+        (((ids, mask, pixels),), {}), ((ids,), {}), ((), {"pixel_values": pixels, "input_ids": ids}),
+        ((ids,), {"mask": None}), (({"pixel_values": pixels, "input_ids": ids},), {}), ((Inputs(ids, mask),), {}),
         ((ids.float(), mask.bool()), {}),
     ]  # fmt: skip
     for given in taken:
-        _check_shapes(GPT, "validation_step", given, lambda: (ids, mask))
-    _check_shapes(GPT, "validation_step", ((ids[:, :3],), {}), lambda: {"tokens": "not a tensor"})
-    refused = [((ids[:, :5],), {}), ((ids, mask, mask), {}), ((mask.T,), {}), ((ids,), {"extra": mask[:, :2]})]
+        _check_shapes(GPT, "validation_step", given, expected)
+    _check_shapes(GPT, "validation_step", ((ids[:, :3],), {}), [])  # nothing to compare with
+    refused = [((ids[:, :5],), {}), ((ids, mask, mask), {}), ((mask.T,), {}), ((ids,), {"extra": pixels[:, 0]})]
     for given in refused:
         with pytest.raises(RuntimeError, match=r"called self\(...\) with tensors of shapes"):
-            _check_shapes(GPT, "validation_step", given, lambda: (ids, mask))
+            _check_shapes(GPT, "validation_step", given, expected)
+
+
+class _CutsItsBatch(GPT):
+    def predict_step(self, batch, batch_idx):
+        batch[0] = batch[0][:, :5]  # the batch changed before the call: still not what the pipeline ran
+        return self(self.pipeline_input(batch))
+
+
+class _TakesItsInput(GPT):
+    def pipeline_input(self, batch):
+        return batch["x"]
+
+    def predict_step(self, batch, batch_idx):
+        return self(batch.pop("x"))  # the input taken out of the batch: what the pipeline ran
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_the_first_forward_check_reads_the_batch_before_the_step_changes_it():
+    """The check computed pipeline_input(batch) at the step's first call: a batch cut in place before it passed, and
+    an input popped out of the batch raised a bare KeyError. Taken before the step runs."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lit_efficient import PACIStrategy
+
+    x = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(0))
+    kw = dict(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False)
+    sizes = dict(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=64)
+    pairs, rows = DataLoader(TensorDataset(x, x), batch_size=2), DataLoader([{"x": row} for row in x], batch_size=2)
+    with pytest.raises(RuntimeError, match=r"tensors of shapes \(2, 5\), but the pipeline ran"):
+        L.Trainer(strategy=PACIStrategy(pipeline_stages=2), **kw).predict(_CutsItsBatch(**sizes), pairs)
+    out = L.Trainer(strategy=PACIStrategy(pipeline_stages=2), **kw).predict(_TakesItsInput(**sizes), rows)
+    assert [tuple(o.shape) for o in out] == [(2, 8, 64), (2, 8, 64)]
 
 
 class _RandomlyMasked(GPT):
@@ -191,30 +233,26 @@ class _RandomlyMasked(GPT):
 
 
 @pytest.mark.usefixtures("one_thread")
-def test_the_first_forward_check_draws_nothing_from_the_streams(monkeypatch):
-    """The check computes pipeline_input(batch) again for its shapes: a random masking would draw a second time, and
-    every draw after it (the next batch's masking, a sampler's shuffle) would move. The same validation with the check
-    off gives the same result and leaves the streams where it does."""
+def test_a_random_pipeline_input_validates_in_one_process_as_on_one_device():
+    """Stage 0 computed pipeline_input, the shape check computed it again and the validation step called it: a random
+    masking was drawn three times per batch where one device draws it once, so the losses and every later draw (the
+    next epoch's shuffle) differed. Stage 0 and the check now draw with the streams put back: the step's own call
+    draws the masking one device draws, once."""
     from torch.utils.data import DataLoader, TensorDataset
 
     from lit_efficient import PACIStrategy
-    from lit_efficient.strategy import evaluation
 
     x = torch.randint(1, 64, (8, 8), generator=torch.Generator().manual_seed(0))
     loader = DataLoader(TensorDataset(x, x.roll(-1, 1)), batch_size=2)
     kw = dict(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False)
     results, after = {}, {}
-    for checked in (True, False):
-        if not checked:
-            monkeypatch.setattr(evaluation, "_check_shapes", lambda *args: None)
+    for name, strategy in (("one device", "auto"), ("pipeline", PACIStrategy(pipeline_stages=2))):
         torch.manual_seed(1)
         model = _RandomlyMasked(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=64)
-        results[checked] = L.Trainer(strategy=PACIStrategy(pipeline_stages=2), **kw).validate(
-            model, loader, verbose=False
-        )
-        after[checked] = torch.rand(3)
-    assert results[True] == results[False]
-    assert torch.equal(after[True], after[False])
+        results[name] = L.Trainer(strategy=strategy, **kw).validate(model, loader, verbose=False)
+        after[name] = torch.rand(3)
+    assert results["pipeline"] == results["one device"]
+    assert torch.equal(after["pipeline"], after["one device"])
 
 
 def test_a_throughput_monitor_multiplies_by_the_replicas_not_the_world_size():
