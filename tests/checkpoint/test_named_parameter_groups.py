@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lightning.pytorch import Trainer
 
 from lit_efficient import PACIStrategy
 from lit_efficient.models import GPT
-from tests.support.checkpoints import one_file
-from tests.support.gpt_runs import ordered_data
+from tests.support.checkpoints import fit_small_gpt, one_file
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -28,16 +26,7 @@ class _Named(GPT):
 
 
 def _fit(strategy, steps: int, ckpt=None, save=None) -> _Named:
-    torch.manual_seed(0)
-    model = _Named(n_layer=2, n_head=2, n_embd=32, block_size=32)
-    trainer = Trainer(
-        accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, accumulate_grad_batches=2, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-    )  # fmt: skip
-    trainer.fit(model, datamodule=ordered_data(), ckpt_path=ckpt)
-    if save is not None:
-        trainer.save_checkpoint(save)
-    return model
+    return fit_small_gpt(_Named, strategy, steps, ckpt, save)
 
 
 def _flush(**kw) -> PACIStrategy:

@@ -11,13 +11,12 @@ import warnings
 import lightning
 import pytest
 import torch
-from lightning.pytorch import Trainer
 from packaging.version import Version
 
 from lit_efficient import PACIStrategy
 from lit_efficient.checkpoint.merge import group_key
 from lit_efficient.models import GPT
-from tests.support.gpt_runs import ordered_data
+from tests.support.checkpoints import fit_small_gpt
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 # fit(..., weights_only=...) is Lightning 2.6's; before it the Trainer's loads were not weights-only.
@@ -73,17 +72,7 @@ class _LegacyKeys(GPT):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)  # no warmup: a step moves the weights by ~1e-2
 
 
-def _fit(cls, strategy, steps: int, ckpt=None, save=None, **fit_kw) -> GPT:
-    torch.manual_seed(0)
-    model = cls(n_layer=2, n_head=2, n_embd=32, block_size=32)
-    trainer = Trainer(
-        accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, accumulate_grad_batches=2, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-    )  # fmt: skip
-    trainer.fit(model, datamodule=ordered_data(), ckpt_path=ckpt, **fit_kw)
-    if save is not None:
-        trainer.save_checkpoint(save)
-    return model
+_fit = fit_small_gpt
 
 
 def _flush(**kw) -> PACIStrategy:

@@ -338,7 +338,8 @@ def test_shard_loading_obeys_weights_only(tmp_path):
     with pytest.raises(Exception, match="weights_only|Unpickl"):
         load_shard(path, weights_only=True)  # asked for safe loading: never silently a full unpickle
     assert isinstance(load_shard(path, weights_only=False)["extra"], _Opaque)
-    with pytest.warns(UserWarning, match="Only load checkpoints you trust"):
+    said = r"refuses \(tests.strategy.test_reliability._Opaque\); loading it in full, as a checkpoint you trust"
+    with pytest.warns(UserWarning, match=said):
         assert isinstance(load_shard(path)["extra"], _Opaque)  # unspecified: safe first, then full with a warning
     torch.save({"state_dict": {"w": torch.ones(2)}}, path)
     assert torch.equal(load_shard(path, weights_only=True)["state_dict"]["w"], torch.ones(2))

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 from lightning.fabric.utilities.load import _load_distributed_checkpoint
+from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.consolidate_checkpoint import _format_checkpoint
 
@@ -20,6 +21,25 @@ def one_file(path: Path) -> Path:
     out = path.with_name(path.name + ".consolidated")
     torch.save(_format_checkpoint(_load_distributed_checkpoint(path)), out)
     return out
+
+
+def fit_small_gpt(cls, strategy, steps: int, ckpt=None, save=None, **fit_kw):
+    """A seeded two-layer ``cls`` (a GPT subclass) fit for ``steps`` optimizer steps of 2 micro-batches on one
+    device or in one process, from ``ckpt`` if given, saved to ``save`` after; the model."""
+    from lit_efficient.models import GPT
+    from tests.support.gpt_runs import ordered_data
+
+    assert issubclass(cls, GPT)
+    torch.manual_seed(0)
+    model = cls(n_layer=2, n_head=2, n_embd=32, block_size=32)
+    trainer = Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, accumulate_grad_batches=2, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+    )  # fmt: skip
+    trainer.fit(model, datamodule=ordered_data(), ckpt_path=ckpt, **fit_kw)
+    if save is not None:
+        trainer.save_checkpoint(save)
+    return model
 
 
 class SaveBothFormatsAt(Callback):
