@@ -433,7 +433,8 @@ class PACIStrategy(DDPStrategy):
         self._after_finder = False
         self._fit_trained = False  # whether this fit's own training run started (`teardown`)
         self._module_logs_train_loss = False  # from its pipeline_loss: the strategy then logs no train_loss
-        self._first_batch_unchecked = self._first_eval_batch_unchecked = False
+        self._first_batch_unchecked = False
+        self._eval_loaders_checked: set[int] | None = None  # on processes: an evaluation's loaders checked so far
         self.checkpoint_format = checkpoint_format
         self.async_checkpoint = async_checkpoint
         self.local_sgd_steps = local_sgd_steps
@@ -1426,7 +1427,7 @@ class PACIStrategy(DDPStrategy):
     def _start_evaluation(self) -> None:
         self.drain()
         self._eval_index = 0
-        self._first_eval_batch_unchecked = not self.in_process  # each evaluation's first batch, as a fit's
+        self._eval_loaders_checked = None if self.in_process else set()  # each loader's first batch, as a fit's
 
     def end_evaluation(self) -> None:
         """Every stage draws on from the last stage's random streams (`trainer_glue.draw_on_from_the_last_stage`)."""
@@ -1477,9 +1478,11 @@ class PACIStrategy(DDPStrategy):
 
     def _evaluation_step(self, hook: str, batch: Any, *args: Any, **kwargs: Any) -> Any:
         assert self.runtime is not None
-        if self._first_eval_batch_unchecked:
-            self._first_eval_batch_unchecked = False
-            check_stages_read_alike(batch, self.topology, self._signal_group, hook.removesuffix("_step"))
+        # Lightning passes dataloader_idx after batch_idx when there are several loaders: each one's first batch
+        loader = args[1] if len(args) > 1 else kwargs.get("dataloader_idx", 0)
+        if self._eval_loaders_checked is not None and loader not in self._eval_loaders_checked:
+            self._eval_loaders_checked.add(loader)
+            check_stages_read_alike(batch, self.topology, self._signal_group, hook.removesuffix("_step"), loader=loader)
         # In one process stage 0's pipeline_input draws with the streams put back: the evaluation step's own call draws
         # the same numbers once, as one device's (and as the last stage's rank on processes, whose streams every rank
         # takes at the end); it drew them twice.

@@ -487,7 +487,7 @@ def batch_size_of(batch: Any) -> int | None:
 
 
 def check_stages_read_alike(
-    batch: Any, topology: Topology, group: dist.ProcessGroup, loop: str, epoch: int | None = None
+    batch: Any, topology: Topology, group: dist.ProcessGroup, loop: str, epoch: int | None = None, loader: int = 0
 ) -> None:
     """Raise on every rank when the stages of a pipeline read different first batches of a ``loop`` ("training",
     "validation", ...; of training ``epoch``). Stage 0 computes on its batch's inputs and the last stage scores the
@@ -495,8 +495,8 @@ def check_stages_read_alike(
     The strategy gives every rank rank 0's random streams and the same loader, so this catches data that each
     process draws or orders on its own (a generator seeded from the OS, a file listing in another order, an
     epoch's reshuffle drawn from a stream the ranks consumed differently). At the first batch of a fit, of each
-    training epoch and of each evaluation: a collective of every rank."""
-    of_epoch = f" of epoch {epoch}" if epoch else ""
+    training epoch and of each evaluation loader (``loader``, its dataloader_idx): a collective of every rank."""
+    of_epoch = f" of epoch {epoch}" if epoch else f" of dataloader {loader}" if loader else ""
     every: list[Any] = [None] * topology.world_size
     dist.all_gather_object(every, batch_fingerprint(batch), group=group)
     for replica in range(topology.num_replicas):

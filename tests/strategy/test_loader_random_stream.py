@@ -76,10 +76,20 @@ def _reshuffled_apart_loader() -> DataLoader:
     return DataLoader(data, batch_size=2, sampler=_OwnOrderFromTheSecondPass(len(data)))
 
 
-def _fit(seed: bool, callback: Callback, loader=_loader, val=None, **kw) -> None:
+class _TwoValidationSets(GPT):
+    def validation_step(self, batch, batch_idx, dataloader_idx=0):
+        self.log("val_loss", self.pipeline_loss(self(self.pipeline_input(batch)), batch)[0])
+
+
+def _two_validation_sets() -> list[DataLoader]:
+    """The first agrees across the ranks; the second each rank draws on its own."""
+    return [_loader(), _own_draws_loader()]
+
+
+def _fit(seed: bool, callback: Callback, loader=_loader, val=None, module=GPT, **kw) -> None:
     if seed:
         L.seed_everything(0)
-    model = GPT(n_layer=2, n_head=2, n_embd=32, block_size=8, vocab_size=256, warmup_steps=1, max_steps=4)
+    model = module(n_layer=2, n_head=2, n_embd=32, block_size=8, vocab_size=256, warmup_steps=1, max_steps=4)
     trainer = L.Trainer(
         accelerator="cpu", max_steps=4, accumulate_grad_batches=2, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[callback], **kw,
@@ -104,6 +114,7 @@ from pathlib import Path
 from lit_efficient import PACIStrategy
 from tests.strategy.test_loader_random_stream import _Batches, _fit, _loader
 from tests.strategy.test_loader_random_stream import _own_draws_loader, _reshuffled_apart_loader
+from tests.strategy.test_loader_random_stream import _TwoValidationSets, _two_validation_sets
 
 if __name__ == "__main__":
     out = Path(sys.argv[1])
@@ -120,6 +131,7 @@ if __name__ == "__main__":
     cases = (
         ("train", dict(loader=_own_draws_loader, val=_loader)), ("val", dict(val=_own_draws_loader)),
         ("epoch", dict(loader=_reshuffled_apart_loader, limit_train_batches=4)),
+        ("val2", dict(val=_two_validation_sets, module=_TwoValidationSets)),  # each loader's first batch
     )
     for kind, loaders in cases:
         try:
@@ -145,7 +157,8 @@ def test_every_stage_reads_the_batches_one_device_reads(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     for r in range(2):  # a pipeline fed other batches on each stage trained on mismatched pairs, silently
         for kind, batches in (("train", "training batches"), ("val", "validation batches"),
-                              ("epoch", "training batches of epoch 1")):  # fmt: skip
+                              ("epoch", "training batches of epoch 1"),
+                              ("val2", "validation batches of dataloader 1")):  # fmt: skip
             refused = (tmp_path / f"refused_{kind}{r}.txt").read_text()
             assert f"read different first {batches}: stage 0 (rank 1) and stage 1 (rank 0)" in refused, refused
     for seed in ("noseed", "seed"):
