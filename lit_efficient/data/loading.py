@@ -95,8 +95,9 @@ class ResumableLoader(DataLoader):
     the batches yielded in it; after ``load_state_dict()`` the next iteration of that epoch starts after them.
 
     The skipped batches are skipped as indices, never loaded. Takes DataLoader's arguments. With a sampler that
-    has no epoch (Lightning swaps in a sequential one under ``overfit_batches``) the state cannot tell the saved
-    epoch from the next one, so nothing is skipped: the epoch restarts, as a plain DataLoader's does.
+    has no epoch (``shuffle=False``'s sequential one; Lightning swaps one in under ``overfit_batches``) the state
+    cannot tell the saved epoch from the next one, so nothing is skipped: the epoch restarts, as a plain DataLoader's
+    does, with a warning when the state was taken mid-epoch. Give it `EpochShuffle` for an exact resume.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -147,6 +148,8 @@ class ResumableLoader(DataLoader):
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         # A generator: the body runs at the first batch, after Lightning's set_epoch for the epoch.
         counted, resume, self._resume = self._sampler_epoch(), self._resume, None
+        if counted is None and resume is not None and resume["batches"] and _rank_zero():
+            _warn_epoch_restarts(self, resume["batches"])
         epoch, same_epoch = self._read_epoch(counted, resume)
         if epoch != counted:  # Lightning counts ahead: the sampler draws the order of the epoch read
             for sampler in (self.sampler, getattr(self.batch_sampler, "sampler", None)):
@@ -188,6 +191,26 @@ class ResumableLoader(DataLoader):
                 "data module that wrote the checkpoint."
             )
         self._resume = dict(state)
+
+
+def _warn_epoch_restarts(loader: ResumableLoader, batches: int) -> None:
+    """A state of ``batches`` into an epoch that a sampler without an epoch cannot place: said, not silent (Lightning
+    warns only for loaders without a state, and a ``ResumableLoader(shuffle=False)`` has one)."""
+    try:
+        finished = batches >= len(loader)
+    except TypeError:  # no length: an IterableDataset's
+        finished = False
+    if finished:  # taken at an epoch's end: the next epoch starts at its first batch anyway
+        return
+    warnings.warn(
+        f"ResumableLoader: the checkpoint was taken {batches} batches into an epoch, but this loader's sampler "
+        f"({type(loader.sampler).__name__}) has no epoch, so the state cannot tell that epoch from the next: the "
+        f"loader starts the epoch again from its first batch, and Lightning, which counts {batches} of its batches as "
+        "done, ends it that many batches early. For an exact resume give the loader a sampler with an epoch "
+        "(ResumableLoader(dataset, sampler=EpochShuffle(len(dataset), seed)), shuffled), or resume from a checkpoint "
+        "taken at an epoch's end.",
+        stacklevel=1,  # this file's: the caller is Lightning's loader, which did nothing wrong
+    )
 
 
 def _rank_zero() -> bool:

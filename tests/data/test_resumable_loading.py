@@ -7,6 +7,7 @@ plain one-device Lightning and with the pipeline alike (issue 33, item 2).
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -317,3 +318,19 @@ def test_without_a_sampler_epoch_nothing_is_skipped(data):
     plain = ResumableLoader(loader.dataset, batch_size=4, drop_last=True)  # SequentialSampler: no set_epoch
     plain.load_state_dict({"epoch": None, "batches": len(plain)})
     assert len(_batches(plain)) == len(plain)
+
+
+def test_a_loader_whose_sampler_has_no_epoch_says_that_a_mid_epoch_state_restarts_the_epoch():
+    """``ResumableLoader(shuffle=False)`` cannot place a state taken mid-epoch (its sequential sampler has no epoch):
+    it restarted the epoch silently, where Lightning warns only for loaders without a state. A state taken at an
+    epoch's end restarts nothing that matters, and says nothing."""
+    loader = ResumableLoader(list(range(8)), batch_size=2)
+    loader.load_state_dict({"epoch": None, "batches": 2, "replicas": 1, "counted": None})
+    with pytest.warns(
+        UserWarning, match=r"taken 2 batches into an epoch, but this loader's sampler \(SequentialSampler"
+    ):
+        assert [int(b[0]) for b in loader] == [0, 2, 4, 6]
+    loader.load_state_dict({"epoch": None, "batches": 4, "replicas": 1, "counted": None})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert len(list(loader)) == 4
