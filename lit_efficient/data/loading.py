@@ -28,13 +28,14 @@ resumable"). Two pieces make the data modules' training order a function of (see
 
 from __future__ import annotations
 
+import inspect
 import numbers
 import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import DataLoader, IterableDataset, Sampler, SequentialSampler
 
 
 class EpochShuffle(Sampler[int]):
@@ -90,18 +91,37 @@ class _SkipFirst:
         return len(self.order)
 
 
+class SequentialWithEpoch(SequentialSampler):
+    """The dataset in order, every epoch, with the ``epoch`` Lightning sets (``set_epoch``): a `ResumableLoader`
+    made with ``shuffle=False`` reads it to tell a mid-epoch state's epoch from the next one."""
+
+    def __init__(self, data_source: Any) -> None:
+        super().__init__(data_source)
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+
 class ResumableLoader(DataLoader):
     """A DataLoader Lightning resumes mid-epoch: ``state_dict()`` is the epoch (the sampler's, set by Lightning) and
     the batches yielded in it; after ``load_state_dict()`` the next iteration of that epoch starts after them.
 
-    The skipped batches are skipped as indices, never loaded. Takes DataLoader's arguments. With a sampler that
-    has no epoch (``shuffle=False``'s sequential one; Lightning swaps one in under ``overfit_batches``) the state
-    cannot tell the saved epoch from the next one, so nothing is skipped: the epoch restarts, as a plain DataLoader's
-    does, with a warning when the state was taken mid-epoch. Give it `EpochShuffle` for an exact resume.
+    The skipped batches are skipped as indices, never loaded. Takes DataLoader's arguments; ``shuffle=False`` (the
+    default) reads the dataset in order through `SequentialWithEpoch`. With a sampler that has no epoch (a user's
+    own; Lightning swaps a plain sequential one in under ``overfit_batches``) the state cannot tell the saved epoch
+    from the next one, so nothing is skipped: the epoch restarts, as a plain DataLoader's does, with a warning when
+    the state was taken mid-epoch.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+        given = inspect.signature(DataLoader.__init__).bind(self, *args, **kwargs).arguments
+        given.pop("self")
+        ordered = not given.get("shuffle") and given.get("sampler") is None and given.get("batch_sampler") is None
+        if ordered and not isinstance(given["dataset"], IterableDataset):  # shuffle=False: in order, with an epoch
+            given["sampler"] = SequentialWithEpoch(given["dataset"])
+            given.pop("shuffle", None)
+        super().__init__(**given)
         self._epoch: int | None = None  # the epoch whose order the last iteration read
         self._counted: int | None = None  # the epoch Lightning had set for it
         self._ahead = 0  # how far Lightning's count runs ahead of the epochs read, since a resume (module docstring)

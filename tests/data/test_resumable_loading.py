@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from lightning.pytorch import LightningDataModule, LightningModule, seed_everything
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from lit_efficient import PACIStrategy
@@ -321,16 +321,47 @@ def test_without_a_sampler_epoch_nothing_is_skipped(data):
 
 
 def test_a_loader_whose_sampler_has_no_epoch_says_that_a_mid_epoch_state_restarts_the_epoch():
-    """``ResumableLoader(shuffle=False)`` cannot place a state taken mid-epoch (its sequential sampler has no epoch):
-    it restarted the epoch silently, where Lightning warns only for loaders without a state. A state taken at an
-    epoch's end restarts nothing that matters, and says nothing."""
-    loader = ResumableLoader(list(range(8)), batch_size=2)
+    """A sampler of the user's own without an epoch cannot place a state taken mid-epoch: the loader restarted the
+    epoch silently, where Lightning warns only for loaders without a state. A state taken at an epoch's end restarts
+    nothing that matters, and says nothing."""
+    from torch.utils.data import SequentialSampler
+
+    data = list(range(8))
+    loader = ResumableLoader(data, batch_size=2, sampler=SequentialSampler(data))
     loader.load_state_dict({"epoch": None, "batches": 2, "replicas": 1, "counted": None})
-    with pytest.warns(
-        UserWarning, match=r"taken 2 batches into an epoch, but this loader's sampler \(SequentialSampler"
-    ):
+    said = r"taken 2 batches into an epoch, but this loader's sampler \(SequentialSampler\) has no epoch"
+    with pytest.warns(UserWarning, match=said):
         assert [int(b[0]) for b in loader] == [0, 2, 4, 6]
     loader.load_state_dict({"epoch": None, "batches": 4, "replicas": 1, "counted": None})
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert len(list(loader)) == 4
+
+
+class _FromBatch(Callback):
+    def __init__(self, path: Path, batch_idx: int) -> None:
+        self.path, self.batch_idx = path, batch_idx
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if batch_idx == self.batch_idx and trainer.current_epoch == 0:
+            trainer.save_checkpoint(self.path)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_an_unshuffled_loader_passed_to_fit_resumes_mid_window_exactly(tmp_path):
+    """``ResumableLoader(dataset, shuffle=False)`` handed to ``fit``: its sequential sampler had no epoch, so a
+    checkpoint at batch 5 (mid-window, N=4) resumed reading batches 0-5 as its 6-11 (0.026 in the weights). It reads
+    the dataset in order through a sampler with Lightning's epoch now: the pipeline resumes exactly."""
+    x = torch.randint(1, 60, (24, BLOCK + 1), generator=torch.Generator().manual_seed(0))
+    rows = [(r[:-1], r[1:]) for r in x]
+
+    def fit(ckpt_path=None, save=False):
+        seed_everything(0)
+        model = gpt_model()
+        trainer = gpt_trainer(PACIStrategy(pipeline_stages=2, schedule="1f1b_flush"), 1, 3, tmp_path,
+                              callbacks=[_FromBatch(tmp_path / "mid.ckpt", 5)] if save else [])  # fmt: skip
+        trainer.fit(model, ResumableLoader(rows, batch_size=2), ckpt_path=ckpt_path)
+        return model
+
+    whole = fit(save=True)
+    assert max_diff(fit(tmp_path / "mid.ckpt"), whole) == 0.0
