@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from torch import Tensor
@@ -21,3 +22,20 @@ def map_tensors(obj: Any, fn: Callable[[Tensor], Any]) -> Any:
     if isinstance(obj, (list, tuple)):
         return type(obj)(map_tensors(v, fn) for v in obj)
     return obj
+
+
+def tensors_in(obj: Any) -> Iterator[Tensor]:
+    """The tensors in ``obj``'s mappings (a Hugging Face ``BatchEncoding`` too), lists, tuples and dataclasses, in
+    order, visited in place: nothing rebuilt (`map_tensors` rebuilds, which a tuple subclass of the user's may
+    refuse)."""
+    if isinstance(obj, Tensor):
+        yield obj
+    elif isinstance(obj, Mapping):
+        for value in obj.values():
+            yield from tensors_in(value)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            yield from tensors_in(value)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for field in dataclasses.fields(obj):
+            yield from tensors_in(getattr(obj, field.name))

@@ -17,6 +17,10 @@ import numpy as np
 from lightning.pytorch import LightningModule
 from torch import Tensor
 
+from lit_efficient.nested import tensors_in
+
+Shape = tuple[int, ...]
+
 
 @contextmanager
 def forward_answers(module: LightningModule, output: Any, hook: str, input_shapes: list[Shape]) -> Iterator[None]:
@@ -59,9 +63,6 @@ def forward_answers(module: LightningModule, output: Any, hook: str, input_shape
         )
 
 
-Shape = tuple[int, ...]
-
-
 def _check_shapes(module: LightningModule, hook: str, given: Any, expected: list[Shape]) -> None:
     """Refuses a first call with a tensor of a shape that ``pipeline_input(batch)`` has not (once per tensor it has):
     another input, or one the pipeline never saw. Order and names are not compared (keyword arguments, a dict in
@@ -83,19 +84,8 @@ def _check_shapes(module: LightningModule, hook: str, given: Any, expected: list
 
 
 def shapes_of(obj: Any) -> list[Shape]:
-    """The shapes of the tensors in ``obj``: in its mappings (a Hugging Face ``BatchEncoding`` too), sequences and
-    dataclasses, visited in place (nothing rebuilt)."""
-    if isinstance(obj, Tensor):
-        return [tuple(obj.shape)]
-    if isinstance(obj, Mapping):
-        items: Any = obj.values()
-    elif isinstance(obj, (list, tuple)):
-        items = obj
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        items = (getattr(obj, f.name) for f in dataclasses.fields(obj))
-    else:
-        return []
-    return [shape for item in items for shape in shapes_of(item)]
+    """The shapes of the tensors in ``obj`` (`nested.tensors_in`)."""
+    return [tuple(t.shape) for t in tensors_in(obj)]
 
 
 def _listed(shapes: list[Shape]) -> str:
