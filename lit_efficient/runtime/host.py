@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from lit_efficient.runtime.interpreter import PipelineRuntime
@@ -83,8 +84,13 @@ class StageHost:
         and under flush with a tied weight and norm clipping stage 0 must not be inside its step first: it
         would wait there for the last stage's tied gradient, which then could not complete its own step
         without stage 0's squared norm (`LocalStageSum`). The order changes no number.
+
+        With autograd on whatever the caller's mode: Lightning drains at a validation's start inside its loop's
+        no_grad, where a recomputed forward built no graph and the backwards of the micro-batches in flight added
+        nothing to their window (1e-2 in the weights, flush too).
         """
-        self._call_every_stage(lambda rt: rt.drain(step_partial_window), last_first=True)
+        with torch.enable_grad():
+            self._call_every_stage(lambda rt: rt.drain(step_partial_window), last_first=True)
 
     def run_others_until(self, done: Callable[[], bool], what: str) -> None:
         """Called from inside a stage's action that needs ``what`` from another stage: give every stage that

@@ -1374,7 +1374,7 @@ class PACIStrategy(DDPStrategy):
         Afterwards the model is consistent: every stage has taken exactly the optimizer steps of the
         windows completed so far (``trainer.global_step`` at a window end), and an incomplete window's
         gradients stay accumulated for the next batches. Between batches, under ``schedule="paci"``,
-        stage s has otherwise taken ``ceil((S-1-s)/N)`` steps fewer than the last stage. The strategy
+        stage s has otherwise taken up to ``ceil((S-1-s)/N)`` steps fewer than the last stage. The strategy
         drains by itself before validation (and its zero-grad hook), checkpoints, an epoch's end and
         the end of training; a callback that needs a consistent model at another point calls this.
         It costs the pipeline's warm-up once more (S-1 slots) at the next batch.

@@ -257,6 +257,8 @@ ROWS: list[Row] = [
         note="Lightning's own error first when accumulate_grad_batches > 1"),
     # -- validation, checkpoints, evaluation
     Row("val_check_interval in the middle of a window", trainer=dict(VAL, val_check_interval=3)),
+    Row("val_check_interval in the middle of a window, recompute=True", trainer=dict(VAL, val_check_interval=3),
+        strategy=dict(recompute=True), note="the drain at the validation's start recomputes with autograd on"),
     Row("check_val_every_n_epoch", trainer=dict(EPOCHS, check_val_every_n_epoch=2, **VAL)),
     Row("num_sanity_val_steps", trainer=dict(VAL, num_sanity_val_steps=2, val_check_interval=4)),
     Row("EarlyStopping", trainer=dict(VAL, max_steps=8, val_check_interval=2),
