@@ -478,12 +478,15 @@ class PipelineStage:
 
     def accumulation_state(self, window: bool = True) -> dict[str, Any]:
         """What a checkpoint needs besides weights and optimizer: the version, the stage's random stream,
-        and (``window``) the gradients and weight accumulated in a window not yet stepped."""
+        and (``window``) the gradients and weight accumulated in a window not yet stepped, with what its
+        staleness correction counted of it."""
         state: dict[str, Any] = {"version": self.version, "rng": self.rng}
         if window and self._window is not None:
             state.update(
                 window=self._window, grads=[p.grad for p in self.parameters()], microbatches=self._window_microbatches
             )
+            if self.correction is not None and (correction := self.correction.state_dict()):
+                state["correction"] = correction
         return state
 
     def load_accumulation_state(self, state: dict[str, Any]) -> None:
@@ -491,6 +494,8 @@ class PipelineStage:
         self.version = state.get("version", self.version)
         if "rng" in state:
             self.rng = state["rng"]
+        if self.correction is not None:
+            self.correction.load_state_dict(state.get("correction", {}))
         if "window" not in state:
             self._window = None
             self._window_microbatches = 0

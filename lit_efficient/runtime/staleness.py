@@ -128,6 +128,14 @@ class StalenessCorrection:
         stage's window so far of weight ``window_weight`` over ``window_microbatches`` backwards."""
         return nullcontext()
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint of a drained pipeline must carry for a resume to correct as the uninterrupted run
+        would (the stage's accumulation state holds it); most corrections read only the optimizer's state."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Inverse of `state_dict`."""
+
 
 class LRScale(StalenessCorrection):
     """PipeMare's rescheduling: scale the stage's learning rate by ``(1 + delay) ** -(1 - min(1, k / anneal_steps))``.
@@ -523,6 +531,16 @@ class DelayCompensation(StalenessCorrection):
             target = self._steps + pending_steps
             self._stale[target] = self._stale.get(target, 0) + pending_steps
         return nullcontext()
+
+    def state_dict(self) -> dict[str, Any]:
+        # The stale forwards of the window not yet stepped, by their step's distance from now: a checkpoint in the
+        # middle of a window resumed without them, and its step corrected a smaller share (6e-2 in the weights).
+        pending = [[target - self._steps, count] for target, count in sorted(self._stale.items())]
+        return {"stale": torch.tensor(pending, dtype=torch.int64)} if pending else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        stale = state.get("stale")
+        self._stale = {} if stale is None else {self._steps + int(d): int(n) for d, n in stale.tolist()}
 
     @contextmanager
     def step_context(self, optimizer: torch.optim.Optimizer, step: int) -> Iterator[None]:

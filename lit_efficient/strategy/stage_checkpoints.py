@@ -526,9 +526,9 @@ _PER_RANK = {
 def _load_rank_state(
     strategy: Any, hosted: HostedStage, state: dict[str, Any], accumulation: dict | None, global_step: int
 ) -> None:  # fmt: skip
-    # The stage's own step count and random stream come from its own record (same layout only):
-    # local_accumulation carries only an unfinished window, by name.
-    own = {k: v for k, v in state.get("accumulation", {}).items() if k in ("version", "rng")}
+    # The stage's own step count, random stream and staleness correction's counts come from its own record (same
+    # layout only: a stage's staleness is its layout's): local_accumulation carries only an unfinished window, by name.
+    own = {k: v for k, v in state.get("accumulation", {}).items() if k in ("version", "rng", "correction")}
     if accumulation or own:
         hosted.stage.load_accumulation_state({**own, **(accumulation or {})})
     if accumulation and "grads" in accumulation:  # as the stage holds them now: on its device
