@@ -476,7 +476,7 @@ class PACIStrategy(DDPStrategy):
         self._tie_groups: dict[int, LinkGroups] = {}
         self._launch_streams: dict[str, Any] | None = None
         self._sigterm_pending: deque[tuple[dist.Work, Tensor, int]] = deque()
-        self._metric_groups: list[tuple[Any, Any]] = []  # the user's metrics with their own groups (give_metrics_back)
+        self._metric_groups: list[tuple] = []  # the user's metrics with their own groups (give_metrics_back)
         self._sync_advice_back: Callable[[], None] | None = None  # Lightning's own warning cache (without_sync_advice)
         self._was_automatic = True
         self._eval_index = 0
@@ -720,8 +720,7 @@ class PACIStrategy(DDPStrategy):
                 last.stage.after_step = _then(last.stage.after_step, self._edits.refresh)
         self.setup_precision_plugin()
         self._prepare_runtimes(trainer)
-        if self._dp_groups:
-            self._metric_groups = point_metrics_at(module, self._dp_groups[self.pipeline_stages - 1])
+        self.point_metrics()
         self._join_lightning(trainer, fitting)
 
     def _links(self, tied: bool) -> ProcessLinks | LocalLinks:
@@ -1423,6 +1422,16 @@ class PACIStrategy(DDPStrategy):
             with torch.no_grad():
                 for tensor, value in zip(own, kept, strict=True):
                     tensor.copy_(value)
+
+    def point_metrics(self) -> None:
+        """The module's torchmetrics sync over the last stage's replicas (`trainer_glue.point_metrics_at`), those it
+        made since the last call too; nothing in one process (no group). Called at setup and by the strategy's
+        callback at each run's start and each epoch's end, before the user's hooks compute them."""
+        module = self.lightning_module
+        if self._dp_groups and module is not None:
+            here = f"stage {self.stage} (rank {self.global_rank})"
+            group = self._dp_groups[self.pipeline_stages - 1]
+            point_metrics_at(module, group, self.is_last_stage, here, self._metric_groups)
 
     def _start_evaluation(self) -> None:
         self.drain()

@@ -44,16 +44,34 @@ class SyncCallbackMetrics(Callback):
     cut short: `PACIStrategy.end_epoch`) and ``on_train_end``:
     Lightning calls the callbacks' hooks (and the module's) before the strategy's, and a validation in
     the middle of a window or a run stopped by ``max_steps`` mid-epoch would otherwise show them stage 0
-    still a step behind (docs/DESIGN.md section 7).
+    still a step behind (docs/DESIGN.md section 7). Before the user's hooks at each run's start and each epoch's end,
+    points the metrics the module made since at the last stage's group (`PACIStrategy.point_metrics`).
     """
 
     def _sync(self, trainer: Trainer) -> None:
         share_rank_zero_metrics(trainer)
 
     @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        trainer.strategy.point_metrics()  # type: ignore[attr-defined]
+
+    @override
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        trainer.strategy.point_metrics()  # type: ignore[attr-defined]
         trainer.strategy.drain()  # type: ignore[attr-defined]
         trainer.strategy.score_the_first_replica()  # type: ignore[attr-defined]
+
+    @override
+    def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        trainer.strategy.point_metrics()  # type: ignore[attr-defined]
+
+    @override
+    def on_test_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        trainer.strategy.point_metrics()  # type: ignore[attr-defined]
+
+    @override
+    def on_test_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        trainer.strategy.point_metrics()  # type: ignore[attr-defined]
 
     @override
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -70,6 +88,7 @@ class SyncCallbackMetrics(Callback):
 
     @override
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        trainer.strategy.point_metrics()  # type: ignore[attr-defined]
         trainer.strategy.end_epoch()  # type: ignore[attr-defined]
         self._sync(trainer)
 
@@ -409,17 +428,37 @@ def smallest_window(trainer: Trainer) -> int:
     return min(windows)
 
 
-def point_metrics_at(module: LightningModule, group: dist.ProcessGroup) -> list[tuple[Any, Any]]:
-    """torchmetrics sync over the last stage's replicas: the only ranks that update and compute them. Returns each
-    metric with the group it had, for `give_metrics_back`."""
+def point_metrics_at(
+    module: LightningModule, group: dist.ProcessGroup, hosts_last_stage: bool, here: str, pointed: list[tuple]
+) -> None:  # fmt: skip
+    """torchmetrics sync over the last stage's replicas: the only ranks that update and compute them.
+
+    Each metric the module holds and ``pointed`` has not is appended to it with its own group and sync function (for
+    `give_metrics_back`): the strategy's callback calls this again at each run's start and each epoch's end, for a
+    metric the module made after setup (in ``on_fit_start``, at an epoch's start), which had kept the whole world's
+    group while only the last stage computes it: a hang. On a rank hosting no last stage a compute (a callback's
+    hook, unguarded epoch-end code) gathered over a group the rank is not in ("stack expects a non-empty
+    TensorList"): there it raises what to guard instead."""
     try:
         from torchmetrics import Metric
     except ImportError:  # pragma: no cover - torchmetrics is a dependency
-        return []
-    metrics = [(m, m.process_group) for m in module.modules() if isinstance(m, Metric)]
-    for m, _ in metrics:
-        m.process_group = group
-    return metrics
+        return
+    known = {id(m) for m, *_ in pointed}
+    for m in module.modules():
+        if isinstance(m, Metric) and id(m) not in known:
+            pointed.append((m, m.process_group, m.dist_sync_fn))
+            m.process_group = group
+            if not hosts_last_stage:
+                m.dist_sync_fn = functools.partial(_no_metric_here, here, type(m).__name__)
+
+
+def _no_metric_here(here: str, name: str, *args: Any, **kwargs: Any) -> Any:
+    raise RuntimeError(
+        f"A torchmetrics {name} of the module was computed on {here}, which hosts no last stage: the evaluation "
+        "steps and pipeline_loss update it on the last stage's ranks only, so it holds nothing here. Guard the code "
+        "that computes it (a callback's or an epoch-end hook) with `if trainer.strategy.is_last_stage:`; what the "
+        "last stage logs reaches every rank."
+    )
 
 
 _SYNC_ADVICE = "It is recommended to use `self.log("
@@ -458,11 +497,12 @@ def without_sync_advice(num_replicas: int) -> Callable[[], None]:
     return put_back
 
 
-def give_metrics_back(metrics: list[tuple[Any, Any]]) -> None:
-    """Each metric's own group again (`point_metrics_at`) when the run's groups are destroyed: the user's module
-    must not keep a dead group (a later run's sync would use it), nor keep its gloo threads and sockets alive."""
-    for m, group in metrics:
-        m.process_group = group
+def give_metrics_back(metrics: list[tuple]) -> None:
+    """Each metric's own group and sync function again (`point_metrics_at`) when the run's groups are destroyed: the
+    user's module must not keep a dead group (a later run's sync would use it), nor keep its gloo threads and
+    sockets alive."""
+    for m, group, sync in metrics:
+        m.process_group, m.dist_sync_fn = group, sync
 
 
 def first_training_batch(trainer: Trainer) -> Any:

@@ -217,6 +217,11 @@ class _LogsFromPipelineLoss(GPT):
             self.items_mean.update(items.float())
         return loss, items
 
+    def on_fit_start(self):  # a metric made after the strategy's setup
+        import torchmetrics
+
+        self.val_late = torchmetrics.MeanMetric()
+
     def validation_step(self, batch, batch_idx):
         gathered = self.all_gather(torch.tensor([float(batch_idx) + 1.0]))
         self.log("gathered_sum", gathered.sum(), batch_size=batch[0].shape[0])
@@ -225,6 +230,7 @@ class _LogsFromPipelineLoss(GPT):
         loss = super().validation_step(batch, batch_idx)
         self.val_losses.append(loss)
         self.val_mean.update(loss)
+        self.val_late.update(loss)
         return loss
 
     def on_validation_epoch_end(self):
@@ -232,6 +238,8 @@ class _LogsFromPipelineLoss(GPT):
         self.val_losses.clear()
         self.log("val_mean", self.val_mean.compute())  # gathered over a group stage 0's ranks are not in
         self.val_mean.reset()
+        self.log("val_late", self.val_late.compute())  # gathered over the world: stage 0's ranks never came
+        self.val_late.reset()
 
     def on_train_epoch_end(self):
         if self.trainer.strategy.is_last_stage:
@@ -247,6 +255,20 @@ class _RecordMetrics(L.Callback):
         if trainer.global_rank == 0:
             metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
             self.path.write_text(json.dumps(metrics))
+
+
+class _ComputesTheModulesMetric(L.Callback):
+    """A callback computing the module's metric, unguarded: as under DDP, on every rank."""
+
+    def __init__(self, path) -> None:
+        self.path = path
+
+    def on_validation_epoch_end(self, trainer, pl_module) -> None:
+        try:
+            value: float | str = float(pl_module.val_mean.compute())
+        except RuntimeError as err:
+            value = str(err)
+        (self.path / f"computed{trainer.global_rank}.json").write_text(json.dumps(value))
 
 
 class _SeesEpochEndMetrics(Checkpoint):
@@ -268,7 +290,10 @@ def test_metrics_logged_in_pipeline_loss_reach_the_logger(tmp_path, replicas):
     evaluation step. Lightning's epoch-end patterns work as on one device: stage 0's ranks, which never ran the
     evaluation steps, raised in on_validation_epoch_end (an empty outputs list; a metric gathered over the last
     stage's group), and a monitoring callback after on_train_epoch_end read what the last stage logged there on
-    every rank."""
+    every rank. A metric the module makes after setup (in on_fit_start) syncs over the last stage's replicas too
+    (over the world it waited forever for stage 0), and a callback computing the module's metric on a rank without
+    the last stage is told to guard it (a gather over a group the rank is not in: "stack expects a non-empty
+    TensorList")."""
     import torchmetrics
 
     module = _model()
@@ -278,7 +303,8 @@ def test_metrics_logged_in_pipeline_loss_reach_the_logger(tmp_path, replicas):
     strategy = PACIStrategy(pipeline_stages=2, schedule="paci", start_method="forkserver")
     _fit_with_data(
         module, strategy, 2 * replicas, 2, 3, limit_val_batches=1, val_check_interval=2, limit_train_batches=4,
-        callbacks=[_RecordMetrics(out), _SeesEpochEndMetrics(tmp_path)], enable_checkpointing=True,
+        callbacks=[_RecordMetrics(out), _SeesEpochEndMetrics(tmp_path), _ComputesTheModulesMetric(tmp_path)],
+        enable_checkpointing=True,
     )  # fmt: skip
     metrics = json.loads(out.read_text())
     assert metrics["train_items"] == 4 * 32  # batch_size x block tokens, every micro-batch
@@ -289,6 +315,14 @@ def test_metrics_logged_in_pipeline_loss_reach_the_logger(tmp_path, replicas):
     # Over every replica's batch, as val_loss (sync_dist) is: the same batch size on each.
     assert metrics["val_stacked"] == pytest.approx(metrics["val_loss"], rel=1e-6)
     assert metrics["val_mean"] == pytest.approx(metrics["val_loss"], rel=1e-6)
+    assert metrics["val_late"] == pytest.approx(metrics["val_loss"], rel=1e-6)
+    computed = [json.loads((tmp_path / f"computed{rank}.json").read_text()) for rank in range(2 * replicas)]
+    stage = [0 if rank % 2 else 1 for rank in range(2 * replicas)]  # global rank 0 hosts the last stage
+    for rank, value in enumerate(computed):
+        if stage[rank] == 1:
+            assert value == pytest.approx(metrics["val_loss"], rel=1e-6), (rank, value)
+        else:
+            assert "hosts no last stage" in value and "trainer.strategy.is_last_stage" in value, (rank, value)
     seen = [json.loads((tmp_path / f"seen{rank}.json").read_text()) for rank in range(2 * replicas)]
     assert seen == [4 * 32] * (2 * replicas), seen
 
