@@ -30,7 +30,16 @@ Metric keys (logged from global rank 0 through ``trainer.loggers``, at the step 
   ``memory/peak_rss_bytes_stage{s}``, the process's peak resident set size since the process started
   (interpreter and libraries included), named so on the chart as it is not the same quantity.
 
-Under a strategy without a pipeline (single device, DDP) only throughput and memory (``stage0``) apply.
+- with ``grad_norm=True``, ``grad/norm``: the whole model's gradient 2-norm at the interval's last optimizer step,
+  before clipping, as Lightning's ``grad_norm(module, 2)`` in ``on_before_optimizer_step`` gives it on one device
+  (a hook PACIStrategy never runs): reduced over the replicas and normalized by the window, a tied weight counted
+  once; and under PACIStrategy ``grad/norm_stage{s}``, stage s's share, whose squares sum to the whole's square.
+  Under 1F1B-flush every stage's last step is the same window's, and ``grad/norm`` equals one device's; under PACI
+  stage s's last step may be up to ceil((S-1-s)/N) windows older than the last stage's at a window's end. Under
+  LocalSGD/DiLoCo, whose replicas step on their own gradients, the replicas' root mean square.
+
+Under a strategy without a pipeline (single device, DDP) only throughput, memory (``stage0``) and ``grad/norm``
+apply.
 With the whole pipeline in one process (``Trainer(devices=1)``) every stage has its row and its timeline,
 as S ranks would; utilization there describes the stages' turns on one device, and every stage's memory
 key holds that device's peak.
@@ -38,7 +47,10 @@ key holds that device's peak.
 
 from __future__ import annotations
 
+import functools
 import json
+import math
+import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -57,6 +69,7 @@ from lit_efficient.checks import check_flags, is_count
 from lit_efficient.runtime.actions import Action
 from lit_efficient.runtime.clock import Clock, Mark, clock_for
 from lit_efficient.runtime.host import StageHost
+from lit_efficient.runtime.tied import squared_grad_norm
 from lit_efficient.strategy.paci import PACIStrategy
 from lit_efficient.strategy.runs import free_path, run_dir
 from lit_efficient.strategy.trainer_glue import first_tensor
@@ -90,6 +103,8 @@ class Row(NamedTuple):
     tokens: float
     samples: float
     peak_bytes: float
+    grad_sq: float = math.nan  # the squared gradient norm of the stage's last step (grad_norm=True; NaN: not measured)
+    sum_replicas: bool = False  # grad_sq is the stage's share of this replica (a sharded optimizer state's chunk)
 
 
 class TimelineEvent(NamedTuple):
@@ -116,17 +131,24 @@ class PipelineMonitor(Callback):
     Args:
         logging_interval: Optimizer steps between two logged values (each covers its interval).
         timeline: Record a bounded window of the pipeline's actions and write the timeline files.
+        grad_norm: Also log the gradient norm before clipping (``grad/norm``, and ``grad/norm_stage{s}`` per stage),
+            at each interval's last optimizer step: what Lightning's ``grad_norm`` in ``on_before_optimizer_step``
+            shows on one device, a hook PACIStrategy never runs. Costs one pass over each stage's gradients per
+            optimizer step (as norm clipping does).
     """
 
-    def __init__(self, logging_interval: int = 50, timeline: bool = False) -> None:
+    def __init__(self, logging_interval: int = 50, timeline: bool = False, grad_norm: bool = False) -> None:
         super().__init__()
         if not is_count(logging_interval):
             raise ValueError(
                 f"logging_interval={logging_interval!r} must be an integer >= 1 (optimizer steps between logs)"
             )
-        check_flags("PipelineMonitor", timeline=timeline)
+        check_flags("PipelineMonitor", timeline=timeline, grad_norm=grad_norm)
         self.logging_interval = logging_interval
         self.timeline = timeline
+        self.grad_norm = grad_norm
+        # Each measured stage's squared gradient norm at its last optimizer step, on its device (read at the log).
+        self._grad_sq: dict[int, torch.Tensor] = {}
         self.timeline_paths: list[Path] = []  # files written (rank 0), for the caller
         self._tokens = 0
         self._samples = 0
@@ -163,6 +185,10 @@ class PipelineMonitor(Callback):
         if isinstance(trainer.strategy, PACIStrategy) and self._logging:
             trainer.strategy.pause_spans = []  # the strategy times its saves from here to on_train_end
         self._last_step = self._logged_step = trainer.global_step
+        self._grad_sq = {}
+        if self.grad_norm and runtime is not None:
+            for rt in runtime.runtimes:
+                rt.stage.measure_gradients = functools.partial(self._measure, rt.stage.stage, rt.stage.device)
         self._timeline_done = not self.timeline
         self._recording, self._recorded = False, None
         if not self._logging:
@@ -200,6 +226,16 @@ class PipelineMonitor(Callback):
             self._log(trainer, runtime)
 
     @override
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        # Without a pipeline (one device, DDP): Lightning's own hook, where its grad_norm reads the gradients. Under
+        # PACIStrategy it never runs; the stages measure theirs in their steps (`_measure`).
+        if self.grad_norm and _runtime(trainer) is None:
+            self._measure(0, trainer.strategy.root_device, list(pl_module.parameters()))
+
+    def _measure(self, stage: int, device: torch.device, params: list[torch.nn.Parameter]) -> None:
+        self._grad_sq[stage] = squared_grad_norm(params, device)
+
+    @override
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._validation_start = self._device_clock(trainer).mark()
 
@@ -225,8 +261,12 @@ class PipelineMonitor(Callback):
             self._recorded = None
         # Events are no state to keep (nor to pickle into a later fit's ranks): the next fit starts afresh.
         self._clock = self._interval_start = self._pauses = self._validation_start = None
+        self._grad_sq = {}
         if isinstance(trainer.strategy, PACIStrategy):
             trainer.strategy.pause_spans = None
+        if runtime is not None:
+            for rt in runtime.runtimes:
+                rt.stage.measure_gradients = None
 
     # -- metrics -----------------------------------------------------------------------------------
 
@@ -240,7 +280,8 @@ class PipelineMonitor(Callback):
         if saves:
             saves.clear()
         pauses = _merged(clock.host_seconds([m for span in spans for m in span]))
-        rows = _local_rows(trainer, runtime, self._tokens, self._samples, pauses)
+        grad_sq = {stage: float(squared) for stage, squared in self._grad_sq.items()}  # a host sync on a GPU
+        rows = _local_rows(trainer, runtime, self._tokens, self._samples, pauses, grad_sq)
         device = trainer.strategy.root_device
         local = torch.tensor(rows, dtype=torch.float32 if device.type == "mps" else torch.float64, device=device)
         # Synchronization point every `logging_interval` optimizer steps: one all-gather of a few
@@ -360,6 +401,18 @@ def aggregate(rows: Sequence[Row], wall_seconds: float, memory: str = "memory/pe
     metrics["throughput/samples_per_sec"] = sum(r.samples for r in first) * per_sec
     for s in stages:
         metrics[f"{memory}_stage{s}"] = max(r.peak_bytes for r in by_stage[s])
+    measured = {s: [r for r in by_stage[s] if not math.isnan(r.grad_sq)] for s in stages}
+    if any(measured.values()):
+        # Replicas reduced their gradients alike (their mean is each one's), hold their chunk of a sharded state
+        # (their sum is the stage's), or under LocalSGD/DiLoCo step on their own (their root mean square).
+        squares = {
+            s: (sum if mine[0].sum_replicas else statistics.fmean)(r.grad_sq for r in mine)
+            for s, mine in measured.items()
+            if mine
+        }
+        if any(r.pipeline for r in rows):
+            metrics.update({f"grad/norm_stage{s}": math.sqrt(sq) for s, sq in squares.items()})
+        metrics["grad/norm"] = math.sqrt(sum(squares.values()))
     return metrics
 
 
@@ -439,17 +492,22 @@ def _runtime(trainer: Trainer) -> StageHost | None:
 
 
 def _local_rows(
-    trainer: Trainer, runtime: StageHost | None, tokens: int, samples: int, pauses: Sequence[tuple[float, float]]
+    trainer: Trainer, runtime: StageHost | None, tokens: int, samples: int, pauses: Sequence[tuple[float, float]],
+    grad_sq: dict[int, float] | None = None,
 ) -> list[Row]:  # fmt: skip
     """This process's rows: one per hosted stage (one on a rank, every stage in one process). Training's alone: a
     stage's evaluation forwards are left out of its busy time, and the ``pauses`` (validation inside fit, saves; on
     the host's ``perf_counter`` axis, disjoint) out of its elapsed time, as far as they lie inside it: a pause after
-    the interval's last action, or before its first, was never part of it."""
+    the interval's last action, or before its first, was never part of it. ``grad_sq``: each measured stage's
+    squared gradient norm at its last step."""
     peak = _peak_bytes(trainer.strategy.root_device)
+    grad_sq = grad_sq or {}
     if runtime is None:
-        return [Row(0, trainer.global_rank, False, 0.0, 0.0, 0.0, 0.0, 0.0, tokens, samples, peak)]
+        measured = grad_sq.get(0, math.nan)
+        return [Row(0, trainer.global_rank, False, 0.0, 0.0, 0.0, 0.0, 0.0, tokens, samples, peak, measured)]
     strategy = trainer.strategy
     assert isinstance(strategy, PACIStrategy)
+    sharded = strategy.shard_optimizer_state and strategy.topology is not None and strategy.topology.num_replicas > 1
     rows = []
     for rt in runtime.runtimes:
         s = rt.stats()
@@ -458,7 +516,7 @@ def _local_rows(
         elapsed = max(0.0, s["elapsed_seconds"] - paused)
         rows.append(Row(
             rt.stage.stage, strategy.replica, True, busy, elapsed, s["drift_max"], rt.stage.stats.drift_sum,
-            s["backwards"], tokens, samples, peak,
+            s["backwards"], tokens, samples, peak, grad_sq.get(rt.stage.stage, math.nan), sharded,
         ))  # fmt: skip
     return rows
 

@@ -61,6 +61,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
 
+import torch
 from torch import Tensor, nn
 
 from lit_efficient.runtime.schedules import ScheduleName
@@ -268,6 +269,16 @@ def counted_in_global_norm(param: nn.Parameter) -> bool:
     """Whether a pipeline-wide gradient norm counts ``param``: a tied weight's second copy holds the same
     gradient as the first, so the exact (flush) norm counts it once."""
     return getattr(param, TIED_ATTR, True)
+
+
+def squared_grad_norm(params: list[nn.Parameter], device: torch.device) -> Tensor:
+    """The squared norm ``params``' gradients add to a pipeline-wide gradient norm (a tied weight's second copy not
+    counted), in fp32 on ``device``: no host sync."""
+    squared = torch.zeros(1, device=device, dtype=torch.float32)
+    for p in params:
+        if p.grad is not None and counted_in_global_norm(p):
+            squared += p.grad.detach().float().pow(2).sum()
+    return squared
 
 
 def is_tied(param: nn.Parameter) -> bool:

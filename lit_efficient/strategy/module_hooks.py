@@ -220,6 +220,11 @@ def warn_uncalled_hooks(module: LightningModule, callbacks: Iterable[Callback]) 
         parts.append(
             f"these overridden hooks never run under PACIStrategy: {', '.join(hooks)} (the pipeline stages run "
             "forward, backward, gradient clipping from Trainer(gradient_clip_val=...) and their own optimizer steps)"
+            + (
+                "; PipelineMonitor(grad_norm=True) logs the gradient norm before clipping"
+                if any(h.endswith(".on_before_optimizer_step") for h in hooks)
+                else ""
+            )
         )
     if logged:
         parts.append(

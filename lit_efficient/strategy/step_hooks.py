@@ -24,7 +24,7 @@ from torch import Tensor
 from lit_efficient.replicas.averaging import ReplicaAverager, ReplicaMean
 from lit_efficient.replicas.sharded_optimizer import ShardedOptimizer
 from lit_efficient.runtime.stage import PipelineStage
-from lit_efficient.runtime.tied import counted_in_global_norm, is_tied
+from lit_efficient.runtime.tied import is_tied, squared_grad_norm
 from lit_efficient.strategy.trainer_glue import global_step_reading
 from lit_efficient.transport.collectives import all_reduce_flat
 
@@ -220,7 +220,7 @@ def _clipper(
             # Posted before its tied exchange (`post_norm_before_tied_exchange`): the sum is read into it.
             squared = torch.zeros(1, device=device, dtype=torch.float32)
         else:
-            squared = _squared_norm(params, device)
+            squared = squared_grad_norm(params, device)
         if sharded_group is not None:
             # shard_optimizer_state: each replica's gradients are its chunk and zeros, so the replicas' sum of
             # squares is the stage's (one more all-reduce of one number; sharding refuses tied weights).
@@ -252,7 +252,7 @@ def post_norm_before_tied_exchange(stage: PipelineStage, stage_sum: Any) -> None
     assert exchange is not None and stage.is_last
 
     def post_then_exchange() -> None:
-        stage_sum.post(stage.stage, _squared_norm(list(stage.parameters()), stage.device))
+        stage_sum.post(stage.stage, squared_grad_norm(list(stage.parameters()), stage.device))
         exchange()
 
     stage.exchange_tied = post_then_exchange
@@ -319,15 +319,6 @@ def _notify_sigterm_without_a_barrier(trainer: Trainer) -> None:
         connector.received_sigterm = True
 
     connector._sigterm_notifier_fn = notify
-
-
-def _squared_norm(params: list[torch.nn.Parameter], device: torch.device) -> Tensor:
-    """The squared norm ``params`` add to a pipeline-wide gradient norm (a tied weight's second copy not counted)."""
-    squared = torch.zeros(1, device=device, dtype=torch.float32)
-    for p in params:
-        if p.grad is not None and counted_in_global_norm(p):
-            squared += p.grad.detach().float().pow(2).sum()
-    return squared
 
 
 class _SchedulerGroup:

@@ -57,6 +57,8 @@ def test_arguments_are_checked():
             PipelineMonitor(logging_interval=bad)
     with pytest.raises(ValueError, match=r"timeline='yes'\) must be True or False"):
         PipelineMonitor(timeline="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"grad_norm='false'\) must be True or False"):
+        PipelineMonitor(grad_norm="false")  # type: ignore[arg-type]
 
 
 def test_aggregate_averages_replicas_and_counts_each_replica_once():
@@ -172,6 +174,22 @@ def test_whether_it_logs_is_rank_zeros_answer_on_every_rank(rank_zero_logs):
 
 
 # ---------------------------------------------------------------- single device (in-process)
+
+
+def test_aggregate_combines_the_stages_gradient_norms_as_the_replicas_hold_them():
+    def row(stage, replica, grad_sq, pipeline=True, sharded=False):
+        return Row(stage, replica, pipeline, 1.0, 1.0, 0, 0, 1, 8, 1, 1, grad_sq, sharded)
+
+    # Replicas that reduced their gradients hold the same (mean = each); under LocalSGD their root mean square.
+    m = aggregate([row(1, 0, 9.0), row(0, 0, 16.0), row(1, 1, 9.0), row(0, 1, 4.0)], wall_seconds=1.0)
+    assert (m["grad/norm_stage1"], m["grad/norm_stage0"]) == (3.0, pytest.approx(10.0**0.5))
+    assert m["grad/norm"] == pytest.approx(19.0**0.5)
+    # A sharded optimizer state: each replica holds its chunk of the stage's gradient, the stage's square their sum.
+    sharded = aggregate([row(0, r, sq, sharded=True) for r, sq in enumerate((1.0, 3.0))], wall_seconds=1.0)
+    assert sharded["grad/norm_stage0"] == sharded["grad/norm"] == 2.0
+    ddp = aggregate([row(0, r, 4.0, pipeline=False) for r in range(2)], wall_seconds=1.0)
+    assert ddp["grad/norm"] == 2.0 and not any(k.startswith("grad/norm_stage") for k in ddp)
+    assert not any(k.startswith("grad/") for k in aggregate([row(0, 0, float("nan"))], wall_seconds=1.0))
 
 
 def test_single_device_logs_throughput_and_memory(tmp_path):
@@ -387,7 +405,7 @@ def test_a_stages_row_leaves_validation_inside_fit_out(monkeypatch):
     stats = {"busy_seconds": 3.0, "elapsed_seconds": 10.0, "drift_max": 0.0, "backwards": 4}
     runtime = types.SimpleNamespace(runtimes=[types.SimpleNamespace(stage=stage, stats=lambda: stats)])
     monkeypatch.setattr(pipeline_monitor, "PACIStrategy", types.SimpleNamespace)  # a stand-in strategy, set up
-    strategy = types.SimpleNamespace(replica=0, root_device=torch.device("cpu"))
+    strategy = types.SimpleNamespace(replica=0, root_device=torch.device("cpu"), shard_optimizer_state=False)
     trainer = types.SimpleNamespace(strategy=strategy, global_rank=0)
     measured = types.SimpleNamespace(stage=stage, stats=lambda: stats, measured_range=lambda: (100.0, 110.0))
     runtime = types.SimpleNamespace(runtimes=[measured])
@@ -416,9 +434,9 @@ def test_checkpoint_saves_inside_fit_are_left_out_of_the_stages_time(tmp_path, m
         saves.append((start, time.perf_counter()))
         return out
 
-    def seen_rows(trainer, runtime, tokens, samples, paused):
+    def seen_rows(trainer, runtime, tokens, samples, paused, *rest):
         pauses.extend(paused)
-        return rows(trainer, runtime, tokens, samples, paused)
+        return rows(trainer, runtime, tokens, samples, paused, *rest)
 
     monkeypatch.setattr(stage_checkpoints, "save", slow_write)
     monkeypatch.setattr(pipeline_monitor, "_local_rows", seen_rows)

@@ -49,7 +49,7 @@ from lightning.pytorch.callbacks import (
     ThroughputMonitor,
 )
 
-from lit_efficient import ActivationCheckpointing, GradientAccumulation
+from lit_efficient import ActivationCheckpointing, GradientAccumulation, PipelineMonitor
 from tests.support.compare import assert_same as _assert_same
 from tests.support.feature_matrix_parts import (
     N,
@@ -71,6 +71,7 @@ from tests.support.feature_matrix_parts import (
     _frozen,
     _frozen_stays,
     _gpt,
+    _grad_norms_logged,
     _graphs,
     _IterableText,
     _kept,
@@ -246,6 +247,11 @@ ROWS: list[Row] = [
         "1e-7; among the stages in one process, a weight tied across stages too: tests/strategy/test_clipping.py). "
         "One device takes the norm of per-parameter norms: the clip factor differs by rounding, which AdamW "
         "magnifies on near-zero gradients (a small GPT, 10 steps: 1e-6 in a bias; 4e-3 under bf16-mixed)"),
+    Row("PipelineMonitor(grad_norm=True): the gradient norm before clipping", trainer=dict(gradient_clip_val=0.1),
+        callbacks=lambda root: [PipelineMonitor(logging_interval=1, grad_norm=True)], check=_grad_norms_logged,
+        ignore=r"(throughput|memory|pipeline)/.*|grad/norm_stage\d+", tolerance=1e-6, processes=True,
+        note="what Lightning's grad_norm in on_before_optimizer_step gives on one device (a hook the pipeline never "
+        "runs); per stage too"),
     Row("gradient-norm clipping under paci",
         how=DOCUMENTED + "each stage clips its own norm, said once at setup", trainer=dict(gradient_clip_val=0.1),
         schedule="paci", exact=False, check=_clips_per_stage, note="issue 22 item 6; flush clips the global norm"),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import lightning as L
 import pytest
 import torch
@@ -50,6 +52,13 @@ def test_overrides_that_never_run_are_named():
     assert training_step_logs(module) == ["train_acc", "log_dict(...)"]
     with pytest.warns(UserWarning, match=r"on_after_backward.*train_acc, log_dict\(\.\.\.\).*pipeline_loss"):
         warn_uncalled_hooks(module, [_GradNormLogger()])
+    # A gradient-norm logger's replacement is named where on_before_optimizer_step is overridden.
+    with pytest.warns(UserWarning, match=r"PipelineMonitor\(grad_norm=True\) logs the gradient norm"):
+        warn_uncalled_hooks(module, [_GradNormLogger()])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warn_uncalled_hooks(module, [])
+    assert caught and not [w for w in caught if "grad_norm=True" in str(w.message)]
 
 
 def test_a_lambda_callbacks_hooks_that_never_run_are_named():

@@ -623,6 +623,17 @@ def _lrs_logged(piped: dict, ref: dict) -> None:
     assert len(lrs) >= 3 and len(set(lrs)) > 1, piped["rows"]
 
 
+def _grad_norms_logged(piped: dict, ref: dict) -> None:
+    """PipelineMonitor(grad_norm=True) logged the norm before clipping at every step on both sides (compared by the
+    row); under the pipeline each stage's share too, whose squares sum to the whole's."""
+    steps = [metrics for _, metrics in piped["rows"] if "grad/norm" in metrics]
+    assert len(steps) >= 3 and len({m["grad/norm"] for m in steps}) > 1, piped["rows"]
+    assert len([m for _, m in ref["rows"] if "grad/norm" in m]) == len(steps), ref["rows"]
+    for m in steps:
+        whole = (m["grad/norm_stage0"] ** 2 + m["grad/norm_stage1"] ** 2) ** 0.5
+        assert abs(whole - m["grad/norm"]) <= 1e-6 * m["grad/norm"] and m["grad/norm"] > 0.1, m  # clipped at 0.1
+
+
 def _stopped_early(piped: dict, ref: dict) -> None:
     assert piped["observed"]["should_stop"] and piped["step"] < 8, piped["step"]  # before max_steps
 
