@@ -289,13 +289,20 @@ class ShardedOptimizer:
         if self._inner is None:
             return
         inner: dict[int, dict[str, Any]] = {}
+        views = self._inner_params()
         for j, piece in enumerate(self._ordered):
             saved = state_dict["state"].get(piece.index)
             if saved is None:
                 continue
+            # A 0-dim parameter's element-wise state is 0-dim too, as its step count is: which is which, the
+            # optimizer's class says (a 0-dim moment loaded onto the 1-D piece failed its next step).
+            scalar = self._params[piece.index].dim() == 0
+            by_element = _elementwise_keys(self._inner, views[j]) if scalar else set()
             # A clone, not a view: a view would keep the whole parameter's state alive on every replica.
             inner[j] = {
-                k: v.reshape(-1)[piece.start : piece.stop].clone() if torch.is_tensor(v) and v.dim() > 0 else v
+                k: v.reshape(-1)[piece.start : piece.stop].clone()
+                if torch.is_tensor(v) and (v.dim() > 0 or k in by_element)
+                else v
                 for k, v in saved.items()
             }
         groups = self._inner.state_dict()["param_groups"]
@@ -316,6 +323,17 @@ def _same_kind(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -
     takes (AdamW's carry ``decoupled_weight_decay``, which it sets itself); the groups carry every one."""
     accepted = inspect.signature(type(optimizer).__init__).parameters
     return type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
+
+
+def _elementwise_keys(optimizer: torch.optim.Optimizer, view: Tensor) -> set[str]:
+    """The state keys ``optimizer``'s class keeps element by element for ``view``'s group, told apart from its
+    per-parameter scalars (Adam's ``step``, NAdam's ``mu_product``) by one step of a copy on a one-element tensor."""
+    group = next(g for g in optimizer.param_groups if any(p is view for p in g["params"]))
+    probe = torch.zeros(1, dtype=view.dtype, device=view.device, requires_grad=True)
+    probe.grad = torch.zeros_like(probe)
+    copy = _same_kind(optimizer, [{**{k: v for k, v in group.items() if k != "params"}, "params": [probe]}])
+    copy.step()
+    return {k for k, v in copy.state[probe].items() if torch.is_tensor(v) and v.dim() > 0}
 
 
 def _indices(group: dict[str, Any], params: list[nn.Parameter]) -> list[int]:

@@ -69,6 +69,39 @@ def _nonfinite_chunk_poisons_every_replica(rank: int) -> bool:
     return not finite and totals[0].item() == dist.get_world_size()
 
 
+def _step_sharded(optimizer: ShardedOptimizer, params: torch.nn.ParameterList) -> None:
+    for i, p in enumerate(params):
+        p.grad = torch.full_like(p, 0.5 + i)
+    optimizer.reduce_gradients([p.grad for p in params], torch.tensor([1.0, 0.0, -1.0]))
+    optimizer.step()
+
+
+def _a_scalar_parameter_resumes() -> float:
+    """A 0-dim parameter (a learnable temperature, a ReZero gate): its saved moments are 0-dim as its step count
+    is, and loading sliced only tensors with a dimension, so each replica's 1-D piece took a 0-dim moment and its
+    next step failed ("output with shape [] doesn't match the broadcast shape [1]"). How far the weights stepped
+    after a save and load end from the same step without them (every optimizer of the list)."""
+    far = 0.0
+    for make in (torch.optim.AdamW, torch.optim.NAdam, torch.optim.Adagrad, torch.optim.RMSprop):
+        params = torch.nn.ParameterList([torch.nn.Parameter(torch.tensor(1.5)), torch.nn.Parameter(torch.ones(3))])
+        world = range(dist.get_world_size())
+        first = ShardedOptimizer(make(params.parameters(), lr=0.1), dist.group.WORLD, world)
+        _step_sharded(first, params)
+        saved = [first.state_dict()]  # collective: rank 0's holds the whole stage's state
+        dist.broadcast_object_list(saved, src=0)
+        before = [p.detach().clone() for p in params]
+        _step_sharded(first, params)
+        want = [p.detach().clone() for p in params]
+        with torch.no_grad():
+            for p, value in zip(params, before, strict=True):
+                p.copy_(value)
+        again = ShardedOptimizer(make(params.parameters(), lr=0.1), dist.group.WORLD, world)
+        again.load_state_dict(saved[0])
+        _step_sharded(again, params)
+        far = max(far, *((p - w).abs().max().item() for p, w in zip(params, want, strict=True)))
+    return far
+
+
 def _schedulers_see_their_optimizer_stepped() -> list[str]:
     """The user's optimizer, which its LR schedulers hold, never steps itself under sharding; torch's scheduler then
     warned "lr_scheduler.step() before optimizer.step()" on every rank at the first step. The warnings it gives."""
@@ -92,6 +125,7 @@ def _runs(rank: int, world: int, root: str) -> dict[str, int]:
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     both = ("file", "sharded")
     assert _nonfinite_chunk_poisons_every_replica(rank)
+    assert _a_scalar_parameter_resumes() == 0.0
     return {
         "plain": _fit(root, "plain", 2, formats=both),
         "sharded": _fit(root, "sharded", 2, formats=both, shard_optimizer_state=True),
