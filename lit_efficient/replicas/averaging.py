@@ -77,7 +77,9 @@ class ReplicaAverager:
             group, or no group at all when torch.distributed is not initialized.
         sync_every: Local optimizer steps between syncs after warm-up (H; ~500 for DiLoCo at
             scale). 1 gives synchronous data parallelism for plain SGD.
-        warmup_steps: Number of first local steps that each end with a sync (synchronous phase).
+        warmup_steps: Number of first local steps that each end with a sync (synchronous phase). A warm-up
+            sync averages the weights under either outer optimizer, and DiLoCo's anchor starts from the weights
+            of the last one (its outer momentum empty).
         outer_optimizer: "average" for LocalSGD, "nesterov" for DiLoCo.
         outer_lr: Outer learning rate (DiLoCo only; reference 0.7).
         outer_momentum: Outer Nesterov momentum in [0, 1) (DiLoCo only; reference 0.9).
@@ -228,7 +230,7 @@ class ReplicaAverager:
         With a changing replica set (fault_tolerance.py) a sync is committed or dropped after every hosted
         stage has reduced: `apply` only then."""
         buffers = [b.clone() for b in self._float_buffers()]
-        if self.outer_optimizer == "nesterov":
+        if self.outer_optimizer == "nesterov" and not self._warming_up():
             values = [a - p.detach().float() for a, p in zip(self._anchor, self._params, strict=True)]
         else:
             # Reduce copies: the local values are needed afterwards for the divergence.
@@ -247,10 +249,20 @@ class ReplicaAverager:
             return
         for b, mean in zip(self._float_buffers(), buffers, strict=True):
             b.copy_(mean)
-        if self.outer_optimizer == "nesterov":
+        if self.outer_optimizer == "nesterov" and not self._warming_up():
             self._apply_nesterov(values)
-        else:
-            self._apply_average(values)
+            return
+        self._apply_average(values)
+        if self._outer is not None:  # a warm-up sync: DiLoCo's outer steps start from these weights
+            for a, p in zip(self._anchor, self._params, strict=True):
+                a.copy_(p.detach())
+            self._outer.state.clear()
+
+    def _warming_up(self) -> bool:
+        """Whether the step counted last is a warm-up step, whose sync averages the weights under DiLoCo too: an outer
+        Nesterov step at every step moved the weights by up to outer_lr / (1 - outer_momentum) (7x) the inner
+        step's, a warm-up several times the learning rate asked for, and its momentum carried on after it."""
+        return self._step <= self.warmup_steps
 
     def _apply_average(self, means: list[Tensor]) -> None:
         diff_sq, avg_sq = _zeros(self._params)

@@ -263,7 +263,10 @@ PASSED_TO_LIGHTNING = (
 # DistributedDataParallel's signature, so a torch release's new ones are refused with the same message.
 _DDP_STRATEGY_WRAPPER_OPTIONS = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
 _NO_BUCKETS = "none needed: a stage's gradients go in one flat all-reduce per dtype, no buckets or autograd hooks"
-_LOCAL_SGD = "local_sgd_steps=H (post-local SGD's start_localSGD_iter: local_sgd_warmup_steps)"
+_LOCAL_SGD = (
+    "local_sgd_steps=H (post-local SGD's start_localSGD_iter: local_sgd_warmup_steps, whose steps average the weights "
+    "rather than the gradients)"
+)
 _WRAPPER_EQUIVALENTS = {
     "find_unused_parameters": "none needed: a stage gives parameters that got no gradient zeros before reducing",
     "broadcast_buffers": "none per forward; with local_sgd_steps, average_buffers=True averages float buffers",

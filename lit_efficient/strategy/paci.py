@@ -262,7 +262,9 @@ class PACIStrategy(DDPStrategy):
             costs: one more copy of the rank's share in host memory while it is written.
         local_sgd_steps: None: replicas all-reduce gradients every step (DDP semantics). H: replicas
             train independently and average parameters every H optimizer steps (LocalSGD/DiLoCo).
-        local_sgd_warmup_steps: Synchronous (average every step) optimizer steps before LocalSGD starts.
+        local_sgd_warmup_steps: Optimizer steps before LocalSGD/DiLoCo starts, each ending with the replicas'
+            weights averaged (under DiLoCo too, whose anchor starts from the warm-up's last average). With SGD
+            that is synchronous data parallelism; an adaptive optimizer (AdamW) keeps each replica's own moments.
         outer_optimizer: ``"average"``: plain parameter averaging; ``"nesterov"``: DiLoCo's outer
             SGD with Nesterov momentum on the averaged pseudo-gradient.
         outer_lr: DiLoCo outer learning rate (needs ``outer_optimizer="nesterov"``).

@@ -295,6 +295,28 @@ def test_warmup_then_every_h() -> None:
     assert avg.step == 15
 
 
+def test_a_diloco_warmup_averages_and_its_outer_steps_start_after_it() -> None:
+    """A warm-up sync under DiLoCo took an outer Nesterov step (lr 0.7, momentum 0.9) at every step: up to 7x the
+    inner step, a warm-up at several times the learning rate asked for, its momentum carried on after it. It
+    averages now (one replica here: the weights stay the inner optimizer's), and the first outer step after it
+    starts from the warm-up's last weights with an empty momentum."""
+    model = _model()
+    avg = _single(model, sync_every=2, warmup_steps=3, outer_optimizer="nesterov")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(1, 4):
+        _local_step(model, opt, 0, step)
+        inner = _flat(model)
+        assert avg.after_step()
+        assert torch.equal(_flat(model), inner), step
+    warmed = _flat(model)
+    for step in (4, 5):
+        _local_step(model, opt, 0, step)
+    pseudo = warmed - _flat(model)
+    assert avg.after_step() is False and avg.after_step() is True
+    # Nesterov's first step: the momentum is the pseudo-gradient, the update (1 + 0.9) times it.
+    torch.testing.assert_close(_flat(model), warmed - 0.7 * 1.9 * pseudo, atol=1e-6, rtol=0)
+
+
 def test_no_warmup_syncs_every_h() -> None:
     avg = _single(sync_every=3)
     assert [s for s in range(1, 10) if avg.after_step()] == [3, 6, 9]
