@@ -125,6 +125,7 @@ from lit_efficient.strategy.step_hooks import (
     scheduler_stepper,
     step_schedulers,
     warn_step_frequency,
+    warn_unsynced_end,
 )
 from lit_efficient.strategy.step_logging import log_once_per_optimizer_step
 from lit_efficient.strategy.summary import summarize_the_unsplit_model
@@ -770,6 +771,8 @@ class PACIStrategy(DDPStrategy):
                     self.local_sgd_steps, self.local_sgd_warmup_steps, self.outer_optimizer, self.outer_lr,
                     self.outer_momentum, self.average_buffers, self._sync_offset(index),
                 )  # fmt: skip
+                if index == self.hosted_stages[0]:
+                    warn_unsynced_end(trainer, averaging, self.topology.num_replicas, self.streaming_sync)  # type: ignore[union-attr]
             averager = install_step_hooks(
                 stage, trainer, self._dp_groups.get(index), self.topology.num_replicas, averaging,  # type: ignore[union-attr]
                 links.stage_sum, exact_norm, warn_per_stage_clipping=index == self.hosted_stages[0],

@@ -21,7 +21,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor
 
-from lit_efficient.replicas.averaging import ReplicaAverager, ReplicaMean
+from lit_efficient.replicas.averaging import ReplicaAverager, ReplicaMean, sync_due
 from lit_efficient.replicas.sharded_optimizer import ShardedOptimizer
 from lit_efficient.runtime.stage import PipelineStage
 from lit_efficient.runtime.tied import is_tied, squared_grad_norm
@@ -50,6 +50,27 @@ class Averaging:
     outer_momentum: float
     average_buffers: bool
     offset: int = 0  # this stage's shift of its syncs (streaming)
+
+
+def warn_unsynced_end(trainer: Trainer, averaging: Averaging, num_replicas: int, streaming: bool) -> None:
+    """Say, once, when ``max_steps`` ends the fit between two LocalSGD/DiLoCo syncs: the replicas' weights then
+    differ, and what the fit leaves (the model after fit, a save, an evaluation of it) is the first replica's,
+    not their average. Not under streaming syncs, where the stages sync in turns and never all at one step."""
+    steps = trainer.max_steps
+    if streaming or num_replicas < 2 or steps is None or steps < 1:
+        return
+    if sync_due(steps, averaging.steps, averaging.warmup_steps, 0):
+        return
+    after = steps - averaging.warmup_steps
+    last = averaging.warmup_steps + (after // averaging.steps) * averaging.steps
+    rank_zero_warn(
+        f"PACIStrategy: max_steps={steps} ends the fit {steps - last} optimizer step(s) after the last "
+        f"{'LocalSGD' if averaging.outer_optimizer == 'average' else 'DiLoCo'} sync (step {last}, every "
+        f"local_sgd_steps={averaging.steps}), so the replicas' weights differ at its end and the model it leaves "
+        "(after fit, in a checkpoint, evaluated) is the first replica's, not their average. Set max_steps to "
+        f"{averaging.warmup_steps} + a multiple of {averaging.steps} for a synced end.",
+        category=UserWarning,
+    )
 
 
 def scheduler_stepper(module: Any) -> Callable[[Any, int], None]:

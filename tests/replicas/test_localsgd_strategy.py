@@ -305,6 +305,29 @@ def test_local_sgd_with_one_replica_warns():
         _warn_single_replica(4, Topology(2, 2))
 
 
+def test_a_fit_ending_between_two_syncs_says_so():
+    """max_steps between two syncs leaves the replicas apart, and the fit's model is the first replica's: said once,
+    with the nearest synced end; nothing where the end is a sync step, with one replica or under streaming syncs
+    (its stages sync in turns)."""
+    import types
+
+    from lit_efficient.strategy.step_hooks import Averaging, warn_unsynced_end
+
+    def warned(max_steps, every=4, warmup=0, replicas=2, streaming=False, outer="average"):
+        averaging = Averaging(every, warmup, outer, 0.7, 0.9, True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            warn_unsynced_end(types.SimpleNamespace(max_steps=max_steps), averaging, replicas, streaming)
+        return [str(w.message) for w in caught]
+
+    (said,) = warned(10)
+    assert "max_steps=10 ends the fit 2 optimizer step(s) after the last LocalSGD sync (step 8" in said
+    assert "first replica's" in said and "0 + a multiple of 4" in said
+    assert "DiLoCo sync (step 11" in warned(13, warmup=3, outer="nesterov")[0]
+    assert warned(8) == warned(11, warmup=3) == warned(10, replicas=1) == warned(10, streaming=True) == []
+    assert warned(-1) == warned(2, warmup=3) == []  # no step limit; the end inside the warm-up (every step syncs)
+
+
 def test_a_replica_takes_its_own_weights_only_to_continue_a_fit_on_the_saved_layout():
     """The rule `stage_checkpoints` loads a LocalSGD replica's own record by: on another layout a replica's record
     covers its old stage's parameters (a 2x2 checkpoint on 1x4 gave replica 1 old replica 1's moments for the old
