@@ -61,6 +61,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import WandbLogger
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
@@ -147,6 +148,7 @@ class PipelineMonitor(Callback):
         self.logging_interval = logging_interval
         self.timeline = timeline
         self.grad_norm = grad_norm
+        self._measures_module = False  # on_before_optimizer_step measures (no pipeline; set at each fit's start)
         # Each measured stage's squared gradient norm at its last optimizer step, on its device (read at the log).
         self._grad_sq: dict[int, torch.Tensor] = {}
         self.timeline_paths: list[Path] = []  # files written (rank 0), for the caller
@@ -189,6 +191,13 @@ class PipelineMonitor(Callback):
         if self.grad_norm and runtime is not None:
             for rt in runtime.runtimes:
                 rt.stage.measure_gradients = functools.partial(self._measure, rt.stage.stage, rt.stage.device)
+        self._measures_module = self.grad_norm and runtime is None and _whole_gradients(trainer.strategy)
+        if self.grad_norm and runtime is None and not self._measures_module:
+            rank_zero_warn(
+                f"PipelineMonitor(grad_norm=True) measures the gradient norm under PACIStrategy, on one device and "
+                f"under DDP; {type(trainer.strategy).__name__} shards the gradients, so grad/norm is not logged. Use "
+                "its own gradient-norm tools, or set grad_norm=False."
+            )
         self._timeline_done = not self.timeline
         self._recording, self._recorded = False, None
         if not self._logging:
@@ -229,11 +238,13 @@ class PipelineMonitor(Callback):
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
         # Without a pipeline (one device, DDP): Lightning's own hook, where its grad_norm reads the gradients. Under
         # PACIStrategy it never runs; the stages measure theirs in their steps (`_measure`).
-        if self.grad_norm and _runtime(trainer) is None:
+        if self._measures_module:
             self._measure(0, trainer.strategy.root_device, list(pl_module.parameters()))
 
-    def _measure(self, stage: int, device: torch.device, params: list[torch.nn.Parameter]) -> None:
-        self._grad_sq[stage] = squared_grad_norm(params, device)
+    def _measure(self, stage: int, device: torch.device, params: list[torch.nn.Parameter] | None) -> None:
+        # None: the step was skipped (a non-finite window): no norm of this step, not the one before it.
+        unmeasured = torch.full((1,), math.nan, device=device)
+        self._grad_sq[stage] = unmeasured if params is None else squared_grad_norm(params, device)
 
     @override
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -401,17 +412,18 @@ def aggregate(rows: Sequence[Row], wall_seconds: float, memory: str = "memory/pe
     metrics["throughput/samples_per_sec"] = sum(r.samples for r in first) * per_sec
     for s in stages:
         metrics[f"{memory}_stage{s}"] = max(r.peak_bytes for r in by_stage[s])
-    measured = {s: [r for r in by_stage[s] if not math.isnan(r.grad_sq)] for s in stages}
-    if any(measured.values()):
-        # Replicas reduced their gradients alike (their mean is each one's), hold their chunk of a sharded state
-        # (their sum is the stage's), or under LocalSGD/DiLoCo step on their own (their root mean square).
-        squares = {
-            s: (sum if mine[0].sum_replicas else statistics.fmean)(r.grad_sq for r in mine)
-            for s, mine in measured.items()
-            if mine
-        }
-        if any(r.pipeline for r in rows):
-            metrics.update({f"grad/norm_stage{s}": math.sqrt(sq) for s, sq in squares.items()})
+    # A stage's norm where each of its replicas measured one (under PACI stage 0 takes its first step ceil((S-1)/N)
+    # windows late; a skipped window measures none); the whole model's where every stage has one. Replicas reduced
+    # their gradients alike (their mean is each one's), hold their chunk of a sharded state (their sum is the
+    # stage's), or under LocalSGD/DiLoCo step on their own (their root mean square).
+    squares = {
+        s: (sum if by_stage[s][0].sum_replicas else statistics.fmean)(r.grad_sq for r in by_stage[s])
+        for s in stages
+        if not any(math.isnan(r.grad_sq) for r in by_stage[s])
+    }
+    if any(r.pipeline for r in rows):
+        metrics.update({f"grad/norm_stage{s}": math.sqrt(sq) for s, sq in squares.items()})
+    if squares and len(squares) == len(stages):
         metrics["grad/norm"] = math.sqrt(sum(squares.values()))
     return metrics
 
@@ -485,6 +497,12 @@ def _row_step(trainer: Trainer) -> int:
     """The logger step of the window that just ended: Lightning logs its ``train_loss`` and learning rates before it
     counts the window (``_batches_that_stepped``), at ``global_step - 1``, and the rows of a window share a step."""
     return max(0, trainer.global_step - 1)
+
+
+def _whole_gradients(strategy: Any) -> bool:
+    """Whether every rank holds the whole model's gradients at ``on_before_optimizer_step`` (one device, DDP), as
+    the monitor's measure there assumes; FSDP and DeepSpeed hold a shard."""
+    return isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) and not isinstance(strategy, DeepSpeedStrategy)
 
 
 def _runtime(trainer: Trainer) -> StageHost | None:

@@ -10,7 +10,8 @@ Cost of one sync for a stage with P parameter elements and B floating-point buff
 - one `all_reduce_flat` call, i.e. one all-reduce per dtype (a single one for an fp32 stage):
   "average" reduces the parameters in their own dtype (P x itemsize bytes), "nesterov" reduces
   the fp32 pseudo-gradient (4P bytes, also for bf16 parameters, so the outer step sees no bf16
-  rounding); floating buffers ride along in their own dtype (B x itemsize bytes).
+  rounding; a warm-up sync averages the parameters in their own dtype under "nesterov" too, and the anchor
+  starts from that average); floating buffers ride along in their own dtype (B x itemsize bytes).
 - no collective for the divergence metric: each rank knows its own weights and, after the
   reduce, the average, so the distance is local arithmetic plus one host sync (`.item()`).
 - memory: "average" reduces a transient copy of the parameters (the local values are needed
@@ -262,7 +263,7 @@ class ReplicaAverager:
         """Whether the step counted last is a warm-up step, whose sync averages the weights under DiLoCo too: an outer
         Nesterov step at every step moved the weights by up to outer_lr / (1 - outer_momentum) (7x) the inner
         step's, a warm-up several times the learning rate asked for, and its momentum carried on after it."""
-        return self._step <= self.warmup_steps
+        return 0 < self._step <= self.warmup_steps
 
     def _apply_average(self, means: list[Tensor]) -> None:
         diff_sq, avg_sq = _zeros(self._params)
@@ -355,6 +356,8 @@ class ReplicaAverager:
         # Write the momentum buffers directly rather than through SGD.load_state_dict, which
         # would also restore the checkpoint's lr/momentum over the constructor's.
         self._outer.state.clear()
+        if self._warming_up():
+            return  # a warm-up keeps no outer momentum (one saved before 12-07 carried the warm-up's outer steps')
         for a, buf in zip(self._anchor, momentum, strict=True):
             if buf is not None:
                 self._outer.state[a]["momentum_buffer"] = buf.detach().to(a).clone()

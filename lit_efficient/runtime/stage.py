@@ -228,7 +228,7 @@ class PipelineStage:
         self.after_step: Callable[[], None] | None = None
         # A look at a step's gradients as Lightning's on_before_optimizer_step has them: reduced over the replicas,
         # normalized, a tied weight's copies combined, not yet clipped (PipelineMonitor's gradient norm).
-        self.measure_gradients: Callable[[list[nn.Parameter]], None] | None = None
+        self.measure_gradients: Callable[[list[nn.Parameter] | None], None] | None = None
         # Combines the gradient of a parameter tied with another stage (lit_efficient.runtime.tied)
         # after normalization, before the update; called on every applied update.
         self.exchange_tied: Callable[[], None] | None = None
@@ -351,8 +351,8 @@ class PipelineStage:
         update = self._check_finite(grads, totals, window)
         if update and self.exchange_tied is not None:
             self.exchange_tied()  # a weight shared with another stage: combine the copies' gradients
-        if update and self.measure_gradients is not None:
-            self.measure_gradients(params)
+        if self.measure_gradients is not None:
+            self.measure_gradients(params if update else None)  # None: a window skipped as non-finite
         if not update:
             for p in params:
                 p.grad = None

@@ -480,6 +480,7 @@ class PACIStrategy(DDPStrategy):
         self._launch_streams: dict[str, Any] | None = None
         self._sigterm_pending: deque[tuple[dist.Work, Tensor, int]] = deque()
         self._metric_groups: list[tuple] = []  # the user's metrics with their own groups (give_metrics_back)
+        self._metrics_pointed_in: int | None = None  # the training epoch whose first batch pointed them
         self._sync_advice_back: Callable[[], None] | None = None  # Lightning's own warning cache (without_sync_advice)
         self._was_automatic = True
         self._eval_index = 0
@@ -724,6 +725,7 @@ class PACIStrategy(DDPStrategy):
         self.setup_precision_plugin()
         self._prepare_runtimes(trainer)
         self.point_metrics()
+        self._metrics_pointed_in = None
         self._join_lightning(trainer, fitting)
 
     def _links(self, tied: bool) -> ProcessLinks | LocalLinks:
@@ -1237,6 +1239,10 @@ class PACIStrategy(DDPStrategy):
             stage_checkpoints.reinstate_random_stream(self)
         if batch_idx == 0:
             self._epoch_end_seen = False  # not yet, also for an epoch skipped at its first batch (`end_epoch`)
+        epoch = self.lightning_module.trainer.current_epoch  # type: ignore[union-attr]
+        if epoch != self._metrics_pointed_in:  # the epoch's first batch (a resume's too), after the user's start hooks
+            self._metrics_pointed_in = epoch
+            self.point_metrics()
 
     def _step_epoch_schedulers(self, trainer: Trainer, step: int) -> None:
         """At an epoch's end: each rank steps its stages' epoch-interval schedulers; none in a learning-rate finder's
@@ -1430,8 +1436,9 @@ class PACIStrategy(DDPStrategy):
 
     def point_metrics(self) -> None:
         """The module's torchmetrics sync over the last stage's replicas (`trainer_glue.point_metrics_at`), those it
-        made since the last call too; nothing in one process (no group). Called at setup and by the strategy's
-        callback at each run's start and each epoch's end, before the user's hooks compute them."""
+        made since the last call too; nothing in one process (no group). Called at setup, at each training epoch's
+        and each evaluation's first batch (after the user's start hooks) and by the strategy's callback before the
+        epoch-end hooks."""
         module = self.lightning_module
         if self._dp_groups and module is not None:
             here = f"stage {self.stage} (rank {self.global_rank})"
@@ -1494,6 +1501,8 @@ class PACIStrategy(DDPStrategy):
         assert self.runtime is not None
         # Lightning passes dataloader_idx after batch_idx when there are several loaders: each one's first batch
         loader = args[1] if len(args) > 1 else kwargs.get("dataloader_idx", 0)
+        if self._eval_index == 0:
+            self.point_metrics()  # made since: in on_validation_start or at the evaluation epoch's start
         if self._eval_loaders_checked is not None and loader not in self._eval_loaders_checked:
             self._eval_loaders_checked.add(loader)
             check_stages_read_alike(batch, self.topology, self._signal_group, hook.removesuffix("_step"), loader=loader)

@@ -44,29 +44,21 @@ class SyncCallbackMetrics(Callback):
     cut short: `PACIStrategy.end_epoch`) and ``on_train_end``:
     Lightning calls the callbacks' hooks (and the module's) before the strategy's, and a validation in
     the middle of a window or a run stopped by ``max_steps`` mid-epoch would otherwise show them stage 0
-    still a step behind (docs/DESIGN.md section 7). Before the user's hooks at each run's start and each epoch's end,
-    points the metrics the module made since at the last stage's group (`PACIStrategy.point_metrics`).
+    still a step behind (docs/DESIGN.md section 7). Before the user's epoch-end hooks, points the metrics the module
+    made during the epoch at the last stage's group (`PACIStrategy.point_metrics`; the strategy also does at each
+    epoch's and evaluation's first batch).
     """
 
     def _sync(self, trainer: Trainer) -> None:
         share_rank_zero_metrics(trainer)
 
     @override
-    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        trainer.strategy.point_metrics()  # type: ignore[attr-defined]
-
-    @override
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        trainer.strategy.point_metrics()  # type: ignore[attr-defined]
         trainer.strategy.drain()  # type: ignore[attr-defined]
         trainer.strategy.score_the_first_replica()  # type: ignore[attr-defined]
 
     @override
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        trainer.strategy.point_metrics()  # type: ignore[attr-defined]
-
-    @override
-    def on_test_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         trainer.strategy.point_metrics()  # type: ignore[attr-defined]
 
     @override
@@ -434,18 +426,24 @@ def point_metrics_at(
     """torchmetrics sync over the last stage's replicas: the only ranks that update and compute them.
 
     Each metric the module holds and ``pointed`` has not is appended to it with its own group and sync function (for
-    `give_metrics_back`): the strategy's callback calls this again at each run's start and each epoch's end, for a
-    metric the module made after setup (in ``on_fit_start``, at an epoch's start), which had kept the whole world's
-    group while only the last stage computes it: a hang. On a rank hosting no last stage a compute (a callback's
-    hook, unguarded epoch-end code) gathered over a group the rank is not in ("stack expects a non-empty
-    TensorList"): there it raises what to guard instead."""
+    `give_metrics_back`); one the module no longer holds gets them back and is let go (a metric made anew each epoch
+    is not kept alive with its states). The strategy calls this again at each epoch's and evaluation's first batch
+    and before the epoch-end hooks, for a metric the module made after setup (in ``on_fit_start``, at an epoch's
+    start), which had kept the whole world's group while only the last stage computes it: a hang. On a rank hosting
+    no last stage a compute (a callback's hook, unguarded epoch-end code) gathered over a group the rank is not in
+    ("stack expects a non-empty TensorList"): there it raises what to guard instead."""
     try:
         from torchmetrics import Metric
     except ImportError:  # pragma: no cover - torchmetrics is a dependency
         return
+    held = [m for m in module.modules() if isinstance(m, Metric)]
+    ids = {id(m) for m in held}
+    gone = [entry for entry in pointed if id(entry[0]) not in ids]
+    give_metrics_back(gone)
+    pointed[:] = [entry for entry in pointed if id(entry[0]) in ids]
     known = {id(m) for m, *_ in pointed}
-    for m in module.modules():
-        if isinstance(m, Metric) and id(m) not in known:
+    for m in held:
+        if id(m) not in known:
             pointed.append((m, m.process_group, m.dist_sync_fn))
             m.process_group = group
             if not hosts_last_stage:

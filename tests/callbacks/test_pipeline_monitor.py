@@ -190,6 +190,20 @@ def test_aggregate_combines_the_stages_gradient_norms_as_the_replicas_hold_them(
     ddp = aggregate([row(0, r, 4.0, pipeline=False) for r in range(2)], wall_seconds=1.0)
     assert ddp["grad/norm"] == 2.0 and not any(k.startswith("grad/norm_stage") for k in ddp)
     assert not any(k.startswith("grad/") for k in aggregate([row(0, 0, float("nan"))], wall_seconds=1.0))
+    # A stage not measured yet (PACI's stage 0 steps late), or one replica's skipped window: no whole-model norm.
+    late = aggregate([row(1, 0, 9.0), row(0, 0, float("nan"))], wall_seconds=1.0)
+    assert late["grad/norm_stage1"] == 3.0 and "grad/norm_stage0" not in late and "grad/norm" not in late
+    skipped = aggregate([row(0, 0, 4.0), row(0, 1, float("nan"))], wall_seconds=1.0)
+    assert not any(k.startswith("grad/") for k in skipped)
+
+
+def test_the_gradient_norm_is_measured_where_a_rank_holds_the_whole_gradients():
+    from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy
+
+    from lit_efficient.callbacks.pipeline_monitor import _whole_gradients
+
+    assert _whole_gradients(SingleDeviceStrategy(torch.device("cpu"))) and _whole_gradients(DDPStrategy())
+    assert not _whole_gradients(FSDPStrategy())  # a shard: its squares would be averaged as replicas', not summed
 
 
 def test_single_device_logs_throughput_and_memory(tmp_path):

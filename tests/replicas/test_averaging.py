@@ -315,6 +315,13 @@ def test_a_diloco_warmup_averages_and_its_outer_steps_start_after_it() -> None:
     assert avg.after_step() is False and avg.after_step() is True
     # Nesterov's first step: the momentum is the pseudo-gradient, the update (1 + 0.9) times it.
     torch.testing.assert_close(_flat(model), warmed - 0.7 * 1.9 * pseudo, atol=1e-6, rtol=0)
+    # A checkpoint of the warm-up's last step from before the change carried the warm-up's outer momentum: dropped.
+    saved = {**avg.state_dict(), "step": 3, "outer_momentum_buffers": [torch.ones_like(a) for a in avg._anchor]}
+    again = _single(_model(), sync_every=2, warmup_steps=3, outer_optimizer="nesterov")
+    again.load_state_dict(saved)
+    assert again._outer is not None and not again._outer.state
+    again.load_state_dict({**saved, "step": 4})  # after the warm-up: the momentum is DiLoCo's own
+    assert len(again._outer.state) == len(saved["anchor"])
 
 
 def test_no_warmup_syncs_every_h() -> None:

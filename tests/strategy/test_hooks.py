@@ -362,3 +362,30 @@ def test_on_train_batch_ends_outputs_off_the_last_stage_say_why_a_key_is_missing
     said = r"outputs\['loss'\] on stage 0 \(rank 1\), which hosts no last stage.*is_last_stage"
     with pytest.raises(KeyError, match=said):
         outputs["loss"]
+
+
+def test_metrics_are_pointed_once_and_given_back_when_the_module_lets_them_go():
+    """The last stage's group for every metric the module holds, once; a metric the module replaced (made anew each
+    epoch) gets its own group and sync function back and is not kept alive; on a rank without the last stage a
+    compute says what to guard; `give_metrics_back` restores both."""
+    import torchmetrics
+
+    from lit_efficient.strategy.trainer_glue import give_metrics_back, point_metrics_at
+
+    module = L.LightningModule()
+    module.first = torchmetrics.MeanMetric()
+    pointed: list[tuple] = []
+    group = object()  # stands for the last stage's process group (only assigned)
+    point_metrics_at(module, group, False, "stage 0 (rank 1)", pointed)
+    first = module.first
+    assert first.process_group is group and first.dist_sync_fn is not None and len(pointed) == 1
+    with pytest.raises(RuntimeError, match=r"stage 0 \(rank 1\), which hosts no last stage.*is_last_stage"):
+        first.dist_sync_fn(torch.zeros(1))
+    point_metrics_at(module, group, False, "stage 0 (rank 1)", pointed)
+    assert len(pointed) == 1  # pointed once
+    module.first = torchmetrics.MeanMetric()  # replaced
+    point_metrics_at(module, group, False, "stage 0 (rank 1)", pointed)
+    assert first.process_group is None and first.dist_sync_fn is None
+    assert [m for m, *_ in pointed] == [module.first]
+    give_metrics_back(pointed)
+    assert module.first.process_group is None and module.first.dist_sync_fn is None

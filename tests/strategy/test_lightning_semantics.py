@@ -103,9 +103,10 @@ def test_paci_validation_loses_no_gradient(every, devices):
     """Validation every 2 windows (val_check_interval = 2N micro-batches): Lightning's zero-grad hook
     runs there on every stage while stage 0 still has that window's last micro-batch in flight.
     Validation inside a window (every 3 micro-batches, N=2) drains at the validation's start, inside
-    Lightning's inference mode: there the recomputed forwards of the micro-batches in flight built no
-    graph, and their backwards added nothing (1e-2 in the weights, flush too). PACI must equal its
-    definition with a drain at each validation: a lost gradient shows as a difference of order 1e-2."""
+    the validation loop's no_grad (inference mode is off inside fit): there the recomputed forwards of the
+    micro-batches in flight built no graph, and their backwards added nothing (1e-2 in the weights, flush
+    too). PACI must equal its definition with a drain at each validation: a lost gradient shows as a
+    difference of order 1e-2."""
     stages, accumulate, windows = 2, 2, 6
     data = _data(accumulate * windows)
     strategy = PACIStrategy(pipeline_stages=stages, schedule="paci", recompute=True, start_method="forkserver")
@@ -222,6 +223,11 @@ class _LogsFromPipelineLoss(GPT):
 
         self.val_late = torchmetrics.MeanMetric()
 
+    def on_validation_epoch_start(self):  # made anew at each validation, synced at each step
+        import torchmetrics
+
+        self.val_each_step = torchmetrics.MeanMetric(dist_sync_on_step=True)
+
     def validation_step(self, batch, batch_idx):
         gathered = self.all_gather(torch.tensor([float(batch_idx) + 1.0]))
         self.log("gathered_sum", gathered.sum(), batch_size=batch[0].shape[0])
@@ -231,6 +237,7 @@ class _LogsFromPipelineLoss(GPT):
         self.val_losses.append(loss)
         self.val_mean.update(loss)
         self.val_late.update(loss)
+        self.log("val_each_step", self.val_each_step(loss), batch_size=batch[0].shape[0])
         return loss
 
     def on_validation_epoch_end(self):
@@ -290,8 +297,9 @@ def test_metrics_logged_in_pipeline_loss_reach_the_logger(tmp_path, replicas):
     evaluation step. Lightning's epoch-end patterns work as on one device: stage 0's ranks, which never ran the
     evaluation steps, raised in on_validation_epoch_end (an empty outputs list; a metric gathered over the last
     stage's group), and a monitoring callback after on_train_epoch_end read what the last stage logged there on
-    every rank. A metric the module makes after setup (in on_fit_start) syncs over the last stage's replicas too
-    (over the world it waited forever for stage 0), and a callback computing the module's metric on a rank without
+    every rank. A metric the module makes after setup (in on_fit_start, or anew at each validation's start, synced
+    at each step) syncs over the last stage's replicas too (over the world it waited forever for stage 0), and a
+    callback computing the module's metric on a rank without
     the last stage is told to guard it (a gather over a group the rank is not in: "stack expects a non-empty
     TensorList")."""
     import torchmetrics
@@ -316,6 +324,7 @@ def test_metrics_logged_in_pipeline_loss_reach_the_logger(tmp_path, replicas):
     assert metrics["val_stacked"] == pytest.approx(metrics["val_loss"], rel=1e-6)
     assert metrics["val_mean"] == pytest.approx(metrics["val_loss"], rel=1e-6)
     assert metrics["val_late"] == pytest.approx(metrics["val_loss"], rel=1e-6)
+    assert metrics["val_each_step"] == pytest.approx(metrics["val_loss"], rel=1e-6)  # one batch per replica
     computed = [json.loads((tmp_path / f"computed{rank}.json").read_text()) for rank in range(2 * replicas)]
     stage = [0 if rank % 2 else 1 for rank in range(2 * replicas)]  # global rank 0 hosts the last stage
     for rank, value in enumerate(computed):
