@@ -425,38 +425,61 @@ def point_metrics_at(
 ) -> None:  # fmt: skip
     """torchmetrics sync over the last stage's replicas: the only ranks that update and compute them.
 
-    Each metric the module holds and ``pointed`` has not is appended to it with its own group and sync function (for
-    `give_metrics_back`); one the module no longer holds gets them back and is let go (a metric made anew each epoch
-    is not kept alive with its states). The strategy calls this again at each epoch's and evaluation's first batch
-    and before the epoch-end hooks, for a metric the module made after setup (in ``on_fit_start``, at an epoch's
-    start), which had kept the whole world's group while only the last stage computes it: a hang. On a rank hosting
-    no last stage a compute (a callback's hook, unguarded epoch-end code) gathered over a group the rank is not in
-    ("stack expects a non-empty TensorList"): there it raises what to guard instead."""
+    Each metric the module holds and ``pointed`` has not gets a `LastStageSync` as its ``dist_sync_fn`` and is
+    appended to ``pointed`` with its own (for `give_metrics_back`); one the module no longer holds gets its own back and
+    is let go (a metric made anew each epoch is not kept alive with its states). The strategy calls this again at
+    each epoch's and evaluation's first batch and before the epoch-end hooks, for a metric the module made after
+    setup (in ``on_fit_start``, at an epoch's start), which had synced over the whole world while only the last stage
+    computes it: a hang."""
     try:
         from torchmetrics import Metric
     except ImportError:  # pragma: no cover - torchmetrics is a dependency
         return
     held = [m for m in module.modules() if isinstance(m, Metric)]
     ids = {id(m) for m in held}
-    gone = [entry for entry in pointed if id(entry[0]) not in ids]
-    give_metrics_back(gone)
+    give_metrics_back([entry for entry in pointed if id(entry[0]) not in ids])
     pointed[:] = [entry for entry in pointed if id(entry[0]) in ids]
-    known = {id(m) for m, *_ in pointed}
+    known = {id(m) for m, _ in pointed}
     for m in held:
         if id(m) not in known:
-            pointed.append((m, m.process_group, m.dist_sync_fn))
-            m.process_group = group
-            if not hosts_last_stage:
-                m.dist_sync_fn = functools.partial(_no_metric_here, here, type(m).__name__)
+            pointed.append((m, m.dist_sync_fn))
+            m.dist_sync_fn = LastStageSync(group, None if hosts_last_stage else here, type(m).__name__)
 
 
-def _no_metric_here(here: str, name: str, *args: Any, **kwargs: Any) -> Any:
-    raise RuntimeError(
-        f"A torchmetrics {name} of the module was computed on {here}, which hosts no last stage: the evaluation "
-        "steps and pipeline_loss update it on the last stage's ranks only, so it holds nothing here. Guard the code "
-        "that computes it (a callback's or an epoch-end hook) with `if trainer.strategy.is_last_stage:`; what the "
-        "last stage logs reaches every rank."
-    )
+class LastStageSync:
+    """A module's torchmetrics metric's ``dist_sync_fn``: gathers over the last stage's replicas, the only ranks that
+    update and compute it; on a rank hosting no last stage (a callback's hook, unguarded epoch-end code computing
+    it) raises what to guard, where the gather over a group the rank is not in said "stack expects a non-empty
+    TensorList". Held here, not in the metric's ``process_group``: a copy of the module (``copy.deepcopy``, a
+    metric's ``clone`` in ``on_fit_start``) shares it, and a pickle of it (``torch.save(module)``) leaves it out, the
+    copy syncing as torchmetrics' default; a process group neither copies nor pickles ("cannot pickle
+    ProcessGroup")."""
+
+    def __init__(self, group: dist.ProcessGroup, here: str | None, name: str) -> None:
+        self.group, self.here, self.name = group, here, name
+
+    def __call__(self, result: Tensor, group: Any = None) -> list[Tensor]:
+        if self.here is not None:
+            raise RuntimeError(
+                f"A torchmetrics {self.name} of the module was computed on {self.here}, which hosts no last stage: "
+                "the evaluation steps and pipeline_loss update it on the last stage's ranks only, so it holds nothing "
+                "here. Guard the code that computes it (a callback's or an epoch-end hook) with `if "
+                "trainer.strategy.is_last_stage:`; what the last stage logs reaches every rank."
+            )
+        from torchmetrics.utilities.distributed import gather_all_tensors
+
+        return gather_all_tensors(result, group=self.group)
+
+    def __deepcopy__(self, memo: dict) -> LastStageSync:
+        return self
+
+    def __reduce__(self) -> tuple:
+        return (_torchmetrics_default, ())
+
+
+def _torchmetrics_default() -> None:
+    """What an unpickled `LastStageSync` becomes: no ``dist_sync_fn`` (torchmetrics' own gather)."""
+    return None
 
 
 _SYNC_ADVICE = "It is recommended to use `self.log("
@@ -496,11 +519,11 @@ def without_sync_advice(num_replicas: int) -> Callable[[], None]:
 
 
 def give_metrics_back(metrics: list[tuple]) -> None:
-    """Each metric's own group and sync function again (`point_metrics_at`) when the run's groups are destroyed: the
-    user's module must not keep a dead group (a later run's sync would use it), nor keep its gloo threads and
-    sockets alive."""
-    for m, group, sync in metrics:
-        m.process_group, m.dist_sync_fn = group, sync
+    """Each metric's own sync function again (`point_metrics_at`) when the run's groups are destroyed: the user's
+    module must not keep a dead group (a later run's sync would use it), nor keep its gloo threads and sockets
+    alive."""
+    for m, sync in metrics:
+        m.dist_sync_fn = sync
 
 
 def first_training_batch(trainer: Trainer) -> Any:

@@ -366,26 +366,39 @@ def test_on_train_batch_ends_outputs_off_the_last_stage_say_why_a_key_is_missing
 
 def test_metrics_are_pointed_once_and_given_back_when_the_module_lets_them_go():
     """The last stage's group for every metric the module holds, once; a metric the module replaced (made anew each
-    epoch) gets its own group and sync function back and is not kept alive; on a rank without the last stage a
-    compute says what to guard; `give_metrics_back` restores both."""
+    epoch) gets its own sync function back and is not kept alive; on a rank without the last stage a compute says
+    what to guard; a copy of the module (a metric's clone in on_fit_start) and a pickle of it work, which a process
+    group in the metric refused ("cannot pickle ProcessGroup"); `give_metrics_back` restores the sync function."""
+    import copy
+    import pickle
+
     import torchmetrics
 
-    from lit_efficient.strategy.trainer_glue import give_metrics_back, point_metrics_at
+    from lit_efficient.strategy.trainer_glue import LastStageSync, give_metrics_back, point_metrics_at
+
+    class _Group:  # stands for the last stage's process group, which neither copies nor pickles
+        def __deepcopy__(self, memo):
+            raise TypeError("cannot pickle 'torch._C._distributed_c10d.ProcessGroup' object")
+
+        def __reduce__(self):
+            raise TypeError("cannot pickle 'torch._C._distributed_c10d.ProcessGroup' object")
 
     module = L.LightningModule()
     module.first = torchmetrics.MeanMetric()
     pointed: list[tuple] = []
-    group = object()  # stands for the last stage's process group (only assigned)
+    group = _Group()
     point_metrics_at(module, group, False, "stage 0 (rank 1)", pointed)
     first = module.first
-    assert first.process_group is group and first.dist_sync_fn is not None and len(pointed) == 1
+    assert isinstance(first.dist_sync_fn, LastStageSync) and first.dist_sync_fn.group is group and len(pointed) == 1
     with pytest.raises(RuntimeError, match=r"stage 0 \(rank 1\), which hosts no last stage.*is_last_stage"):
         first.dist_sync_fn(torch.zeros(1))
+    assert copy.deepcopy(first).dist_sync_fn is first.dist_sync_fn  # a clone syncs as the original
+    assert pickle.loads(pickle.dumps(first)).dist_sync_fn is None  # torchmetrics' own gather
     point_metrics_at(module, group, False, "stage 0 (rank 1)", pointed)
     assert len(pointed) == 1  # pointed once
     module.first = torchmetrics.MeanMetric()  # replaced
-    point_metrics_at(module, group, False, "stage 0 (rank 1)", pointed)
-    assert first.process_group is None and first.dist_sync_fn is None
-    assert [m for m, *_ in pointed] == [module.first]
+    point_metrics_at(module, group, True, "stage 1 (rank 0)", pointed)
+    assert first.dist_sync_fn is None and first.process_group is None
+    assert [m for m, _ in pointed] == [module.first] and module.first.dist_sync_fn.here is None
     give_metrics_back(pointed)
-    assert module.first.process_group is None and module.first.dist_sync_fn is None
+    assert module.first.dist_sync_fn is None

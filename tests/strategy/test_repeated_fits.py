@@ -72,7 +72,8 @@ def _runs_without_garbage_collection(rank: int, world: int) -> dict:
             trainer.fit(model, datamodule=ordered_data())
             trainer.validate(model, datamodule=ordered_data(), verbose=False)
             seen.append(_threads_and_descriptors())
-        groups = [repr(m.process_group) for m in model.modules() if isinstance(m, Metric)]
+        metrics = [m for m in model.modules() if isinstance(m, Metric)]
+        groups = [f"{m.process_group!r} {m.dist_sync_fn!r}" for m in metrics]
         return {"seen": seen, "metric groups": groups}
     finally:
         gc.enable()
@@ -88,7 +89,7 @@ def test_runs_release_their_transports_without_a_garbage_collection():
         seen = ran["seen"]
         assert len(seen) == 3 and seen[-1] == seen[0], f"rank {rank}: (threads, descriptors) after each run {seen}"
         # The user's metrics sync on their own group again, not on the run's destroyed one.
-        assert ran["metric groups"] == ["None", "None"], ran["metric groups"]
+        assert ran["metric groups"] == ["None None", "None None"], ran["metric groups"]
 
 
 class _FailOnRank(Callback):
