@@ -26,6 +26,7 @@ from lightning.pytorch.callbacks import LearningRateFinder
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torch.autograd.graph import saved_tensors_hooks
+from torch.nn.modules.batchnorm import _NormBase
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -202,9 +203,10 @@ class _Switch:
 
 
 class _WrapState:
-    def __init__(self, switch: _Switch, previous_forward: Any) -> None:
+    def __init__(self, switch: _Switch, previous_forward: Any, norms: list[nn.Module]) -> None:
         self.switch = switch
         self.previous_forward = previous_forward  # an instance-level forward someone set before us, or None
+        self.norms = norms  # the block's norms that keep running statistics (BatchNorm), found at wrapping
 
 
 def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -216,10 +218,39 @@ def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if not state.switch.enabled or not torch.is_grad_enabled():
         return original(*args, **kwargs)
     fn = functools.partial(original, **kwargs) if kwargs else original  # kwargs never clash with checkpoint's own
+    if state.norms:
+        fn = _statistics_updated_once(fn, state.norms)
     if state.switch.mode == "selective":
         return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, context_fn=_selective_contexts)
     # Full mode passes no context_fn at all: torch.compile refuses one that is not a pair of dispatch modes.
     return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True)
+
+
+def _statistics_updated_once(fn: Any, norms: list[nn.Module]) -> Any:
+    """``fn`` whose second call, the recompute at backward, leaves the norms' running statistics as the forward left
+    them: in training mode it updated them again (BatchNorm's running mean and variance moved twice per step, its
+    batch count counted twice). The recompute runs with momentum 0 (the statistics are written unchanged, so the
+    values its backward saved stay current) and without the batch count (not counted); its outputs and gradients
+    use the batch's own statistics, as the forward's did. Attributes only, no tensor operation: selective
+    checkpointing replays the forward's operations and refuses others. As the pipeline's own recompute keeps them
+    (runtime/stage.py)."""
+    calls = 0
+
+    def run(*args: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            return fn(*args)
+        kept = [(m, m.momentum, m.num_batches_tracked) for m in norms]
+        for m in norms:
+            m.momentum, m.num_batches_tracked = 0.0, None
+        try:
+            return fn(*args)
+        finally:
+            for m, momentum, tracked in kept:
+                m.momentum, m.num_batches_tracked = momentum, tracked
+
+    return run
 
 
 # A pickled bound method is restored as ``getattr(module, __name__)``; named "forward", that yields the
@@ -231,7 +262,8 @@ def _wrap(module: nn.Module, switch: _Switch) -> None:
     if _WRAP_ATTR in module.__dict__:
         _unwrap(module)
     previous = module.__dict__.get("forward")
-    module.__dict__[_WRAP_ATTR] = _WrapState(switch, previous)
+    norms = [m for m in module.modules() if isinstance(m, _NormBase) and m.track_running_stats]
+    module.__dict__[_WRAP_ATTR] = _WrapState(switch, previous, norms)
     # A bound method (not a closure): deepcopy rebinds it to the copy instead of running the original.
     module.__dict__["forward"] = types.MethodType(_checkpointed_forward, module)
 

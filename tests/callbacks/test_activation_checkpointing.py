@@ -80,6 +80,59 @@ def test_gradients_match_without_checkpointing_with_dropout_on(mode):
         torch.testing.assert_close(grads[1][name], grads[0][name], rtol=0, atol=0, msg=name)
 
 
+class _NormedBlock(nn.Module):
+    """A user's block: BatchNorm (running statistics) and dropout, called with a keyword, returning a tuple."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.bn, self.drop = nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.3)
+
+    def forward(self, x, scale=None):
+        h = self.drop(torch.relu(self.bn(self.lin(x)))) * scale
+        return x + h, h.sum()
+
+
+class _Normed(LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(_NormedBlock() for _ in range(3))
+        self.head, self.scale = nn.Linear(8, 1), nn.Parameter(torch.ones(8))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        aux = 0.0
+        for block in self.blocks:
+            x, a = block(x, scale=self.scale)
+            aux = aux + a
+        return ((self.head(x).squeeze(-1) - y) ** 2).mean() + 1e-3 * aux
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_batchnorm_statistics_are_updated_once_per_forward(mode):
+    """The recompute at backward ran BatchNorm in training mode again: its running statistics moved twice per step
+    (0.25 in a running mean after 8 batches) and its batch count counted 16 for 8. A fit of a user's model on plain
+    Lightning ends with the state (weights, statistics, counts) of the same fit without checkpointing."""
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 8, generator=g), torch.randn(64, generator=g))
+    states = []
+    for callbacks in ([], [ActivationCheckpointing(mode=mode)]):
+        torch.manual_seed(1)
+        model = _Normed()
+        trainer = Trainer(
+            accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks, accumulate_grad_batches=2,
+        )  # fmt: skip
+        trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=8))
+        states.append(model.state_dict())
+    assert int(states[1]["blocks.0.bn.num_batches_tracked"]) == 8
+    for name, value in states[0].items():
+        assert torch.equal(states[1][name], value), name
+
+
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_saved_activation_bytes_of_the_blocks_none_over_selective_over_full(dropout):
     saved = {}
