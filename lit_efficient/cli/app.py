@@ -129,16 +129,36 @@ def run_id_of_checkpoint(ckpt_path: Any) -> str | None:
     return folder.parent.name or None if folder.name == "checkpoints" else None
 
 
-def latest_last_checkpoint(project_dir: Path, model_class: str | None) -> Path | None:
+# What names a run's data where the model's sizes come from it (the vocabulary, the block) or it is the experiment's
+# own text: a run on other data is another experiment, not this one's to resume.
+_DATA_IDENTITY = ("path", "tokenizer", "block_size")
+
+
+def latest_last_checkpoint(project_dir: Path, model_class: str | None, data: Any = None) -> Path | None:
     """The newest ``last`` checkpoint (file, sharded folder or link) under ``<save_dir>/<project>``, in the CLI's
-    layout ``<run id>/checkpoints/last*.ckpt``, of a run whose saved ``config.yaml`` trains ``model_class`` (the
-    shipped configs share one project: another model's run is not this one's to resume); None if there is none."""
-    found = [
-        path
-        for path in project_dir.glob("*/checkpoints/last*.ckpt")
-        if path.exists() and _same_class(_model_class_of_run(path.parents[1]), model_class)  # a dangling link: out
-    ]
+    layout ``<run id>/checkpoints/last*.ckpt``, of a run whose saved ``config.yaml`` trains ``model_class`` on
+    ``data`` (the data's class and its path, tokenizer and block size where both configs give them; the shipped
+    configs share one project: another model's run, or one on other data, is not this one's to resume: its weights
+    failed to load with a size mismatch, or it continued another experiment); None if there is none."""
+    found = []
+    for path in project_dir.glob("*/checkpoints/last*.ckpt"):
+        saved = _saved_config(path.parents[1])
+        model = saved.get("model") if isinstance(saved.get("model"), dict) else {}
+        if path.exists() and _same_class(model.get("class_path"), model_class) and _same_data(saved.get("data"), data):
+            found.append(path)  # a dangling link: out
     return max(found, key=lambda path: (path.stat().st_mtime, str(path)), default=None)
+
+
+def _same_data(saved: Any, configured: Any) -> bool:
+    """Whether a run's saved data section and this launch's name the same data (an unknown side: yes)."""
+    if not isinstance(saved, dict) or configured is None:
+        return True
+    configured = configured.as_dict() if hasattr(configured, "as_dict") else dict(configured)
+    ours, theirs = configured.get("class_path"), saved.get("class_path")
+    if ours and theirs and not _same_class(str(theirs), str(ours)):
+        return False
+    mine, given = configured.get("init_args") or {}, saved.get("init_args") or {}
+    return all(str(mine[k]) == str(given[k]) for k in _DATA_IDENTITY if k in mine and k in given)
 
 
 def _same_class(saved: str | None, configured: str | None) -> bool:
@@ -155,14 +175,13 @@ def _same_class(saved: str | None, configured: str | None) -> bool:
     return first is second
 
 
-def _model_class_of_run(run: Path) -> str | None:
-    """The model's class path in the config the CLI saved for a run (`RunConfigCallback`), or None."""
+def _saved_config(run: Path) -> dict:
+    """The config the CLI saved for a run (`RunConfigCallback`), or an empty one."""
     try:
         saved = yaml.safe_load((run / "config.yaml").read_text())
     except (OSError, yaml.YAMLError):
-        return None
-    model = saved.get("model") if isinstance(saved, dict) else None
-    return model.get("class_path") if isinstance(model, dict) else None
+        return {}
+    return saved if isinstance(saved, dict) else {}
 
 
 def _loggers(config: Any) -> list:
@@ -579,7 +598,14 @@ class LitEfficientCLI(LightningCLI):
             config = self.config[subcommand]
             if isinstance(config.get("ckpt_path"), str) and config.ckpt_path.startswith("~"):
                 config.ckpt_path = os.path.expanduser(config.ckpt_path)  # a YAML value: no shell expanded it
-            self._resume_the_latest_run(config)
+            if self._resume_the_latest_run(config) is False and subcommand != "fit":
+                usage_error(
+                    self.parser,
+                    f"--ckpt_path last: the project has no last checkpoint of a {config.model.class_path} run on this "
+                    f"data, so {subcommand} would evaluate an untrained model. Give the checkpoint's path "
+                    "(--ckpt_path <save_dir>/<project>/<run id>/checkpoints/last.ckpt), or fit first.",
+                    FileNotFoundError("last"),
+                )
             try:  # before anything is built or written (in one process the strategy's own check comes later)
                 check_checkpoint_path(config.get("ckpt_path"))
             except CheckpointNotFound as error:
@@ -587,38 +613,41 @@ class LitEfficientCLI(LightningCLI):
         super()._parse_ckpt_path()
 
     @staticmethod
-    def _resume_the_latest_run(config: Namespace) -> None:
+    def _resume_the_latest_run(config: Namespace) -> bool | None:
         """``--ckpt_path last`` launched by hand (no job id that every attempt shares): each launch is a W&B run of
         its own, with a checkpoint folder of its own, where Lightning's "last" finds nothing and starts over. So
-        "last" is the newest ``last`` checkpoint of the project's runs of the same model class, then taken as if
-        given (its run id and its hyperparameters, as any path). Left to Lightning: a ModelCheckpoint ``dirpath``,
-        a run id of the user's, checkpoints that follow another logger (the first one's folder)."""
+        "last" is the newest ``last`` checkpoint of the project's runs of the same model class on the same data,
+        then taken as if given (its run id and its hyperparameters, as any path). Left to Lightning: a
+        ModelCheckpoint ``dirpath``, a run id of the user's, checkpoints that follow another logger (the first one's
+        folder). Returns whether it found one (None: left to Lightning)."""
         if str(config.get("ckpt_path")) != "last" or restartable_job_id():
-            return
+            return None
         loggers = _loggers(config)  # checkpoints go to the first logger's folder
         if not loggers or not _is_wandb(loggers[0]) or _checkpoints_have_a_dirpath(config.trainer):
-            return
+            return None
         init = loggers[0].init_args
         if init.get("id") or init.get("version") or not init.get("project"):
-            return
+            return None
         # A rank this process's launch started (popen re-runs the command) takes its launching process's pick: a
         # checkpoint written meanwhile cannot split them. Another process's pick (an earlier launch's, inherited by
         # a later torchrun's workers) is not this launch's.
         launcher, _, picked = os.environ.get(_LAST_RESOLVED, "").partition(":")
         if picked and launcher == str(os.getppid()):
             config.ckpt_path = picked
-            return
+            return True
         os.environ.pop(_LAST_RESOLVED, None)  # an earlier launch's pick in this process is not this one's
         project_dir = Path(init.get("save_dir") or init.get("dir") or ".").expanduser() / init["project"]
-        latest = latest_last_checkpoint(project_dir, getattr(config.get("model"), "class_path", None))
+        model_class = getattr(config.get("model"), "class_path", None)
+        latest = latest_last_checkpoint(project_dir, model_class, config.get("data"))
         if latest is None:
-            return  # a first launch: Lightning says that no last checkpoint is there, and the fit starts fresh
+            return False  # a first launch: Lightning says that no last checkpoint is there, and a fit starts fresh
         config.ckpt_path = str(latest)
         os.environ[_LAST_RESOLVED] = f"{os.getpid()}:{latest}"  # for the ranks this process starts
         rank_zero_info(
             f"lit-efficient: --ckpt_path last resumes {latest}, the newest last checkpoint of a "
-            f"{config.model.class_path} run under {project_dir} (for a fresh run, leave --ckpt_path out)"
+            f"{config.model.class_path} run on this data under {project_dir} (for a fresh run, leave --ckpt_path out)"
         )
+        return True
 
     @override
     def _run_subcommand(self, subcommand: str) -> None:  # Lightning's private hook around the subcommand's run

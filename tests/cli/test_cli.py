@@ -392,12 +392,24 @@ def test_ckpt_path_last_launched_by_hand_resumes_the_newest_run_of_its_model(tmp
     monkeypatch.setattr(LitEfficientCLI, "_run_subcommand", lambda self, subcommand: None)  # built, not fitted
     project = tmp_path / "runs" / "lit-efficient"
     assert _cli("fit", "--ckpt_path=last", run=True).config.fit.ckpt_path == "last"  # nothing yet: a fresh run
-    runs = (("old111", 100, "lit_efficient.models.gpt.GPT"), ("new222", 10, "lit_efficient.models.GPT"),
-            ("llama3", 5, "lit_efficient.models.HFCausalLM"), ("nolast4", 1, "lit_efficient.models.GPT"))  # fmt: skip
-    for run, age, model in runs:
+    # An evaluation of nothing: refused (it evaluated an untrained model and exited 0), naming the fix.
+    with pytest.raises(SystemExit) as refused:
+        _cli("validate", "--ckpt_path=last", run=True)
+    assert refused.value.code == 2
+    # Newer runs of the same model on other data (another data class; the same class on another text or block) are
+    # other experiments: their weights failed to load with a size mismatch, or continued another experiment.
+    tokens = {"class_path": "lit_efficient.data.TokenizedDataModule", "init_args": {"tokenizer": "tok"}}
+    text = {"class_path": "lit_efficient.data.TextDataModule", "init_args": {"path": "mine.txt", "block_size": 256}}
+    block = {"class_path": "lit_efficient.data.TextDataModule", "init_args": {"path": None, "block_size": 8}}
+    runs = (("old111", 100, "lit_efficient.models.gpt.GPT", None), ("new222", 10, "lit_efficient.models.GPT", None),
+            ("llama3", 5, "lit_efficient.models.HFCausalLM", None), ("nolast4", 1, "lit_efficient.models.GPT", None),
+            ("tokens5", 2, "lit_efficient.models.GPT", tokens), ("text6", 3, "lit_efficient.models.GPT", text),
+            ("block7", 4, "lit_efficient.models.GPT", block))  # fmt: skip
+    for run, age, model, data in runs:
         folder = project / run / "checkpoints"
         folder.mkdir(parents=True)
-        (project / run / "config.yaml").write_text(yaml.safe_dump({"model": {"class_path": model}}))
+        saved = {"model": {"class_path": model}, **({"data": data} if data else {})}
+        (project / run / "config.yaml").write_text(yaml.safe_dump(saved))
         torch.save({}, folder / ("epoch=0-step=2.ckpt" if run == "nolast4" else "last.ckpt"))
         for path in folder.iterdir():
             os.utime(path, (path.stat().st_mtime - age,) * 2)
