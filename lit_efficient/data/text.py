@@ -288,6 +288,10 @@ class TextDataModule(LightningDataModule):
         n_val = int(n * self.val_fraction)
         return n - n_val, n_val
 
+    def _unit(self) -> str:
+        """What the data's sequence counts, for messages: bytes of text, or tokens of a token file."""
+        return "tokens" if self.is_token_file else "bytes"
+
     @override
     def setup(self, stage: str) -> None:
         if self.train_set is not None:
@@ -295,11 +299,11 @@ class TextDataModule(LightningDataModule):
         tokens = self.tokens
         n_train, n_val = self.split_sizes()
         need = self.block_size + 1
-        unit = "tokens" if self.is_token_file else "bytes"
+        unit, owner = self._unit(), type(self).__name__
         for name, size in (("training", n_train), ("validation", n_val)):
             if size < need:
                 raise ValueError(
-                    f"TextDataModule: the {name} split has {size:,} {unit} (of {len(tokens):,}, "
+                    f"{owner}: the {name} split has {size:,} {unit} (of {len(tokens):,}, "
                     f"val_fraction={self.val_fraction}), fewer than block_size + 1 = {need}; lower block_size, "
                     f"adjust val_fraction, or give more text (max_bytes={self.max_bytes})."
                 )
@@ -309,7 +313,7 @@ class TextDataModule(LightningDataModule):
         train_set = TokenBlocks(tokens[:n_train], self.block_size, *check)
         if len(train_set) < self.batch_size:
             raise ValueError(
-                f"TextDataModule: the training split holds {len(train_set)} blocks of {need} {unit}, fewer than "
+                f"{owner}: the training split holds {len(train_set)} blocks of {need} {unit}, fewer than "
                 f"batch_size={self.batch_size}, and incomplete training batches are dropped; lower batch_size "
                 f"or block_size, or give more text."
             )

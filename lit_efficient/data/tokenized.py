@@ -241,6 +241,10 @@ class TokenizedDataModule(TextDataModule):
         return self._tokens
 
     @override
+    @override
+    def _unit(self) -> str:
+        return "tokens"
+
     def _token_file_read(self) -> Path | None:
         return self.token_file
 

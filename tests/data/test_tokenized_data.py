@@ -76,6 +76,13 @@ def test_mistakes_are_refused_with_the_fix(tmp_path, demo_model):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="holds no text file"):
         TokenizedDataModule(str(demo_model), path=str(tmp_path / "empty"), cache_dir=str(tmp_path)).prepare_data()
+    (tmp_path / "short.txt").write_text("a few words")  # said "TextDataModule: ... 3 bytes", of a token count
+    short = TokenizedDataModule(
+        str(demo_model), path=str(tmp_path / "short.txt"), block_size=8, cache_dir=str(tmp_path)
+    )
+    short.prepare_data()
+    with pytest.raises(ValueError, match=r"^TokenizedDataModule: the (training|validation) split has \d+ tokens"):
+        short.setup("fit")
 
 
 def test_text_that_is_not_utf8_is_named_and_a_bom_or_a_cut_character_is_no_token(demo_model, tmp_path):
