@@ -153,7 +153,34 @@ def _nesterov_vs_average(rank: int) -> dict[str, Any]:
         "unit_nesterov": _flat(models["unit_nesterov"]),
         "diloco_expected": expected,
         "diloco_got": got,
+        **_diloco_after_a_warmup(rank),
     }
+
+
+def _diloco_after_a_warmup(rank: int) -> dict[str, Any]:
+    """DiLoCo with 2 warm-up steps, then a sync every 2: each warm-up step ends with the replicas' plain average
+    (an outer Nesterov step there moved the weights by up to 7x the inner step), and the outer steps start from the
+    last one with an empty momentum. The weights after each sync (steps 1, 2, 4, 6) against a hand-written
+    reference from the gathered local weights."""
+    model = _model()
+    avg = ReplicaAverager(model, None, sync_every=2, warmup_steps=2, outer_optimizer="nesterov")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    anchor, buf = _flat(model), torch.zeros_like(_flat(model))
+    expected, got = [], []
+    for step in range(1, 7):
+        _local_step(model, opt, rank, step)
+        local = _gather(_flat(model))
+        if step <= 2:
+            anchor = torch.stack(local).mean(0)
+        elif step % 2 == 0:
+            pseudo = torch.stack([anchor - w for w in local]).mean(0)
+            buf = 0.9 * buf + pseudo
+            anchor = anchor - 0.7 * (pseudo + 0.9 * buf)
+        assert avg.after_step() == (step <= 2 or step % 2 == 0)
+        if step <= 2 or step % 2 == 0:
+            expected.append(anchor.clone())
+            got.append(_flat(model))
+    return {"warm_expected": expected, "warm_got": got}
 
 
 def _run_resumable(rank: int, ckpt_dir: str, stop_at: int | None, resume: bool) -> torch.Tensor:
@@ -250,6 +277,9 @@ def test_nesterov_unit_lr_zero_momentum_equals_average_and_diloco_matches_formul
         torch.testing.assert_close(r["unit_nesterov"], r["average"], atol=1e-6, rtol=0)
         assert len(r["diloco_got"]) == 3
         for got, expected in zip(r["diloco_got"], r["diloco_expected"], strict=True):
+            torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
+        assert len(r["warm_got"]) == 4
+        for got, expected in zip(r["warm_got"], r["warm_expected"], strict=True):
             torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
 
 
