@@ -132,10 +132,11 @@ class PipelineMonitor(Callback):
     Args:
         logging_interval: Optimizer steps between two logged values (each covers its interval).
         timeline: Record a bounded window of the pipeline's actions and write the timeline files.
-        grad_norm: Also log the gradient norm before clipping (``grad/norm``, and ``grad/norm_stage{s}`` per stage),
-            at each interval's last optimizer step: what Lightning's ``grad_norm`` in ``on_before_optimizer_step``
-            shows on one device, a hook PACIStrategy never runs. Costs one pass over each stage's gradients per
-            optimizer step (as norm clipping does).
+        grad_norm: Also log the gradient norm before clipping (``grad/norm``; under PACIStrategy also
+            ``grad/norm_stage{s}`` per stage), at each interval's last optimizer step: what Lightning's ``grad_norm``
+            in ``on_before_optimizer_step`` shows on one device, a hook PACIStrategy never runs. On one device and
+            under DDP too; not under FSDP or DeepSpeed (sharded gradients: said). Costs one pass over each stage's
+            gradients per optimizer step (as norm clipping does).
     """
 
     def __init__(self, logging_interval: int = 50, timeline: bool = False, grad_norm: bool = False) -> None:
