@@ -234,10 +234,20 @@ def unsplit(split: Split, state_dicts: dict[int, dict[str, torch.Tensor]], devic
             continue
         part = current.structure.to_empty(device=device)
         if k in state_dicts:
+            state = dict(state_dicts[k])
+            modes, trainable = state.pop(_TRAINING, None), state.pop(_REQUIRES_GRAD, None)
             # Non-persistent buffers (e.g. a rotary inv_freq table) travel too: to_empty leaves them garbage.
-            unexpected = part.load_state_dict(state_dicts[k], strict=False).unexpected_keys
+            unexpected = part.load_state_dict(state, strict=False).unexpected_keys
             for key in unexpected:
-                part.get_buffer(key).copy_(state_dicts[k][key])
+                part.get_buffer(key).copy_(state[key])
+            # The owner's flags, not the split-time copy's: a dropout or BatchNorm the user put in eval mode, a
+            # layer frozen or unfrozen during the run, came back as they were at the split.
+            if modes is not None:
+                for module, training in zip(part.modules(), modes.tolist(), strict=True):
+                    module.training = bool(training)
+            if trainable is not None:
+                for param, flag in zip(part.parameters(), trainable.tolist(), strict=True):
+                    param.requires_grad_(bool(flag))
         _set(parent, name, part)
     tie_again(split)
 
@@ -334,10 +344,17 @@ def local_layer_state_dicts(split: Split) -> dict[int, dict[str, torch.Tensor]]:
     return {k: _part_state(_get(parent, name)) for k, (i, parent, name) in enumerate(split.slots) if split.hosts(i)}
 
 
+# Keys no state_dict has, for a part's module flags: each submodule's train/eval mode and each parameter's
+# requires_grad, in `modules()` / `parameters()` order (the same on every rank: one structure).
+_TRAINING, _REQUIRES_GRAD = "\x00training", "\x00requires_grad"
+
+
 def _part_state(part: nn.Module) -> dict[str, torch.Tensor]:
     state = {key: v.detach().cpu() for key, v in part.state_dict().items()}
     for key, buf in part.named_buffers():
         state.setdefault(key, buf.detach().cpu())  # non-persistent ones: not in state_dict, needed by unsplit
+    state[_TRAINING] = torch.tensor([m.training for m in part.modules()], dtype=torch.bool)
+    state[_REQUIRES_GRAD] = torch.tensor([p.requires_grad for p in part.parameters()], dtype=torch.bool)
     return state
 
 

@@ -3,6 +3,8 @@ its documented semantics, and the sharing patterns a split accepts or refuses.""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -105,6 +107,25 @@ def test_split_keeps_a_real_copy_on_each_side_and_unsplit_ties_again():
     assert torch.equal(model.layers[1].weight, fresh.layers[1].weight)  # the other rank's layers, rebuilt
     assert model.layers[3].weight is model.layers[0].weight
     assert torch.equal(model.layers[0].weight, last_copy)  # the last copy's value: load_state_dict's of the whole
+
+
+def test_unsplit_takes_the_owners_modes_and_frozen_flags():
+    """After fit on processes rank 0 rebuilt stage 0's layers from the structure copied at the split, with their
+    weights only: a dropout or BatchNorm put in eval mode there, a layer frozen during the run, came back on rank
+    0 as they were at the split (a sample after fit then ran with dropout on)."""
+    from lit_efficient.runtime.split import local_layer_state_dicts
+
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5)) for _ in range(4)))
+    owner = copy.deepcopy(model)  # stage 0's rank: its layers as the run left them
+    owner[0][1].eval()
+    owner[1].requires_grad_(False)
+    split = split_module(model, list(model), [2, 2], [1])  # rank 0: stage 1
+    mine = local_layer_state_dicts(split_module(owner, list(owner), [2, 2], [0]))
+    unsplit(split, mine, torch.device("cpu"))
+    assert [m.training for m in model[0].modules()] == [True, True, False]
+    assert [p.requires_grad for p in model[1].parameters()] == [False, False]
+    assert all(p.requires_grad for p in model[0].parameters()) and all(m.training for m in model[2].modules())
+    assert torch.equal(model[1][0].weight, owner[1][0].weight)
 
 
 def test_header_carries_which_tensors_need_a_gradient():
