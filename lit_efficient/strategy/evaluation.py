@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
+import torch
 from lightning.pytorch import LightningModule
 from torch import Tensor
 
@@ -33,6 +34,15 @@ def forward_answers(module: LightningModule, output: Any, hook: str, input_shape
     calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
 
     def forward(*args: Any, **kwargs: Any) -> Any:
+        if torch.is_grad_enabled():  # the user's torch.enable_grad(): the output carries none, said here, not later
+            raise RuntimeError(
+                f"{type(module).__name__}.{hook} called self(...) with gradients enabled. Under PACIStrategy the last "
+                "stage answers it with the pipeline's output, which the stages computed forward only, without a "
+                "graph, so no gradient reaches the weights or the input from it (autograd would say 'element 0 of "
+                "tensors does not require grad'). Compute gradients in an evaluation (a saliency map, a gradient "
+                'norm) after fit on global rank 0 or on one device from a checkpoint (docs/python-api.md, "The '
+                'whole model").'
+            )
         if not calls:
             _check_shapes(module, hook, (args, kwargs), input_shapes)
         elif not _same(calls[0], (args, kwargs)):

@@ -322,6 +322,34 @@ def test_a_second_forward_of_another_input_in_an_evaluation_step_is_refused():
         L.Trainer(strategy=PACIStrategy(pipeline_stages=2), **kw).validate(model, loader, verbose=False)
 
 
+class _GradientInValidation(GPT):
+    """A validation step that needs a gradient (a gradient norm, a saliency map) under torch.enable_grad()."""
+
+    def validation_step(self, batch, batch_idx):
+        with torch.enable_grad():
+            loss, _ = self.pipeline_loss(self(self.pipeline_input(batch)), batch)
+            (grad,) = torch.autograd.grad(loss, self.head.lm_head.weight)
+        self.log("grad_norm", grad.norm())
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_an_evaluation_step_needing_a_gradient_is_told_why_there_is_none():
+    """The pipeline's output in an evaluation step carries no graph (the stages evaluate forward only): a validation
+    step computing a gradient failed with autograd's 'element 0 of tensors does not require grad'."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lit_efficient import PACIStrategy
+
+    x = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(0))
+    loader = DataLoader(TensorDataset(x, x.roll(-1, 1)), batch_size=2)
+    kw = dict(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False)
+    model = _GradientInValidation(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=64)
+    assert L.Trainer(inference_mode=False, **kw).validate(model, loader, verbose=False)[0]["grad_norm"] > 0
+    with pytest.raises(RuntimeError, match=r"validation_step called self\(...\) with gradients enabled.*after fit"):
+        strategy = PACIStrategy(pipeline_stages=2)
+        L.Trainer(strategy=strategy, inference_mode=False, **kw).validate(model, loader, verbose=False)
+
+
 def test_the_second_forward_check_takes_equal_values_as_the_same_input():
     """The same input again in another form is not refused: the same tensor holding a NaN, an equal numpy copy, a
     dataclass holding a clone, ids of another integer dtype, a keyword given as None; other values are refused."""
