@@ -19,6 +19,7 @@ from torch import nn
 
 from lit_efficient import PACIStrategy
 from lit_efficient.models import GPT
+from lit_efficient.nested import tensors_in
 from lit_efficient.replicas import averaging
 from lit_efficient.replicas.averaging import ReplicaAverager
 from tests.support.devices import OnDevice, SameDeviceMode
@@ -69,17 +70,6 @@ def test_divergence_reaches_the_host_in_one_read():
 
 
 # -- checkpoints -------------------------------------------------------------------------------------
-
-
-def _leaves(obj):
-    if isinstance(obj, dict):
-        for v in obj.values():
-            yield from _leaves(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _leaves(v)
-    else:
-        yield obj
 
 
 def _on_device(obj):
@@ -138,7 +128,7 @@ def test_rank_share_holds_only_host_tensors():
     }
     extras = _on_device(_pipeline_extras(stage, averager))
     share = rank_share(checkpoint, names_of_groups(module, optimizer), extras, keep_weights=True)
-    tensors = [t for t in _leaves(share) if isinstance(t, torch.Tensor)]
+    tensors = list(tensors_in(share))
     assert len(tensors) >= 10  # weights, grads, window, RNG, anchor, momentum
     on_device = [type(t).__name__ for t in tensors if isinstance(t, OnDevice)]
     assert not on_device, f"{len(on_device)} device tensors in the share"
