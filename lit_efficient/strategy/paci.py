@@ -479,7 +479,7 @@ class PACIStrategy(DDPStrategy):
         self._tie_groups: dict[int, LinkGroups] = {}
         self._launch_streams: dict[str, Any] | None = None
         self._sigterm_pending: deque[tuple[dist.Work, Tensor, int]] = deque()
-        self._metric_groups: list[tuple] = []  # the user's metrics with their own groups (give_metrics_back)
+        self._metric_groups: list[tuple] = []  # the user's metrics with their own sync functions (give_metrics_back)
         self._metrics_pointed_in: int | None = None  # the training epoch whose first batch pointed them
         self._sync_advice_back: Callable[[], None] | None = None  # Lightning's own warning cache (without_sync_advice)
         self._was_automatic = True
@@ -514,6 +514,11 @@ class PACIStrategy(DDPStrategy):
         """This process's (last hosted) pipeline stage: its rank's on processes, the last in one process (which
         holds the loss, as global rank 0 does on processes)."""
         return self.hosted_stages[-1]
+
+    @property
+    def here(self) -> str:
+        """This rank, for messages: ``"stage 0 (rank 1)"``."""
+        return f"stage {self.stage} (rank {self.global_rank})"
 
     @property
     def replica(self) -> int:
@@ -887,8 +892,7 @@ class PACIStrategy(DDPStrategy):
         module = self.lightning_module
         assert module is not None
         share = None if self.in_process else (lambda: share_rank_zero_metrics(trainer))
-        here = f"stage {self.stage} (rank {self.global_rank})"
-        epoch_ends_where_the_steps_ran(module, self.is_last_stage, here, share)
+        epoch_ends_where_the_steps_ran(module, self.is_last_stage, self.here, share)
         if fitting:
             drain_before(module, "on_validation_model_zero_grad", self.drain)
             warn_uncalled_hooks(module, trainer.callbacks)
@@ -1171,7 +1175,7 @@ class PACIStrategy(DDPStrategy):
             if self._finder_run is not None and not self.in_process:  # the finder reads a loss on every rank
                 loss = share_finder_loss(loss, self._signal_group)
         if loss is None:  # a rank without the last stage: its outputs explain themselves
-            return _NoLossHere(f"stage {self.stage} (rank {self.global_rank})")
+            return _NoLossHere(self.here)
         if window_end:
             # What one device logs for the step: its last micro-batch's loss. As a host copy: the one host
             # sync per optimizer step on the last stage, which sets the pipeline's pace. Lightning converts
@@ -1350,11 +1354,7 @@ class PACIStrategy(DDPStrategy):
         if self.topology is not None and not isinstance(exception, RefusedSetting):  # a refusal is said once, raised
             # In one process every stage runs here, and which one raised is in the traceback: no stage is named (the
             # last stage was, for a failure in stage 0's backward).
-            here = (
-                f"the pipeline of {self.pipeline_stages} stages in this process"
-                if self.in_process
-                else f"stage {self.stage} (rank {self.global_rank})"
-            )
+            here = f"the pipeline of {self.pipeline_stages} stages in this process" if self.in_process else self.here
             if not self.in_process and is_raw_comm_error(exception):  # a peer's failure seen here: name its cause
                 report_lost_peers(here, exception)
             elif isinstance(exception, KeyboardInterrupt):  # Ctrl-C: what the user did, not a failure; peers name it
@@ -1441,9 +1441,8 @@ class PACIStrategy(DDPStrategy):
         epoch-end hooks."""
         module = self.lightning_module
         if self._dp_groups and module is not None:
-            here = f"stage {self.stage} (rank {self.global_rank})"
             group = self._dp_groups[self.pipeline_stages - 1]
-            point_metrics_at(module, group, self.is_last_stage, here, self._metric_groups)
+            point_metrics_at(module, group, self.is_last_stage, self.here, self._metric_groups)
 
     def _start_evaluation(self) -> None:
         self.drain()
