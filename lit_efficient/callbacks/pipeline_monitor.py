@@ -244,8 +244,10 @@ class PipelineMonitor(Callback):
 
     def _measure(self, stage: int, device: torch.device, params: list[torch.nn.Parameter] | None) -> None:
         # None: the step was skipped (a non-finite window): no norm of this step, not the one before it.
-        unmeasured = torch.full((1,), math.nan, device=device)
-        self._grad_sq[stage] = unmeasured if params is None else squared_grad_norm(params, device)
+        if params is None:
+            self._grad_sq[stage] = torch.full((1,), math.nan, device=device)
+        else:
+            self._grad_sq[stage] = squared_grad_norm(params, device)
 
     @override
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
