@@ -348,18 +348,23 @@ class _FromBatch(Callback):
 
 
 @pytest.mark.usefixtures("one_thread")
-def test_an_unshuffled_loader_passed_to_fit_resumes_mid_window_exactly(tmp_path):
+@pytest.mark.parametrize(
+    ("stages", "devices"), [(2, 1), pytest.param(1, 2, marks=pytest.mark.multiproc)], ids=["pipeline", "two-replicas"]
+)
+def test_an_unshuffled_loader_passed_to_fit_resumes_mid_window_exactly(tmp_path, stages, devices):
     """``ResumableLoader(dataset, shuffle=False)`` handed to ``fit``: its sequential sampler had no epoch, so a
     checkpoint at batch 5 (mid-window, N=4) resumed reading batches 0-5 as its 6-11 (0.026 in the weights). It reads
     the dataset in order through a sampler with Lightning's epoch now: the pipeline resumes exactly (the default
-    schedule; the uninterrupted run saves at the same batch, whose drain is part of a PACI run's trajectory)."""
-    x = torch.randint(1, 60, (24, BLOCK + 1), generator=torch.Generator().manual_seed(0))
+    schedule; the uninterrupted run saves at the same batch, whose drain is part of a PACI run's trajectory). On two
+    replicas Lightning's distributed sampler (unshuffled, as the loader's) takes the sampler's place and carries the
+    epoch itself: each replica resumes its half exactly."""
+    x = torch.randint(1, 60, (24 * devices, BLOCK + 1), generator=torch.Generator().manual_seed(0))
     rows = [(r[:-1], r[1:]) for r in x]
 
     def fit(ckpt_path=None, save=False):
         seed_everything(0)
         model = gpt_model()
-        trainer = gpt_trainer(PACIStrategy(pipeline_stages=2), 1, 3, tmp_path,
+        trainer = gpt_trainer(PACIStrategy(pipeline_stages=stages, start_method="forkserver"), devices, 3, tmp_path,
                               callbacks=[_FromBatch(tmp_path / "mid.ckpt", 5)] if save else [])  # fmt: skip
         trainer.fit(model, ResumableLoader(rows, batch_size=2), ckpt_path=ckpt_path)
         return model
