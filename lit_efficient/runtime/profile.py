@@ -26,7 +26,7 @@ from torch import nn
 
 from lit_efficient.nested import map_tensors
 from lit_efficient.runtime.partition import partition_profiled
-from lit_efficient.runtime.stage import run_layers
+from lit_efficient.runtime.stage import differentiable, run_layers
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,7 @@ def _profile(
         layer.to(device)
         samples = []
         for _ in range(repeats + 1):  # the first run warms up kernels and allocators
-            leaf = tuple(t.detach().requires_grad_() if t.is_floating_point() else t for t in x)
+            leaf = tuple(t.detach().requires_grad_() if differentiable(t) else t for t in x)
             _sync(device)
             start = time.perf_counter()
             with forward_context():

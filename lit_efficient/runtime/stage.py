@@ -269,6 +269,8 @@ class PipelineStage:
         if not self.is_first:
             inputs = tuple(_as_leaf(t) for t in inputs)
         record = _InFlight(version=self.version, inputs=inputs)
+        # Stage 0's input is the module's own (pipeline_input's) unless a recompute reruns on it.
+        kept = _versions(inputs) if not self.is_first or self.recompute else None
         if self.recompute:
             record.rng = _capture_rng(self.device)
             record.inputs = tuple(None if t is None else t.detach().requires_grad_(t.requires_grad) for t in inputs)
@@ -277,6 +279,8 @@ class PipelineStage:
             with self.forward_context():
                 outputs = run_layers(self._callables, inputs, self.first_layer)
             record.outputs = outputs
+        if kept is not None:
+            self._check_inputs_unchanged(inputs, kept)
         result: Payload | Tensor = outputs
         if self.is_last:
             loss, weight = self._loss(outputs, batch)
@@ -408,8 +412,11 @@ class PipelineStage:
     def evaluate(self, inputs: Payload) -> Payload:
         """Forward without gradients (validation, test, predict)."""
         start = self.clock.mark()
+        kept = _versions(inputs) if not self.is_first else None
         with self.own_rng(), torch.no_grad(), self.forward_context():
             outputs = run_layers(self._callables, inputs, self.first_layer)
+        if kept is not None:
+            self._check_inputs_unchanged(inputs, kept)
         if not self.is_last:
             self._check_crossing(outputs)
         self.stats.times.add("evaluate", start, self.clock.mark())
@@ -427,6 +434,28 @@ class PipelineStage:
                     f"of type {type(value).__name__}, not a tensor, at position {i} of its output ({value!r:.60}): "
                     "only tensors (or None) cross a stage boundary. Return it as a tensor (e.g. torch.tensor(value)), "
                     "keep a constant on the module that needs it, or move the boundary with PACIStrategy(balance=...)."
+                )
+
+    def _check_inputs_unchanged(self, inputs: Payload, versions: list[int | None]) -> None:
+        """A layer that changes a received tensor in place changes, in one process, the sending stage's own tensor (a
+        buffer passed along: its module's state), on processes a copy (not the sender's); a recompute reruns on the
+        changed values. Both transports refuse it alike (a version counter read per input, no copy)."""
+        for i, (t, v) in enumerate(zip(inputs, versions, strict=True)):
+            if t is not None and t._version != v:
+                first, last = self.first_layer, self.first_layer + len(self.layers) - 1
+                layers = f"pipeline layer {first}" if first == last else f"pipeline layers {first}-{last}"
+                source = "pipeline_input's" if self.is_first else f"stage {self.stage - 1}'s"
+                raise ValueError(
+                    f"{layers} (stage {self.stage}) changed input {i} in place "
+                    f"({_described(t)}, {source} output): "
+                    + (
+                        "with recompute=True the backward reruns the forward on that input, now changed. "
+                        if self.is_first
+                        else "in one process that tensor is the sending stage's own (a buffer passed along changes "
+                        "there too), on processes a copy (it does not), and a recompute would rerun on changed values. "
+                    )
+                    + "Change a copy (`x = x.clone()` first, or the out-of-place form: `x = x * 2` for `x.mul_(2)`); "
+                    "state a layer updates belongs in that layer."
                 )
 
     def reset_stats(self) -> None:
@@ -555,9 +584,9 @@ class PipelineStage:
             flags = tuple(isinstance(t, Tensor) and t.requires_grad for t in outputs)
             self._output_grad_flags[key] = flags
         elif len(flags) != len(outputs):  # a new output pattern for a known input one: assume every float needs one
-            flags = tuple(isinstance(t, Tensor) and t.is_floating_point() for t in outputs)
+            flags = tuple(isinstance(t, Tensor) and differentiable(t) for t in outputs)
         return tuple(
-            t.detach().requires_grad_(f) if isinstance(t, Tensor) and t.is_floating_point() else t
+            t.detach().requires_grad_(f) if isinstance(t, Tensor) and differentiable(t) else t
             for t, f in zip(outputs, flags, strict=True)
         )
 
@@ -625,12 +654,22 @@ def item_count(items: Tensor | int | float, device: torch.device, dtype: torch.d
     return torch.full((), float(items), dtype=dtype, device=device)
 
 
+def differentiable(t: Tensor) -> bool:
+    """Whether autograd can give ``t`` a gradient: floating point or complex (a complex activation's gradient crosses
+    back as a real one's does; only floats counted, the stages before it never trained)."""
+    return t.is_floating_point() or t.is_complex()
+
+
+def _versions(inputs: Payload) -> list[int | None]:
+    return [None if t is None else t._version for t in inputs]
+
+
 def _as_leaf(t: Tensor | None) -> Tensor | None:
     """A received tensor as an input leaf: one that required grad on the sending side (comm carries the
     flag) collects the gradient to send back; side inputs (masks, rotary tables) get none."""
     if t is None:
         return None
-    needs_grad = t.requires_grad and t.is_floating_point()
+    needs_grad = t.requires_grad and differentiable(t)
     t = t.detach()
     return t.requires_grad_() if needs_grad else t
 

@@ -177,7 +177,8 @@ class WireFormat:
                 continue
             k, offset = loc
             x = t.detach()
-            x = torch.view_as_real(x) if x.is_complex() else _to_wire(x, wire)
+            # A conjugate or negative view (z.conj()) is lazy: view_as_real refuses it until it is resolved.
+            x = torch.view_as_real(x.resolve_conj().resolve_neg()) if x.is_complex() else _to_wire(x, wire)
             if offset is None:
                 out[k] = x.contiguous()
                 continue

@@ -1,0 +1,131 @@
+"""What crosses a stage boundary, through the real Trainer in one process and on processes against plain Lightning:
+a complex activation carries its gradient back; a received tensor changed in place is refused alike."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from torch import nn
+from torch.multiprocessing.spawn import ProcessRaisedException
+from torch.utils.data import DataLoader, TensorDataset
+
+from lit_efficient import PACIStrategy
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class _ToComplex(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 8)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return torch.complex(h[:, :4], h[:, 4:])
+
+
+class _Magnitude(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 1)
+
+    def forward(self, z):
+        return self.lin(z.abs())
+
+
+class _PassesItsBuffer(nn.Module):
+    """Hands the next layer its own buffer along with the hidden state (a table the next layer reads)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("scale", torch.ones(1))
+
+    def forward(self, x):
+        return self.lin(x), self.scale
+
+
+class _ScalesInPlace(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 1)
+
+    def forward(self, h, scale):
+        scale.mul_(1.5)  # the received tensor, changed in place: in one process the sender's buffer
+        return self.lin(h) * scale
+
+
+class _TwoLayers(LightningModule):
+    def __init__(self, first: nn.Module, second: nn.Module) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([first, second])
+
+    def pipeline_layers(self):
+        return list(self.layers)
+
+    def pipeline_input(self, batch):
+        return batch[0]
+
+    def pipeline_loss(self, output, batch):
+        return nn.functional.mse_loss(output, batch[1])
+
+    def training_step(self, batch, batch_idx):
+        x = self.pipeline_input(batch)
+        for layer in self.layers:
+            x = layer(*x) if isinstance(x, tuple) else layer(x)
+        return self.pipeline_loss(x, batch)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _fit(model: LightningModule, devices: int | None, **strategy) -> Trainer:
+    """Four steps of two micro-batches (the pipeline's N from accumulate_grad_batches): plain Lightning (devices
+    None) or the pipeline of 2 stages."""
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(32, 4, generator=g), torch.randn(32, 1, generator=g))
+    setup = (
+        dict(devices=1)
+        if devices is None
+        else dict(devices=devices, strategy=PACIStrategy(pipeline_stages=2, start_method="forkserver", **strategy))
+    )
+    trainer = Trainer(
+        accelerator="cpu", max_steps=4, accumulate_grad_batches=2, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, **setup,
+    )  # fmt: skip
+    trainer.fit(model, DataLoader(data, batch_size=4))
+    return trainer
+
+
+def _complex_model() -> _TwoLayers:
+    torch.manual_seed(0)
+    return _TwoLayers(_ToComplex(), _Magnitude())
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("devices", [1, pytest.param(2, marks=pytest.mark.multiproc)])
+def test_a_complex_activation_trains_the_stages_before_it(devices, recompute):
+    """A complex tensor at the boundary was taken for one that gets no gradient (only floats did): stage 0 never
+    trained, silently. Under flush both stages end as plain Lightning's."""
+    plain = _complex_model()
+    _fit(plain, None)
+    piped = _complex_model()
+    initial = piped.layers[0].lin.weight.detach().clone()
+    _fit(piped, devices, schedule="1f1b_flush", recompute=recompute)
+    assert (piped.layers[0].lin.weight - initial).abs().max() > 1e-3  # stage 0 trained
+    for (name, want), got in zip(plain.state_dict().items(), piped.state_dict().values(), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("devices", [1, pytest.param(2, marks=pytest.mark.multiproc)])
+def test_a_received_tensor_changed_in_place_is_refused_in_one_process_and_on_processes(devices, recompute):
+    """In one process the received tensor was the sender's buffer (changed, as plain Lightning changes it), on
+    processes a copy (unchanged): the runs differed by orders of magnitude. Both refuse it with the fix."""
+    torch.manual_seed(0)
+    model = _TwoLayers(_PassesItsBuffer(), _ScalesInPlace())
+    said = r"pipeline layer 1 \(stage 1\) changed input 1 in place \(Tensor\(1,\), stage 0's output\).*x.clone\(\)"
+    # On processes the rank's ValueError reaches the launching process inside torch's ProcessRaisedException.
+    with pytest.raises(ValueError if devices == 1 else ProcessRaisedException, match=said):
+        _fit(model, devices, recompute=recompute)
