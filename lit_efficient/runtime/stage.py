@@ -441,7 +441,7 @@ class PipelineStage:
         buffer passed along: its module's state), on processes a copy (not the sender's); a recompute reruns on the
         changed values. Both transports refuse it alike (a version counter read per input, no copy)."""
         for i, (t, v) in enumerate(zip(inputs, versions, strict=True)):
-            if t is not None and t._version != v:
+            if v is not None and t._version != v:
                 first, last = self.first_layer, self.first_layer + len(self.layers) - 1
                 layers = f"pipeline layer {first}" if first == last else f"pipeline layers {first}-{last}"
                 source = "pipeline_input's" if self.is_first else f"stage {self.stage - 1}'s"
@@ -661,7 +661,8 @@ def differentiable(t: Tensor) -> bool:
 
 
 def _versions(inputs: Payload) -> list[int | None]:
-    return [None if t is None else t._version for t in inputs]
+    # An inference tensor (an evaluation under inference_mode) keeps no version counter: not checked.
+    return [None if t is None or t.is_inference() else t._version for t in inputs]
 
 
 def _as_leaf(t: Tensor | None) -> Tensor | None:
