@@ -65,7 +65,11 @@ def local_optimizer_state(
                 f"the checkpoint has no optimizer state for {missing[:3]}{' ...' if len(missing) > 3 else ''}: it "
                 "was written for another model, or its optimizer covered other parameters"
             )
-        saved_group, hyper, _ = by_name[mine[0]]
+        if mine:
+            saved_group, hyper, _ = by_name[mine[0]]
+        else:  # a group with none of this stage's parameters (the same groups built on every stage): by position
+            saved_group = len(group_map)
+            hyper = next((h for g, h, _ in by_name.values() if g == saved_group), group)
         group_map.append(saved_group)
         # The stage's own parameter names (``named_parameters()`` groups), not the saved group's, which name
         # every stage's (torch's load_state_dict takes a loaded group's ``param_names`` over its own).

@@ -51,3 +51,32 @@ def test_named_parameter_groups_save_as_one_device_and_resume_both_ways(tmp_path
             for hosted in strategy.hosted:
                 for group in hosted.optimizer.param_groups:
                     assert group["param_names"] == [named[id(p)] for p in group["params"]]
+
+
+class _HeadApart(GPT):
+    """Its own learning rate for the head: the same two groups on every stage, the head's empty on stage 0."""
+
+    def configure_optimizers(self):
+        head = [p for n, p in self.named_parameters() if n.startswith("head.")]
+        rest = [p for n, p in self.named_parameters() if not n.startswith("head.")]
+        optimizer = torch.optim.AdamW([{"params": rest}, {"params": head, "lr": 2e-2, "weight_decay": 0.0}], lr=1e-2)
+        return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, 2, 0.5)]
+
+
+@pytest.mark.parametrize("fmt", ["file", "sharded"])
+def test_a_group_empty_on_a_stage_resumes(tmp_path, fmt):
+    """A stage whose group holds none of its parameters (as the hosting warning advises: the same groups on every
+    stage, an empty one is fine) failed every resume with an IndexError. The pipeline resumes its checkpoint as one
+    device resumes its own, and one device the pipeline's."""
+    fit_small_gpt(_HeadApart, "auto", 2, save=tmp_path / "plain.ckpt")
+    saving = _flush(checkpoint_format=fmt)
+    fit_small_gpt(_HeadApart, saving, 2, save=tmp_path / "piped.ckpt")
+    assert len(saving.hosted[0].optimizer.param_groups[1]["params"]) == 0  # the case: stage 0's head group is empty
+    want = fit_small_gpt(_HeadApart, "auto", 3, ckpt=tmp_path / "plain.ckpt").state_dict()
+    resumed = _flush()
+    for strategy, path in ((resumed, tmp_path / "piped.ckpt"), ("auto", one_file(tmp_path / "piped.ckpt"))):
+        got = fit_small_gpt(_HeadApart, strategy, 3, ckpt=path).state_dict()
+        assert max((got[k] - want[k]).abs().max().item() for k in want) < 1e-6
+    # The empty group takes the saved group's hyper-parameters, as the stage that holds the head does.
+    hyper = [[(g["lr"], g["weight_decay"]) for g in h.optimizer.param_groups] for h in resumed.hosted]
+    assert hyper == [[(1e-2, 1e-2), (2e-2, 0.0)]] * 2
