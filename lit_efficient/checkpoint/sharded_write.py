@@ -49,7 +49,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from lit_efficient.checkpoint.merge import RANK_RECORD, assemble, rank_key, to_automatic_loops
-from lit_efficient.checkpoint.single_file import save_durably, sync_folder
+from lit_efficient.checkpoint.single_file import replace_path, save_durably, sync_folder
 
 FORMAT = 3  # `pipeline["format"]` of a sharded checkpoint (2: the single file, 1: an earlier directory)
 META = "meta.pt"  # lightning.fabric.utilities.load._METADATA_FILENAME: the name Lightning's tools look for
@@ -259,20 +259,10 @@ def save_weights(path: str | os.PathLike, checkpoint: dict[str, Any]) -> None:
 
 
 def publish(tmp: Path, path: Path) -> None:
-    """Move the complete ``tmp`` to ``path``, replacing what is there (a file or a folder).
-
-    A folder cannot be renamed over a non-empty one, so the old checkpoint moves aside first. A crash
-    between the two renames leaves both whole, under ``PATH.old`` and ``PATH.partial``."""
-    sync_folder(tmp)  # its entries (DCP's renamed .metadata, meta.pt) on disk before it is published
-    old = None
-    if path.is_symlink() or path.exists():
-        old = path.with_name(path.name + ".old")
-        _remove(old)
-        os.replace(path, old)
-    os.replace(tmp, path)
-    sync_folder(path.parent)
-    if old is not None:
-        _remove(old)
+    """Move the complete ``tmp`` to ``path``, replacing what is there (a file, a folder or a link): its entries
+    (DCP's renamed .metadata, meta.pt) on disk first, then `replace_path`."""
+    sync_folder(tmp)
+    replace_path(tmp, path)
 
 
 @contextmanager
@@ -283,13 +273,6 @@ def quiet_dcp() -> Iterator[None]:
         warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process.*")
         warnings.filterwarnings("ignore", message=".*overwrit.*")
         yield
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
 
 
 def _state_by_name(share: dict[str, Any]) -> dict[str, dict[str, Any]]:

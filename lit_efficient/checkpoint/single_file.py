@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import pickle
 import re
+import shutil
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,8 +25,32 @@ def write_atomically(checkpoint: dict[str, Any], path: str | os.PathLike) -> Non
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".partial")
     save_durably(checkpoint, tmp)
+    replace_path(tmp, path)
+
+
+def replace_path(tmp: Path, path: Path) -> None:
+    """Rename the complete ``tmp`` (a file or a folder) to ``path``, replacing what is there: a file, a folder (a
+    run that saved the other format under the same name) or a link. A rename replaces a file or a link by a file
+    atomically; nothing can be renamed over a non-empty folder, nor a folder over a file, so there the old entry
+    moves aside first, and a crash between the two renames leaves both whole, under ``PATH.old`` and ``tmp``."""
+    there = path.is_symlink() or path.exists()
+    old = None
+    if there and (tmp.is_dir() or (path.is_dir() and not path.is_symlink())):
+        old = path.with_name(path.name + ".old")
+        remove_path(old)
+        os.replace(path, old)
     os.replace(tmp, path)
     sync_folder(path.parent)
+    if old is not None:
+        remove_path(old)
+
+
+def remove_path(path: Path) -> None:
+    """Remove a file, a folder or a link (the link only: never what it points at); nothing if absent."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def save_durably(obj: Any, path: Path) -> None:

@@ -17,7 +17,7 @@ The functions take the strategy (`lit_efficient.strategy.paci.PACIStrategy`) who
 from __future__ import annotations
 
 import dataclasses
-import shutil
+import functools
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,7 +47,7 @@ from lit_efficient.checkpoint.restore import (
     local_state_dict,
     unexpected_keys,
 )
-from lit_efficient.checkpoint.single_file import gather_to_rank_zero, load_file, write_atomically
+from lit_efficient.checkpoint.single_file import gather_to_rank_zero, load_file, remove_path, write_atomically
 from lit_efficient.replicas.sharded_optimizer import ShardedOptimizer
 from lit_efficient.runtime.split import every_part_in_place, only_stage
 from lit_efficient.runtime.tied import restore_tied
@@ -319,9 +319,8 @@ def remove(strategy: Any, filepath: Any) -> None:
     if not strategy.is_global_zero:
         return
 
-    def delete() -> None:
-        shutil.rmtree(filepath, ignore_errors=True) if Path(filepath).is_dir() else Path(filepath).unlink(True)
-
+    # A link (ModelCheckpoint's save_last="link" rotating its last link out) goes, never its target.
+    delete = functools.partial(remove_path, Path(filepath))
     if strategy.async_checkpointer is not None:
         strategy.async_checkpointer.when_published(delete)
     else:

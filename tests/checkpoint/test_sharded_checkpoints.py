@@ -11,7 +11,6 @@ matmul depends on the thread count); the bound is 1e-6.
 from __future__ import annotations
 
 import runpy
-import shutil
 import sys
 import warnings
 from pathlib import Path
@@ -25,7 +24,7 @@ from torch import nn
 from lit_efficient import GradientAccumulation, PACIStrategy, consolidate_checkpoint
 from lit_efficient.checkpoint import sharded_read, sharded_write
 from lit_efficient.checkpoint.merge import assemble, names_of_groups, rank_share
-from lit_efficient.checkpoint.single_file import load_file
+from lit_efficient.checkpoint.single_file import load_file, write_atomically
 from lit_efficient.models import GPT
 from lit_efficient.strategy import stage_checkpoints
 from tests.support.checkpoints import FORMATS, SaveBothFormatsAt, one_file
@@ -278,21 +277,44 @@ def test_a_crash_while_saving_keeps_the_previous_checkpoint_for_ckpt_path_last(t
     assert not (tmp_path / "last.ckpt.partial").exists()  # the next save cleared it
 
 
-def test_publish_replaces_a_file_or_a_folder(tmp_path):
-    target = tmp_path / "last.ckpt"
-    for old in ("file", "folder"):
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_save_replaces_a_file_a_folder_or_a_link_and_never_a_links_target(tmp_path, fmt):
+    """Either format over the other's (a run that saved the other format under the same name: a file over a folder
+    failed with IsADirectoryError) and over a link, which goes while what it pointed at stays."""
+    target, kept = tmp_path / "last.ckpt", tmp_path / "step=1.ckpt"
+    kept.mkdir()
+    for old in ("file", "folder", "link"):
         if old == "file":
             target.write_bytes(b"old")
-        else:
+        elif old == "folder":
             target.mkdir()
             (target / "x").write_bytes(b"old")
-        new = tmp_path / "new"
-        new.mkdir()
-        (new / "meta.pt").write_bytes(b"new")
-        sharded_write.publish(new, target)
-        assert (target / "meta.pt").read_bytes() == b"new" and not new.exists()
+        else:
+            target.symlink_to(kept.name)
+        if fmt == "sharded":
+            new = tmp_path / "new"
+            new.mkdir()
+            (new / "meta.pt").write_bytes(b"new")
+            sharded_write.publish(new, target)
+            assert (target / "meta.pt").read_bytes() == b"new" and not new.exists()
+        else:
+            write_atomically({"new": 1}, target)
+            assert torch.load(target, weights_only=True) == {"new": 1}
+        assert not target.is_symlink() and kept.is_dir()
         assert not target.with_name("last.ckpt.old").exists()
-        shutil.rmtree(target)
+        stage_checkpoints.remove(_sharded(), target)
+        assert not target.exists()
+
+
+def test_a_rotated_last_link_is_removed_not_its_target(tmp_path, monkeypatch):
+    """ModelCheckpoint(save_last="link") with a last name per step removes its previous link through the strategy:
+    a link to a folder was taken for the folder, rmtree refused a link silently, and the links piled up (pointing
+    at folders a top-k rotation removes later)."""
+    monkeypatch.setattr(ModelCheckpoint, "CHECKPOINT_NAME_LAST", "last-{step}")
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1, save_last="link", filename="{step}")
+    _trainer(_sharded(), 1, 3, callbacks=[ckpt], enable_checkpointing=True).fit(_model(), datamodule=_ordered())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last-step=3.ckpt", *(f"step={k}.ckpt" for k in (1, 2, 3))]
+    assert (tmp_path / "last-step=3.ckpt").resolve() == (tmp_path / "step=3.ckpt").resolve()
 
 
 def test_a_folder_missing_another_ranks_share_is_not_published(tmp_path, monkeypatch):
