@@ -70,7 +70,9 @@ class _ChecksFirst:
     @staticmethod
     def _check(trainer: Trainer | None, function: Any, args: tuple, kwargs: dict) -> None:
         # fit/validate/test/predict's own ckpt_path, whatever its position in the call
-        check_checkpoint_path(inspect.signature(function).bind_partial(*args, **kwargs).arguments.get("ckpt_path"))
+        ckpt_path = inspect.signature(function).bind_partial(*args, **kwargs).arguments.get("ckpt_path")
+        check_local_path(ckpt_path, "ckpt_path")
+        check_checkpoint_path(ckpt_path)
         if trainer is not None and hasattr(trainer.strategy, "_check_before_launch"):
             trainer.strategy._check_before_launch(trainer)
 
@@ -85,10 +87,25 @@ class CheckpointNotFound(FileNotFoundError):
     process starts (`check_checkpoint_path`)."""
 
 
+def check_local_path(path: Any, what: str) -> None:
+    """Refuse a URL (``s3://...``) where PACIStrategy reads or writes a checkpoint: it writes its own (each stage's
+    share gathered into one file, or a folder every rank writes into) and reads them memory-mapped, on a local or
+    mounted file system only. ``Path`` took ``s3://bucket/x.ckpt`` for the local folder ``s3:/bucket``, so a save
+    landed on the local disk, silently."""
+    text = os.fspath(path) if isinstance(path, (str, os.PathLike)) else ""
+    if "://" in text and not text.startswith("file://"):
+        raise ValueError(
+            f"{what}={text!r} is a URL: PACIStrategy writes and reads its checkpoints on a local or mounted file "
+            "system only (each stage's share gathered into one file, or a sharded folder every rank writes into, "
+            "read back memory-mapped). Use a local folder, or the bucket mounted as one (s3fs, gcsfuse, blobfuse), "
+            "and copy the checkpoint where it should go."
+        )
+
+
 def check_checkpoint_path(ckpt_path: Any) -> None:
     """Refuse a ``ckpt_path`` that names nothing, with Lightning's words and the fix: every rank would otherwise
-    start, then each fail in its own traceback. Lightning's keywords ("last", "best", ...) and remote URLs are
-    Lightning's to resolve."""
+    start, then each fail in its own traceback. Lightning's keywords ("last", "best", ...) and URLs are Lightning's
+    to resolve (PACIStrategy refuses a URL: `check_local_path`)."""
     if not isinstance(ckpt_path, (str, os.PathLike)):
         return
     path = os.fspath(ckpt_path)
@@ -845,6 +862,10 @@ def check_before_launch(strategy: Any, trainer: Trainer, layers: list | None) ->
                 trainer,
                 layers_may_come_later=setup_may_build_layers(module) or is_overridden("configure_model", module),
             )
+        if isinstance(callback, ModelCheckpoint):  # its folder, as Lightning resolves it at setup
+            logged = trainer.loggers[0].save_dir if trainer.loggers else None
+            folder = callback.dirpath or logged or trainer.default_root_dir
+            check_local_path(folder, "ModelCheckpoint(dirpath)" if callback.dirpath else "ModelCheckpoint's folder")
         if strategy.async_checkpoint and isinstance(callback, ModelCheckpoint) and callback.save_last == "link":
             raise ValueError(
                 "ModelCheckpoint(save_last='link') with PACIStrategy(async_checkpoint=True): the link would point at "

@@ -51,7 +51,7 @@ from lit_efficient.checkpoint.single_file import gather_to_rank_zero, load_file,
 from lit_efficient.replicas.sharded_optimizer import ShardedOptimizer
 from lit_efficient.runtime.split import every_part_in_place, only_stage
 from lit_efficient.runtime.tied import restore_tied
-from lit_efficient.strategy.config import check_checkpoint_path
+from lit_efficient.strategy.config import check_checkpoint_path, check_local_path
 from lit_efficient.strategy.hosting import HostedStage
 from lit_efficient.transport.collectives import broadcast_flat
 
@@ -166,6 +166,7 @@ def save(strategy: Any, checkpoint: dict[str, Any], filepath: Any) -> None:
     """``PACIStrategy.save_checkpoint``: every hosted stage's share into one file on global rank 0 or into a
     sharded folder (in the background with ``async_checkpoint``), during fit and after it. Collective on
     processes: every rank calls it."""
+    check_local_path(filepath, "filepath")  # a ModelCheckpoint's own path was checked before launch
     path = Path(filepath)
     if strategy.topology is None:  # never set up here: the parent of spawned ranks, after fit
         return _save_weights(strategy, checkpoint, path)
@@ -333,7 +334,8 @@ def remove(strategy: Any, filepath: Any) -> None:
 def load(strategy: Any, checkpoint_path: Any, weights_only: bool | None) -> dict[str, Any]:
     """``PACIStrategy.load_checkpoint``: the dict one device would have saved (from a sharded folder, only what this
     process's stages need), with the step count where the pipeline's loop keeps it."""
-    check_checkpoint_path(checkpoint_path)  # in one process: nothing was launched to check it before
+    check_local_path(checkpoint_path, "ckpt_path")  # in one process: nothing was launched to check it before
+    check_checkpoint_path(checkpoint_path)
     path = Path(checkpoint_path).expanduser()  # as Lightning's own loader reads it (fsspec)
     if sharded_write.is_sharded(path):  # this process's part only
         module = strategy.lightning_module

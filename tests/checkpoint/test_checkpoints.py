@@ -213,3 +213,25 @@ def test_ranks_that_resolved_different_checkpoints_are_told_so_on_every_rank(tmp
     for text in said:
         assert "the ranks resolved different checkpoints to restore" in text, said
         assert f"rank 0: '{tmp_path / 'saved.ckpt'}', rank 1: None" in text and "file system every node sees" in text
+
+
+def test_a_url_is_refused_where_a_checkpoint_would_go_and_nothing_lands_on_the_local_disk(tmp_path, monkeypatch):
+    """PACIStrategy writes its checkpoints itself, on a file system: ``s3://bucket/run`` (here fsspec's ``memory://``,
+    which Lightning accepts alike) became the local folder ``s3:/bucket/run``, and every save went there silently.
+    Refused before training, in the ModelCheckpoint's folder (given, or resolved from default_root_dir), in
+    ``trainer.save_checkpoint`` and in ``ckpt_path``."""
+    monkeypatch.chdir(tmp_path)
+    said = r"='memory://bucket/run.*' is a URL: PACIStrategy writes and reads its checkpoints on a local or mounted"
+    for setup in (dict(callbacks=[ModelCheckpoint(dirpath="memory://bucket/run")]),
+                  dict(default_root_dir="memory://bucket/run")):  # fmt: skip
+        trainer = _trainer(PACIStrategy(pipeline_stages=2), 1, 1, enable_checkpointing=True, **setup)
+        with pytest.raises(ValueError, match=said):
+            trainer.fit(_model(), datamodule=_ordered())
+        assert trainer.global_step == 0  # refused before any training
+    trainer = _trainer(PACIStrategy(pipeline_stages=2), 1, 1)
+    with pytest.raises(ValueError, match=r"ckpt_path='memory://bucket/run/last.ckpt' is a URL"):
+        trainer.fit(_model(), datamodule=_ordered(), ckpt_path="memory://bucket/run/last.ckpt")
+    trainer.fit(_model(), datamodule=_ordered())
+    with pytest.raises(ValueError, match=r"filepath='memory://bucket/run.ckpt' is a URL"):
+        trainer.save_checkpoint("memory://bucket/run.ckpt")
+    assert list(tmp_path.iterdir()) == []
