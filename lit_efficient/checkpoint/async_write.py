@@ -11,8 +11,10 @@ one in flight (and raise what it raised). A checkpoint ModelCheckpoint rotates o
 removed once that save is published (`when_published`), never before: until then it is the newest whole one.
 
 What it costs: one more copy of the rank's share in host memory while it is written, and the writing
-thread's CPU time beside training's. A fit that fails leaves an unfinished save unpublished (its
-``NAME.partial`` is cleared by the next save to that name); the process waits for the thread at exit.
+thread's CPU time beside training's. A save in flight when the fit fails still completes and is published (its
+state was copied before the failure: a whole checkpoint that ``ckpt_path="last"`` resumes); a write that fails
+itself is never published (its ``NAME.partial`` is cleared by the next save to that name). The process waits for
+the thread at exit.
 """
 
 from __future__ import annotations
