@@ -284,6 +284,9 @@ def _check_saved_from_a_causal_lm(config: Any, where: str) -> None:
 # ----------------------------------------------------------------------------- pipeline layers
 
 
+_READ_KEYS = frozenset({"input_ids", "attention_mask", "labels"})  # what HFCausalLM reads from a dict batch
+
+
 class HFEmbedding(nn.Module):
     """Pipeline layer 0: ``(input_ids[, attention_mask])`` -> ``(hidden, *side inputs)``, by the base forward
     (then ``attention_mask, None`` for the router logits to come, under `RouterAux`)."""
@@ -549,9 +552,29 @@ class HFCausalLM(LightningModule):
                 f"(TextDataModule(block_size={positions}), --data.init_args.block_size {positions})."
             )
         if isinstance(batch, Mapping):
+            self._check_batch_keys(batch)
             mask = batch.get("attention_mask")
             return (ids,) if mask is None else (ids, mask)
         return (ids,)
+
+    def _check_batch_keys(self, batch: Mapping) -> None:
+        """Refuse a dict batch's key that the model's own forward takes but HFCausalLM does not pass on
+        (``position_ids``, ``token_type_ids``, ...): training went on without it, silently unlike
+        ``model(**batch).loss`` (token types added nothing, packed sequences' positions were not reset). Keys the
+        forward does not take (a dataset's ``length`` or ``id`` column) are the data's own and stay unread."""
+        known = self.__dict__.get("_forward_inputs")
+        if known is None:
+            known = frozenset(inspect.signature(self.model.forward).parameters) - _READ_KEYS
+            self.__dict__["_forward_inputs"] = known
+        unread = sorted(k for k in batch if k in known and batch[k] is not None)
+        if unread:
+            raise ValueError(
+                f"the batch holds {', '.join(map(repr, unread))}, an input of {type(self.model).__name__}.forward that "
+                f"HFCausalLM does not pass on: it reads {', '.join(sorted(_READ_KEYS))} only (the stages run the "
+                "model's parts from input_ids and attention_mask), so training would differ from "
+                "model(**batch).loss. Drop the key from the batch (the model computes its default from input_ids "
+                "and attention_mask; packed sequences need a mask per row instead of restarting position_ids)."
+            )
 
     def pipeline_loss(self, output: Tensor | tuple[Tensor, Tensor], batch: Any) -> tuple[Tensor, Tensor]:
         """Mean next-token cross-entropy over the counted tokens (fp32 softmax), and their number. With a router

@@ -481,6 +481,20 @@ def test_a_causal_lm_registered_with_the_auto_classes_is_taken(tmp_path):
     assert type(HFCausalLM(str(tmp_path / "own")).model) is OwnForCausalLM
 
 
+@pytest.mark.parametrize(("make", "key"), [(gpt2, "token_type_ids"), (llama, "position_ids")])
+def test_a_batch_key_the_model_takes_but_the_pipeline_does_not_pass_is_refused(make, key):
+    """A user's padded dict batches with token_type_ids (GPT-2 adds their embedding) or position_ids (packed rows'
+    restarts): HFCausalLM read input_ids and attention_mask only and trained without them, silently unlike
+    model(**batch).loss (4.9e-2 in the weights after 2 steps). A column the forward does not take is the data's."""
+    module = HFCausalLM(make())
+    batch = {**_batch(), key: torch.zeros(2, 8, dtype=torch.long), "length": torch.tensor([6, 8])}
+    said = rf"the batch holds '{key}', an input of {type(module.model).__name__}.forward that HFCausalLM does not "
+    with pytest.raises(ValueError, match=said + r"pass on: it reads attention_mask, input_ids, labels only"):
+        module.pipeline_input(batch)
+    del batch[key]
+    assert len(module.pipeline_input(batch)) == 2  # input_ids and attention_mask; the length column stays unread
+
+
 def test_blocks_longer_than_the_position_table_are_refused_with_the_fix():
     """The Python API pair HFCausalLM(gpt2 with n_positions=16) and TextDataModule(block_size=32) failed with a bare
     IndexError in stage 0's position embedding; a data module of the user's own has no block_size to check."""
