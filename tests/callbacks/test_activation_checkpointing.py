@@ -148,32 +148,18 @@ class _NormedPipeline(LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.05)
 
 
-@pytest.mark.parametrize("mode", ["full", "selective"])
-def test_batchnorm_statistics_are_updated_once_per_forward_in_the_pipeline(mode):
-    """The same through the pipeline's stages (3 in one process, flush): the wrapped blocks' recompute at each stage's
-    backward leaves the statistics alone, and the fit ends with plain Lightning's state, bit for bit."""
-    from lit_efficient import PACIStrategy
-
+def _fitted_state(make, **setup) -> dict[str, torch.Tensor]:
+    """The state after one epoch of 8 batches, 2 per optimizer step, of ``make()``'s model."""
     g = torch.Generator().manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randn(64, 8, generator=g), torch.randn(64, generator=g))
-    states = []
-    for pipelined in (False, True):
-        torch.manual_seed(1)
-        model = _NormedPipeline()
-        setup = (
-            dict(strategy=PACIStrategy(pipeline_stages=3, schedule="1f1b_flush"),
-                 callbacks=[GradientAccumulation(2), ActivationCheckpointing(mode=mode)])
-            if pipelined else dict(accumulate_grad_batches=2)
-        )  # fmt: skip
-        trainer = Trainer(
-            accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
-            enable_progress_bar=False, enable_model_summary=False, **setup,
-        )  # fmt: skip
-        trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=8))
-        states.append(model.state_dict())
-    assert int(states[1]["blocks.0.bn.num_batches_tracked"]) == 8
-    for name, value in states[0].items():
-        assert torch.equal(states[1][name], value), name
+    torch.manual_seed(1)
+    model = make()
+    trainer = Trainer(
+        accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, **setup,
+    )  # fmt: skip
+    trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=8))
+    return model.state_dict()
 
 
 @pytest.mark.parametrize("mode", ["full", "selective"])
@@ -181,21 +167,27 @@ def test_batchnorm_statistics_are_updated_once_per_forward(mode):
     """The recompute at backward ran BatchNorm in training mode again: its running statistics moved twice per step
     (0.25 in a running mean after 8 batches) and its batch count counted 16 for 8. A fit of a user's model on plain
     Lightning ends with the state (weights, statistics, counts) of the same fit without checkpointing."""
-    g = torch.Generator().manual_seed(0)
-    data = torch.utils.data.TensorDataset(torch.randn(64, 8, generator=g), torch.randn(64, generator=g))
-    states = []
-    for callbacks in ([], [ActivationCheckpointing(mode=mode)]):
-        torch.manual_seed(1)
-        model = _Normed()
-        trainer = Trainer(
-            accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
-            enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks, accumulate_grad_batches=2,
-        )  # fmt: skip
-        trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=8))
-        states.append(model.state_dict())
-    assert int(states[1]["blocks.0.bn.num_batches_tracked"]) == 8
-    for name, value in states[0].items():
-        assert torch.equal(states[1][name], value), name
+    want = _fitted_state(_Normed, accumulate_grad_batches=2)
+    got = _fitted_state(_Normed, accumulate_grad_batches=2, callbacks=[ActivationCheckpointing(mode=mode)])
+    assert int(got["blocks.0.bn.num_batches_tracked"]) == 8
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_batchnorm_statistics_are_updated_once_per_forward_in_the_pipeline(mode):
+    """The same through the pipeline's stages (3 in one process, flush): the wrapped blocks' recompute at each stage's
+    backward leaves the statistics alone, and the fit ends with plain Lightning's state, bit for bit."""
+    from lit_efficient import PACIStrategy
+
+    want = _fitted_state(_NormedPipeline, accumulate_grad_batches=2)
+    got = _fitted_state(
+        _NormedPipeline, strategy=PACIStrategy(pipeline_stages=3, schedule="1f1b_flush"),
+        callbacks=[GradientAccumulation(2), ActivationCheckpointing(mode=mode)],
+    )  # fmt: skip
+    assert int(got["blocks.0.bn.num_batches_tracked"]) == 8
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
