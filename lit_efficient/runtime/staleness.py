@@ -32,8 +32,11 @@ split with the plain fold, +0.18% with this one; the 150-step grid unchanged (wi
   ``u`` the update the optimizer would apply at its next step if the window's gradient were the mean
   g of what the stage has accumulated of it so far (AdamW: ``m' = b1 m + (1 - b1) g``,
   ``v' = b2 v + (1 - b2) g^2``, ``u = m'_hat / (sqrt(v'_hat) + eps) + wd * w`` with the bias corrections
-  of step t + 1; Adam: the same, its L2 decay being inside m and v; the current moments alone when the
-  window has no gradient yet; the scheduled learning rate). Folding g in is what makes the prediction
+  of step t + 1; Adam: the same with ``g + wd * w`` folded in, its L2 decay being inside m and v, or AdamW's with
+  ``decoupled_weight_decay=True``; the current moments alone when the window has no gradient yet; frozen
+  parameters not moved; the learning rate the next step will use, times d (a schedule's later steps are read as
+  that one: a warmup's stale forwards lag a little, a decay's lead); g before clipping, which acts at the step
+  only). Folding g in is what makes the prediction
   good early in training, when the moments are young: without it S=8 N=8 at lr 5e-4 ended +0.6% above
   flush, with it +0.1% (BENCHMARKS.md "PACI at depth"). Then the
   weights are put back, so the backward and the update use the real weights (keep-graph: the kept
@@ -550,6 +553,7 @@ class DelayCompensation(StalenessCorrection):
             with torch.no_grad():
                 for group in optimizer.param_groups:
                     lr, wd = float(group["lr"]), float(group.get("weight_decay", 0.0))
+                    decay = wd if decouples_weight_decay(optimizer, group) else 0.0  # Adam's L2: inside m and v
                     b1, b2 = group["betas"]
                     for p in group["params"]:
                         state = optimizer.state.get(p)
@@ -558,7 +562,7 @@ class DelayCompensation(StalenessCorrection):
                         t = float(state["step"])
                         v_hat = state["exp_avg_sq"] / (1 - b2**t)
                         denom = v_hat.sqrt() + group["eps"]
-                        last = -lr * (state["exp_avg"] / (1 - b1**t) / denom + wd * p)  # ~ w_now - w_prev
+                        last = -lr * (state["exp_avg"] / (1 - b1**t) / denom + decay * p)  # ~ w_now - w_prev
                         p.grad.add_(self.lam0 * share * p.grad * p.grad / denom * last)
         yield
 
@@ -635,10 +639,17 @@ def predicted_steps(
     weight = None if window_weight is None else window_weight.clamp_min(torch.finfo(window_weight.dtype).tiny)
     for group in optimizer.param_groups:
         lr, wd = float(group["lr"]), float(group.get("weight_decay", 0.0))  # lr: the next step's (scheduled)
+        decoupled = decouples_weight_decay(optimizer, group)
         for p in group["params"]:
+            if not p.requires_grad:  # frozen: the step leaves it where it is, whatever state it kept
+                continue
             state = optimizer.state.get(p)
             # The window's mean gradient so far stands for the pending step's gradient.
             g = p.grad if weight is not None and p.grad is not None else None
+            if g is not None and wd and not decoupled:
+                # Adam's L2 decay: the step folds g + wd * w into both moments, so the window's sum gains
+                # weight * wd * w (a temporary per parameter, for coupled Adam with decay only).
+                g = g + (wd * weight) * p.detach()
             if not state:
                 if not first_step or g is None:
                     continue
@@ -656,11 +667,17 @@ def predicted_steps(
                 beta2,
                 group["eps"],
                 t,
-                name == "AdamW",
+                decoupled,
                 share,
                 shrink,
             )
     return out
+
+
+def decouples_weight_decay(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> bool:
+    """Whether ``group``'s weight decay is decoupled (AdamW's ``w -= lr * wd * w``; Adam's with
+    ``decoupled_weight_decay=True``, torch 2.7 on) rather than Adam's L2 term, added to the gradient."""
+    return type(optimizer).__name__ == "AdamW" or bool(group.get("decoupled_weight_decay", False))
 
 
 def _adam_step(
