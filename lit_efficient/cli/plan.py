@@ -16,6 +16,7 @@ From Python, `plan` takes a module, one micro-batch (real, meta or fake tensors)
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import json
 import sys
@@ -322,6 +323,9 @@ def load_config(argv: Sequence[str], replicas_given: bool = False) -> dict[str, 
     precision = unified_precision(trainer.precision or "32-true")
     data = _init_args(config.data)
     batch_size, block_size = int(data.get("batch_size", 16)), int(data.get("block_size", 256))
+    for key, value in (("batch_size", batch_size), ("block_size", block_size)):
+        if value < 1:  # as the data module's constructor refuses it (not built here: it may read its data)
+            raise PlanError(f"--data.init_args.{key}={value}: {key} must be an integer >= 1")
     vocab = data.get("vocab_size") or _data_vocab(config.data.class_path, data)
     callbacks = {f"trainer.callbacks[{i}]": c for i, c in enumerate(trainer.callbacks or []) if not isinstance(c, str)}
     accumulate, schedule = _accumulate(trainer, callbacks)
@@ -366,6 +370,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="optimizer state split over each stage's replicas (ZeRO-1); default: the strategy's setting",
     )  # fmt: skip
     own, rest = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    for arg in rest:  # fit's parser would answer a misspelt plan option with fit's usage and no suggestion
+        flag = arg.split("=", 1)[0]
+        if flag.startswith("--") and "." not in flag:
+            close = difflib.get_close_matches(flag, [a for o in parser._actions for a in o.option_strings], 1, 0.8)
+            if close:
+                parser.error(f"unrecognized argument {flag}; did you mean {close[0]}?")
     try:
         result = plan_config(
             rest, device_memory=own.device_memory, shard_optimizer_state=own.shard_optimizer_state,

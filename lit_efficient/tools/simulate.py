@@ -97,7 +97,10 @@ class SimulationResult:
 
     @property
     def bubble_fraction(self) -> float:
-        """Idle fraction of the whole run: 1 - mean utilization."""
+        """Idle fraction of the whole run: 1 - mean utilization (0 for a run of no micro-batch: nothing ran, nothing
+        waited)."""
+        if self.makespan <= 0:
+            return 0.0
         return 1.0 - sum(self.utilization) / self.num_stages
 
     @property
@@ -160,6 +163,7 @@ def simulate(
         step: Time of one optimizer step.
         step_at_stop: Step after a partial last window too (what the runtime does at epoch end).
     """
+    _check_depth(num_stages, accumulate)  # before the streams: "streams is empty" named the wrong layer
     if num_microbatches < 0:
         raise ValueError(f"num_microbatches={num_microbatches} must be >= 0")
     streams = [

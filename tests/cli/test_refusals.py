@@ -266,6 +266,11 @@ def _no_measuring(monkeypatch):
          "32-true, bf16-mixed (a fit on CPU runs it, as Lightning turns it into bf16-mixed there; on a GPU"),
         (["--trainer.precision", "bf16-true"], "bf16-mixed (for weights, gradients and optimizer state in bfloat16, "
          "build the model in that dtype, model.to(torch.bfloat16) or HFCausalLM(dtype='bfloat16'), and keep"),
+        # The data's sizes, as its constructor checks them (a traceback after measuring, or torch's negative size).
+        (["--data.init_args.batch_size", "0"], "--data.init_args.batch_size=0: batch_size must be an integer >= 1"),
+        (["--data.init_args.batch_size", "-4"], "--data.init_args.batch_size=-4: batch_size must be an integer"),
+        # A misspelt option of plan's own, answered by plan (fit's parser gave its usage and no suggestion).
+        (["--device-memroy", "80GiB"], "unrecognized argument --device-memroy; did you mean --device-memory?"),
     ],
 )  # fmt: skip
 def test_plan_refusals_are_usage_errors(capsys, _no_measuring, args, message):
@@ -305,7 +310,7 @@ def test_plan_takes_a_gradient_accumulation_schedule_at_its_largest_n(capsys, tm
 
 
 def test_plan_takes_no_abbreviation_of_its_own_options():
-    """--replica was taken for --replicas silently; it now goes to the config's parser, which refuses it."""
+    """--replica was taken for --replicas silently; it is refused, with the option it resembles."""
     with pytest.raises(SystemExit) as exit_info:
         plan_main(["--config", QUICKSTART, "--json", "--replica", "4"])
     assert exit_info.value.code == 2

@@ -158,6 +158,8 @@ def test_missing_action_in_a_neighbour_deadlocks():
         (lambda: simulate_streams(["0F0 0B0"], comm=math.nan), "comm=nan"),
         (lambda: simulate("paci", 2, 2, 4, backward=[1.0]), "backward has 1 costs for 2 stages"),
         (lambda: simulate("paci", 2, 2, -1), "num_microbatches=-1"),
+        (lambda: simulate("paci", 0, 4, 4), r"num_stages=0 must be >= 1"),  # was "streams is empty"
+        (lambda: simulate("1f1b_flush", 2, 0, 4), r"accumulate=0 must be >= 1"),
         (lambda: simulate("gpipe", 2, 2, 4), "'gpipe'"),
         (lambda: flush_utilization(0, 2), "num_stages=0"),
         (lambda: paci_drift_bound(4, 0, 1), "accumulate=0"),
@@ -167,3 +169,9 @@ def test_missing_action_in_a_neighbour_deadlocks():
 def test_bad_arguments_name_the_value(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_a_run_of_no_micro_batch_has_no_bubble():
+    """Nothing ran and nothing waited: 0, where the empty run reported a bubble of 100%."""
+    result = simulate("paci", 4, 4, 0)
+    assert result.makespan == 0 and result.bubble_fraction == 0.0
