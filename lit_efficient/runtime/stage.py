@@ -269,8 +269,7 @@ class PipelineStage:
         if not self.is_first:
             inputs = tuple(_as_leaf(t) for t in inputs)
         record = _InFlight(version=self.version, inputs=inputs)
-        # Stage 0's input is the module's own (pipeline_input's) unless a recompute reruns on it.
-        kept = _versions(inputs) if not self.is_first or self.recompute else None
+        kept = _versions(inputs) if self.recompute else None  # what the backward's recompute reruns on
         if self.recompute:
             record.rng = _capture_rng(self.device)
             record.inputs = tuple(None if t is None else t.detach().requires_grad_(t.requires_grad) for t in inputs)
@@ -288,7 +287,7 @@ class PipelineStage:
             record.bad = (~torch.isfinite(loss.detach())).to(torch.float64)
             result = loss.detach()
         else:
-            self._check_crossing(outputs)
+            result = self._to_send(outputs)
         self._in_flight[microbatch] = record
         return result
 
@@ -412,20 +411,31 @@ class PipelineStage:
     def evaluate(self, inputs: Payload) -> Payload:
         """Forward without gradients (validation, test, predict)."""
         start = self.clock.mark()
-        kept = _versions(inputs) if not self.is_first else None
         with self.own_rng(), torch.no_grad(), self.forward_context():
             outputs = run_layers(self._callables, inputs, self.first_layer)
-        if kept is not None:
-            self._check_inputs_unchanged(inputs, kept)
         if not self.is_last:
-            self._check_crossing(outputs)
+            outputs = self._to_send(outputs)
         self.stats.times.add("evaluate", start, self.clock.mark())
         return outputs
 
+    def _to_send(self, outputs: Payload) -> Payload:
+        """``outputs`` as they cross to the next stage. Tensors (or None) only: the next stage may be another
+        process, and both transports carry tensors only (a Python value failed deep in a transport, "'int' object
+        has no attribute 'dtype'", while plain Lightning trained it). A buffer of this stage's own (a table a layer
+        hands the next one) crosses as a copy, as between processes: in one process the next stage held the buffer
+        itself, and a change it made in place changed this stage's state there only."""
+        self._check_crossing(outputs)
+        if all(t is None or t.requires_grad for t in outputs):  # a buffer never requires grad: nothing to look up
+            return outputs
+        own = {b.untyped_storage().data_ptr() for layer in self.layers for b in layer.buffers()}
+        if not own:
+            return outputs
+        return tuple(
+            t.clone() if t is not None and not t.requires_grad and t.untyped_storage().data_ptr() in own else t
+            for t in outputs
+        )
+
     def _check_crossing(self, outputs: Payload) -> None:
-        """What a stage sends on must be tensors (or None): the next stage may be another process, and both
-        transports carry tensors only. A Python value there failed deep in a transport ("'int' object has no
-        attribute 'dtype'") on processes and otherwise in one process, while plain Lightning trained it."""
         for i, value in enumerate(outputs):
             if value is not None and not isinstance(value, Tensor):
                 k, layer = self.first_layer + len(self.layers) - 1, self.layers[-1]
@@ -437,25 +447,20 @@ class PipelineStage:
                 )
 
     def _check_inputs_unchanged(self, inputs: Payload, versions: list[int | None]) -> None:
-        """A layer that changes a received tensor in place changes, in one process, the sending stage's own tensor (a
-        buffer passed along: its module's state), on processes a copy (not the sender's); a recompute reruns on the
-        changed values. Both transports refuse it alike (a version counter read per input, no copy)."""
+        """With ``recompute=True`` the backward reruns the stage's forward on the input it kept: a layer that changed
+        that input in place (``x.mul_(2)``) had the rerun start from the changed values, and its gradients were
+        wrong, silently. A version counter read per input, no copy. (Without recompute an in-place change of an
+        activation that needs no gradient is as harmless as on one device: an in-place ReLU at a stage's start.)"""
         for i, (t, v) in enumerate(zip(inputs, versions, strict=True)):
             if v is not None and t._version != v:
                 first, last = self.first_layer, self.first_layer + len(self.layers) - 1
                 layers = f"pipeline layer {first}" if first == last else f"pipeline layers {first}-{last}"
                 source = "pipeline_input's" if self.is_first else f"stage {self.stage - 1}'s"
                 raise ValueError(
-                    f"{layers} (stage {self.stage}) changed input {i} in place "
-                    f"({_described(t)}, {source} output): "
-                    + (
-                        "with recompute=True the backward reruns the forward on that input, now changed. "
-                        if self.is_first
-                        else "in one process that tensor is the sending stage's own (a buffer passed along changes "
-                        "there too), on processes a copy (it does not), and a recompute would rerun on changed values. "
-                    )
-                    + "Change a copy (`x = x.clone()` first, or the out-of-place form: `x = x * 2` for `x.mul_(2)`); "
-                    "state a layer updates belongs in that layer."
+                    f"{layers} (stage {self.stage}) changed input {i} in place ({_described(t)}, {source} output) "
+                    "under PACIStrategy(recompute=True), whose backward reruns the forward on that input: the rerun "
+                    "would start from the changed values. Change a copy (`x = x.clone()` first, or the out-of-place "
+                    "form: `x = x * 2` for `x.mul_(2)`, `relu(x)` for an in-place ReLU), or use recompute=False."
                 )
 
     def reset_stats(self) -> None:

@@ -118,14 +118,66 @@ def test_a_complex_activation_trains_the_stages_before_it(devices, recompute):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.multiproc
+def test_a_buffer_handed_to_the_next_stage_crosses_as_a_copy_in_one_process_too():
+    """In one process the next stage received the sending stage's buffer itself, and its in-place change changed the
+    buffer there, on processes a copy: the weights differed by orders of magnitude. Now a copy in both, alike."""
+    runs = []
+    for devices in (1, 2):
+        torch.manual_seed(0)
+        runs.append(_TwoLayers(_PassesItsBuffer(), _ScalesInPlace()))
+        _fit(runs[-1], devices)
+        assert runs[-1].layers[0].scale.item() == 1.0
+    for (name, want), got in zip(runs[1].state_dict().items(), runs[0].state_dict().values(), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6, msg=name)
+
+
+class _DoublesInPlace(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x.mul_(2))  # its input, changed in place
+
+
 @pytest.mark.parametrize("devices", [1, pytest.param(2, marks=pytest.mark.multiproc)])
-def test_a_received_tensor_changed_in_place_is_refused_in_one_process_and_on_processes(devices, recompute):
-    """In one process the received tensor was the sender's buffer (changed, as plain Lightning changes it), on
-    processes a copy (unchanged): the runs differed by orders of magnitude. Both refuse it with the fix."""
+def test_an_input_changed_in_place_under_recompute_is_refused(devices):
+    """recompute=True reruns a stage's forward on the input it kept: an in-place change made the rerun start from the
+    changed values (wrong gradients, silently)."""
     torch.manual_seed(0)
-    model = _TwoLayers(_PassesItsBuffer(), _ScalesInPlace())
-    said = r"pipeline layer 1 \(stage 1\) changed input 1 in place \(Tensor\(1,\), stage 0's output\).*x.clone\(\)"
+    model = _TwoLayers(_DoublesInPlace(), _Magnitude())
+    said = r"pipeline layer 0 \(stage 0\) changed input 0 in place \(Tensor\(4, 4\), pipeline_input's output\) "
+    said += r"under PACIStrategy\(recompute=True\).*x.clone\(\)"
     # On processes the rank's ValueError reaches the launching process inside torch's ProcessRaisedException.
     with pytest.raises(ValueError if devices == 1 else ProcessRaisedException, match=said):
-        _fit(model, devices, recompute=recompute)
+        _fit(model, devices, recompute=True)
+
+
+class _Frozen(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 8)
+        self.lin.requires_grad_(False)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+def _in_place_relu_model() -> _TwoLayers:
+    torch.manual_seed(0)
+    return _TwoLayers(_Frozen(), nn.Sequential(nn.ReLU(inplace=True), nn.Linear(8, 1)))
+
+
+def test_an_in_place_relu_at_a_stages_start_trains_and_evaluates_as_one_device():
+    """A stage that starts with nn.ReLU(inplace=True) on an activation needing no gradient (the stage before it
+    frozen, or any evaluation): as harmless as on one device, and not refused."""
+    plain = _in_place_relu_model()
+    _fit(plain, None)
+    piped = _in_place_relu_model()
+    trainer = _fit(piped, 1, schedule="1f1b_flush")
+    for (name, want), got in zip(plain.state_dict().items(), piped.state_dict().values(), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6, msg=name)
+    data = DataLoader(TensorDataset(torch.randn(8, 4), torch.randn(8, 1)), batch_size=4)
+    piped.validation_step = lambda batch, *_: piped.log("val_loss", piped.pipeline_loss(piped(batch[0]), batch))
+    assert trainer.validate(piped, data, verbose=False)[0]["val_loss"] > 0
