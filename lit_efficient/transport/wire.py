@@ -176,15 +176,19 @@ class WireFormat:
             if t is None or loc is None:
                 continue
             k, offset = loc
-            x = t.detach()
-            # A conjugate or negative view (z.conj()) is lazy: view_as_real refuses it until it is resolved.
-            x = torch.view_as_real(x.resolve_conj().resolve_neg()) if x.is_complex() else _to_wire(x, wire)
+            # A conjugate or negative view (z.conj(), its .imag) is lazy: view_as_real refuses it, a byte view of a
+            # one-element one too, until it is resolved (nothing to do for any other tensor).
+            x = t.detach().resolve_conj().resolve_neg()
+            x = torch.view_as_real(x) if x.is_complex() else _to_wire(x, wire)
             if offset is None:
                 out[k] = x.contiguous()
                 continue
             if out[k] is None:
                 out[k] = torch.zeros(plan.transfers[k][1], dtype=torch.uint8, device=device)
-            raw = x.contiguous().reshape(-1).view(torch.uint8)
+            flat = x.contiguous().reshape(-1)
+            if flat.numel() and flat.stride(0) != 1:  # one element at another stride counts as contiguous (a .imag)
+                flat = flat.clone(memory_format=torch.contiguous_format)
+            raw = flat.view(torch.uint8)
             out[k][offset : offset + raw.numel()].copy_(raw)  # type: ignore[index]
         return out  # type: ignore[return-value]
 
