@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import io
 import os
-import shutil
 import time
 import warnings
 from collections.abc import Iterator
@@ -49,7 +48,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from lit_efficient.checkpoint.merge import RANK_RECORD, assemble, rank_key, to_automatic_loops
-from lit_efficient.checkpoint.single_file import replace_path, save_durably, sync_folder
+from lit_efficient.checkpoint.single_file import remove_path, replace_path, save_durably, sync_folder
 
 FORMAT = 3  # `pipeline["format"]` of a sharded checkpoint (2: the single file, 1: an earlier directory)
 META = "meta.pt"  # lightning.fabric.utilities.load._METADATA_FILENAME: the name Lightning's tools look for
@@ -224,7 +223,7 @@ def prepare(
     tmp = partial_path(path)
     coordinator = not distributed or dist.get_rank() == 0
     if coordinator:
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a save that crashed
+        remove_path(tmp)  # left by a save that crashed (a file: a crashed save of the single-file format)
     if distributed:
         dist.barrier(group=group)
     tree: dict[str, Any] = {}
@@ -250,7 +249,7 @@ def save_weights(path: str | os.PathLike, checkpoint: dict[str, Any]) -> None:
     """One process writes a weights-only folder: ``model`` and meta.pt (no optimizer, no pipeline section)."""
     path = Path(path)
     tmp = partial_path(path)
-    shutil.rmtree(tmp, ignore_errors=True)
+    remove_path(tmp)
     meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states", "lr_schedulers")}
     with quiet_dcp():
         dcp.save({"model": checkpoint["state_dict"]}, storage_writer=FileSystemWriter(tmp), no_dist=True)

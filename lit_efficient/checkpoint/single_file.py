@@ -24,6 +24,7 @@ def write_atomically(checkpoint: dict[str, Any], path: str | os.PathLike) -> Non
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".partial")
+    remove_path(tmp)  # a folder there (a crashed save of the sharded format) would refuse the file
     save_durably(checkpoint, tmp)
     replace_path(tmp, path)
 

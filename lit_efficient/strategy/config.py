@@ -102,6 +102,13 @@ def check_local_path(path: Any, what: str) -> None:
         )
 
 
+def local_path(path: str | os.PathLike) -> Path:
+    """A checkpoint path as the file system's: ``file:///tmp/x.ckpt`` is ``/tmp/x.ckpt``, as Lightning (fsspec) reads
+    it (``Path`` made it the relative folder ``file:/tmp``); ``~`` expanded."""
+    text = os.fspath(path)
+    return Path(os.path.expanduser(text[len("file://") :] if text.startswith("file://") else text))
+
+
 def check_checkpoint_path(ckpt_path: Any) -> None:
     """Refuse a ``ckpt_path`` that names nothing, with Lightning's words and the fix: every rank would otherwise
     start, then each fail in its own traceback. Lightning's keywords ("last", "best", ...) and URLs are Lightning's
@@ -109,9 +116,9 @@ def check_checkpoint_path(ckpt_path: Any) -> None:
     if not isinstance(ckpt_path, (str, os.PathLike)):
         return
     path = os.fspath(ckpt_path)
-    if is_checkpoint_keyword(path) or "://" in path:
+    if is_checkpoint_keyword(path) or ("://" in path and not path.startswith("file://")):
         return
-    local = Path(os.path.expanduser(path))
+    local = local_path(path)
     if local.exists():
         _check_is_a_checkpoint(local, path)
         return

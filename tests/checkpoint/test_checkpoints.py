@@ -235,3 +235,19 @@ def test_a_url_is_refused_where_a_checkpoint_would_go_and_nothing_lands_on_the_l
     with pytest.raises(ValueError, match=r"filepath='memory://bucket/run.ckpt' is a URL"):
         trainer.save_checkpoint("memory://bucket/run.ckpt")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_file_url_is_the_local_path_it_names(tmp_path, monkeypatch):
+    """``file:///abs/x.ckpt`` is ``/abs/x.ckpt`` to Lightning (fsspec); Path made it the relative folder ``file:``.
+    save_checkpoint and ckpt_path read it alike; a ``.partial`` folder a crashed sharded save left under the same
+    name does not stop a file save there. (Lightning's ModelCheckpoint makes a ``file://`` folder relative itself.)"""
+    monkeypatch.chdir(tmp_path)
+    trainer = _trainer(PACIStrategy(pipeline_stages=2), 1, 2)
+    trainer.fit(_model(), datamodule=_ordered())
+    (tmp_path / "x.ckpt.partial").mkdir()
+    trainer.save_checkpoint(f"file://{tmp_path}/x.ckpt")
+    assert (tmp_path / "x.ckpt").is_file() and not (tmp_path / "x.ckpt.partial").exists()
+    again = _trainer(PACIStrategy(pipeline_stages=2), 1, 3)
+    again.fit(_model(), datamodule=_ordered(), ckpt_path=f"file://{tmp_path}/x.ckpt")
+    assert again.global_step == 3
+    assert not (tmp_path / "file:").exists()
