@@ -287,6 +287,22 @@ def _check_saved_from_a_causal_lm(config: Any, where: str) -> None:
 _READ_KEYS = frozenset({"input_ids", "attention_mask", "labels"})  # what HFCausalLM reads from a dict batch
 
 
+def _forward_inputs(model: nn.Module) -> frozenset[str]:
+    """The named inputs of ``model.forward``; through its ``**kwargs`` also transformers' own keyword inputs
+    (``TransformersKwargs``: a flattening collator's ``cu_seq_lens_q``, ``max_length_q``, ...)."""
+    kinds = (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)
+    parameters = inspect.signature(model.forward).parameters.values()
+    names = {p.name for p in parameters if p.kind not in kinds}
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        try:
+            from transformers.utils.generic import TransformersKwargs
+        except ImportError:  # an older transformers: its keyword inputs are not listed
+            TransformersKwargs = None  # noqa: N806
+        for cls in getattr(TransformersKwargs, "__mro__", ()):
+            names.update(getattr(cls, "__annotations__", {}))
+    return frozenset(names)
+
+
 class HFEmbedding(nn.Module):
     """Pipeline layer 0: ``(input_ids[, attention_mask])`` -> ``(hidden, *side inputs)``, by the base forward
     (then ``attention_mask, None`` for the router logits to come, under `RouterAux`)."""
@@ -564,7 +580,7 @@ class HFCausalLM(LightningModule):
         forward does not take (a dataset's ``length`` or ``id`` column) are the data's own and stay unread."""
         known = self.__dict__.get("_forward_inputs")
         if known is None:
-            known = frozenset(inspect.signature(self.model.forward).parameters) - _READ_KEYS
+            known = _forward_inputs(self.model) - _READ_KEYS
             self.__dict__["_forward_inputs"] = known
         unread = sorted(k for k in batch if k in known and batch[k] is not None)
         if unread:

@@ -419,8 +419,9 @@ class InPlaceFirstStepWeightPrediction(WeightPrediction):
     Memory: the temporaries of one batch of pieces (`_batches`: three of at most max(65,536, 1/16 of the stage's)
     elements, so at most 3/16 of the stage's weights, for the length of the apply or of the undo), no copy of the
     stage's weights; with Adam's L2 decay (``Adam(weight_decay>0)``, not AdamW) one weight-sized temporary for the
-    stale forward (the window's sum with ``weight * wd * w`` added, which the apply and the undo both read). Time: two update evaluations per stale forward instead of one evaluation and two copies, in
-    multi-tensor operations: about 2 x 9 per batch, ~380 operator calls (GPU kernels) for a stage of three GPT-2
+    stale forward (the window's sum with ``weight * wd * w`` added, which the apply and the undo both read).
+    Time: two update evaluations per stale forward instead of one evaluation and two copies, in multi-tensor
+    operations: about 2 x 9 per batch, ~380 operator calls (GPU kernels) for a stage of three GPT-2
     Medium blocks where a loop over parameters and 65,536-element chunks ran ~10,800. The restored weights
     equal the real ones up to rounding (a few ulp per stale forward), so a run is not bit-identical to
     `FirstStepWeightPrediction`'s; Adam amplifies such differences in near-zero gradients.

@@ -481,7 +481,9 @@ def test_a_causal_lm_registered_with_the_auto_classes_is_taken(tmp_path):
     assert type(HFCausalLM(str(tmp_path / "own")).model) is OwnForCausalLM
 
 
-@pytest.mark.parametrize(("make", "key"), [(gpt2, "token_type_ids"), (llama, "position_ids")])
+@pytest.mark.parametrize(
+    ("make", "key"), [(gpt2, "token_type_ids"), (llama, "position_ids"), (llama, "cu_seq_lens_q")]
+)  # the last through the forward's **kwargs: a flattening collator's
 def test_a_batch_key_the_model_takes_but_the_pipeline_does_not_pass_is_refused(make, key):
     """A user's padded dict batches with token_type_ids (GPT-2 adds their embedding) or position_ids (packed rows'
     restarts): HFCausalLM read input_ids and attention_mask only and trained without them, silently unlike
