@@ -175,6 +175,28 @@ def check_sharing(module: nn.Module, layers: Sequence[nn.Module], sizes: Sequenc
     return ties
 
 
+def shared_buffers(module: nn.Module, layers: Sequence[nn.Module], sizes: Sequence[int]) -> dict[int, list[tuple]]:
+    """Per stage, the buffers its layers register that a layer on another stage registers too (one tensor, by
+    identity): ``(name, buffer, stages)``. On processes each stage keeps its own copy; fine for a constant table,
+    not for one a layer changes (`PipelineStage.check_shared_buffers`)."""
+    names: dict[int, str] = {}
+    for n, b in module.named_buffers(remove_duplicate=False):
+        names.setdefault(id(b), n)
+    stage_of = [s for s, size in enumerate(sizes) for _ in range(size)]
+    holders: dict[int, set[int]] = {}
+    tensors: dict[int, torch.Tensor] = {}
+    for i, layer in enumerate(layers):
+        for b in layer.buffers():
+            holders.setdefault(id(b), set()).add(stage_of[i])
+            tensors[id(b)] = b
+    out: dict[int, list[tuple]] = {}
+    for key, stages in holders.items():
+        if len(stages) > 1:
+            for s in stages:
+                out.setdefault(s, []).append((names.get(key, "?"), tensors[key], sorted(stages)))
+    return out
+
+
 _RECORDED_TIES = "_lit_efficient_ties"  # on a module split by a run: the ties that run found (see `find_ties`)
 
 

@@ -229,6 +229,8 @@ class PipelineStage:
         # A look at a step's gradients as Lightning's on_before_optimizer_step has them: reduced over the replicas,
         # normalized, a tied weight's copies combined, not yet clipped (PipelineMonitor's gradient norm).
         self.measure_gradients: Callable[[list[nn.Parameter] | None], None] | None = None
+        # Buffers this stage's layers share with another stage's, (name, buffer, stages) (`split.shared_buffers`).
+        self.shared_buffers: list[tuple[str, Tensor, list[int]]] = []
         # Combines the gradient of a parameter tied with another stage (lit_efficient.runtime.tied)
         # after normalization, before the update; called on every applied update.
         self.exchange_tied: Callable[[], None] | None = None
@@ -252,8 +254,11 @@ class PipelineStage:
                 list(self.parameters()), self.optimizer, pending_steps, window_weight=weight,
                 window_microbatches=self._window_microbatches,
             )  # fmt: skip
+        shared = [b._version for _, b, _ in self.shared_buffers]
         with self.own_rng(), correct:
             result = self._forward(microbatch, inputs, batch)
+        if shared:
+            self.check_shared_buffers(shared)
         self.stats.forwards += 1
         self.stats.max_in_flight = max(self.stats.max_in_flight, len(self._in_flight))
         self.stats.times.add("forward", start, self.clock.mark())
@@ -411,8 +416,11 @@ class PipelineStage:
     def evaluate(self, inputs: Payload) -> Payload:
         """Forward without gradients (validation, test, predict)."""
         start = self.clock.mark()
+        shared = [b._version for _, b, _ in self.shared_buffers]
         with self.own_rng(), torch.no_grad(), self.forward_context():
             outputs = run_layers(self._callables, inputs, self.first_layer)
+        if shared:
+            self.check_shared_buffers(shared)
         if not self.is_last:
             outputs = self._to_send(outputs)
         self.stats.times.add("evaluate", start, self.clock.mark())
@@ -435,15 +443,39 @@ class PipelineStage:
             for t in outputs
         )
 
+    def check_shared_buffers(self, versions: list[int]) -> None:
+        """Refuse a change to a buffer that layers on other stages register too: on processes each stage keeps its
+        own copy, so the change (a running count) reached the other stages in one process only, and a run on
+        processes ended elsewhere, silently. A constant one (a table) is fine."""
+        for (name, buffer, stages), version in zip(self.shared_buffers, versions, strict=True):
+            if buffer._version != version:
+                raise ValueError(
+                    f"buffer '{name}' is registered by pipeline layers on stages {stages}, and stage {self.stage}'s "
+                    "forward changed it: on processes each stage keeps its own copy, so the change does not reach "
+                    "the others (in one process they share it). Keep state a layer changes in one layer (pass it "
+                    "along as an output if the next stage reads it), or choose balance= so that the layers sharing "
+                    "it sit on one stage."
+                )
+
     def _check_crossing(self, outputs: Payload) -> None:
         for i, value in enumerate(outputs):
             if value is not None and not isinstance(value, Tensor):
                 k, layer = self.first_layer + len(self.layers) - 1, self.layers[-1]
+                container = isinstance(value, (dict, list, tuple))
+                fix = (
+                    "Return its tensors as a tuple instead (unpacked into the next layer's arguments)"
+                    if container
+                    else "Return it as a tensor (e.g. torch.tensor(value)), keep a constant on the module that needs it"
+                )
+                shown = (
+                    f"keys {list(value)[:6]}" if isinstance(value, dict)
+                    else f"{len(value)} items" if container else f"{value!r:.60}"
+                )  # fmt: skip
                 raise TypeError(
                     f"pipeline layer {k} ({type(layer).__name__}), the last of stage {self.stage}, returned a value "
-                    f"of type {type(value).__name__}, not a tensor, at position {i} of its output ({value!r:.60}): "
-                    "only tensors (or None) cross a stage boundary. Return it as a tensor (e.g. torch.tensor(value)), "
-                    "keep a constant on the module that needs it, or move the boundary with PACIStrategy(balance=...)."
+                    f"of type {type(value).__name__}, not a tensor, at position {i} of its output ({shown}): "
+                    f"only tensors (or None) cross a stage boundary. {fix}, or move the boundary with "
+                    "PACIStrategy(balance=...)."
                 )
 
     def _check_inputs_unchanged(self, inputs: Payload, versions: list[int | None]) -> None:

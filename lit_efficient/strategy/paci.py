@@ -61,6 +61,7 @@ from lit_efficient.runtime.split import (
     layer_parameter_counts,
     only_stage,
     separate_tied_copies,
+    shared_buffers,
     split_module,
     tie_again,
 )
@@ -669,6 +670,7 @@ class PACIStrategy(DDPStrategy):
         layers = list(module.pipeline_layers())
         sizes = self._stage_sizes(module, layers, trainer)
         ties = find_ties(module, layers, sizes)  # a tied embedding: see lit_efficient.runtime.tied
+        shared = shared_buffers(module, layers, sizes)  # before the split: other stages' layers are still here
         replicated = self.topology.num_replicas > 1 or self.fault_tolerance is not None  # torchft: groups apart
         check_streaming_ties(self.streaming_sync, replicated, bool(ties))
         hosted = self.hosted_stages
@@ -698,6 +700,8 @@ class PACIStrategy(DDPStrategy):
         if fitting and self.fault_tolerance is not None:
             self.replicas = start_replicas(self, trainer)
         stages = [self._build_stage(s, layers, trainer, fitting, links) for s in hosted]
+        for s, part in zip(hosted, stages, strict=True):
+            part.stage.shared_buffers = shared.get(s, [])
         if fitting and ties:
             self._check_tied_settings([(part.lightning[0], part.lightning[3]) for part in stages])
         if fitting and not self.in_process:

@@ -192,3 +192,17 @@ def test_a_python_value_sent_to_the_next_stage_is_named_with_its_layer(recompute
         stage.evaluate((torch.ones(2, 4),))
     last = PipelineStage([_PassesAnInt()], 1, 2, None, lambda out, batch: out[0].sum())
     assert last.forward(0, (torch.ones(2, 4),)).shape == ()  # on the last stage it goes to pipeline_loss, as a user's
+
+
+class _ReturnsADict(nn.Module):
+    def forward(self, x):
+        return {"hidden": x, "mask": x > 0}
+
+
+def test_a_dict_sent_to_the_next_stage_is_answered_with_a_tuple():
+    """A dict (or list) at a boundary got the advice for a Python number ("return it as torch.tensor(value)")."""
+    stage = PipelineStage([_ReturnsADict()], 0, 2, None, None)
+    said = r"returned a value of type dict, not a tensor, at position 0 of its output \(keys \['hidden', 'mask'\]\): "
+    said += r"only tensors \(or None\) cross a stage boundary. Return its tensors as a tuple instead \(unpacked into"
+    with pytest.raises(TypeError, match=said):
+        stage.evaluate((torch.ones(2, 4),))
