@@ -325,12 +325,15 @@ class GPT(LightningModule):
     def pipeline_loss(self, output: Tensor, batch: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
         """Mean next-token cross-entropy of logits ``(B, T, V)`` and the number of tokens it averaged over.
 
-        The count is a tensor (targets not equal to -1) so token-weighted accumulation needs no host sync.
+        The count is a tensor (targets not equal to -1) so token-weighted accumulation needs no host sync. A
+        micro-batch with no counted target (your own padded data) has loss 0 and no gradient, not torch's 0/0 NaN,
+        which the pipeline's non-finite check refuses and an epoch's mean loss would carry.
         """
         targets = batch[1]
         # fp32 softmax: under bf16 autocast the logits are bf16 and the loss would lose precision.
         loss = F.cross_entropy(output.float().view(-1, output.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX)
-        return loss, (targets != IGNORE_INDEX).sum()
+        count = (targets != IGNORE_INDEX).sum()
+        return torch.where(count > 0, loss, torch.zeros((), dtype=loss.dtype, device=loss.device)), count
 
     @override
     def forward(self, idx: Tensor) -> Tensor:
@@ -444,15 +447,21 @@ class GPT(LightningModule):
             raise ValueError(f"temperature={temperature} must be >= 0 (0 means greedy).")
         if top_k is not None and top_k < 1:
             raise ValueError(f"top_k={top_k} must be >= 1, or None to sample from every token.")
+        if idx.dim() != 2 or idx.size(1) == 0:
+            raise ValueError(
+                f"generate takes a prompt of shape (B, T) with T >= 1, not {tuple(idx.shape)}: start from at least "
+                "one token, e.g. GPT.encode('\\n')."
+            )
         was_training = self.training
         self.eval()
         try:
             for _ in range(max_new_tokens):
                 logits = self(idx[:, -self.hparams.block_size :])[:, -1, :].float()
-                if temperature == 0:
+                scaled = logits / temperature if temperature > 0 else None
+                if scaled is None or not torch.isfinite(scaled).all():  # 0, or so small that it overflows: greedy
                     next_token = logits.argmax(dim=-1, keepdim=True)
                 else:
-                    logits = logits / temperature
+                    logits = scaled
                     if top_k is not None:
                         kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
                         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -60,6 +60,11 @@ def test_pipeline_loss_is_cross_entropy_with_token_count():
     expected = F.cross_entropy(logits[:, :-5].reshape(-1, 256), y[:, :-5].reshape(-1))
     torch.testing.assert_close(loss_pad, expected)
     assert count_pad.item() == y.numel() - 10
+    # A micro-batch of padding only: loss 0 and no gradient, not torch's 0/0 NaN (which the pipeline refuses).
+    logits = logits.detach().requires_grad_()
+    loss_none, count_none = model.pipeline_loss(logits, (x, torch.full_like(y, -1)))
+    loss_none.backward()
+    assert loss_none.item() == 0.0 and count_none.item() == 0 and torch.equal(logits.grad, torch.zeros_like(logits))
 
 
 def test_every_parameter_lives_in_exactly_one_pipeline_layer():
@@ -158,6 +163,10 @@ def test_generate_shape_range_and_modes():
     assert torch.equal(greedy, model.generate(prompt[:, :8], max_new_tokens=4, top_k=1))
     with pytest.raises(ValueError, match="temperature"):
         model.generate(prompt, 1, temperature=-1.0)
+    # A temperature so small that the logits overflow is greedy (multinomial refused the infinities).
+    assert torch.equal(model.generate(prompt[:, :8], 4, temperature=1e-45), greedy)
+    with pytest.raises(ValueError, match=r"a prompt of shape \(B, T\) with T >= 1, not \(1, 0\)"):
+        model.generate(GPT.encode(""), 2)  # an IndexError from inside the loop
 
 
 def test_encode_decode_bytes():
