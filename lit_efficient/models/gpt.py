@@ -29,6 +29,15 @@ from lit_efficient.checks import check_flags, is_count, is_real
 IGNORE_INDEX = -1
 
 
+def counted_cross_entropy(logits: Tensor, targets: Tensor, ignore_index: int) -> tuple[Tensor, Tensor]:
+    """Mean cross-entropy of ``logits`` ``(..., V)`` over the targets not equal to ``ignore_index``, and their number
+    (a tensor: no host sync). With none counted (a micro-batch of padding only) the loss is 0 with no gradient, not
+    torch's 0/0 NaN, which the pipeline's non-finite check refuses and an epoch's mean loss would carry."""
+    loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=ignore_index)
+    count = (targets != ignore_index).sum()
+    return torch.where(count > 0, loss, torch.zeros((), dtype=loss.dtype, device=loss.device)), count
+
+
 class GPTEmbedding(nn.Module):
     """Pipeline layer 0: token + learned position embeddings, then dropout.
 
@@ -325,15 +334,11 @@ class GPT(LightningModule):
     def pipeline_loss(self, output: Tensor, batch: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
         """Mean next-token cross-entropy of logits ``(B, T, V)`` and the number of tokens it averaged over.
 
-        The count is a tensor (targets not equal to -1) so token-weighted accumulation needs no host sync. A
-        micro-batch with no counted target (your own padded data) has loss 0 and no gradient, not torch's 0/0 NaN,
-        which the pipeline's non-finite check refuses and an epoch's mean loss would carry.
+        The count is a tensor (targets not equal to -1) so token-weighted accumulation needs no host sync; a
+        micro-batch with no counted target (your own padded data) has loss 0 (`counted_cross_entropy`).
         """
-        targets = batch[1]
         # fp32 softmax: under bf16 autocast the logits are bf16 and the loss would lose precision.
-        loss = F.cross_entropy(output.float().view(-1, output.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX)
-        count = (targets != IGNORE_INDEX).sum()
-        return torch.where(count > 0, loss, torch.zeros((), dtype=loss.dtype, device=loss.device)), count
+        return counted_cross_entropy(output.float(), batch[1], IGNORE_INDEX)
 
     @override
     def forward(self, idx: Tensor) -> Tensor:

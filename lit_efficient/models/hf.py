@@ -46,7 +46,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lit_efficient.checks import is_count
-from lit_efficient.models.gpt import adamw_with_warmup_cosine, check_recipe
+from lit_efficient.models.gpt import adamw_with_warmup_cosine, check_recipe, counted_cross_entropy
 from lit_efficient.models.hf_router import (
     RouterAux,
     reinstall_output_capture_hooks,
@@ -597,12 +597,12 @@ class HFCausalLM(LightningModule):
         auxiliary loss (``output`` is ``(logits, aux_loss)``), ``cross-entropy + coef * aux_loss``: what the
         model's own ``outputs.loss`` is, in training and evaluation alike."""
         logits = (output[0] if isinstance(output, tuple) else output).float()
-        targets = self._targets(batch)
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=HF_IGNORE_INDEX)
+        # A micro-batch of padding only: cross-entropy 0, not 0/0 (`counted_cross_entropy`).
+        loss, count = counted_cross_entropy(logits, self._targets(batch), HF_IGNORE_INDEX)
         if isinstance(output, tuple):
             assert self._aux_coef is not None
             loss = loss + self._aux_coef * output[1].to(loss.device)  # Hugging Face's order of operations
-        return loss, (targets != HF_IGNORE_INDEX).sum()
+        return loss, count
 
     @staticmethod
     def _targets(batch: Any) -> Tensor:

@@ -101,6 +101,18 @@ def test_only_the_hidden_states_cross_a_boundary_with_a_gradient(attn):
     assert side and not any(t.requires_grad for t in side)  # rotary cos/sin, position ids, masks
 
 
+def test_a_micro_batch_of_padding_only_has_loss_zero_not_nan():
+    """Every label -100 (a user's padded data cut into micro-batches): torch's mean was 0/0, NaN, which the
+    pipeline's non-finite check refuses; 0 with no gradient, as GPT's."""
+    module = HFCausalLM(llama())
+    batch = _batch()
+    batch["labels"] = torch.full_like(batch["labels"], -100)
+    logits = module(module.pipeline_input(batch)).detach().requires_grad_()
+    loss, count = module.pipeline_loss(logits, batch)
+    loss.backward()
+    assert loss.item() == 0.0 and count.item() == 0 and not logits.grad.any()
+
+
 def test_tuple_batches_use_their_targets_and_ignore_negative_ones():
     module = HFCausalLM(gpt2())
     x = torch.randint(0, VOCAB, (2, 8))
