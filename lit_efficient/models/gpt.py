@@ -463,7 +463,8 @@ class GPT(LightningModule):
             for _ in range(max_new_tokens):
                 logits = self(idx[:, -self.hparams.block_size :])[:, -1, :].float()
                 scaled = logits / temperature if temperature > 0 else None
-                if scaled is None or not torch.isfinite(scaled).all():  # 0, or so small that it overflows: greedy
+                # 0, or so small that finite logits overflow: greedy (a diverged model's NaN fails in multinomial).
+                if scaled is None or (not torch.isfinite(scaled).all() and torch.isfinite(logits).all()):
                     next_token = logits.argmax(dim=-1, keepdim=True)
                 else:
                     logits = scaled

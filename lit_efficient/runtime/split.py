@@ -176,24 +176,26 @@ def check_sharing(module: nn.Module, layers: Sequence[nn.Module], sizes: Sequenc
 
 
 def shared_buffers(module: nn.Module, layers: Sequence[nn.Module], sizes: Sequence[int]) -> dict[int, list[tuple]]:
-    """Per stage, the buffers its layers register that a layer on another stage registers too (one tensor, by
-    identity): ``(name, buffer, stages)``. On processes each stage keeps its own copy; fine for a constant table,
-    not for one a layer changes (`PipelineStage.check_shared_buffers`)."""
+    """Per stage, where its layers register a buffer that a layer on another stage registers too (one tensor, by
+    identity): ``(name, owner, key, buffer, stages)``, ``owner._buffers[key]`` being ``buffer``. On processes each
+    stage keeps its own copy; fine for a constant table, not for one a layer changes
+    (`PipelineStage.check_shared_buffers`). Owner and key, not the tensor alone: a move to the device replaces it."""
     names: dict[int, str] = {}
     for n, b in module.named_buffers(remove_duplicate=False):
         names.setdefault(id(b), n)
     stage_of = [s for s, size in enumerate(sizes) for _ in range(size)]
-    holders: dict[int, set[int]] = {}
-    tensors: dict[int, torch.Tensor] = {}
+    holders: dict[int, list[tuple[int, nn.Module, str, torch.Tensor]]] = {}
     for i, layer in enumerate(layers):
-        for b in layer.buffers():
-            holders.setdefault(id(b), set()).add(stage_of[i])
-            tensors[id(b)] = b
+        for owner in layer.modules():
+            for key, b in owner._buffers.items():
+                if b is not None:
+                    holders.setdefault(id(b), []).append((stage_of[i], owner, key, b))
     out: dict[int, list[tuple]] = {}
-    for key, stages in holders.items():
+    for key_id, found in holders.items():
+        stages = sorted({s for s, *_ in found})
         if len(stages) > 1:
-            for s in stages:
-                out.setdefault(s, []).append((names.get(key, "?"), tensors[key], sorted(stages)))
+            for s, owner, key, b in found:
+                out.setdefault(s, []).append((names.get(key_id, "?"), owner, key, b, stages))
     return out
 
 

@@ -11,8 +11,9 @@ the rule and its installation on a stage.
 - ``1f1b_flush`` (exact, Megatron's embedding group): at update k both stages sum their gradients
   ``G_k = g_first_k + g_last_k`` (one all-reduce in a two-rank group) and step with it: the unsplit model's
   gradient up to the order of summation (each side's window summed first, where one device adds both sides per
-  micro-batch: float rounding, ~1e-8, which Adam can lift to ~1e-6 in rows with tiny second moments). Flush's last stage reaches its step first and waits there for stage 0,
-  which it would wait for at its next forward anyway: no added idle time.
+  micro-batch: float rounding, ~1e-8, which Adam can lift to ~1e-6 in rows with tiny second moments). Flush's
+  last stage reaches its step first and waits there for stage 0, which it would wait for at its next forward
+  anyway: no added idle time.
 - ``paci`` (asynchronous, delayed embedding-side gradient): at update k both stages apply
   ``G_k = g_last_k + g_first_{k-d}`` with ``d = ceil(S / N)`` (no first-stage term for k < d; N the
   smallest window of the fit where a schedule changes it: the line is built once, and a d longer than

@@ -701,7 +701,14 @@ class PACIStrategy(DDPStrategy):
             self.replicas = start_replicas(self, trainer)
         stages = [self._build_stage(s, layers, trainer, fitting, links) for s in hosted]
         for s, part in zip(hosted, stages, strict=True):
-            part.stage.shared_buffers = shared.get(s, [])
+            # Watched where the move to the device kept them one tensor (the CPU; a move to a GPU gives each owner
+            # its own copy, as it does plain Lightning's model, so nothing is shared there to diverge).
+            part.stage.shared_buffers = [
+                (name, owner._buffers[key], where)
+                for name, owner, key, before, where in shared.get(s, [])
+                if owner._buffers.get(key) is before
+            ]
+        del shared  # the tensors as they were before the move: not kept
         if fitting and ties:
             self._check_tied_settings([(part.lightning[0], part.lightning[3]) for part in stages])
         if fitting and not self.in_process:

@@ -220,3 +220,19 @@ def test_a_buffer_two_stages_register_may_be_read_not_changed(devices):
     said = r"buffer 'layers.0.count' is registered by pipeline layers on stages \[0, 1\], and stage 0's forward"
     with pytest.raises(ValueError if devices == 1 else ProcessRaisedException, match=said):
         _fit(_sharing(counting=True), devices, balance=[1, 2])
+
+
+def test_a_move_that_gives_each_owner_its_own_copy_leaves_nothing_to_watch(monkeypatch):
+    """A move to a GPU replaces every owner's buffer with its own copy, plain Lightning's model's too: nothing shared
+    remains to diverge, and the watch held the tensors from before the move (never changed, kept alive)."""
+    moved = PACIStrategy.model_to_device
+
+    def to_device_replacing_buffers(self):  # what .to("cuda") does to buffers, on the CPU
+        moved(self)
+        self.model._apply(lambda t: t.clone())
+
+    monkeypatch.setattr(PACIStrategy, "model_to_device", to_device_replacing_buffers)
+    model = _sharing(counting=True)
+    trainer = _fit(model, 1, balance=[1, 2])  # not refused: each owner counts on its own, as plain Lightning's would
+    assert [h.stage.shared_buffers for h in trainer.strategy.hosted] == [[], []]
+    assert model.layers[0].count.item() == model.layers[1].count.item() == 8.0
