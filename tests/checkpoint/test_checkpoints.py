@@ -251,3 +251,20 @@ def test_a_file_url_is_the_local_path_it_names(tmp_path, monkeypatch):
     again.fit(_model(), datamodule=_ordered(), ckpt_path=f"file://{tmp_path}/x.ckpt")
     assert again.global_step == 3
     assert not (tmp_path / "file:").exists()
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_train_loss_checkpoint_every_few_steps_saves_one_devices_files(tmp_path):
+    """ModelCheckpoint(monitor="train_loss", every_n_train_steps=2) with a validation in mid-epoch: at the first batch
+    train_loss was not logged yet (the strategy logs it at window ends, one device at every batch), so Lightning
+    deferred a save to that validation, an extra epoch=0-step=3.ckpt one device never writes."""
+    files = {}
+    flush = PACIStrategy(pipeline_stages=2, schedule="1f1b_flush")
+    for name, strategy in (("one device", "auto"), ("pipeline", flush)):
+        folder = tmp_path / name
+        every_two = ModelCheckpoint(dirpath=folder, monitor="train_loss", every_n_train_steps=2, save_top_k=-1)
+        trainer = _trainer(strategy, 1, 6, callbacks=[every_two], enable_checkpointing=True, accumulate_grad_batches=2,
+                           limit_val_batches=2, val_check_interval=0.5, limit_train_batches=12)  # fmt: skip
+        trainer.fit(_model(), datamodule=_ordered())
+        files[name] = sorted(p.name for p in folder.iterdir())
+    assert files["pipeline"] == files["one device"] == [f"epoch=0-step={k}.ckpt" for k in (2, 4, 6)]
