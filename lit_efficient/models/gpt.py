@@ -448,7 +448,7 @@ class GPT(LightningModule):
         """
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0.")
-        if temperature < 0:
+        if not temperature >= 0:  # NaN too
             raise ValueError(f"temperature={temperature} must be >= 0 (0 means greedy).")
         if top_k is not None and top_k < 1:
             raise ValueError(f"top_k={top_k} must be >= 1, or None to sample from every token.")

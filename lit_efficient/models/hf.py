@@ -589,7 +589,7 @@ class HFCausalLM(LightningModule):
                 f"HFCausalLM does not pass on: it reads {', '.join(sorted(_READ_KEYS))} only (the stages run the "
                 "model's parts from input_ids and attention_mask), so training would differ from "
                 "model(**batch).loss. Drop the key from the batch (the model computes its default from input_ids "
-                "and attention_mask; packed sequences need a mask per row instead of restarting position_ids)."
+                "and attention_mask; give one sequence per row, padded with a mask, not packed rows)."
             )
 
     def pipeline_loss(self, output: Tensor | tuple[Tensor, Tensor], batch: Any) -> tuple[Tensor, Tensor]:

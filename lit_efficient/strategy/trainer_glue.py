@@ -271,7 +271,11 @@ def _as_automatic(callback: ModelCheckpoint) -> Callable[..., None]:
         # The strategy logs train_loss at window ends, one device's training_step at every batch: before the first
         # window ends it is missing here only, and the hook deferred a save to the first validation that one device
         # never makes (an extra checkpoint at that step, ranked among the top k).
-        unlogged = callback.monitor == "train_loss" and "train_loss" not in trainer.callback_metrics
+        unlogged = (
+            callback.monitor == "train_loss"
+            and "train_loss" not in trainer.callback_metrics
+            and not getattr(trainer.strategy, "_module_logs_train_loss", False)  # the module's own: as one device's
+        )
         deferred = callback._defer_save_until_validation
         pl_module.automatic_optimization = True
         try:

@@ -161,8 +161,9 @@ def test_generate_shape_range_and_modes():
     assert model.training, "generate restores the previous mode"
     greedy = model.generate(prompt[:, :8], max_new_tokens=4, temperature=0)
     assert torch.equal(greedy, model.generate(prompt[:, :8], max_new_tokens=4, top_k=1))
-    with pytest.raises(ValueError, match="temperature"):
-        model.generate(prompt, 1, temperature=-1.0)
+    for bad in (-1.0, float("nan")):  # NaN went greedy silently
+        with pytest.raises(ValueError, match="temperature"):
+            model.generate(prompt, 1, temperature=bad)
     # A temperature so small that the logits overflow is greedy (multinomial refused the infinities).
     assert torch.equal(model.generate(prompt[:, :8], 4, temperature=1e-45), greedy)
     with pytest.raises(ValueError, match=r"a prompt of shape \(B, T\) with T >= 1, not \(1, 0\)"):
