@@ -102,9 +102,11 @@ def check_local_path(path: Any, what: str) -> None:
         )
 
 
-def local_path(path: str | os.PathLike) -> Path:
+def local_path(path: str | os.PathLike, what: str) -> Path:
     """A checkpoint path as the file system's: ``file:///tmp/x.ckpt`` is ``/tmp/x.ckpt``, as Lightning (fsspec) reads
-    it (``Path`` made it the relative folder ``file:/tmp``); ``~`` expanded."""
+    it (``Path`` made it the relative folder ``file:/tmp``); ``~`` expanded; another URL refused (`check_local_path`,
+    ``what`` naming the argument)."""
+    check_local_path(path, what)
     text = os.fspath(path)
     return Path(os.path.expanduser(text[len("file://") :] if text.startswith("file://") else text))
 
@@ -118,7 +120,7 @@ def check_checkpoint_path(ckpt_path: Any) -> None:
     path = os.fspath(ckpt_path)
     if is_checkpoint_keyword(path) or ("://" in path and not path.startswith("file://")):
         return
-    local = local_path(path)
+    local = local_path(path, "ckpt_path")
     if local.exists():
         _check_is_a_checkpoint(local, path)
         return

@@ -51,7 +51,7 @@ from lit_efficient.checkpoint.single_file import gather_to_rank_zero, load_file,
 from lit_efficient.replicas.sharded_optimizer import ShardedOptimizer
 from lit_efficient.runtime.split import every_part_in_place, only_stage
 from lit_efficient.runtime.tied import restore_tied
-from lit_efficient.strategy.config import check_checkpoint_path, check_local_path, local_path
+from lit_efficient.strategy.config import check_checkpoint_path, local_path
 from lit_efficient.strategy.hosting import HostedStage
 from lit_efficient.transport.collectives import broadcast_flat
 
@@ -166,8 +166,7 @@ def save(strategy: Any, checkpoint: dict[str, Any], filepath: Any) -> None:
     """``PACIStrategy.save_checkpoint``: every hosted stage's share into one file on global rank 0 or into a
     sharded folder (in the background with ``async_checkpoint``), during fit and after it. Collective on
     processes: every rank calls it."""
-    check_local_path(filepath, "filepath")  # a ModelCheckpoint's own path was checked before launch
-    path = local_path(filepath)
+    path = local_path(filepath, "filepath")  # a ModelCheckpoint's own folder was checked before launch
     if strategy.topology is None:  # never set up here: the parent of spawned ranks, after fit
         return _save_weights(strategy, checkpoint, path)
     # Training stages (fit's, running): saved as they are. Otherwise (after fit, or during or after a validate, test
@@ -321,7 +320,7 @@ def remove(strategy: Any, filepath: Any) -> None:
         return
 
     # A link (ModelCheckpoint's save_last="link" rotating its last link out) goes, never its target.
-    delete = functools.partial(remove_path, local_path(filepath))
+    delete = functools.partial(remove_path, local_path(filepath, "filepath"))
     if strategy.async_checkpointer is not None:
         strategy.async_checkpointer.when_published(delete)
     else:
@@ -334,9 +333,8 @@ def remove(strategy: Any, filepath: Any) -> None:
 def load(strategy: Any, checkpoint_path: Any, weights_only: bool | None) -> dict[str, Any]:
     """``PACIStrategy.load_checkpoint``: the dict one device would have saved (from a sharded folder, only what this
     process's stages need), with the step count where the pipeline's loop keeps it."""
-    check_local_path(checkpoint_path, "ckpt_path")  # in one process: nothing was launched to check it before
-    check_checkpoint_path(checkpoint_path)
-    path = local_path(checkpoint_path)  # as Lightning's own loader reads it (fsspec)
+    path = local_path(checkpoint_path, "ckpt_path")  # as Lightning's own loader reads it (fsspec)
+    check_checkpoint_path(checkpoint_path)  # in one process: nothing was launched to check it before
     if sharded_write.is_sharded(path):  # this process's part only
         module = strategy.lightning_module
         state = module.state_dict()
