@@ -254,7 +254,7 @@ class PipelineStage:
                 list(self.parameters()), self.optimizer, pending_steps, window_weight=weight,
                 window_microbatches=self._window_microbatches,
             )  # fmt: skip
-        shared = [b._version for _, b, _ in self.shared_buffers]
+        shared = _versions([b for _, b, _ in self.shared_buffers])
         with self.own_rng(), correct:
             result = self._forward(microbatch, inputs, batch)
         if shared:
@@ -416,7 +416,7 @@ class PipelineStage:
     def evaluate(self, inputs: Payload) -> Payload:
         """Forward without gradients (validation, test, predict)."""
         start = self.clock.mark()
-        shared = [b._version for _, b, _ in self.shared_buffers]
+        shared = _versions([b for _, b, _ in self.shared_buffers])
         with self.own_rng(), torch.no_grad(), self.forward_context():
             outputs = run_layers(self._callables, inputs, self.first_layer)
         if shared:
@@ -443,7 +443,7 @@ class PipelineStage:
             for t in outputs
         )
 
-    def check_shared_buffers(self, versions: list[int]) -> None:
+    def check_shared_buffers(self, versions: list[int | None]) -> None:
         """Refuse a change to a buffer that layers on other stages register too: on processes each stage keeps its
         own copy, so the change (a running count) reached the other stages in one process only, and a run on
         processes ended elsewhere, silently. A constant one (a table) is fine."""
@@ -698,7 +698,7 @@ def differentiable(t: Tensor) -> bool:
 
 
 def _versions(inputs: Payload) -> list[int | None]:
-    # An inference tensor (an evaluation under inference_mode) keeps no version counter: not checked.
+    # An inference tensor (one a user's data made under inference_mode) keeps no version counter: not checked.
     return [None if t is None or t.is_inference() else t._version for t in inputs]
 
 
