@@ -26,6 +26,9 @@ from lit_efficient.checks import is_count
 from lit_efficient.data.loading import EpochShuffle, ResumableLoader
 from lit_efficient.tools.corpus import TEXT_SUFFIXES, concat_files, embedded_corpus, folder_files
 
+# Files of records, not text: read as bytes, their markup would be trained on (warned).
+_RECORD_SUFFIXES = (".json", ".jsonl", ".csv", ".tsv", ".parquet", ".arrow")
+
 
 def read_text(source: Path, max_bytes: int | None) -> bytes:
     """Bytes of a text file, or of a folder's text files joined by newlines, cut at `max_bytes`."""
@@ -179,6 +182,13 @@ class TextDataModule(LightningDataModule):
             raise ValueError(
                 f"{type(self).__name__}(path={path!r}): no such file or folder; give an existing text file, folder"
                 f"{' or .bin' if self.reads_token_files else ''}, or path=None for the embedded corpus."
+            )
+        if source is not None and source.is_file() and source.suffix.lower() in _RECORD_SUFFIXES:
+            # Read as plain text, a record file trains on its markup (keys, quotes, commas) around the text.
+            rank_zero_warn(
+                f"{type(self).__name__}(path={path!r}) is read as plain text, its {source.suffix} markup included: "
+                "this module does not parse records. Write each record's text to a .txt file of a folder (one "
+                "document per file) and pass the folder, or give the Trainer a LightningDataModule of your own."
             )
         for name, value in (("block_size", block_size), ("batch_size", batch_size)):
             if not is_count(value):

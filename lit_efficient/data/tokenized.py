@@ -66,6 +66,19 @@ def load_tokenizer(tokenizer: Any) -> Any:
     return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
 
 
+def tokenizer_definition(tokenizer: Any) -> str:
+    """What makes a tokenizer's ids beyond its vocabulary, for the cache key: a fast tokenizer's whole pipeline
+    (normalizer, pre-tokenizer, merges, post-processor, added tokens), else its plain constructor options
+    (``do_lower_case``, ``add_prefix_space``, ...). A tokenizer saved again with another normalizer and the same
+    vocabulary must not reuse the ids of the old one."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and callable(getattr(backend, "to_str", None)):
+        return backend.to_str()
+    options = getattr(tokenizer, "init_kwargs", None) or {}
+    plain = (str, int, float, bool, type(None))
+    return json.dumps(sorted((str(k), v) for k, v in options.items() if isinstance(v, plain)))
+
+
 def documents(source: Path | None, max_bytes: int | None) -> Iterator[tuple[Path, bytes, bool]]:
     """The source's files' bytes, one document per file (with its path, and whether ``max_bytes`` cut it), in
     `TextDataModule`'s order, cut at ``max_bytes`` in all."""
@@ -116,9 +129,11 @@ class TokenizedDataModule(TextDataModule):
     None for the embedded standard-library sources; ``max_bytes`` caps it), read one document per file, decoded
     as UTF-8 and tokenized without special tokens; the tokenizer's end-of-sequence token, where it has one,
     separates documents. The ids are written once to ``<cache_dir>/tokens-<key>.uint16.bin`` (``.uint32.bin``
-    for a vocabulary above 65,536), where the key hashes the tokenizer's vocabulary and special tokens, the files'
-    names, sizes and modification times and ``max_bytes``: the same inputs reuse the file, a changed one writes
-    another. Lightning's ``prepare_data`` writes it on one process per node before any rank reads it; each rank
+    for a vocabulary above 65,536), where the key hashes the tokenizer (its vocabulary, special tokens and, for a
+    fast tokenizer, its whole pipeline: normalizer, pre-tokenizer, merges), the files' names, sizes and
+    modification times and ``max_bytes``: the same inputs reuse the file, a changed one writes another (a file
+    rewritten with its old size and modification time kept, as ``cp -p`` can, is not seen: delete the token
+    file). Lightning's ``prepare_data`` writes it on one process per node before any rank reads it; each rank
     memory-maps it (no copy in RAM).
 
     Splits, blocks and the training order are `TextDataModule`'s: the last ``val_fraction`` of the tokens
@@ -160,6 +175,10 @@ class TokenizedDataModule(TextDataModule):
                 "<name>.uint32.bin)."
             )
         super().__init__(path, block_size, batch_size, num_workers, val_fraction, seed, max_bytes)
+        if not isinstance(tokenizer, (str, os.PathLike)):
+            # A tokenizer object in the hyper-parameters would be pickled into every checkpoint, which torch.load's
+            # weights_only default then refuses (and a 151k vocabulary adds megabytes): keep the folder form only.
+            self.save_hyperparameters(ignore=["tokenizer"])
         self.tokenizer = load_tokenizer(tokenizer)
         self.cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
         # The vocabulary the model must embed: added tokens included (len(), not .vocab_size).
@@ -172,7 +191,8 @@ class TokenizedDataModule(TextDataModule):
         tok = self.tokenizer
         files = self._files
         key = json.dumps({
-            "format": _FORMAT, "tokenizer": type(tok).__name__, "vocab": sorted(tok.get_vocab().items()),
+            "format": _FORMAT, "tokenizer": type(tok).__name__, "definition": tokenizer_definition(tok),
+            "vocab": sorted(tok.get_vocab().items()),
             "special": sorted(map(str, tok.all_special_tokens)), "eos": tok.eos_token_id, "max_bytes": self.max_bytes,
             "files": [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files],
         })  # fmt: skip
@@ -194,12 +214,38 @@ class TokenizedDataModule(TextDataModule):
         target = self.token_file
         if target.exists():
             return
-        target.parent.mkdir(parents=True, exist_ok=True)
         partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            count, invalid = self._write_tokens(partial)
+            # Beside the token file, so that every run reading it says so (`_say_if_invalid`); replaced whole, as
+            # the token file, for a second run writing the same inputs at the same time.
+            listed = _invalid_file(target)
+            if invalid:
+                listed_partial = listed.with_name(f"{listed.name}.{os.getpid()}.partial")
+                listed_partial.write_text(json.dumps([str(p) for p in invalid]))
+                listed_partial.replace(listed)
+            else:
+                listed.unlink(missing_ok=True)
+            partial.replace(target)  # whole or absent: a rank never maps a half-written file
+        except BaseException as error:
+            partial.unlink(missing_ok=True)  # a full disk or a Ctrl-C leaves no partial file to fill the disk
+            if isinstance(error, OSError):
+                raise OSError(
+                    error.errno,
+                    f"TokenizedDataModule could not write its token file {target} ({error.strerror or error}). "
+                    "Free space there, or point cache_dir (--data.init_args.cache_dir) or $LIT_EFFICIENT_CACHE at a "
+                    "writable folder with room",
+                ) from error
+            raise
+        rank_zero_info(f"TokenizedDataModule: {count:,} tokens written to {target}")
+
+    def _write_tokens(self, out_path: Path) -> tuple[int, list[Path]]:
+        """Tokenize the text into ``out_path``: the token count and the files that were not UTF-8."""
         eos = self.tokenizer.eos_token_id
         count = 0
         invalid = []
-        with partial.open("wb") as out:
+        with out_path.open("wb") as out:
             for path, doc, cut in documents(self._source, self.max_bytes):
                 text, valid = decoded(doc, cut)
                 if not valid:
@@ -211,18 +257,7 @@ class TokenizedDataModule(TextDataModule):
                 if eos is not None:
                     np.asarray([eos], dtype=self._dtype).tofile(out)
                     count += 1
-        partial.replace(target)  # whole or absent: a rank never maps a half-written file
-        if invalid:
-            named = ", ".join(str(p) for p in invalid[:5]) + (
-                f" and {len(invalid) - 5} more" if len(invalid) > 5 else ""
-            )
-            rank_zero_warn(
-                f"TokenizedDataModule: {len(invalid)} file(s) are not UTF-8 text ({named}): their invalid bytes were "
-                "tokenized as U+FFFD replacement characters. Convert them to UTF-8 (iconv -f latin1 -t utf-8), or "
-                "move them out of the folder, and delete the token file to tokenize again: "
-                f"{target}."
-            )
-        rank_zero_info(f"TokenizedDataModule: {count:,} tokens written to {target}")
+        return count, invalid
 
     @property
     @override
@@ -238,9 +273,9 @@ class TokenizedDataModule(TextDataModule):
                 raise ValueError(f"TokenizedDataModule: {source} gave no tokens; give a path with some text in it.")
             self._tokens = read_token_file(target)  # named .uint16.bin / .uint32.bin: its dtype is in its name
             self._say_if_capped()
+            self._say_if_invalid(target)
         return self._tokens
 
-    @override
     @override
     def _unit(self) -> str:
         return "tokens"
@@ -263,6 +298,25 @@ class TokenizedDataModule(TextDataModule):
             rank_zero_info(message)
         else:
             rank_zero_warn(message)
+
+    def _say_if_invalid(self, target: Path) -> None:
+        """Say on every run that reads the token file, written now or before, which of its files were not UTF-8:
+        their replacement characters are in the training data."""
+        listed = _invalid_file(target)
+        if not listed.exists():
+            return
+        invalid = json.loads(listed.read_text())
+        named = ", ".join(invalid[:5]) + (f" and {len(invalid) - 5} more" if len(invalid) > 5 else "")
+        rank_zero_warn(
+            f"TokenizedDataModule: {len(invalid)} file(s) are not UTF-8 text ({named}): their invalid bytes were "
+            "tokenized as U+FFFD replacement characters. Convert them to UTF-8 (iconv -f latin1 -t utf-8), or move "
+            f"them out of the folder, and delete the token file to tokenize again: {target}."
+        )
+
+
+def _invalid_file(token_file: Path) -> Path:
+    """The list of a token file's sources that were not UTF-8, kept beside it."""
+    return token_file.with_name(f"{token_file.name}.not-utf8.json")
 
 
 def documents_files(source: Path | None) -> list[Path]:

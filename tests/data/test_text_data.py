@@ -226,3 +226,14 @@ def test_a_token_id_not_below_the_given_vocabulary_is_named_where_blocks_are_rea
                        rf".*train\.bin is not below vocab_size=300\. Pass the vocabulary"):  # fmt: skip
         data.train_set[block]
     assert data.train_set[0][0].max() < 300  # the other blocks read as before
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".csv"])
+def test_a_file_of_records_is_read_as_text_with_a_warning(tmp_path, suffix):
+    """A .jsonl path was tokenized as raw text, keys, quotes and braces included, without a word (a data audit)."""
+    path = tmp_path / f"data{suffix}"
+    path.write_text('{"text": "hello world"}\n' * 500)
+    with pytest.warns(UserWarning, match=rf"data{suffix}'\) is read as plain text, its \{suffix} markup included: "
+                      r"this module does not parse records\. Write each record's text to a \.txt file"):  # fmt: skip
+        data = TextDataModule(str(path), block_size=16, batch_size=2)
+    assert bytes(data.tokens[:9]) == b'{"text": '

@@ -95,10 +95,95 @@ def test_text_that_is_not_utf8_is_named_and_a_bom_or_a_cut_character_is_no_token
     (folder / "c_cut.txt").write_bytes(b"\xef\xbb\xbf" + "d\u00e9j\u00e0".encode())  # the cap cuts its last character
     cap = sum(len(p.read_bytes()) for p in folder.iterdir()) - 1
     data = TokenizedDataModule(str(demo_model), path=str(folder), block_size=4, max_bytes=cap, cache_dir=str(tmp_path))
-    with pytest.warns(UserWarning, match=r"1 file\(s\) are not UTF-8 text \(.*a_latin1\.txt\): their invalid bytes"):
-        data.prepare_data()
-    text = data.tokenizer.decode(data.tokens.tolist())
+    said = r"1 file\(s\) are not UTF-8 text \(.*a_latin1\.txt\): their invalid bytes"
+    with pytest.warns(UserWarning, match=said):
+        text = data.tokenizer.decode(data.tokens.tolist())
     assert text.count("\ufffd") == 2 and "\ufeff" not in text and "hello" in text and "d\u00e9j" in text
+    # A later run reusing the token file says it again: it was said only by the run that wrote the file.
+    again = TokenizedDataModule(str(demo_model), path=str(folder), block_size=4, max_bytes=cap, cache_dir=str(tmp_path))
+    with pytest.warns(UserWarning, match=said):
+        assert again.tokens.tolist() == data.tokens.tolist()
+    (folder / "a_latin1.txt").write_text("caf\u00e9\n")  # converted: a new token file, nothing to say
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        converted = TokenizedDataModule(str(demo_model), path=str(folder), max_bytes=cap, cache_dir=str(tmp_path))
+        assert converted.tokenizer.decode(converted.tokens.tolist()).count("\ufffd") == 0
+
+
+def test_a_tokenizer_saved_again_with_another_pipeline_tokenizes_again(texts, demo_model, tmp_path):
+    """The cache key held the vocabulary and special tokens only: the same vocabulary saved with a lowercasing
+    normalizer reused the old ids, which that tokenizer no longer makes (a data audit)."""
+    from tokenizers import normalizers
+
+    # A generic fast tokenizer, whose tokenizer.json is its whole definition (Qwen2Tokenizer rebuilds its own
+    # pipeline from the vocabulary and merges on load: a saved normalizer does not change its ids).
+    demo = transformers.AutoTokenizer.from_pretrained(str(demo_model)).backend_tokenizer
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=demo, eos_token="<|endoftext|>")
+    eos = tok.eos_token_id
+    (texts / "c.txt").write_text("The Quick Brown Fox\n" * 50)  # capitals: the lowercasing changes its ids
+    folder = tmp_path / "tok"
+    tok.save_pretrained(folder)
+    before = TokenizedDataModule(str(folder), path=str(texts), block_size=16, cache_dir=str(tmp_path))
+    before.prepare_data()
+    tok.backend_tokenizer.normalizer = normalizers.Lowercase()
+    tok.save_pretrained(folder)  # the same folder, the same vocabulary
+    after = TokenizedDataModule(str(folder), path=str(texts), block_size=16, cache_dir=str(tmp_path))
+    assert sorted(after.tokenizer.get_vocab().items()) == sorted(before.tokenizer.get_vocab().items())
+    assert after.token_file != before.token_file
+    want = []
+    for name in ("a.txt", "b.md", "c.txt"):
+        want += after.tokenizer((texts / name).read_text(), add_special_tokens=False)["input_ids"] + [eos]
+    assert after.tokens.tolist() == want != before.tokens.tolist()
+
+
+def test_a_token_file_that_cannot_be_written_leaves_no_partial_file_and_names_the_fix(
+    texts, demo_model, tmp_path, monkeypatch
+):
+    """A full disk said only "27000 requested and 8192 written" and left a .partial file per try (a data audit)."""
+    import errno
+
+    data = TokenizedDataModule(str(demo_model), path=str(texts), block_size=16, cache_dir=str(tmp_path / "cache"))
+    written = []
+
+    def disk_fills_up(out_path):
+        out_path.write_bytes(b"\x00" * 8192)  # some ids made it to disk before it filled up
+        written.append(out_path)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(data, "_write_tokens", disk_fills_up)
+    with pytest.raises(OSError, match=r"could not write its token file .*tokens-.*\.bin \(No space left on device\)\. "
+                       r"Free space there, or point cache_dir .* or \$LIT_EFFICIENT_CACHE at") as raised:  # fmt: skip
+        data.prepare_data()
+    assert raised.value.errno == errno.ENOSPC and written[0].name.endswith(".partial")
+    assert list((tmp_path / "cache").iterdir()) == []  # the partial file is gone; no token file
+    monkeypatch.undo()
+    data.prepare_data()  # room again: written whole
+    assert len(data.tokens) > 0
+
+
+def test_a_tokenizer_object_stays_out_of_the_checkpoint(texts, demo_model, tmp_path):
+    """A tokenizer object went into the data module's hyper-parameters, pickled into every checkpoint, which
+    torch.load's weights_only default then refused: HFCausalLM.load_from_checkpoint after fit raised an
+    UnpicklingError (a data audit)."""
+    from lightning.pytorch import Trainer
+
+    from lit_efficient import PACIStrategy
+    from lit_efficient.models import HFCausalLM
+
+    tok = transformers.AutoTokenizer.from_pretrained(str(demo_model))
+    data = TokenizedDataModule(tok, path=str(texts), block_size=16, batch_size=2, cache_dir=str(tmp_path))
+    assert "tokenizer" not in data.hparams and data.hparams["block_size"] == 16
+    assert "tokenizer" not in data.hparams_initial
+    trainer = Trainer(
+        accelerator="cpu", devices=1, max_steps=2, strategy=PACIStrategy(pipeline_stages=2), limit_val_batches=2,
+        logger=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+    )  # fmt: skip
+    trainer.fit(HFCausalLM(str(demo_model)), datamodule=data)
+    trainer.save_checkpoint(tmp_path / "fit.ckpt")
+    assert torch.load(tmp_path / "fit.ckpt")["datamodule_hyper_parameters"]["path"] == str(texts)  # weights_only
+    HFCausalLM.load_from_checkpoint(tmp_path / "fit.ckpt")
+    by_folder = TokenizedDataModule(str(demo_model), path=str(texts), block_size=16, cache_dir=str(tmp_path))
+    assert by_folder.hparams["tokenizer"] == str(demo_model)  # a path is kept: the CLI's config names it
 
 
 def test_a_cap_that_cuts_the_text_says_how_much_it_kept(texts, demo_model, tmp_path, caplog):
