@@ -420,9 +420,10 @@ def _check_arguments(
     if not is_count(warmup, 0):
         raise ValueError(f"local_sgd_warmup_steps={warmup!r} must be an integer >= 0")
     if outer == "average" and (outer_lr != 0.7 or outer_momentum != 0.9):  # before their ranges: the first fix
+        diloco = "outer_optimizer='nesterov'" + (" and local_sgd_steps=H (e.g. 20)" if local_sgd_steps is None else "")
         raise ValueError(
             f"outer_lr={outer_lr} / outer_momentum={outer_momentum} only apply to DiLoCo: "
-            "set outer_optimizer='nesterov', or leave them at their defaults"
+            f"set {diloco}, or leave them at their defaults"
         )
     check_outer_optimizer(outer, outer_lr, outer_momentum)
     if local_sgd_steps is None and (outer != "average" or warmup != 0):

@@ -285,6 +285,11 @@ def test_bad_local_sgd_arguments_raise():
         PACIStrategy(pipeline_stages=1, local_sgd_steps=0)
     with pytest.raises(ValueError, match="outer_optimizer='nesterov'"):
         PACIStrategy(pipeline_stages=1, local_sgd_steps=4, outer_lr=0.5)
+    # Without an interval the first message names both settings: it named only the optimizer, whose fix then
+    # failed on the interval (a replicas audit).
+    with pytest.raises(ValueError, match="set outer_optimizer='nesterov' and local_sgd_steps=H"):
+        PACIStrategy(pipeline_stages=1, outer_lr=0.5)
+    PACIStrategy(pipeline_stages=1, outer_lr=0.5, outer_optimizer="nesterov", local_sgd_steps=20)  # the fix works
     # DiLoCo's options without an interval: refused, not silently replaced by per-step gradient all-reduce
     with pytest.raises(ValueError, match="outer_optimizer='nesterov' needs local_sgd_steps=H"):
         PACIStrategy(pipeline_stages=1, outer_optimizer="nesterov")
