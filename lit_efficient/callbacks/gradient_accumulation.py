@@ -81,6 +81,8 @@ class GradientAccumulation(Callback):
         self._applied: int | None = None  # the value this callback last wrote into the Trainer
         self._warned_batchnorm = False
         self._strategy_normalizes = False  # PACIStrategy: the pipeline stages normalize
+        self._trainer: Trainer | None = None  # the fit's, for the checkpoint state (`state_dict` takes no trainer)
+        self._saved_window: dict[str, Any] | None = None  # an unfinished window read from a checkpoint
         self._loop: Any = None
         self._original_result_cls: type[ClosureResult] | None = None
         self._reset_window()
@@ -112,6 +114,7 @@ class GradientAccumulation(Callback):
         if stage != "fit":
             return
         self.check_accumulation_source(trainer)
+        self._trainer = trainer
         self._strategy_normalizes = isinstance(trainer.strategy, PACIStrategy)
         # Before strategy.setup: PACIStrategy, configure_optimizers and estimated_stepping_batches read it.
         self._apply(trainer, trainer.current_epoch)
@@ -126,6 +129,7 @@ class GradientAccumulation(Callback):
         self._apply(trainer, trainer.current_epoch)
         if self._strategy_normalizes:
             return  # PACIStrategy runs the module under manual optimization itself, and normalizes
+        self._resume_window(trainer, pl_module)
         strategy = type(trainer.strategy).__name__
         if not pl_module.automatic_optimization:
             raise RuntimeError(
@@ -208,19 +212,60 @@ class GradientAccumulation(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"steps": self.steps, "normalize": self.normalize}
+        state: dict[str, Any] = {"steps": self.steps, "normalize": self.normalize}
+        trainer = self._trainer
+        if self._micro_batches and trainer is not None and not self._strategy_normalizes:
+            # A checkpoint written inside a window (a validation's ModelCheckpoint at val_check_interval, a
+            # preemption): Lightning keeps no partial gradients, so the window's micro-batches would be lost. One
+            # process keeps them here; DDP's ranks hold different ones and Lightning saves rank 0's state only.
+            window: dict[str, Any] = {"micro_batches": self._micro_batches, "of": trainer.accumulate_grad_batches}
+            if trainer.world_size == 1:
+                params = trainer.lightning_module.named_parameters()
+                window["grads"] = {n: p.grad.detach().clone() for n, p in params if p.grad is not None}
+                window["weight"] = None if self._weight is None else self._weight.detach().clone()
+            state["window"] = window
+        return state
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # The run's own arguments win; a different schedule on resume is allowed but worth a warning.
         saved = (state_dict.get("steps"), state_dict.get("normalize"))
+        self._saved_window = state_dict.get("window")
         if saved != (self.steps, self.normalize):
             rank_zero_warn(
                 f"The checkpoint was trained with GradientAccumulation(steps={saved[0]!r}, normalize={saved[1]!r}); "
-                f"this run continues with steps={self.steps!r}, normalize={self.normalize!r}. A window the "
-                "checkpoint left unfinished is finished first: its micro-batches join the first window of the "
-                "resumed run, whose step averages them with that window's; the windows after it have the new size."
+                f"this run continues with steps={self.steps!r}, normalize={self.normalize!r}. Under PACIStrategy a "
+                "window the checkpoint left unfinished is finished first: its micro-batches join the first window of "
+                "the resumed run, whose step averages them with that window's; the windows after it have the new "
+                "size. Without PACIStrategy such micro-batches are dropped (said at the start of training)."
             )
+
+    def _resume_window(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Put back the unfinished window a checkpoint kept (`state_dict`): its gradients and count, now that
+        Lightning restored the weights and moved them to the device, where one device's run would hold them, so
+        that the window's step is the uninterrupted run's. Said and dropped where that cannot be exact."""
+        window, self._saved_window = self._saved_window, None
+        if not window:
+            return
+        count, of = window["micro_batches"], window["of"]
+        why = None
+        if "grads" not in window:
+            why = "Lightning's checkpoint of several processes holds no partial gradients (each rank has its own)"
+        elif of != trainer.accumulate_grad_batches:
+            why = f"it accumulated {of} micro-batches per step and this run {trainer.accumulate_grad_batches}"
+        if why is not None:
+            rank_zero_warn(
+                f"GradientAccumulation: the checkpoint was written {count} micro-batch(es) into a window; {why}, so "
+                "those micro-batches are dropped and the resumed window's step averages the rest of it. Resume from "
+                "a checkpoint written at a window's end (ModelCheckpoint's every_n_train_steps) to lose none."
+            )
+            return
+        for name, param in pl_module.named_parameters():
+            grad = window["grads"].get(name)
+            param.grad = None if grad is None else grad.to(device=param.device, dtype=param.dtype)
+        self._micro_batches = count
+        weight = window.get("weight")
+        self._weight = None if weight is None else weight.to(trainer.strategy.root_device)
 
     # -- internals ---------------------------------------------------------------------------------
 

@@ -333,3 +333,33 @@ def test_a_schedule_that_changes_n_under_paci_rebuilds_the_staleness_correction(
                           callbacks=[GradientAccumulation(steps={0: 2, 1: 4}), seen])  # fmt: skip
     trainer.fit(gpt_model(), datamodule=text_data())
     assert seen.windows == {0: {2}, 1: {4}}
+
+
+@pytest.mark.parametrize("normalize", ["mean", "tokens"])
+def test_one_device_resumed_inside_a_window_keeps_the_windows_micro_batches(tmp_path, normalize):
+    """A checkpoint written inside a window (a validation every 6 micro-batches with N=4: ModelCheckpoint saves 2
+    micro-batches into the second window) lost those micro-batches on one device: Lightning's checkpoint holds no
+    partial gradients, the resumed step averaged the window's other two, and the one warning said they were kept
+    (an audit). The callback keeps them: the resumed run equals the uninterrupted one bit for bit; with another N
+    they are dropped and said."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from tests.support.gpt_runs import gpt_model, gpt_trainer, max_diff, text_data
+
+    def fit(steps=4, ckpt_path=None, callbacks=(), **kw):
+        model = gpt_model()
+        callbacks = [GradientAccumulation(steps, normalize), *callbacks]
+        trainer = gpt_trainer("auto", 1, 5, tmp_path, accumulate_grad_batches=1, val_check_interval=6,
+                              limit_val_batches=2, callbacks=callbacks, **kw)  # fmt: skip
+        trainer.fit(model, datamodule=text_data(), ckpt_path=ckpt_path)
+        return model
+
+    save = ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="{step}", save_top_k=-1)
+    whole = fit(callbacks=[save], enable_checkpointing=True)
+    inside = tmp_path / "ckpt" / "step=1.ckpt"  # batches 4 and 5 of the window [4, 8) done
+    assert torch.load(inside)["callbacks"]["GradientAccumulation"]["window"]["micro_batches"] == 2
+    assert max_diff(fit(ckpt_path=str(inside)), whole) == 0.0
+    if normalize == "mean":
+        with pytest.warns(UserWarning, match=r"written 2 micro-batch\(es\) into a window; it accumulated 4 micro-"
+                          r"batches per step and this run 2, so those micro-batches are dropped"):  # fmt: skip
+            fit(steps=2, ckpt_path=str(inside))
