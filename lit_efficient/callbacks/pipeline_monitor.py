@@ -173,6 +173,18 @@ class PipelineMonitor(Callback):
     # -- hooks -------------------------------------------------------------------------------------
 
     @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        monitors = [cb for cb in trainer.callbacks if isinstance(cb, PipelineMonitor)]
+        if len(monitors) > 1:
+            # Each resets the pipeline's shared counters when it logs: the other's rows would cover part of its
+            # interval, or read zeros, under the same keys and steps.
+            raise ValueError(
+                f"{len(monitors)} PipelineMonitor callbacks on one Trainer: they share the pipeline's counters, and "
+                "each one's rows would read the other's resets. Keep one (one from a config file and one from code "
+                "add up to two); its logging_interval sets how often it logs."
+            )
+
+    @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         runtime = _runtime(trainer)
         if runtime is not None:

@@ -118,6 +118,19 @@ def test_a_run_too_short_for_a_timeline_says_so_and_writes_none(tmp_path):
     assert monitor.timeline_paths == [] and not list(tmp_path.rglob("pipeline_timeline.*"))
 
 
+def test_two_monitors_on_one_trainer_are_refused(tmp_path):
+    """Two monitors (one from a config file, one from code) reset each other's counters: one's rows covered part of
+    its interval, the other's read zeros, under the same keys, silently (a monitor audit)."""
+    model = GPT(vocab_size=256, block_size=16, n_layer=1, n_head=2, n_embd=16)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, strategy=PACIStrategy(pipeline_stages=2), max_steps=2, logger=CSVLogger(tmp_path),
+        callbacks=[PipelineMonitor(logging_interval=4), PipelineMonitor(logging_interval=1)],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"2 PipelineMonitor callbacks on one Trainer: they share the pipeline's "):
+        trainer.fit(model, DataLoader(_tokens(8, 16), batch_size=2))
+
+
 def test_a_resumed_fit_into_the_same_run_keeps_the_earlier_timeline(tmp_path):
     """A resume into the same run folder overwrote the earlier fit's pipeline_timeline.png/.json (the CLI keeps its
     config as config-1.yaml): the second fit's pair is numbered instead."""
