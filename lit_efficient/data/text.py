@@ -24,10 +24,25 @@ from typing_extensions import override
 
 from lit_efficient.checks import is_count
 from lit_efficient.data.loading import EpochShuffle, ResumableLoader
-from lit_efficient.tools.corpus import TEXT_SUFFIXES, concat_files, embedded_corpus, folder_files
+from lit_efficient.tools.corpus import TEXT_SUFFIXES, concat_files, embedded_corpus, folder_files, skipped_files
 
 # Files of records, not text: read as bytes, their markup would be trained on (warned).
 _RECORD_SUFFIXES = (".json", ".jsonl", ".csv", ".tsv", ".parquet", ".arrow")
+
+
+def _say_skipped(owner: str, path: Any, folder: Path) -> None:
+    """Warn, naming them, about the files of ``folder`` that are not read: a user's .jsonl among .txt files was
+    dropped without a word."""
+    skipped = skipped_files(folder)
+    if not skipped:
+        return
+    named = ", ".join(p.relative_to(folder).as_posix() for p in skipped[:5])
+    more = f" and {len(skipped) - 5:,} more" if len(skipped) > 5 else ""
+    rank_zero_warn(
+        f"{owner}(path={path!r}) reads only {', '.join(TEXT_SUFFIXES)} files: {len(skipped):,} other file(s) are not "
+        f"read ({named}{more}). Rename text files to one of those suffixes; for records (.jsonl, .csv) write each "
+        "record's text to a .txt file, or give the Trainer a LightningDataModule of your own."
+    )
 
 
 def read_text(source: Path, max_bytes: int | None) -> bytes:
@@ -183,6 +198,8 @@ class TextDataModule(LightningDataModule):
                 f"{type(self).__name__}(path={path!r}): no such file or folder; give an existing text file, folder"
                 f"{' or .bin' if self.reads_token_files else ''}, or path=None for the embedded corpus."
             )
+        if source is not None and source.is_dir():
+            _say_skipped(type(self).__name__, path, source)
         if source is not None and source.is_file() and source.suffix.lower() in _RECORD_SUFFIXES:
             # Read as plain text, a record file trains on its markup (keys, quotes, commas) around the text.
             rank_zero_warn(

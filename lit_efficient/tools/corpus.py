@@ -46,12 +46,20 @@ def _stdlib_in_order() -> Iterator[Path]:
 
 def folder_files(folder: Path) -> list[Path]:
     """The files a folder contributes: ``TEXT_SUFFIXES`` files, recursively, hidden ones skipped, sorted."""
+    return [p for p in _visible_files(folder) if p.suffix.lower() in TEXT_SUFFIXES]
+
+
+def skipped_files(folder: Path) -> list[Path]:
+    """The visible files of a folder that `folder_files` leaves out (another suffix), sorted: a user's ``.jsonl``
+    or ``.html`` among them is not read, which is worth saying."""
+    return [p for p in _visible_files(folder) if p.suffix.lower() not in TEXT_SUFFIXES]
+
+
+def _visible_files(folder: Path) -> list[Path]:
     files = (
         p
         for p in folder.rglob("*")
-        if p.is_file()
-        and p.suffix.lower() in TEXT_SUFFIXES
-        and not any(part.startswith(".") for part in p.relative_to(folder).parts)
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts)
     )
     return sorted(files, key=lambda p: p.relative_to(folder).as_posix())
 

@@ -237,3 +237,20 @@ def test_a_file_of_records_is_read_as_text_with_a_warning(tmp_path, suffix):
                       r"this module does not parse records\. Write each record's text to a \.txt file"):  # fmt: skip
         data = TextDataModule(str(path), block_size=16, batch_size=2)
     assert bytes(data.tokens[:9]) == b'{"text": '
+
+
+def test_a_folders_files_that_are_not_read_are_named(tmp_path):
+    """A .jsonl among a folder's .txt files was dropped without a word (a user audit)."""
+    folder = tmp_path / "texts"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "a.txt").write_text("some text\n" * 300)
+    (folder / "sub" / "extra.jsonl").write_text('{"text": "more"}\n')
+    (folder / ".hidden.json").write_text("{}")  # hidden: skipped by design, not named
+    with pytest.warns(UserWarning, match=r"reads only \.txt, \.md, \.rst, \.py files: 1 other file\(s\) are not read "
+                      r"\(sub/extra\.jsonl\)\. Rename text files"):  # fmt: skip
+        data = TextDataModule(str(folder), block_size=16, batch_size=2)
+    assert bytes(data.tokens[:9]) == b"some text"
+    (folder / "sub" / "extra.jsonl").unlink()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        TextDataModule(str(folder), block_size=16, batch_size=2)

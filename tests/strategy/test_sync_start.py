@@ -125,7 +125,10 @@ def test_auto_is_40_steps_of_adam_whatever_its_betas_and_off_otherwise():
     auto = auto_sync_start_steps
     assert all(auto(torch.optim.AdamW(params, betas=(0.9, b2))) == 40 for b2 in (0.8, 0.9, 0.95, 0.999))
     assert auto(torch.optim.Adam(params)) == 40 and auto(torch.optim.SGD(params, lr=0.1)) == 0
-    _, seen = _fit(PACIStrategy(pipeline_stages=2), 1)  # GPT's AdamW, betas (0.9, 0.95)
+    # A fit shorter than the start is flush throughout: said so (it said "4000% of max_steps=1"; a user audit).
+    whole = r"and this fit ends at max_steps=1: the whole fit runs 1F1B-flush, no step of it PACI\. Set sync_start_"
+    with pytest.warns(UserWarning, match=whole):
+        _, seen = _fit(PACIStrategy(pipeline_stages=2), 1)  # GPT's AdamW, betas (0.9, 0.95)
     assert seen.sync_start == 40 and seen.orders == ["1f1b_flush", "1f1b_flush"]
     _, flush = _fit(PACIStrategy(pipeline_stages=2, schedule="1f1b_flush"), 1)
     assert flush.sync_start == 0
