@@ -66,6 +66,7 @@ around its optimizer step and `forward_context` around a forward.
 
 from __future__ import annotations
 
+import inspect
 import math
 import types
 import warnings
@@ -569,11 +570,39 @@ class DelayCompensation(StalenessCorrection):
         yield
 
 
-def predictable(optimizer: Any) -> bool:
-    """Whether weight prediction knows ``optimizer``'s update: AdamW or Adam, without amsgrad or maximize (a sharded
-    optimizer, `ShardedOptimizer`, holds 1/R of the moments and is not)."""
-    unusual = any(g.get("amsgrad") or g.get("maximize") for g in getattr(optimizer, "param_groups", ()))
-    return type(optimizer).__name__ in ("AdamW", "Adam") and not unusual
+def predictable(optimizer: Any, trust_step: bool = False) -> bool:
+    """Whether weight prediction knows ``optimizer``'s update (`prediction_refusal` has no reason against it)."""
+    return prediction_refusal(optimizer, trust_step) is None
+
+
+def prediction_refusal(optimizer: Any, trust_step: bool = False) -> str | None:
+    """Why weight prediction cannot predict ``optimizer``'s next update, or None where it can: torch's Adam or AdamW
+    or a subclass of either, without amsgrad or maximize. By class, not by name: bitsandbytes' ``AdamW`` keeps its
+    moments under other keys (a KeyError after the synchronous start) and a user's ``AdamW`` may step otherwise.
+    A subclass that overrides ``step`` is refused unless ``trust_step`` (the user named a prediction: a wrapper
+    that logs around ``super().step()`` keeps torch's rule). A sharded state (`ShardedOptimizer`) holds 1/R of
+    the moments and is refused."""
+    name = type(optimizer).__name__
+    if not isinstance(optimizer, torch.optim.Adam):  # AdamW subclasses Adam
+        held = "holds 1/R of the moments (shard_optimizer_state=True)" if name == "ShardedOptimizer" else (
+            f"is not torch.optim.Adam or AdamW, nor a subclass of one ({type(optimizer).__module__}.{name})"
+        )  # fmt: skip
+        return f"the optimizer {held}"
+    # torch's own Adam update is the rule the prediction computes; unwrapped: torch wraps a class's step() with
+    # its profiling hook at the first instance.
+    torch_steps = {inspect.unwrap(torch.optim.Adam.step), inspect.unwrap(torch.optim.AdamW.step)}
+    if not trust_step and inspect.unwrap(type(optimizer).step) not in torch_steps:
+        return f"{name} overrides step(), so its update may not be torch's Adam's"
+    flags = [f for f in ("amsgrad", "maximize") if any(g.get(f) for g in optimizer.param_groups)]
+    if flags:
+        return f"{name} has {' and '.join(f'{f}=True' for f in flags)}, which the prediction does not model"
+    return None
+
+
+def adam_like(optimizer: Any) -> bool:
+    """Whether ``optimizer`` is an Adam by kind: torch's (or a subclass), or a class named Adam/AdamW of another
+    library (its moments are young in its first steps too, predictable or not)."""
+    return isinstance(optimizer, torch.optim.Adam) or type(optimizer).__name__ in ("AdamW", "Adam")
 
 
 # Steps of PACI's synchronous start with Adam or AdamW, whatever beta2: measured enough at beta2 = 0.9, 0.95 and
@@ -589,7 +618,7 @@ def auto_sync_start_steps(optimizer: Any) -> int:
     S=4 N=4, lr 2e-3, 3 seeds): 40 synchronous steps were enough at beta2 = 0.9, 0.95 and 0.999; 20 were not at
     0.95 nor at 0.9, although 2 / (1 - beta2), the second moment's steady depth, is 20 there; 2 / (1 - beta2) at
     torch's default 0.999 would have meant 2,000 steps of flush's bubble."""
-    if type(optimizer).__name__ not in ("AdamW", "Adam") or not optimizer.param_groups:
+    if not adam_like(optimizer) or not optimizer.param_groups:
         return 0
     return YOUNG_MOMENT_STEPS
 
@@ -628,11 +657,10 @@ def predicted_steps(
 
     Raises for an optimizer whose update this module does not know.
     """
-    name = type(optimizer).__name__
-    if not predictable(optimizer):
+    refusal = prediction_refusal(optimizer, trust_step=True)
+    if refusal is not None:
         raise ValueError(
-            f"staleness_correction='weight_prediction' knows the updates of AdamW and Adam (without amsgrad or "
-            f"maximize), not this {name}; "
+            f"weight prediction knows the updates of torch's AdamW and Adam (without amsgrad or maximize): {refusal}; "
             "use staleness_correction='lr_scale' or one of those optimizers"
         )
     out: dict[int, Any] = {}
@@ -679,7 +707,7 @@ def predicted_steps(
 def decouples_weight_decay(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> bool:
     """Whether ``group``'s weight decay is decoupled (AdamW's ``w -= lr * wd * w``; Adam's with
     ``decoupled_weight_decay=True``, torch 2.7 on) rather than Adam's L2 term, added to the gradient."""
-    return type(optimizer).__name__ == "AdamW" or bool(group.get("decoupled_weight_decay", False))
+    return isinstance(optimizer, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay", False))
 
 
 def _adam_step(
@@ -784,10 +812,18 @@ def make_correction(
         return None
     if name == "auto":
         if not predictable(optimizer):
-            return None
+            return None  # plain PACI; the strategy says why (`prediction_refusal`)
         on_cuda = any(p.is_cuda for group in optimizer.param_groups for p in group["params"])
         form = CompiledFirstStepWeightPrediction if on_cuda else InPlaceFirstStepWeightPrediction
         return form(accumulate)
+    if name in READS_MOMENTS and optimizer is not None:
+        refusal = prediction_refusal(optimizer, trust_step=True)
+        if refusal is not None:  # here, at setup, not at the first stale forward after the synchronous start
+            raise ValueError(
+                f"staleness_correction={name!r} reads Adam's moments and predicts torch's AdamW/Adam update: "
+                f"{refusal}. Use staleness_correction='lr_scale' (any optimizer), 'auto' (plain PACI where it cannot "
+                "predict) or None."
+            )
     factories: dict[str, Any] = {
         "lr_scale": lambda: LRScale(delay, anneal_steps),
         "weight_prediction": WeightPrediction,

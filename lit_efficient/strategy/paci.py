@@ -70,8 +70,10 @@ from lit_efficient.runtime.staleness import (
     CompiledFirstStepWeightPrediction,
     CorrectionName,
     StalenessCorrection,
+    adam_like,
     auto_sync_start_steps,
     make_correction,
+    prediction_refusal,
 )
 from lit_efficient.runtime.tied import TiedWeight, finish_tied, step_settings, tie_delay, tie_stage, untag
 from lit_efficient.runtime.topology import Topology
@@ -797,6 +799,8 @@ class PACIStrategy(DDPStrategy):
                 replicas=self.replicas,
             )  # fmt: skip
             stage.correction = self.correction_for(index, trainer, optimizer)
+            if index == self.hosted_stages[0]:
+                self._say_why_plain(optimizer)
             if isinstance(stage.correction, CompiledFirstStepWeightPrediction) and index == self.hosted_stages[0]:
                 rank_zero_info(
                     "PACIStrategy: stale forwards run on weights predicted in compiled passes (staleness_correction="
@@ -896,6 +900,30 @@ class PACIStrategy(DDPStrategy):
         for hosted in self.hosted:
             for tied in hosted.tied:
                 tied.follow(order)
+
+    def _say_why_plain(self, optimizer: Any) -> None:
+        """Say once where ``staleness_correction="auto"`` runs plain PACI, and why (`prediction_refusal`): a warning
+        for an Adam the prediction does not know (a subclass overriding step, amsgrad, another library's AdamW),
+        whose user expects the defaults' loss; a log line for another kind of optimizer (documented)."""
+        if self.staleness_correction != "auto" or self.schedule != "paci" or self.pipeline_stages < 2:
+            return
+        reason = prediction_refusal(optimizer)
+        if reason is None:
+            return
+        text = f"PACIStrategy: staleness_correction='auto' runs plain PACI, without weight prediction: {reason}."
+        if not adam_like(optimizer):
+            rank_zero_info(f"{text} staleness_correction='lr_scale' corrects staleness with any optimizer.")
+            return
+        trusted = prediction_refusal(optimizer, trust_step=True) is None
+        rank_zero_warn(
+            f"{text} With AdamW, plain PACI ended 13-21% above 1F1B-flush's loss on the benchmark grid at S=8. "
+            + (
+                "If its step() keeps torch's update (a wrapper that logs around super().step()), name the prediction: "
+                "staleness_correction='weight_prediction_first_step_inplace'; otherwise use 'lr_scale'."
+                if trusted
+                else "Use torch's AdamW/Adam without amsgrad/maximize, or staleness_correction='lr_scale'."
+            )
+        )
 
     def correction_for(self, stage: int, trainer: Trainer, optimizer: Any) -> StalenessCorrection | None:
         """The staleness correction of ``stage`` with its ``optimizer`` (None: off, or nothing to correct there)."""

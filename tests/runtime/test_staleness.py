@@ -267,6 +267,59 @@ def test_auto_is_the_in_place_first_step_prediction_where_the_optimizer_is_predi
     assert auto.accumulate == 4 and auto.shrink == "square"  # built with N: the share of the window shrinks v
 
 
+class _OwnAdamW(torch.optim.AdamW):
+    """A user's subclass that keeps torch's step (a Lightning-friendly wrapper, say)."""
+
+
+class _ClippedAdamW(torch.optim.AdamW):
+    """A user's subclass whose step is not torch's update."""
+
+    def step(self, closure=None):
+        before = [p.detach().clone() for g in self.param_groups for p in g["params"]]
+        super().step(closure)
+        params = [p for g in self.param_groups for p in g["params"]]
+        with torch.no_grad():
+            for p, b in zip(params, before, strict=True):
+                p.copy_(b + (p - b).clamp(-2e-3, 2e-3))
+
+
+class AdamW(torch.optim.Optimizer):
+    """Another library's AdamW (bitsandbytes' keeps its moments as state1/state2): the same name, not torch's."""
+
+    def __init__(self, params, lr=1e-3):
+        super().__init__(params, {"lr": lr, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0})
+
+
+def test_prediction_knows_optimizers_by_class_not_by_name():
+    """By name, a user's AdamW subclass got plain PACI without a word; another library's class named AdamW was
+    predicted with torch's rule (a KeyError 'exp_avg' after the synchronous start) and a subclass stepping otherwise
+    silently wrongly; a named prediction with amsgrad failed only at the first stale forward, naming an option the
+    user had not set (an optimizer audit)."""
+    from lit_efficient.runtime.staleness import (
+        InPlaceFirstStepWeightPrediction,
+        auto_sync_start_steps,
+        prediction_refusal,
+    )
+
+    params = list(torch.nn.Linear(2, 2).parameters())
+    own = _OwnAdamW(params)
+    assert type(make_correction("auto", "paci", 0, 4, 4, 10, own)) is InPlaceFirstStepWeightPrediction
+    assert auto_sync_start_steps(own) == 40
+    clipped, foreign = _ClippedAdamW(params), AdamW(params)
+    assert prediction_refusal(clipped) == "_ClippedAdamW overrides step(), so its update may not be torch's Adam's"
+    assert make_correction("auto", "paci", 0, 4, 4, 10, clipped) is None
+    named = "weight_prediction_first_step_inplace"  # the user vouches for its step: accepted
+    assert type(make_correction(named, "paci", 0, 4, 4, 10, clipped)) is InPlaceFirstStepWeightPrediction
+    assert make_correction("auto", "paci", 0, 4, 4, 10, foreign) is None
+    assert auto_sync_start_steps(foreign) == 40  # an Adam by kind: its moments are young at first all the same
+    with pytest.raises(ValueError, match=r"'weight_prediction_first_step_inplace' reads Adam's moments .*: the "
+                       r"optimizer is not torch.optim.Adam or AdamW, nor a subclass of one \(.*\.AdamW\)"):  # fmt: skip
+        make_correction(named, "paci", 0, 4, 4, 10, foreign)
+    with pytest.raises(ValueError, match=r"AdamW has amsgrad=True, which the prediction does not model\. Use "):
+        make_correction(named, "paci", 0, 4, 4, 10, torch.optim.AdamW(params, amsgrad=True))
+    assert make_correction("lr_scale", "paci", 0, 4, 4, 10, foreign) is not None  # any optimizer
+
+
 def test_in_place_prediction_keeps_low_precision_weights_exact():
     """bf16 weights would lose bits to every in-place inversion: the in-place rule predicts them with a stash, so
     they come back bit for bit."""

@@ -140,6 +140,36 @@ def test_auto_is_40_steps_of_adam_whatever_its_betas_and_off_otherwise():
     assert torch_default.sync_start == 40
 
 
+class _LoggedAdamW(torch.optim.AdamW):
+    """A user's AdamW that logs around torch's step."""
+
+    def step(self, closure=None):
+        self.stepped = getattr(self, "stepped", 0) + 1
+        return super().step(closure)
+
+
+class _LoggedAdamWModel(GPT):
+    def configure_optimizers(self):
+        return _LoggedAdamW(self.parameters(), lr=1e-3)
+
+
+def test_where_auto_cannot_predict_a_users_adam_it_says_why_and_what_to_name(caplog):
+    """A user's AdamW subclass ran plain PACI without a word (an optimizer audit): an Adam the prediction does not
+    know is warned about, with the option that names the prediction; another optimizer gets a log line."""
+    logged = _LoggedAdamWModel(n_layer=2, n_head=2, n_embd=32, block_size=32)
+    said = r"runs plain PACI, without weight prediction: _LoggedAdamW overrides step\(\).*name the prediction: "
+    with pytest.warns(UserWarning, match=said + r"staleness_correction='weight_prediction_first_step_inplace'"):
+        _, seen = _fit(PACIStrategy(pipeline_stages=2, sync_start_steps=0), 3, model=logged)
+    assert seen.orders == ["paci", "paci"] and seen.stats[0]["drift_max"] == 1  # stale forwards, run plain
+    named = PACIStrategy(
+        pipeline_stages=2, sync_start_steps=0, staleness_correction="weight_prediction_first_step_inplace"
+    )
+    _fit(named, 3, model=_LoggedAdamWModel(n_layer=2, n_head=2, n_embd=32, block_size=32))  # accepted, runs
+    with caplog.at_level("INFO"):
+        _fit(PACIStrategy(pipeline_stages=2), 1, model=_SGDModel(n_layer=2, n_head=2, n_embd=32, block_size=32))
+    assert "runs plain PACI, without weight prediction: the optimizer is not torch.optim.Adam or AdamW" in caplog.text
+
+
 @pytest.mark.parametrize("value", [-1, 2.5, "always", True])
 def test_a_bad_value_is_refused_with_what_is_allowed(value):
     with pytest.raises(ValueError, match=r"sync_start_steps=.* must be 'auto' or an int >= 0"):
