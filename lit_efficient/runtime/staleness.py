@@ -590,8 +590,8 @@ def prediction_refusal(optimizer: Any, trust_step: bool = False) -> str | None:
         return f"the optimizer {held}"
     # torch's own Adam update is the rule the prediction computes; unwrapped: torch wraps a class's step() with
     # its profiling hook at the first instance.
-    torch_steps = {inspect.unwrap(torch.optim.Adam.step), inspect.unwrap(torch.optim.AdamW.step)}
-    if not trust_step and inspect.unwrap(type(optimizer).step) not in torch_steps:
+    torch_steps = (torch.optim.Adam.step, torch.optim.AdamW.step)
+    if not trust_step and inspect.unwrap(type(optimizer).step) not in map(inspect.unwrap, torch_steps):
         return f"{name} overrides step(), so its update may not be torch's Adam's"
     flags = [f for f in ("amsgrad", "maximize") if any(g.get(f) for g in optimizer.param_groups)]
     if flags:
