@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextvars
 import difflib
 import functools
+import importlib
 import types
 from collections import Counter
 from collections.abc import Iterable, Iterator
@@ -291,6 +292,19 @@ def _class_path(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+def _resolved(entry: str) -> type | None:
+    """The class a dotted entry of ``modules`` names where it imports, as the user writes it (``torch.nn.Linear``,
+    a package's re-export), else None: a class's own path (``torch.nn.modules.linear.Linear``) alone matched."""
+    module_name, _, attr = entry.rpartition(".")
+    if not module_name:
+        return None
+    try:
+        found = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError, ValueError, TypeError):
+        return None
+    return found if isinstance(found, type) else None
+
+
 def _has_params(module: nn.Module) -> bool:
     return next(module.parameters(), None) is not None
 
@@ -326,10 +340,11 @@ def named_matches(root: nn.Module, names: Iterable[str]) -> list[tuple[str, nn.M
     recomputes the inner part a second time.
     """
     wanted = set(names)
+    classes = {cls for cls in map(_resolved, wanted) if cls is not None}
     found: list[tuple[str, nn.Module]] = []
     for name, module in root.named_modules():
         cls = type(module)
-        if module is root or not ({cls.__name__, _class_path(cls)} & wanted):
+        if module is root or not ({cls.__name__, _class_path(cls)} & wanted or cls in classes):
             continue
         if any(name.startswith(f"{outer}.") for outer, _ in found):
             continue
@@ -556,8 +571,8 @@ class ActivationCheckpointing(Callback):
         found = ", ".join(candidate_classes(pl_module)) or "none"
         return (
             f"ActivationCheckpointing(modules={self.modules}) matches no module of {type(pl_module).__name__}; "
-            f"classes with parameters found: {found}. Use one of these names (or a dotted class path), or "
-            "modules=None to pick the repeated blocks."
+            f"classes with parameters found: {found}. Use one of these names (or a dotted class path such as "
+            "'torch.nn.Linear'), or modules=None to pick the repeated blocks."
         )
 
     def _check_plan(
@@ -574,7 +589,7 @@ class ActivationCheckpointing(Callback):
                 # A misspelling is close to a class present; another architecture's name (a list shared by configs
                 # of several models) is not, and is let be.
                 close = difflib.get_close_matches(name, sorted(present), n=1, cutoff=0.85)
-                if name not in present and close:
+                if name not in present and close and _resolved(name) is None:
                     raise ValueError(
                         f"ActivationCheckpointing(modules={self.modules}): {name!r} matches no module of "
                         f"{type(pl_module).__name__}; did you mean {close[0]!r}? Classes with parameters: "

@@ -245,6 +245,12 @@ def test_auto_detection_every_n_named_classes_and_nesting():
     ]
     # The MLPs live inside the Blocks: checkpointing them again inside a checkpoint is skipped.
     assert names(ActivationCheckpointing(modules=["MLP", "Block"])) == [f"blocks.{i}" for i in range(4)]
+    # A dotted path as a user writes it, through a re-export (torch.nn.LayerNorm is defined in
+    # torch.nn.modules.normalization): matched nothing, refused (a callback audit).
+    assert names(ActivationCheckpointing(modules=["torch.nn.LayerNorm"])) == [
+        n for n, m in model.named_modules() if isinstance(m, torch.nn.LayerNorm)
+    ]
+    assert names(ActivationCheckpointing(modules=["lit_efficient.models.Block"])) == [f"blocks.{i}" for i in range(4)]
     # A pipeline stage: other stages' blocks are parameter-free placeholders and never picked.
     model.blocks[0], model.blocks[1] = Placeholder(), Placeholder()
     assert names(ActivationCheckpointing()) == ["blocks.2", "blocks.3"]
