@@ -417,8 +417,9 @@ class ActivationCheckpointing(Callback):
 
     Args:
         modules: Class names (``"Block"``) or dotted class paths (``"lit_efficient.models.gpt.Block"``)
-            of the modules to checkpoint. None picks the model's repeated blocks: the same-class
-            children of a ModuleList/Sequential covering the most parameters (e.g. transformer blocks).
+            of the modules to checkpoint, as defined or as imported (``"torch.nn.Linear"``). None picks the
+            model's repeated blocks: the same-class children of a ModuleList/Sequential covering the most
+            parameters (e.g. transformer blocks).
         mode: ``"full"`` recomputes the whole block; ``"selective"`` keeps matmul and attention outputs
             and recomputes the rest (less memory saved, less compute added).
         every_n: Checkpoint every n-th matching block (the n-th, 2n-th, ...); 1 checkpoints all of them.
