@@ -267,12 +267,13 @@ class _CheckedMultiProcessingLauncher(_ChecksFirst, _MultiProcessingLauncher):
             # not run, and the rank's peers reported it as "died (killed? out of memory?)", not what it raised.
             if trainer is not None and hasattr(trainer.strategy, "on_exception"):
                 trainer.strategy.on_exception(exception)
-            if isinstance(exception, SystemExit):
-                # torch's spawn takes a rank's SystemExit for a clean exit (Lightning's SIGTERMException is one), and
-                # the launching process then waited forever for that rank's results: a SIGTERM to the ranks hung it.
+            if isinstance(exception, (SystemExit, KeyboardInterrupt)):
+                # torch's spawn takes a rank's SystemExit or KeyboardInterrupt for a clean exit (Lightning's
+                # SIGTERMException is a SystemExit), and the launching process then waited forever for that rank's
+                # results: a SIGTERM or a SIGINT to the ranks alone hung it.
+                said = {SIGTERMException: " (it received SIGTERM)", KeyboardInterrupt: " (it received SIGINT)"}
                 raise RuntimeError(
-                    f"rank {process_idx} stopped with {type(exception).__name__}"
-                    + (" (it received SIGTERM)" if isinstance(exception, SIGTERMException) else "")
+                    f"rank {process_idx} stopped with {type(exception).__name__}" + said.get(type(exception), "")
                 ) from exception
             raise
 

@@ -501,10 +501,10 @@ _HANG_SCRIPT = textwrap.dedent(
                     f.write(",".join(sorted(waits)))
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            if sys.argv[1] == "sigterm":  # every rank is told to stop (a preemption, a job manager)
+            if sys.argv[1] in ("sigterm", "sigint"):  # every rank is told to stop (a preemption, a job manager)
                 if trainer.global_step == 2 and batch_idx % 2 == 0 and not getattr(self, "sent", False):
                     self.sent = True
-                    os.kill(os.getpid(), signal.SIGTERM)
+                    os.kill(os.getpid(), signal.SIGTERM if sys.argv[1] == "sigterm" else signal.SIGINT)
                 return
             if sys.argv[1] == "raise_on_0":  # the launching process itself (the last stage) raises
                 if trainer.global_rank == 0 and trainer.global_step == 2:
@@ -766,13 +766,19 @@ def test_an_interrupt_of_the_launching_process_alone_stops_spawned_ranks(tmp_pat
 
 
 @pytest.mark.multiproc
-def test_a_sigterm_to_every_spawned_rank_ends_the_launch(tmp_path):
-    """Lightning's SIGTERMException is a SystemExit, which torch's spawn takes for a clean exit: the launching
-    process then waited forever for the ranks' results (the fit hung after a SIGTERM to its ranks)."""
+@pytest.mark.parametrize(
+    ("signal_name", "said"),
+    [("sigterm", "stopped with SIGTERMException (it received SIGTERM)"),
+     ("sigint", "stopped with KeyboardInterrupt (it received SIGINT)")],
+)  # fmt: skip
+def test_a_sigterm_or_sigint_to_every_spawned_rank_ends_the_launch(tmp_path, signal_name, said):
+    """Lightning's SIGTERMException is a SystemExit, and torch's spawn takes a SystemExit or a KeyboardInterrupt for
+    a clean exit: the launching process then waited forever for the ranks' results (the fit hung after a SIGTERM,
+    and after a SIGINT to its ranks alone: a job manager or an IDE signalling the workers; a boundaries audit)."""
     started = time.monotonic()
-    proc = _run_script(tmp_path, "sigterm", str(tmp_path / "unused"), "spawn")
+    proc = _run_script(tmp_path, signal_name, str(tmp_path / "unused"), "spawn")
     assert proc.returncode != 0
-    assert "stopped with SIGTERMException (it received SIGTERM)" in proc.stderr, proc.stderr[-3000:]
+    assert said in proc.stderr, proc.stderr[-3000:]
     assert time.monotonic() - started < 120
 
 
