@@ -583,7 +583,7 @@ def prediction_refusal(optimizer: Any, trust_step: bool = False) -> str | None:
     that logs around ``super().step()`` keeps torch's rule). A sharded state (`ShardedOptimizer`) holds 1/R of
     the moments and is refused."""
     name = type(optimizer).__name__
-    if not isinstance(optimizer, torch.optim.Adam):  # AdamW subclasses Adam
+    if not isinstance(optimizer, _TORCH_ADAMS):
         held = "holds 1/R of the moments (shard_optimizer_state=True)" if name == "ShardedOptimizer" else (
             f"is not torch.optim.Adam or AdamW, nor a subclass of one ({type(optimizer).__module__}.{name})"
         )  # fmt: skip
@@ -599,10 +599,25 @@ def prediction_refusal(optimizer: Any, trust_step: bool = False) -> str | None:
     return None
 
 
+# AdamW subclasses Adam from torch 2.7 on only: both, for the torch releases pyproject admits.
+_TORCH_ADAMS = (torch.optim.Adam, torch.optim.AdamW)
+
+
+def check_predictable(optimizer: Any, asked: str = "weight prediction") -> None:
+    """Raise, naming ``asked`` and the reason, where weight prediction cannot predict ``optimizer``'s update (a
+    subclass's own step trusted: the user named a prediction)."""
+    refusal = prediction_refusal(optimizer, trust_step=True)
+    if refusal is not None:
+        raise ValueError(
+            f"{asked} reads Adam's moments and predicts torch's AdamW/Adam update: {refusal}. Use "
+            "staleness_correction='lr_scale' (any optimizer), 'auto' (plain PACI where it cannot predict) or None."
+        )
+
+
 def adam_like(optimizer: Any) -> bool:
     """Whether ``optimizer`` is an Adam by kind: torch's (or a subclass), or a class named Adam/AdamW of another
     library (its moments are young in its first steps too, predictable or not)."""
-    return isinstance(optimizer, torch.optim.Adam) or type(optimizer).__name__ in ("AdamW", "Adam")
+    return isinstance(optimizer, _TORCH_ADAMS) or type(optimizer).__name__ in ("AdamW", "Adam")
 
 
 # Steps of PACI's synchronous start with Adam or AdamW, whatever beta2: measured enough at beta2 = 0.9, 0.95 and
@@ -657,12 +672,7 @@ def predicted_steps(
 
     Raises for an optimizer whose update this module does not know.
     """
-    refusal = prediction_refusal(optimizer, trust_step=True)
-    if refusal is not None:
-        raise ValueError(
-            f"weight prediction knows the updates of torch's AdamW and Adam (without amsgrad or maximize): {refusal}; "
-            "use staleness_correction='lr_scale' or one of those optimizers"
-        )
+    check_predictable(optimizer)
     out: dict[int, Any] = {}
     # The window's weight stays a device tensor: no host sync on the forward path. A window that has
     # gradients has weight > 0 (clamped only so a zero-weight window divides zeros by a tiny number).
@@ -817,13 +827,7 @@ def make_correction(
         form = CompiledFirstStepWeightPrediction if on_cuda else InPlaceFirstStepWeightPrediction
         return form(accumulate)
     if name in READS_MOMENTS and optimizer is not None:
-        refusal = prediction_refusal(optimizer, trust_step=True)
-        if refusal is not None:  # here, at setup, not at the first stale forward after the synchronous start
-            raise ValueError(
-                f"staleness_correction={name!r} reads Adam's moments and predicts torch's AdamW/Adam update: "
-                f"{refusal}. Use staleness_correction='lr_scale' (any optimizer), 'auto' (plain PACI where it cannot "
-                "predict) or None."
-            )
+        check_predictable(optimizer, f"staleness_correction={name!r}")  # at setup, not after the synchronous start
     factories: dict[str, Any] = {
         "lr_scale": lambda: LRScale(delay, anneal_steps),
         "weight_prediction": WeightPrediction,

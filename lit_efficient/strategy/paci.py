@@ -911,18 +911,20 @@ class PACIStrategy(DDPStrategy):
         if reason is None:
             return
         text = f"PACIStrategy: staleness_correction='auto' runs plain PACI, without weight prediction: {reason}."
-        if not adam_like(optimizer):
+        if not adam_like(getattr(optimizer, "optimizer", optimizer)):  # a sharded state: the user's optimizer under it
             rank_zero_info(f"{text} staleness_correction='lr_scale' corrects staleness with any optimizer.")
             return
-        trusted = prediction_refusal(optimizer, trust_step=True) is None
-        rank_zero_warn(
-            f"{text} With AdamW, plain PACI ended 13-21% above 1F1B-flush's loss on the benchmark grid at S=8. "
-            + (
+        if isinstance(optimizer, ShardedOptimizer):
+            advice = "Without shard_optimizer_state (each replica then holds the whole state) the prediction runs."
+        elif prediction_refusal(optimizer, trust_step=True) is None:
+            advice = (
                 "If its step() keeps torch's update (a wrapper that logs around super().step()), name the prediction: "
                 "staleness_correction='weight_prediction_first_step_inplace'; otherwise use 'lr_scale'."
-                if trusted
-                else "Use torch's AdamW/Adam without amsgrad/maximize, or staleness_correction='lr_scale'."
             )
+        else:
+            advice = "Use torch's AdamW/Adam without amsgrad/maximize, or staleness_correction='lr_scale'."
+        rank_zero_warn(
+            f"{text} With AdamW, plain PACI ended 13-21% above 1F1B-flush's loss on the benchmark grid at S=8. {advice}"
         )
 
     def correction_for(self, stage: int, trainer: Trainer, optimizer: Any) -> StalenessCorrection | None:
