@@ -35,6 +35,7 @@ from typing import Any, get_args
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loops.optimization.automatic import ClosureResult
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from typing_extensions import override
@@ -128,8 +129,8 @@ class GradientAccumulation(Callback):
         # the epoch 0 setup saw, and Lightning skips on_train_epoch_start for the epoch it restarts in.
         self._apply(trainer, trainer.current_epoch)
         if self._strategy_normalizes:
+            self._resume_window(trainer, pl_module)  # a one-device checkpoint's window: said, dropped
             return  # PACIStrategy runs the module under manual optimization itself, and normalizes
-        self._resume_window(trainer, pl_module)
         strategy = type(trainer.strategy).__name__
         if not pl_module.automatic_optimization:
             raise RuntimeError(
@@ -142,6 +143,7 @@ class GradientAccumulation(Callback):
                 f"{strategy} accumulates gradients itself, so GradientAccumulation cannot normalize them. Configure "
                 f"accumulation in {strategy} and remove the callback."
             )
+        self._resume_window(trainer, pl_module)
 
     @override
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -217,12 +219,15 @@ class GradientAccumulation(Callback):
         if self._micro_batches and trainer is not None and not self._strategy_normalizes:
             # A checkpoint written inside a window (a validation's ModelCheckpoint at val_check_interval, a
             # preemption): Lightning keeps no partial gradients, so the window's micro-batches would be lost. One
-            # process keeps them here; DDP's ranks hold different ones and Lightning saves rank 0's state only.
-            window: dict[str, Any] = {"micro_batches": self._micro_batches, "of": trainer.accumulate_grad_batches}
-            if trainer.world_size == 1:
+            # plain process keeps them here (on the CPU: no device copy at save); DDP's ranks hold different ones
+            # and Lightning saves rank 0's state only, a sharding strategy holds them elsewhere.
+            window: dict[str, Any] = {
+                "micro_batches": self._micro_batches, "of": trainer.accumulate_grad_batches, "normalize": self.normalize
+            }  # fmt: skip
+            if _keeps_whole_gradients(trainer):
                 params = trainer.lightning_module.named_parameters()
-                window["grads"] = {n: p.grad.detach().clone() for n, p in params if p.grad is not None}
-                window["weight"] = None if self._weight is None else self._weight.detach().clone()
+                window["grads"] = {n: p.grad.to("cpu", copy=True) for n, p in params if p.grad is not None}
+                window["weight"] = None if self._weight is None else self._weight.to("cpu", copy=True)
             state["window"] = window
         return state
 
@@ -232,12 +237,16 @@ class GradientAccumulation(Callback):
         saved = (state_dict.get("steps"), state_dict.get("normalize"))
         self._saved_window = state_dict.get("window")
         if saved != (self.steps, self.normalize):
+            window = (
+                " A window the checkpoint left unfinished is finished first: its micro-batches join the first window "
+                "of the resumed run, whose step averages them with that window's; the windows after it have the new "
+                "size."
+                if self._strategy_normalizes
+                else ""  # one device's unfinished window: `_resume_window` says what becomes of it
+            )
             rank_zero_warn(
                 f"The checkpoint was trained with GradientAccumulation(steps={saved[0]!r}, normalize={saved[1]!r}); "
-                f"this run continues with steps={self.steps!r}, normalize={self.normalize!r}. Under PACIStrategy a "
-                "window the checkpoint left unfinished is finished first: its micro-batches join the first window of "
-                "the resumed run, whose step averages them with that window's; the windows after it have the new "
-                "size. Without PACIStrategy such micro-batches are dropped (said at the start of training)."
+                f"this run continues with steps={self.steps!r}, normalize={self.normalize!r}.{window}"
             )
 
     def _resume_window(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -248,11 +257,20 @@ class GradientAccumulation(Callback):
         if not window:
             return
         count, of = window["micro_batches"], window["of"]
+        grads = window.get("grads")
+        names = {name for name, _ in pl_module.named_parameters()}
         why = None
-        if "grads" not in window:
-            why = "Lightning's checkpoint of several processes holds no partial gradients (each rank has its own)"
-        elif of != trainer.accumulate_grad_batches:
-            why = f"it accumulated {of} micro-batches per step and this run {trainer.accumulate_grad_batches}"
+        if self._strategy_normalizes:
+            why = "this run's PACIStrategy holds a window's gradients in its own checkpoint state, not this callback's"
+        elif grads is None or not _keeps_whole_gradients(trainer):
+            why = "Lightning's checkpoint holds no partial gradients here (several processes, each with its own, or a "
+            why += "strategy that shards them)"
+        elif of != trainer.accumulate_grad_batches or window.get("normalize") != self.normalize:
+            why = f"it accumulated {of} micro-batches per step with normalize={window.get('normalize')!r}, and this "
+            why += f"run {trainer.accumulate_grad_batches} with normalize={self.normalize!r}"
+        elif not set(grads) <= names:
+            missing = sorted(set(grads) - names)
+            why = f"the model has no parameter {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}"
         if why is not None:
             rank_zero_warn(
                 f"GradientAccumulation: the checkpoint was written {count} micro-batch(es) into a window; {why}, so "
@@ -261,7 +279,7 @@ class GradientAccumulation(Callback):
             )
             return
         for name, param in pl_module.named_parameters():
-            grad = window["grads"].get(name)
+            grad = grads.get(name)
             param.grad = None if grad is None else grad.to(device=param.device, dtype=param.dtype)
         self._micro_batches = count
         weight = window.get("weight")
@@ -348,6 +366,12 @@ def _result_class_feeding(callback: GradientAccumulation, base: type[ClosureResu
             return super().from_training_step_output(training_step_output, normalize)
 
     return _ClosureResultWithItems
+
+
+def _keeps_whole_gradients(trainer: Trainer) -> bool:
+    """Whether this process holds the window's whole gradients on the module's own parameters: one process under a
+    single-device or DDP strategy (not FSDP's flat parameters, not several ranks' partial sums)."""
+    return trainer.world_size == 1 and isinstance(trainer.strategy, (SingleDeviceStrategy, DDPStrategy))
 
 
 def _weight_dtype(device: torch.device) -> torch.dtype:

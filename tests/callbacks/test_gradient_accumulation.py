@@ -346,7 +346,7 @@ def test_one_device_resumed_inside_a_window_keeps_the_windows_micro_batches(tmp_
 
     from tests.support.gpt_runs import gpt_model, gpt_trainer, max_diff, text_data
 
-    def fit(steps=4, ckpt_path=None, callbacks=(), **kw):
+    def fit(steps=4, ckpt_path=None, callbacks=(), normalize=normalize, **kw):
         model = gpt_model()
         callbacks = [GradientAccumulation(steps, normalize), *callbacks]
         trainer = gpt_trainer("auto", 1, 5, tmp_path, accumulate_grad_batches=1, val_check_interval=6,
@@ -357,9 +357,13 @@ def test_one_device_resumed_inside_a_window_keeps_the_windows_micro_batches(tmp_
     save = ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="{step}", save_top_k=-1)
     whole = fit(callbacks=[save], enable_checkpointing=True)
     inside = tmp_path / "ckpt" / "step=1.ckpt"  # batches 4 and 5 of the window [4, 8) done
-    assert torch.load(inside)["callbacks"]["GradientAccumulation"]["window"]["micro_batches"] == 2
+    window = torch.load(inside)["callbacks"]["GradientAccumulation"]["window"]
+    assert window["micro_batches"] == 2 and {g.device.type for g in window["grads"].values()} == {"cpu"}
     assert max_diff(fit(ckpt_path=str(inside)), whole) == 0.0
-    if normalize == "mean":
-        with pytest.warns(UserWarning, match=r"written 2 micro-batch\(es\) into a window; it accumulated 4 micro-"
-                          r"batches per step and this run 2, so those micro-batches are dropped"):  # fmt: skip
-            fit(steps=2, ckpt_path=str(inside))
+    # Another N, or another normalization (a window of item-weighted sums is no window of 1/N means): dropped, said.
+    other, said = ((2, "mean"), "4 micro-batches per step with normalize='mean', and this run 2 with normalize='mean'")
+    if normalize == "tokens":
+        other, said = ((4, "mean"), "with normalize='tokens', and this run 4 with normalize='mean'")
+    with pytest.warns(UserWarning, match=rf"written 2 micro-batch\(es\) into a window; it accumulated .*{said}, so "
+                      r"those micro-batches are dropped"):  # fmt: skip
+        fit(steps=other[0], normalize=other[1], ckpt_path=str(inside))
