@@ -33,6 +33,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 from jsonargparse import ArgumentParser, Namespace
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
@@ -118,6 +119,27 @@ def keep_wandb_local(save_dir: str | os.PathLike, offline: bool) -> dict[str, st
     chosen = {var: str(base / sub) for var, sub in wanted.items() if not os.environ.get(var)}
     os.environ.update(chosen)
     return chosen
+
+
+_ABSENT = object()  # a data module without the argument: nothing to follow
+
+
+def _data_follow_the_checkpoint(config: Namespace) -> None:
+    """Give the data module the checkpoint model's ``block_size`` and ``vocab_size``. Lightning builds the model
+    from a checkpoint file's hyper-parameters, and the links (the data decide, the model follows) then replaced
+    them with the data module's defaults: ``validate --model GPT --ckpt_path ...`` without the run's config loaded
+    a 64-token model as a 256-token one and failed on the position embeddings, in a traceback per rank."""
+    path, data = config.get("ckpt_path"), config.get("data")
+    if not path or not Path(path).is_file() or not isinstance(data, Namespace) or data.get("init_args") is None:
+        return
+    saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("hyper_parameters") or {}
+    for key in ("block_size", "vocab_size"):
+        value, given = saved.get(key), data.init_args.get(key, _ABSENT)
+        if value is None or given is _ABSENT or given == value:
+            continue
+        data.init_args[key] = value
+        if given is not None:  # None: the data would derive it; said only where a value is replaced
+            rank_zero_info(f"lit-efficient: --data.init_args.{key} {value}, the checkpoint's model's (was {given})")
 
 
 def run_id_of_checkpoint(ckpt_path: Any) -> str | None:
@@ -611,6 +633,8 @@ class LitEfficientCLI(LightningCLI):
             except CheckpointNotFound as error:
                 usage_error(self.parser, str(error), error)
         super()._parse_ckpt_path()
+        if subcommand is not None:
+            _data_follow_the_checkpoint(self.config[subcommand])
 
     @staticmethod
     def _resume_the_latest_run(config: Namespace) -> bool | None:

@@ -501,3 +501,21 @@ def test_python_dash_m_names_the_command_as_the_console_script_does():
     assert proc.returncode == 2
     assert "lit-efficient: error: trainer.strategy (lit_efficient.PACIStrategy): p2p_timeout=-1.0" in proc.stderr
     assert "(its options: lit-efficient fit --trainer.strategy.help" in proc.stderr and "__main__" not in proc.stderr
+
+
+def test_an_evaluation_of_a_checkpoint_without_its_config_builds_the_checkpoints_model(monkeypatch, tmp_path, caplog):
+    """Lightning builds the model from the checkpoint's hyper-parameters, and the links (the data decide the model's
+    block_size and vocab_size) then replaced them with the data module's defaults: ``validate --model GPT --ckpt_path
+    ...`` of a 16-token model built a 256-token one, whose load failed in a traceback per rank (a CLI audit)."""
+    from lit_efficient.models import GPT
+
+    monkeypatch.setattr(LitEfficientCLI, "_run_subcommand", lambda self, subcommand: None)  # built, not evaluated
+    monkeypatch.chdir(tmp_path)
+    trained = GPT(n_layer=1, n_embd=32, n_head=2, block_size=16)
+    torch.save({"hyper_parameters": dict(trained.hparams), "state_dict": trained.state_dict()}, tmp_path / "run.ckpt")
+    with caplog.at_level("INFO"):
+        cli = _cli("validate", "--model=GPT", "--trainer.logger=false", "--data.init_args.max_bytes=20000",
+                   "--ckpt_path=run.ckpt", run=True)  # fmt: skip
+    assert cli.model.hparams.block_size == 16 == cli.datamodule.block_size and cli.model.hparams.n_embd == 32
+    cli.model.load_state_dict(torch.load(tmp_path / "run.ckpt")["state_dict"])  # the shapes of the checkpoint's
+    assert "--data.init_args.block_size 16, the checkpoint's model's (was 256)" in caplog.text
