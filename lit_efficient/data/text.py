@@ -30,17 +30,22 @@ from lit_efficient.tools.corpus import TEXT_SUFFIXES, concat_files, embedded_cor
 _RECORD_SUFFIXES = (".json", ".jsonl", ".csv", ".tsv", ".parquet", ".arrow")
 
 
+def named_few(names: list[Any], shown: int = 5) -> str:
+    """The first ``shown`` of ``names`` and how many more, for a message."""
+    more = f" and {len(names) - shown:,} more" if len(names) > shown else ""
+    return ", ".join(str(n) for n in names[:shown]) + more
+
+
 def _say_skipped(owner: str, path: Any, folder: Path) -> None:
     """Warn, naming them, about the files of ``folder`` that are not read: a user's .jsonl among .txt files was
     dropped without a word."""
     skipped = skipped_files(folder)
     if not skipped:
         return
-    named = ", ".join(p.relative_to(folder).as_posix() for p in skipped[:5])
-    more = f" and {len(skipped) - 5:,} more" if len(skipped) > 5 else ""
+    named = named_few([p.relative_to(folder).as_posix() for p in skipped])
     rank_zero_warn(
         f"{owner}(path={path!r}) reads only {', '.join(TEXT_SUFFIXES)} files: {len(skipped):,} other file(s) are not "
-        f"read ({named}{more}). Rename text files to one of those suffixes; for records (.jsonl, .csv) write each "
+        f"read ({named}). Rename text files to one of those suffixes; for records (.jsonl, .csv) write each "
         "record's text to a .txt file, or give the Trainer a LightningDataModule of your own."
     )
 
@@ -203,9 +208,10 @@ class TextDataModule(LightningDataModule):
         if source is not None and source.is_file() and source.suffix.lower() in _RECORD_SUFFIXES:
             # Read as plain text, a record file trains on its markup (keys, quotes, commas) around the text.
             rank_zero_warn(
-                f"{type(self).__name__}(path={path!r}) is read as plain text, its {source.suffix} markup included: "
-                "this module does not parse records. Write each record's text to a .txt file of a folder (one "
-                "document per file) and pass the folder, or give the Trainer a LightningDataModule of your own."
+                f"{type(self).__name__}(path={path!r}) is read as plain text, its {source.suffix} markup (or binary "
+                "bytes) included: this module does not parse records. Write each record's text to a .txt file of a "
+                "folder (one document per file) and pass the folder, or give the Trainer a LightningDataModule of "
+                "your own."
             )
         for name, value in (("block_size", block_size), ("batch_size", batch_size)):
             if not is_count(value):
@@ -249,6 +255,7 @@ class TextDataModule(LightningDataModule):
             )
         # Loggers merge the module's and the data module's hparams and refuse keys whose values differ:
         # a None vocab_size ("derive it") would clash with the model's 256, so save it only when given.
+        path = os.fspath(path) if isinstance(path, os.PathLike) else path  # a str in the hyper-parameters (below)
         self.save_hyperparameters(ignore=["vocab_size"] if vocab_size is None else None)
         self.path = path
         self._source = source

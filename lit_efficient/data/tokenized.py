@@ -10,6 +10,7 @@ that file; the blocks, splits and the resumable training loader are `TextDataMod
 from __future__ import annotations
 
 import codecs
+import contextlib
 import functools
 import hashlib
 import json
@@ -22,7 +23,7 @@ import numpy as np
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lit_efficient.data.text import TextDataModule, read_token_file
+from lit_efficient.data.text import TextDataModule, named_few, read_token_file
 from lit_efficient.tools.corpus import TEXT_SUFFIXES, folder_files, stdlib_files
 
 # Text is tokenized in pieces of about this many bytes, cut at line ends: a whole corpus in one call would hold
@@ -73,10 +74,18 @@ def tokenizer_definition(tokenizer: Any) -> str:
     vocabulary must not reuse the ids of the old one."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and callable(getattr(backend, "to_str", None)):
-        return backend.to_str()
+        pipeline = json.loads(backend.to_str())
+        for state in ("truncation", "padding"):  # a call's settings (tok(..., truncation=True)), not its ids here
+            pipeline.pop(state, None)
+        return json.dumps(pipeline, sort_keys=True)
     options = getattr(tokenizer, "init_kwargs", None) or {}
     plain = (str, int, float, bool, type(None))
-    return json.dumps(sorted((str(k), v) for k, v in options.items() if isinstance(v, plain)))
+    # Not where its files are (name_or_path, vocab_file, ...): a moved folder tokenizes alike.
+    where = ("name_or_path", "_name_or_path")
+    kept = [
+        (str(k), v) for k, v in options.items() if isinstance(v, plain) and k not in where and not k.endswith("_file")
+    ]
+    return json.dumps(sorted(kept))
 
 
 def documents(source: Path | None, max_bytes: int | None) -> Iterator[tuple[Path, bytes, bool]]:
@@ -174,8 +183,12 @@ class TokenizedDataModule(TextDataModule):
                 "TextDataModule(path=..., vocab_size=<the tokenizer's vocabulary>) (uint32 ids: name it "
                 "<name>.uint32.bin)."
             )
+        path = os.fspath(path) if isinstance(path, os.PathLike) else path  # str hyper-parameters (TextDataModule's)
         super().__init__(path, block_size, batch_size, num_workers, val_fraction, seed, max_bytes)
-        if not isinstance(tokenizer, (str, os.PathLike)):
+        if isinstance(tokenizer, os.PathLike):
+            tokenizer = os.fspath(tokenizer)  # a str in the hyper-parameters: torch.load's weights_only refuses a Path
+            self.save_hyperparameters()
+        elif not isinstance(tokenizer, str):
             # A tokenizer object in the hyper-parameters would be pickled into every checkpoint, which torch.load's
             # weights_only default then refuses (and a 151k vocabulary adds megabytes): keep the folder form only.
             self.save_hyperparameters(ignore=["tokenizer"])
@@ -229,14 +242,16 @@ class TokenizedDataModule(TextDataModule):
                 listed.unlink(missing_ok=True)
             partial.replace(target)  # whole or absent: a rank never maps a half-written file
         except BaseException as error:
-            partial.unlink(missing_ok=True)  # a full disk or a Ctrl-C leaves no partial file to fill the disk
+            with contextlib.suppress(OSError):  # a cache_dir that is a file has no partial file to remove
+                partial.unlink(missing_ok=True)  # a full disk or a Ctrl-C leaves no partial file to fill the disk
             if isinstance(error, OSError):
-                raise OSError(
-                    error.errno,
+                message = (
                     f"TokenizedDataModule could not write its token file {target} ({error.strerror or error}). "
                     "Free space there, or point cache_dir (--data.init_args.cache_dir) or $LIT_EFFICIENT_CACHE at a "
-                    "writable folder with room",
-                ) from error
+                    "writable folder with room"
+                )
+                # numpy's short write ("27000 requested and 8192 written") has no errno: the message alone.
+                raise (OSError(message) if error.errno is None else OSError(error.errno, message)) from error
             raise
         rank_zero_info(f"TokenizedDataModule: {count:,} tokens written to {target}")
 
@@ -306,7 +321,7 @@ class TokenizedDataModule(TextDataModule):
         if not listed.exists():
             return
         invalid = json.loads(listed.read_text())
-        named = ", ".join(invalid[:5]) + (f" and {len(invalid) - 5} more" if len(invalid) > 5 else "")
+        named = named_few(invalid)
         rank_zero_warn(
             f"TokenizedDataModule: {len(invalid)} file(s) are not UTF-8 text ({named}): their invalid bytes were "
             "tokenized as U+FFFD replacement characters. Convert them to UTF-8 (iconv -f latin1 -t utf-8), or move "

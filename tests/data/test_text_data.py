@@ -233,8 +233,8 @@ def test_a_file_of_records_is_read_as_text_with_a_warning(tmp_path, suffix):
     """A .jsonl path was tokenized as raw text, keys, quotes and braces included, without a word (a data audit)."""
     path = tmp_path / f"data{suffix}"
     path.write_text('{"text": "hello world"}\n' * 500)
-    with pytest.warns(UserWarning, match=rf"data{suffix}'\) is read as plain text, its \{suffix} markup included: "
-                      r"this module does not parse records\. Write each record's text to a \.txt file"):  # fmt: skip
+    said = rf"data{suffix}'\) is read as plain text, its \{suffix} markup \(or binary bytes\) included: this module "
+    with pytest.warns(UserWarning, match=said + r"does not parse records\. Write each record's text to a \.txt file"):
         data = TextDataModule(str(path), block_size=16, batch_size=2)
     assert bytes(data.tokens[:9]) == b'{"text": '
 

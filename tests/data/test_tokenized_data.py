@@ -134,6 +134,13 @@ def test_a_tokenizer_saved_again_with_another_pipeline_tokenizes_again(texts, de
     for name in ("a.txt", "b.md", "c.txt"):
         want += after.tokenizer((texts / name).read_text(), add_special_tokens=False)["input_ids"] + [eos]
     assert after.tokens.tolist() == want != before.tokens.tolist()
+    # A call's truncation or padding settings are no new pipeline: the same token file (a used object re-tokenized).
+    used = transformers.AutoTokenizer.from_pretrained(str(folder))
+    used("some text " * 50, truncation=True, max_length=8)
+    assert (
+        TokenizedDataModule(used, path=str(texts), block_size=16, cache_dir=str(tmp_path)).token_file
+        == after.token_file
+    )
 
 
 def test_a_token_file_that_cannot_be_written_leaves_no_partial_file_and_names_the_fix(
@@ -156,7 +163,19 @@ def test_a_token_file_that_cannot_be_written_leaves_no_partial_file_and_names_th
         data.prepare_data()
     assert raised.value.errno == errno.ENOSPC and written[0].name.endswith(".partial")
     assert list((tmp_path / "cache").iterdir()) == []  # the partial file is gone; no token file
+
+    def short_write(out_path):  # numpy's own short write: an OSError without an errno
+        raise OSError("27000 requested and 8192 written")
+
+    monkeypatch.setattr(data, "_write_tokens", short_write)
+    with pytest.raises(OSError, match=r"^TokenizedDataModule could not write its token file .*\(27000 requested and "
+                       r"8192 written\)\. Free space there"):  # fmt: skip  # it read "[Errno None] TokenizedDataModule"
+        data.prepare_data()
     monkeypatch.undo()
+    (tmp_path / "a_file").write_text("")
+    in_a_file = TokenizedDataModule(str(demo_model), path=str(texts), cache_dir=str(tmp_path / "a_file"))
+    with pytest.raises(OSError, match=r"could not write its token file .*a_file/tokens-"):  # not the partial's unlink
+        in_a_file.prepare_data()
     data.prepare_data()  # room again: written whole
     assert len(data.tokens) > 0
 
@@ -184,6 +203,8 @@ def test_a_tokenizer_object_stays_out_of_the_checkpoint(texts, demo_model, tmp_p
     HFCausalLM.load_from_checkpoint(tmp_path / "fit.ckpt")
     by_folder = TokenizedDataModule(str(demo_model), path=str(texts), block_size=16, cache_dir=str(tmp_path))
     assert by_folder.hparams["tokenizer"] == str(demo_model)  # a path is kept: the CLI's config names it
+    by_path = TokenizedDataModule(demo_model, path=texts, block_size=16, cache_dir=str(tmp_path))  # pathlib.Path
+    assert by_path.hparams["tokenizer"] == str(demo_model) and by_path.hparams["path"] == str(texts)  # not a Path
 
 
 def test_a_cap_that_cuts_the_text_says_how_much_it_kept(texts, demo_model, tmp_path, caplog):
