@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextvars
 import difflib
 import functools
-import importlib
+import sys
 import types
 from collections import Counter
 from collections.abc import Iterable, Iterator
@@ -293,14 +293,15 @@ def _class_path(cls: type) -> str:
 
 
 def _resolved(entry: str) -> type | None:
-    """The class a dotted entry of ``modules`` names where it imports, as the user writes it (``torch.nn.Linear``,
-    a package's re-export), else None: a class's own path (``torch.nn.modules.linear.Linear``) alone matched."""
+    """The class a dotted entry of ``modules`` names as the user writes it (``torch.nn.Linear``, a package's
+    re-export), else None: a class's own path (``torch.nn.modules.linear.Linear``) alone matched. Looked up in the
+    modules already imported, never imported here: a class in the model was imported with its package, and an
+    import would run a module's code (``train.Block`` re-running the user's script)."""
     module_name, _, attr = entry.rpartition(".")
-    if not module_name:
-        return None
+    module = sys.modules.get(module_name) if module_name else None
     try:
-        found = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError, ValueError, TypeError):
+        found = getattr(module, attr, None)  # a lazy package (transformers) may import on attribute access
+    except Exception:  # noqa: BLE001 - whatever a lazy module raises, the entry matches by name only
         return None
     return found if isinstance(found, type) else None
 

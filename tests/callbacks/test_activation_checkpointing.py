@@ -6,6 +6,7 @@ import copy
 import csv
 import logging
 import pickle
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -251,6 +252,9 @@ def test_auto_detection_every_n_named_classes_and_nesting():
         n for n, m in model.named_modules() if isinstance(m, torch.nn.LayerNorm)
     ]
     assert names(ActivationCheckpointing(modules=["lit_efficient.models.Block"])) == [f"blocks.{i}" for i in range(4)]
+    sys.modules.pop("this", None)  # never imported: an import runs a module (`this` prints the Zen of Python)
+    assert names(ActivationCheckpointing(modules=["Block", "this.Block"])) == [f"blocks.{i}" for i in range(4)]
+    assert "this" not in sys.modules
     # A pipeline stage: other stages' blocks are parameter-free placeholders and never picked.
     model.blocks[0], model.blocks[1] = Placeholder(), Placeholder()
     assert names(ActivationCheckpointing()) == ["blocks.2", "blocks.3"]
