@@ -172,6 +172,11 @@ class PipelineMonitor(Callback):
 
     # -- hooks -------------------------------------------------------------------------------------
 
+    def check_before_launch(self, trainer: Trainer, layers_may_come_later: bool) -> None:
+        """`setup`'s refusal in the launching process: PACIStrategy calls it before any rank starts (after the
+        launch it came in every rank's traceback)."""
+        self.setup(trainer, trainer.lightning_module, "fit")
+
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         monitors = [cb for cb in trainer.callbacks if isinstance(cb, PipelineMonitor)]

@@ -867,7 +867,8 @@ def check_before_launch(strategy: Any, trainer: Trainer, layers: list | None) ->
         check = getattr(callback, "check_accumulation_source", None)
         if callable(check):
             check(trainer)
-        check = getattr(callback, "check_before_launch", None)  # ActivationCheckpointing's plan on the whole model
+        # ActivationCheckpointing's plan on the whole model, PipelineMonitor's one monitor
+        check = getattr(callback, "check_before_launch", None)
         if callable(check):
             check(
                 trainer,

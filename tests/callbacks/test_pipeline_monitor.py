@@ -118,7 +118,7 @@ def test_a_run_too_short_for_a_timeline_says_so_and_writes_none(tmp_path):
     assert monitor.timeline_paths == [] and not list(tmp_path.rglob("pipeline_timeline.*"))
 
 
-def test_two_monitors_on_one_trainer_are_refused(tmp_path):
+def test_two_monitors_on_one_trainer_are_refused(tmp_path, monkeypatch):
     """Two monitors (one from a config file, one from code) reset each other's counters: one's rows covered part of
     its interval, the other's read zeros, under the same keys, silently (a monitor audit)."""
     model = GPT(vocab_size=256, block_size=16, n_layer=1, n_head=2, n_embd=16)
@@ -128,6 +128,18 @@ def test_two_monitors_on_one_trainer_are_refused(tmp_path):
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
     )  # fmt: skip
     with pytest.raises(ValueError, match=r"2 PipelineMonitor callbacks on one Trainer: they share the pipeline's "):
+        trainer.fit(model, DataLoader(_tokens(8, 16), batch_size=2))
+    # On processes, refused once in the launching process, before any rank starts (not in every rank's traceback).
+    from lightning.pytorch.strategies.launchers import subprocess_script
+
+    def no_rank(*args, **kwargs):
+        raise AssertionError("rank 1 was started before the refusal")
+
+    monkeypatch.setattr(subprocess_script.subprocess, "Popen", no_rank)
+    two = [PipelineMonitor(), PipelineMonitor()]
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=PACIStrategy(pipeline_stages=2), max_steps=2,
+                        logger=False, callbacks=two, default_root_dir=tmp_path)  # fmt: skip
+    with pytest.raises(ValueError, match=r"2 PipelineMonitor callbacks on one Trainer"):
         trainer.fit(model, DataLoader(_tokens(8, 16), batch_size=2))
 
 
