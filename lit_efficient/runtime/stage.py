@@ -249,10 +249,10 @@ class PipelineStage:
         start = self.clock.mark()
         correct = nullcontext()
         if self.correction is not None:
-            weight = self._window[0] if self._window is not None else None
+            weight, bad = (self._window[0], self._window[1]) if self._window is not None else (None, None)
             correct = self.correction.forward_context(
                 list(self.parameters()), self.optimizer, pending_steps, window_weight=weight,
-                window_microbatches=self._window_microbatches,
+                window_microbatches=self._window_microbatches, window_bad=bad,
             )  # fmt: skip
         shared = _versions([b for _, b, _ in self.shared_buffers])
         with self.own_rng(), correct:

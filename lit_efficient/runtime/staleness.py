@@ -126,10 +126,11 @@ class StalenessCorrection:
 
     def forward_context(
         self, params: Sequence[nn.Parameter], optimizer: Any, pending_steps: int, window_weight: Any = None,
-        window_microbatches: int | None = None,
+        window_microbatches: int | None = None, window_bad: Any = None,
     ) -> Any:  # fmt: skip
         """Context around a forward that ``pending_steps`` optimizer steps separate from its backward, with the
-        stage's window so far of weight ``window_weight`` over ``window_microbatches`` backwards."""
+        stage's window so far of weight ``window_weight`` over ``window_microbatches`` backwards; ``window_bad``
+        (a 0-dim tensor) > 0 once a micro-batch of the window had a non-finite loss."""
         return nullcontext()
 
     def state_dict(self) -> dict[str, Any]:
@@ -196,7 +197,7 @@ class WeightPrediction(StalenessCorrection):
     @contextmanager
     def forward_context(
         self, params: Sequence[nn.Parameter], optimizer: Any, pending_steps: int, window_weight: Any = None,
-        window_microbatches: int | None = None,
+        window_microbatches: int | None = None, window_bad: Any = None,
     ) -> Iterator[None]:  # fmt: skip
         if pending_steps <= 0 or optimizer is None:
             yield
@@ -204,7 +205,17 @@ class WeightPrediction(StalenessCorrection):
         share = None  # the share of the window accumulated, where the rule shrinks by it and the stage counts
         if self.accumulate and window_microbatches is not None:
             share = min(1.0, window_microbatches / self.accumulate)
-        steps = predicted_steps(optimizer, window_weight if self.fold else None, share, self.first_step, self.shrink)
+        weight = window_weight if self.fold else None
+        # A window whose gradient holds a NaN/Inf (a micro-batch's non-finite loss) folds no gradient into the
+        # prediction: folded, it made the predicted weights NaN, and the in-place undo cannot bring NaN weights
+        # back, so a window on_nonfinite="skip" skipped left stage 0 NaN for good. Read on the host where that is
+        # free (CPU tensors); on a device the prediction masks the gradient itself (`_masked`), no host sync.
+        if weight is None or window_bad is None:
+            window_bad = None
+        elif window_bad.device.type == "cpu":
+            weight = None if window_bad.item() else weight
+            window_bad = None
+        steps = predicted_steps(optimizer, weight, share, self.first_step, self.shrink, window_bad)
         if not steps:  # no optimizer state yet: nothing to extrapolate from
             yield
             return
@@ -259,8 +270,8 @@ class WeightPrediction(StalenessCorrection):
 
 
 def _fused_prediction(
-    ws: list[Tensor], ms: list[Tensor], vs: list[Tensor], gs: list[Tensor], weight: Tensor, a: Tensor, s: Tensor,
-    bc2: Tensor, f: Tensor, vc: Tensor, b1: float, b2: float, eps: float,
+    ws: list[Tensor], ms: list[Tensor], vs: list[Tensor], gs: list[Tensor], weight: Tensor, bad: Tensor, a: Tensor,
+    s: Tensor, bc2: Tensor, f: Tensor, vc: Tensor, b1: float, b2: float, eps: float,
 ) -> None:  # fmt: skip
     """``w <- a w + s m' / (sqrt(v' / bc2) + eps)`` for every weight, ``m'``, ``v'`` Adam's moments with the window's
     mean ``g / weight`` folded in (its square as ``f mean^2 + vc v``: the square shrunk towards ``v_hat`` by the share
@@ -270,7 +281,7 @@ def _fused_prediction(
     are 0-dim tensors on the weights' device, so a new learning rate, step count or share is not a recompilation.
     Written for `torch.compile` (one pass per weight); run eagerly it is slow."""
     for w, m, v, g in zip(ws, ms, vs, gs, strict=True):
-        mean = g / weight
+        mean = torch.where(bad > 0, 0.0, g / weight)  # a window flagged non-finite folds no gradient
         num = torch.lerp(m, mean, 1 - b1)
         den = (torch.lerp(v, mean * mean * f + v * vc, 1 - b2) / bc2).sqrt() + eps
         w.copy_(w * a + s * (num / den))
@@ -340,8 +351,9 @@ def _fused_call(fn: Any, key: tuple, params: list[nn.Parameter], steps: dict[int
     device = params[0].device
     a_t, s_t, bc2_t, f_t, vc_t = (torch.full((), x, dtype=torch.float32, device=device) for x in coef)
     ms, vs, gs = (list(x) for x in zip(*(steps[id(p)].sliced(None) for p in params), strict=True))
-    weight = steps[id(params[0])].weight
-    fn([p.detach() for p in params], ms, vs, gs, weight, a_t, s_t, bc2_t, f_t, vc_t, b1, b2, eps)
+    weight, bad = steps[id(params[0])].weight, steps[id(params[0])].bad
+    bad = torch.zeros((), dtype=weight.dtype, device=weight.device) if bad is None else bad  # CPU: read by the caller
+    fn([p.detach() for p in params], ms, vs, gs, weight, bad, a_t, s_t, bc2_t, f_t, vc_t, b1, b2, eps)
 
 
 @contextmanager
@@ -531,7 +543,7 @@ class DelayCompensation(StalenessCorrection):
 
     def forward_context(
         self, params: Sequence[nn.Parameter], optimizer: Any, pending_steps: int, window_weight: Any = None,
-        window_microbatches: int | None = None,
+        window_microbatches: int | None = None, window_bad: Any = None,
     ) -> Any:  # fmt: skip
         if pending_steps > 0:
             target = self._steps + pending_steps
@@ -655,7 +667,7 @@ def step_count(step: Tensor | float) -> float:
 
 def predicted_steps(
     optimizer: torch.optim.Optimizer, window_weight: Tensor | None = None, share: float | None = None,
-    first_step: bool = False, shrink: Literal["mean", "square"] = "mean",
+    first_step: bool = False, shrink: Literal["mean", "square"] = "mean", window_bad: Tensor | None = None,
 ) -> dict[int, Any]:  # fmt: skip
     """Per parameter (by id) with optimizer state: ``w -> lr * u``, the change the next step would make.
 
@@ -669,6 +681,9 @@ def predicted_steps(
             None: ``mean``.
         shrink: With ``share``: ``"mean"`` as above; ``"square"`` keeps ``mean`` in the first moment and folds
             ``f * mean^2 + (1 - f) * v_hat`` into the second instead of ``mean^2``.
+        window_bad: A device's 0-dim flag, > 0 once the window's gradient holds a NaN/Inf: the window's mean is
+            then taken as 0 (`_masked`). None: not masked (a CPU flag is read by the caller, which passes no
+            ``window_weight`` for such a window).
 
     Raises for an optimizer whose update this module does not know.
     """
@@ -710,6 +725,7 @@ def predicted_steps(
                 decoupled,
                 share,
                 shrink,
+                window_bad,
             )
     return out
 
@@ -723,6 +739,7 @@ def decouples_weight_decay(optimizer: torch.optim.Optimizer, group: dict[str, An
 def _adam_step(
     m: Tensor | None, v: Tensor | None, g: Tensor | None, weight: Tensor | None, lr: float, wd: float, b1: float,
     b2: float, eps: float, t: float, decoupled: bool, share: float | None = None, shrink: str = "mean",
+    bad: Tensor | None = None,
 ):  # fmt: skip
     # Evaluated parameter by parameter (forward_context), so the folded moments exist for one parameter at a time.
     # m and v None: zero moments (the first step, before the optimizer has state); then g is not None.
@@ -737,7 +754,7 @@ def _adam_step(
         mt, vt, gt = sliced(part)
         tt = t
         if gt is not None:
-            mean = gt / weight
+            mean = _masked(gt / weight, bad)
             square = None
             if share is not None and share < 1 and t > 0:  # shrink a young window's mean towards the momentum
                 f = share
@@ -764,7 +781,13 @@ def _adam_step(
     step.key = (lr, step.decay, b1, b2, eps, t, m is None, g is None, square)  # type: ignore[attr-defined]
     step.sliced = sliced  # type: ignore[attr-defined]
     step.weight = weight  # type: ignore[attr-defined]
+    step.bad = bad  # type: ignore[attr-defined]
     return step
+
+
+def _masked(mean: Tensor, bad: Tensor | None) -> Tensor:
+    """The window's mean, 0 where ``bad`` flags a non-finite window (NaN * 0 is NaN: a select, not a product)."""
+    return mean if bad is None else torch.where(bad > 0, torch.zeros((), dtype=mean.dtype, device=mean.device), mean)
 
 
 def _direction(items: list[tuple[Any, slice | None]]) -> tuple[list[Tensor], list[Tensor], float]:
@@ -778,6 +801,8 @@ def _direction(items: list[tuple[Any, slice | None]]) -> tuple[list[Tensor], lis
     ms, vs, gs = (list(x) for x in zip(*(step.sliced(part) for step, part in items), strict=True))
     if gs[0] is not None:
         mean = torch._foreach_div(gs, first.weight)
+        if first.bad is not None:  # a device's flag (`predicted_steps`): one more pass, on that path only
+            mean = [_masked(x, first.bad) for x in mean]
         num = torch._foreach_mul(mean, 1 - b1) if ms[0] is None else torch._foreach_lerp(ms, mean, 1 - b1)
         torch._foreach_mul_(mean, mean)
         if square is not None:  # f mean^2 + (1 - f) v_hat: the expected square of the share still to come

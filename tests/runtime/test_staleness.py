@@ -320,6 +320,35 @@ def test_prediction_knows_optimizers_by_class_not_by_name():
     assert make_correction("lr_scale", "paci", 0, 4, 4, 10, foreign) is not None  # any optimizer
 
 
+def test_a_window_flagged_non_finite_folds_no_gradient_into_the_prediction():
+    """On a device the stage passes its window's non-finite flag into the prediction (no host sync), which takes
+    the window's mean as 0 there, in the step form and in the in-place form's fused passes: a NaN gradient made
+    the predicted weights NaN, and the in-place undo cannot restore NaN weights (a numerics audit). Emulated with
+    a CPU flag handed to the functions the device path runs."""
+    from lit_efficient.runtime.staleness import _batches, _direction, predicted_steps
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(layer.parameters(), lr=1e-2)
+    layer(torch.randn(2, 4)).sum().backward()
+    opt.step()  # moments exist
+    params = list(layer.parameters())
+    for p in params:
+        p.grad = torch.full_like(p, float("nan"))
+    flagged = predicted_steps(opt, torch.tensor(2.0), window_bad=torch.tensor(1.0))
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    zero = predicted_steps(opt, torch.tensor(2.0))
+    for p in params:
+        assert torch.isfinite(flagged[id(p)](p)).all() and torch.equal(flagged[id(p)](p), zero[id(p)](p))
+        p.grad = torch.full_like(p, float("nan"))
+    for (_, items), (_, zero_items) in zip(_batches(params, flagged), _batches(params, zero), strict=True):
+        (num, denom, _), (znum, zdenom, _) = _direction(items), _direction(zero_items)
+        assert all(torch.equal(a, b) for a, b in zip(num + denom, znum + zdenom, strict=True))
+    unflagged = predicted_steps(opt, torch.tensor(2.0))  # the flag is what guards: without it, NaN
+    assert not torch.isfinite(unflagged[id(params[0])](params[0])).all()
+
+
 def test_in_place_prediction_keeps_low_precision_weights_exact():
     """bf16 weights would lose bits to every in-place inversion: the in-place rule predicts them with a stash, so
     they come back bit for bit."""
@@ -496,8 +525,8 @@ def test_each_stage_compiles_its_prediction_into_its_own_cache(monkeypatch):
 
     def call(fn, n: int) -> None:
         with torch.no_grad():
-            fn([torch.ones(n)], [torch.zeros(n)], [torch.ones(n)], [torch.ones(n)], one, one, -one, one, one, 0 * one,
-               0.9, 0.95, 0.1)  # fmt: skip
+            fn([torch.ones(n)], [torch.zeros(n)], [torch.ones(n)], [torch.ones(n)], one, 0 * one, one, -one, one,
+               one, 0 * one, 0.9, 0.95, 0.1)  # fmt: skip
 
     # Dynamo's own patch, not monkeypatch: pytest 9.2's monkeypatch undoes an attribute missing from the module's
     # __dict__ (Dynamo's config keeps its entries elsewhere) by deleting it, which removed `recompile_limit` for

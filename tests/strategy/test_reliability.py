@@ -117,6 +117,43 @@ def test_nan_loss_skips_the_same_window_on_every_stage():
         assert res.get("ok") == {"skipped": 1, "finite": True}, res
 
 
+class _NaNLossAt(L.Callback):
+    """The training loss of micro-batch ``at`` made NaN (through pipeline_loss: the last stage's), and each stage's
+    skipped windows and steps read at the fit's end."""
+
+    def __init__(self, at: int) -> None:
+        self.at, self.seen = at, 0
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        loss_fn = type(pl_module).pipeline_loss
+
+        def poisoned(module, out, batch):
+            loss, n = loss_fn(module, out, batch)
+            if module.trainer.training:
+                self.seen += 1
+                loss = loss * float("nan") if self.seen == self.at + 1 else loss
+            return loss, n
+
+        for hosted in trainer.strategy.hosted:
+            if hosted.runtime.stage.is_last:
+                hosted.runtime.stage.loss_fn = lambda out, batch: poisoned(pl_module, out, batch)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        stages = [hosted.runtime.stage for hosted in trainer.strategy.hosted]
+        self.skipped = [stage.skipped_windows for stage in stages]
+        self.finite = [all(bool(torch.isfinite(p).all()) for p in stage.parameters()) for stage in stages]
+
+
+def test_a_nan_loss_skipped_under_paci_with_weight_prediction_leaves_the_weights_finite():
+    """PACI's default prediction folded the window's gradient, NaN after the poisoned micro-batch's backward, into
+    the stale forward's weights, and the in-place undo cannot bring NaN weights back: on_nonfinite="skip" skipped
+    that window and every later one on stage 0, silently, and the fit ended with NaN weights (a numerics audit)."""
+    poison = _NaNLossAt(4)  # the first micro-batch of the third window (N=2): stage 0 then forwards stale ones
+    strategy = PACIStrategy(pipeline_stages=2, on_nonfinite="skip", sync_start_steps=0)  # AdamW: "auto" predicts
+    _trainer(strategy, 1, 6, accumulate_grad_batches=2, callbacks=[poison]).fit(_model(), datamodule=_ordered())
+    assert poison.skipped == [1, 1] and poison.finite == [True, True], (poison.skipped, poison.finite)
+
+
 class _CrashWhileSaving(PACIStrategy):
     """Rank 0 dies while writing the second checkpoint's file, half of it on disk."""
 
