@@ -289,7 +289,10 @@ class PipelineStage:
         if self.is_last:
             loss, weight = self._loss(outputs, batch)
             record.outputs, record.loss, record.weight = None, loss, weight
-            record.bad = (~torch.isfinite(loss.detach())).to(torch.float64)
+            bad = ~torch.isfinite(loss.detach())
+            if self.normalize == "tokens":  # a micro-batch of no items weighs 0: its mean loss (NaN over 0 targets)
+                bad = bad & (weight > 0)  # counts for nothing, as on one device, where its gradient is 0 * ...
+            record.bad = bad.to(torch.float64)
             result = loss.detach()
         else:
             result = self._to_send(outputs)
@@ -318,8 +321,11 @@ class PipelineStage:
         if self.is_last:
             assert record.loss is not None and record.weight is not None and record.bad is not None
             aux = torch.stack([record.weight, record.bad])
-            # Sum of item losses (tokens) or the micro-batch mean (mean); normalized at the step.
-            scaled = record.loss * record.weight if self.normalize == "tokens" else record.loss
+            # Sum of item losses (tokens) or the micro-batch mean (mean); normalized at the step. A micro-batch of
+            # no items adds nothing: selected away, not multiplied (NaN * 0 is NaN).
+            scaled = record.loss
+            if self.normalize == "tokens":
+                scaled = torch.where(record.weight > 0, record.loss * record.weight, torch.zeros_like(record.loss))
             scaled.backward()
         else:
             assert grads is not None
@@ -354,8 +360,11 @@ class PipelineStage:
         grads = [p.grad for p in params if p.grad is not None]
         if self.reduce_gradients is not None:
             totals = self.reduce_gradients(grads, totals)
+        # A window of no items at all ("tokens": every label masked) has zero gradients: left as they are, as one
+        # device's GradientAccumulation does (0 / 0 made them NaN).
+        divisor = torch.where(totals[0] > 0, totals[0], torch.ones_like(totals[0]))
         for g in grads:
-            g.div_(totals[0])
+            g.div_(divisor)
         update = self._check_finite(grads, totals, window)
         if update and self.exchange_tied is not None:
             self.exchange_tied()  # a weight shared with another stage: combine the copies' gradients
@@ -405,12 +414,14 @@ class PipelineStage:
         if self.on_nonfinite == "skip" and downstream_bad:
             self.skipped_windows += 1
             return False
-        hint = (
-            " It arose in this stage's own gradients, so other stages may already have stepped: it cannot be "
-            "skipped consistently."
-            if self.on_nonfinite == "skip"
-            else " Set on_nonfinite='skip' to skip such windows on every stage, or lower the learning rate."
-        )
+        if downstream_bad:
+            hint = " Set on_nonfinite='skip' to skip such windows on every stage, or lower the learning rate."
+        else:  # "skip" acts on a non-finite loss, which every stage learns of with the window's gradients
+            hint = (
+                " It arose in this stage's own gradients with a finite loss, so other stages may already have "
+                "stepped: on_nonfinite='skip' cannot skip it consistently. Lower the learning rate, clip gradients "
+                "(gradient_clip_val) or find the layer (torch.autograd.set_detect_anomaly)."
+            )
         raise NonFiniteError(message + "." + hint)
 
     def evaluate(self, inputs: Payload) -> Payload:

@@ -367,3 +367,51 @@ def test_one_device_resumed_inside_a_window_keeps_the_windows_micro_batches(tmp_
     with pytest.warns(UserWarning, match=rf"written 2 micro-batch\(es\) into a window; it accumulated .*{said}, so "
                       r"those micro-batches are dropped"):  # fmt: skip
         fit(steps=other[0], normalize=other[1], ckpt_path=str(inside))
+
+
+class _Classifier(L.LightningModule):
+    """A user's classifier whose loss is torch's mean cross-entropy: NaN for a micro-batch with every label -100."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList([nn.Sequential(nn.Linear(8, 16), nn.Tanh()), nn.Linear(16, 5)])
+
+    def pipeline_layers(self):
+        return list(self.layers)
+
+    def pipeline_input(self, batch):
+        return batch[0]
+
+    def pipeline_loss(self, out, batch):
+        y = batch[1]
+        return nn.functional.cross_entropy(out, y, ignore_index=-100), (y != -100).sum()
+
+    def training_step(self, batch, batch_idx):
+        loss, items = self.pipeline_loss(self.layers[1](self.layers[0](batch[0])), batch)
+        return {"loss": loss, "num_items": items}
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_micro_batches_of_no_items_count_for_nothing_under_tokens_as_on_one_device():
+    """normalize="tokens": a micro-batch whose labels are all -100 has a NaN mean loss and, on one device, a zero
+    gradient; the pipeline raised on it (or skipped its whole window), and a window of such micro-batches only
+    divided 0 by 0 into NaN gradients (a numerics audit). Flush now equals one device."""
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(48, 8, generator=g), torch.randint(0, 5, (48,), generator=g)
+    for b in (2, 3, 5):  # the whole second window (N=2), and one micro-batch of the third
+        y[b * 4 : (b + 1) * 4] = -100
+
+    def fit(strategy):
+        model = _Classifier()
+        _trainer(strategy, max_steps=6, callbacks=[GradientAccumulation(2, "tokens")]).fit(
+            model, DataLoader(TensorDataset(x, y), batch_size=4)
+        )
+        return model
+
+    one = fit("auto")
+    flush = fit(PACIStrategy(pipeline_stages=2, schedule="1f1b_flush"))
+    assert all(torch.isfinite(p).all() for p in one.parameters())
+    assert _max_diff(flush, one) < 1e-6
