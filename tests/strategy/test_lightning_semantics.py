@@ -538,3 +538,46 @@ def test_a_train_loss_the_module_logs_itself_replaces_the_strategys(tmp_path, mo
     assert fit(PACIStrategy(pipeline_stages=2, schedule="1f1b_flush")) == one_device
     if module_cls is _LogsTrainLossPerEpoch:
         assert "train_loss" in fit(PACIStrategy(pipeline_stages=2), cls=_OnlySaysSo)
+
+
+class _ScoresTheFirstLoaderOnly(L.LightningModule):
+    """A validation_step that returns early for its second loader, as Lightning lets a step skip a batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList([nn.Sequential(nn.Linear(4, 8), nn.Tanh()), nn.Linear(8, 1)])
+
+    def forward(self, x):
+        return self.layers[1](self.layers[0](x))
+
+    def pipeline_layers(self):
+        return list(self.layers)
+
+    def pipeline_input(self, batch):
+        return batch[0]
+
+    def pipeline_loss(self, out, batch):
+        return nn.functional.mse_loss(out.squeeze(-1), batch[1])
+
+    def validation_step(self, batch, batch_idx, dataloader_idx=0):
+        if dataloader_idx == 1:
+            return None
+        self.log("vl", self.pipeline_loss(self(self.pipeline_input(batch)), batch))
+
+
+def test_an_evaluation_step_that_skips_a_loader_runs_as_on_one_device():
+    """A validation_step that never called self(...) for a batch (it skips a loader) raised "never called
+    self(...)", in one process and on every rank (an evaluation audit); Lightning lets a step skip a batch."""
+    g = torch.Generator().manual_seed(0)
+    loaders = [DataLoader(TensorDataset(torch.randn(8, 4, generator=g), torch.randn(8, generator=g)), batch_size=4)
+               for _ in range(2)]  # fmt: skip
+
+    def validate(strategy):
+        trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, logger=False, enable_progress_bar=False,
+                            enable_model_summary=False)  # fmt: skip
+        return trainer.validate(_ScoresTheFirstLoaderOnly(), dataloaders=loaders, verbose=False)
+
+    one = validate("auto")
+    assert validate(PACIStrategy(pipeline_stages=2, schedule="1f1b_flush")) == one
+    assert list(one[0]) == ["vl/dataloader_idx_0"] and one[1] == {}
