@@ -235,7 +235,10 @@ class GradientAccumulation(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # The run's own arguments win; a different schedule on resume is allowed but worth a warning.
         saved = (state_dict.get("steps"), state_dict.get("normalize"))
-        self._saved_window = state_dict.get("window")
+        window = state_dict.get("window")
+        if window is not None:  # written before the window recorded its own normalize: the callback's then
+            window = {"normalize": state_dict.get("normalize"), **window}
+        self._saved_window = window
         if saved != (self.steps, self.normalize):
             window = (
                 " A window the checkpoint left unfinished is finished first: its micro-batches join the first window "

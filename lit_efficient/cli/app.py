@@ -132,14 +132,31 @@ def _data_follow_the_checkpoint(config: Namespace) -> None:
     path, data = config.get("ckpt_path"), config.get("data")
     if not path or not Path(path).is_file() or not isinstance(data, Namespace) or data.get("init_args") is None:
         return
-    saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("hyper_parameters") or {}
+    saved = torch.load(path, map_location="cpu", weights_only=True).get("hyper_parameters") or {}
     for key in ("block_size", "vocab_size"):
         value, given = saved.get(key), data.init_args.get(key, _ABSENT)
         if value is None or given is _ABSENT or given == value:
             continue
+        if given is not None and given != _default_of(data.class_path, key):  # the user's own value: not replaced
+            raise ValueError(
+                f"--data.init_args.{key} {given} differs from the checkpoint's model's {key}={value} ({path}): the "
+                f"data decide the model's {key}, and that model's weights are for {value}. Leave it out (the "
+                f"checkpoint's is taken), or give {value}."
+            )
         data.init_args[key] = value
-        if given is not None:  # None: the data would derive it; said only where a value is replaced
+        if given is not None:  # None: the data would derive it; said only where a default is replaced
             rank_zero_info(f"lit-efficient: --data.init_args.{key} {value}, the checkpoint's model's (was {given})")
+
+
+def _default_of(class_path: str, key: str) -> Any:
+    """The default of ``key`` in the data module class ``class_path``'s constructor (_ABSENT if none or unknown)."""
+    module_name, _, name = class_path.rpartition(".")
+    cls = getattr(sys.modules.get(module_name), name, None)
+    try:
+        parameter = inspect.signature(cls).parameters.get(key) if cls is not None else None
+    except (TypeError, ValueError):
+        return _ABSENT
+    return _ABSENT if parameter is None else parameter.default
 
 
 def run_id_of_checkpoint(ckpt_path: Any) -> str | None:
@@ -634,7 +651,10 @@ class LitEfficientCLI(LightningCLI):
                 usage_error(self.parser, str(error), error)
         super()._parse_ckpt_path()
         if subcommand is not None:
-            _data_follow_the_checkpoint(self.config[subcommand])
+            try:
+                _data_follow_the_checkpoint(self.config[subcommand])
+            except ValueError as error:
+                usage_error(self.parser, str(error), error)
 
     @staticmethod
     def _resume_the_latest_run(config: Namespace) -> bool | None:

@@ -418,9 +418,11 @@ class PipelineStage:
             hint = " Set on_nonfinite='skip' to skip such windows on every stage, or lower the learning rate."
         else:  # "skip" acts on a non-finite loss, which every stage learns of with the window's gradients
             hint = (
-                " It arose in this stage's own gradients with a finite loss, so other stages may already have "
-                "stepped: on_nonfinite='skip' cannot skip it consistently. Lower the learning rate, clip gradients "
-                "(gradient_clip_val) or find the layer (torch.autograd.set_detect_anomaly)."
+                " It arose in this stage's own gradients while the loss was finite (or its micro-batch had no items, "
+                "under normalize='tokens'), so other stages may already have stepped: on_nonfinite='skip' cannot "
+                "skip it consistently. Lower the learning rate, clip gradients (gradient_clip_val), find the layer "
+                "(torch.autograd.set_detect_anomaly), or give a loss of no items a finite gradient (a sum divided "
+                "by count.clamp_min(1), not by the count)."
             )
         raise NonFiniteError(message + "." + hint)
 

@@ -206,14 +206,12 @@ class WeightPrediction(StalenessCorrection):
         if self.accumulate and window_microbatches is not None:
             share = min(1.0, window_microbatches / self.accumulate)
         weight = window_weight if self.fold else None
-        # A window whose gradient holds a NaN/Inf (a micro-batch's non-finite loss) folds no gradient into the
-        # prediction: folded, it made the predicted weights NaN, and the in-place undo cannot bring NaN weights
-        # back, so a window on_nonfinite="skip" skipped left stage 0 NaN for good. Read on the host where that is
-        # free (CPU tensors); on a device the prediction masks the gradient itself (`_masked`), no host sync.
-        if weight is None or window_bad is None:
-            window_bad = None
-        elif window_bad.device.type == "cpu":
-            weight = None if window_bad.item() else weight
+        # A window whose gradient holds a NaN/Inf (a micro-batch's non-finite loss) folds a zero gradient into the
+        # prediction (`_masked`): folded, it made the predicted weights NaN, and the in-place undo cannot bring NaN
+        # weights back, so a window on_nonfinite="skip" skipped left stage 0 NaN for good. One rule on every device;
+        # where the flag is a CPU tensor it is read first (free), so a finite window pays no masking pass; on a
+        # device it is applied without a host sync.
+        if weight is None or (window_bad is not None and window_bad.device.type == "cpu" and not window_bad.item()):
             window_bad = None
         steps = predicted_steps(optimizer, weight, share, self.first_step, self.shrink, window_bad)
         if not steps:  # no optimizer state yet: nothing to extrapolate from
@@ -352,7 +350,7 @@ def _fused_call(fn: Any, key: tuple, params: list[nn.Parameter], steps: dict[int
     a_t, s_t, bc2_t, f_t, vc_t = (torch.full((), x, dtype=torch.float32, device=device) for x in coef)
     ms, vs, gs = (list(x) for x in zip(*(steps[id(p)].sliced(None) for p in params), strict=True))
     weight, bad = steps[id(params[0])].weight, steps[id(params[0])].bad
-    bad = torch.zeros((), dtype=weight.dtype, device=weight.device) if bad is None else bad  # CPU: read by the caller
+    bad = torch.zeros((), dtype=weight.dtype, device=weight.device) if bad is None else bad  # None: a finite window
     fn([p.detach() for p in params], ms, vs, gs, weight, bad, a_t, s_t, bc2_t, f_t, vc_t, b1, b2, eps)
 
 
@@ -681,9 +679,8 @@ def predicted_steps(
             None: ``mean``.
         shrink: With ``share``: ``"mean"`` as above; ``"square"`` keeps ``mean`` in the first moment and folds
             ``f * mean^2 + (1 - f) * v_hat`` into the second instead of ``mean^2``.
-        window_bad: A device's 0-dim flag, > 0 once the window's gradient holds a NaN/Inf: the window's mean is
-            then taken as 0 (`_masked`). None: not masked (a CPU flag is read by the caller, which passes no
-            ``window_weight`` for such a window).
+        window_bad: A 0-dim flag, > 0 once the window's gradient holds a NaN/Inf (a micro-batch's non-finite
+            loss): the window's mean is then taken as 0 (`_masked`). None: not masked.
 
     Raises for an optimizer whose update this module does not know.
     """

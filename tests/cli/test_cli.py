@@ -503,7 +503,9 @@ def test_python_dash_m_names_the_command_as_the_console_script_does():
     assert "(its options: lit-efficient fit --trainer.strategy.help" in proc.stderr and "__main__" not in proc.stderr
 
 
-def test_an_evaluation_of_a_checkpoint_without_its_config_builds_the_checkpoints_model(monkeypatch, tmp_path, caplog):
+def test_an_evaluation_of_a_checkpoint_without_its_config_builds_the_checkpoints_model(
+    monkeypatch, tmp_path, caplog, capsys
+):
     """Lightning builds the model from the checkpoint's hyper-parameters, and the links (the data decide the model's
     block_size and vocab_size) then replaced them with the data module's defaults: ``validate --model GPT --ckpt_path
     ...`` of a 16-token model built a 256-token one, whose load failed in a traceback per rank (a CLI audit)."""
@@ -519,3 +521,11 @@ def test_an_evaluation_of_a_checkpoint_without_its_config_builds_the_checkpoints
     assert cli.model.hparams.block_size == 16 == cli.datamodule.block_size and cli.model.hparams.n_embd == 32
     cli.model.load_state_dict(torch.load(tmp_path / "run.ckpt")["state_dict"])  # the shapes of the checkpoint's
     assert "--data.init_args.block_size 16, the checkpoint's model's (was 256)" in caplog.text
+    # A value the user gave is no default to replace: refused, with both values and the fix (the review).
+    with pytest.raises(SystemExit) as exit_info:
+        _cli("validate", "--model=GPT", "--trainer.logger=false", "--data.init_args.block_size=8",
+             "--ckpt_path=run.ckpt", run=True)  # fmt: skip
+    assert exit_info.value.code == 2
+    assert (
+        "--data.init_args.block_size 8 differs from the checkpoint's model's block_size=16" in capsys.readouterr().err
+    )

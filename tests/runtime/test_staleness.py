@@ -347,6 +347,14 @@ def test_a_window_flagged_non_finite_folds_no_gradient_into_the_prediction():
         assert all(torch.equal(a, b) for a, b in zip(num + denom, znum + zdenom, strict=True))
     unflagged = predicted_steps(opt, torch.tensor(2.0))  # the flag is what guards: without it, NaN
     assert not torch.isfinite(unflagged[id(params[0])](params[0])).all()
+    # The stage's path on CPU (the flag read on the host first) predicts what the device path does: one rule.
+    from lit_efficient.runtime.staleness import InPlaceFirstStepWeightPrediction
+
+    real = [p.detach().clone() for p in params]
+    expected = [(p - zero[id(p)](p)).detach() for p in params]  # one pending step, a zero gradient folded
+    with InPlaceFirstStepWeightPrediction().forward_context(params, opt, 1, torch.tensor(2.0), 1, torch.tensor(1.0)):
+        assert all(torch.allclose(p, e, rtol=0, atol=1e-6) for p, e in zip(params, expected, strict=True))
+    assert all(torch.allclose(p, r, rtol=0, atol=1e-6) for p, r in zip(params, real, strict=True))  # finite again
 
 
 def test_in_place_prediction_keeps_low_precision_weights_exact():
