@@ -541,6 +541,8 @@ _HANG_SCRIPT = textwrap.dedent(
             if sys.argv[1] in ("sigterm", "sigint"):  # every rank is told to stop (a preemption, a job manager)
                 if trainer.global_step == 2 and batch_idx % 2 == 0 and not getattr(self, "sent", False):
                     self.sent = True
+                    if sys.argv[1] == "sigint":  # a shell's disposition: a pytest-xdist worker's children ignore it
+                        signal.signal(signal.SIGINT, signal.default_int_handler)
                     os.kill(os.getpid(), signal.SIGTERM if sys.argv[1] == "sigterm" else signal.SIGINT)
                 return
             if sys.argv[1] == "raise_on_0":  # the launching process itself (the last stage) raises
