@@ -901,6 +901,18 @@ class PACIStrategy(DDPStrategy):
             for tied in hosted.tied:
                 tied.follow(order)
 
+    def _say_skipped_windows(self) -> None:
+        """Say at the fit's end how many windows ``on_nonfinite="skip"`` skipped (counted by every stage alike; rank 0
+        holds the last stage): each was said nowhere, and a run skipping most of its steps ended as a success."""
+        skipped = max((hosted.runtime.stage.skipped_windows for hosted in self.hosted), default=0)
+        if skipped:
+            rank_zero_warn(
+                f"PACIStrategy(on_nonfinite='skip') skipped {skipped} optimizer step(s) of this fit: windows with a "
+                "non-finite loss, whose update no stage applied (trainer.global_step counts them; the optimizers and "
+                "the step-interval schedulers did not step). More than a few mean the run diverges: lower the "
+                "learning rate, clip gradients (gradient_clip_val) or look for the batches that overflow."
+            )
+
     def _say_why_plain(self, optimizer: Any) -> None:
         """Say once where ``staleness_correction="auto"`` runs plain PACI, and why (`prediction_refusal`): a warning
         for an Adam the prediction does not know (a subclass overriding step, amsgrad, another library's AdamW),
@@ -1368,6 +1380,7 @@ class PACIStrategy(DDPStrategy):
             self.runtime.drain()
             # Before fit takes the stages apart: for trainer.save_checkpoint after fit.
             self.final_state = stage_checkpoints.final_state(self)
+            self._say_skipped_windows()
         finish_tied([t for h in self.hosted for t in h.tied])
         if self._finder_run is not None:  # the finder's run is over: it restores the stages' step counts next
             end_finder_run(self.hosted, self._finder_run)

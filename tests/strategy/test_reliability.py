@@ -150,7 +150,8 @@ def test_a_nan_loss_skipped_under_paci_with_weight_prediction_leaves_the_weights
     that window and every later one on stage 0, silently, and the fit ended with NaN weights (a numerics audit)."""
     poison = _NaNLossAt(4)  # the first micro-batch of the third window (N=2): stage 0 then forwards stale ones
     strategy = PACIStrategy(pipeline_stages=2, on_nonfinite="skip", sync_start_steps=0)  # AdamW: "auto" predicts
-    _trainer(strategy, 1, 6, accumulate_grad_batches=2, callbacks=[poison]).fit(_model(), datamodule=_ordered())
+    with pytest.warns(UserWarning, match=r"on_nonfinite='skip'\) skipped 1 optimizer step\(s\) of this fit"):
+        _trainer(strategy, 1, 6, accumulate_grad_batches=2, callbacks=[poison]).fit(_model(), datamodule=_ordered())
     assert poison.skipped == [1, 1] and poison.finite == [True, True], (poison.skipped, poison.finite)
 
 
