@@ -249,8 +249,9 @@ class PACIStrategy(DDPStrategy):
             ``"float32"`` (exact) or ``"bfloat16"``: half the bytes between stages, each boundary tensor
             rounded to bf16 and cast back on arrival (what it costs: BENCHMARKS.md, "bf16 on the wire").
             Other dtypes travel as they are; tensors under 64 KiB share one transfer either way.
-        on_nonfinite: A NaN/Inf loss or gradient: ``"raise"`` an error naming the stage, optimizer step and
-            micro-batch, or ``"skip"`` that window's update on every stage and replica alike.
+        on_nonfinite: A NaN/Inf loss: ``"raise"`` an error naming the stage, optimizer step and micro-batch, or
+            ``"skip"`` that window's update on every stage and replica alike (the fit's end warns how many); a
+            NaN/Inf gradient behind a finite loss raises under either value.
         checkpoint_format: ``"file"``: one ordinary Lightning ``.ckpt`` that loads anywhere
             (``Module.load_from_checkpoint``, any strategy's ``ckpt_path``); global rank 0 gathers every stage's
             share and writes it, so it holds the whole model and optimizer state in host memory while saving.
@@ -289,25 +290,25 @@ class PACIStrategy(DDPStrategy):
             (and in one process) nothing is split. See
             `lit_efficient.replicas.sharded_optimizer`.
         staleness_correction: PACI only (under flush nothing is stale and every value is the identity). Default
-            ``"auto"``: with AdamW or Adam, each stale forward (a stage's micro-batch whose backward comes after the
-            stage's next step) runs on weights extrapolated by the optimizer's own pending update, AdamW's first step
-            included, the window's gradient so far folded into its moments (into the second moment only for the share
-            of the window accumulated, the rest expected at its running mean: a young window's few micro-batches
-            squared would shrink every predicted step), and the backward and the step on the real weights; the
-            prediction is undone by its inverse (up to rounding), so no copy of the weights is kept
-            (``"weight_prediction_first_step_inplace"``; on CUDA weights its compiled form, one pass over memory per
-            apply or undo instead of ~9, ``"weight_prediction_first_step_compiled"``, compiled at each stage's first
-            stale forward, eager with a warning if compiling fails); off with any other optimizer, with Adam/AdamW's
-            ``amsgrad`` or ``maximize`` (an update it does not model; the synchronous start still runs there), or
-            with a sharded optimizer state. Measured (BENCHMARKS.md, "PACI at depth"): plain PACI ends 13-21% above
-            flush's loss at S=8 N=8 lr 2e-3, the default with ``sync_start_steps`` below within 0.3% (3 seeds). None
-            (or ``"none"``): plain
-            PACI, the rule of docs/DESIGN.md section 3. ``"lr_scale"`` scales each stale stage's learning rate by
-            ``(1 + d_s) ** -(1 - min(1, k / staleness_anneal_steps))`` with d_s = ceil((S-1-s)/N) and k its step
-            (PipeMare).
-            ``"weight_prediction"`` predicts from the second step on (one weight-sized buffer per stage),
-            ``"weight_prediction_first_step"`` is the default's rule with that buffer; the other names are the
-            candidates measured in BENCHMARKS.md. See `lit_efficient.runtime.staleness`.
+            ``"auto"``: with torch's AdamW or Adam (or a subclass that keeps its step), each stale forward (a stage's
+            micro-batch whose backward comes after the stage's next step) runs on weights extrapolated by the
+            optimizer's own pending update, AdamW's first step included, the window's gradient so far folded into its
+            moments (into the second moment only for the share of the window accumulated, the rest expected at its
+            running mean: a young window's few micro-batches squared would shrink every predicted step), and the
+            backward and the step on the real weights; the prediction is undone by its inverse (up to rounding), so no
+            copy of the weights is kept (``"weight_prediction_first_step_inplace"``; on CUDA weights its compiled form,
+            one pass over memory per apply or undo instead of ~9, ``"weight_prediction_first_step_compiled"``, compiled
+            at each stage's first stale forward, eager with a warning if compiling fails); off with any other optimizer,
+            with Adam/AdamW's ``amsgrad`` or ``maximize`` (an update it does not model; the synchronous start still runs
+            there), a subclass that overrides ``step()`` (name the prediction if it keeps torch's update), another
+            library's AdamW, or a sharded optimizer state; setup says which and why. Measured (BENCHMARKS.md, "PACI at
+            depth"): plain PACI ends 13-21% above flush's loss at S=8 N=8 lr 2e-3, the default with ``sync_start_steps``
+            below within 0.3% (3 seeds). None (or ``"none"``): plain PACI, the rule of docs/DESIGN.md section 3.
+            ``"lr_scale"`` scales each stale stage's learning rate by ``(1 + d_s) ** -(1 - min(1, k /
+            staleness_anneal_steps))`` with d_s = ceil((S-1-s)/N) and k its step (PipeMare). ``"weight_prediction"``
+            predicts from the second step on (one weight-sized buffer per stage), ``"weight_prediction_first_step"`` is
+            the default's rule with that buffer; the other names are the candidates measured in BENCHMARKS.md. See
+            `lit_efficient.runtime.staleness`.
         staleness_anneal_steps: Optimizer steps over which ``"lr_scale"`` returns to the plain learning rate.
         sync_start_steps: PACI only: the first K optimizer steps of a fit run in 1F1B-flush order (each window
             drained before the next: nothing stale, the flush bubble), then PACI. ``"auto"`` (default):
