@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.harness import envelope, machine, write_json
+from benchmarks.harness import machine, record
 from lit_efficient.models import GPT
 from lit_efficient.strategy.forward_check import forward_outside_layers
 
@@ -64,9 +64,7 @@ def main() -> None:
     for name, r in results.items():
         print(f"{name}: trace {r['trace_median_ms']:.0f} ms, one sample's real forward "
               f"{r['one_sample_forward_median_ms']:.0f} ms, said {r['said']!r}")  # fmt: skip
-    payload = envelope("forward_check", args.quick, before, config, start, results=results)
-    payload["command"] = "python -m benchmarks.forward_check" + (" --quick" if args.quick else "")
-    path = write_json("forward_check_quick.json" if args.quick else "forward_check.json", payload)
+    path = record("forward_check", args.quick, before, config, start, results=results)
     print(json.dumps({k: r["trace_median_ms"] for k, r in results.items()}), f"written to {path}")
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.harness import envelope, machine, write_json
+from benchmarks.harness import machine, record
 from lit_efficient.models import GPT
 from lit_efficient.runtime.tied import squared_grad_norm
 
@@ -70,9 +70,7 @@ def main() -> None:
     print(f"{result['parameters']:,} parameters in {result['tensors']} tensors: norm {result['norm_median_ms']:.2f} "
           f"ms, one micro-batch's forward+backward {result['micro_batch_median_ms']:.0f} ms; a step's share at "
           f"N=1/4/8: {shares}")  # fmt: skip
-    payload = envelope("grad_norm", args.quick, before, config, start, result=result)
-    payload["command"] = "python -m benchmarks.grad_norm" + (" --quick" if args.quick else "")
-    path = write_json("grad_norm_quick.json" if args.quick else "grad_norm.json", payload)
+    path = record("grad_norm", args.quick, before, config, start, result=result)
     print(json.dumps(result["share_of_a_step"]), f"written to {path}")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,14 @@ def envelope(
         "wall_seconds": time.perf_counter() - start,
         **extra,
     }
+
+
+def record(name: str, quick: bool, before: dict[str, Any], config: dict[str, Any], start: float, **extra: Any) -> Path:
+    """Write `envelope`'s result to ``<name>.json`` (``<name>_quick.json`` for a smoke run), the command as run
+    (its options too: a ``--repeats`` given was left out of the recorded command), and return the path."""
+    payload = envelope(name, quick, before, config, start, **extra)
+    payload["command"] = " ".join(["python -m benchmarks." + name, *sys.argv[1:]])
+    return write_json(f"{name}_quick.json" if quick else f"{name}.json", payload)
 
 
 def pyplot() -> Any:
