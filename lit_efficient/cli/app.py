@@ -132,7 +132,7 @@ def _data_follow_the_checkpoint(config: Namespace) -> None:
     path, data = config.get("ckpt_path"), config.get("data")
     if not path or not Path(path).is_file() or not isinstance(data, Namespace) or data.get("init_args") is None:
         return
-    saved = torch.load(path, map_location="cpu", weights_only=True).get("hyper_parameters") or {}
+    saved = _checkpoint_hyper_parameters(path)
     for key in ("block_size", "vocab_size"):
         value, given = saved.get(key), data.init_args.get(key, _ABSENT)
         if value is None or given is _ABSENT or given == value:
@@ -146,6 +146,17 @@ def _data_follow_the_checkpoint(config: Namespace) -> None:
         data.init_args[key] = value
         if given is not None:  # None: the data would derive it; said only where a default is replaced
             rank_zero_info(f"lit-efficient: --data.init_args.{key} {value}, the checkpoint's model's (was {given})")
+
+
+def _checkpoint_hyper_parameters(path: str) -> dict[str, Any]:
+    """A checkpoint file's hyper-parameters, memory-mapped: its tensors (GBs of weights and optimizer state) are
+    not read, only the pickle that names them (Lightning's own parse just read the whole file). A file of torch's
+    legacy format cannot be mapped and is read whole."""
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError:  # "mmap can only be used with files saved with torch._use_new_zipfile_serialization"
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    return checkpoint.get("hyper_parameters") or {}
 
 
 def _default_of(class_path: str, key: str) -> Any:

@@ -924,10 +924,11 @@ class PACIStrategy(DDPStrategy):
         if reason is None:
             return
         text = f"PACIStrategy: staleness_correction='auto' runs plain PACI, without weight prediction: {reason}."
-        if not adam_like(getattr(optimizer, "optimizer", optimizer)):  # a sharded state: the user's optimizer under it
+        sharded = isinstance(optimizer, ShardedOptimizer)
+        if not adam_like(optimizer.optimizer if sharded else optimizer):  # sharded: the user's optimizer under it
             rank_zero_info(f"{text} staleness_correction='lr_scale' corrects staleness with any optimizer.")
             return
-        if isinstance(optimizer, ShardedOptimizer):
+        if sharded:
             advice = "Without shard_optimizer_state (each replica then holds the whole state) the prediction runs."
         elif prediction_refusal(optimizer, trust_step=True) is None:
             advice = (
