@@ -255,8 +255,8 @@ class TextDataModule(LightningDataModule):
             )
         # Loggers merge the module's and the data module's hparams and refuse keys whose values differ:
         # a None vocab_size ("derive it") would clash with the model's 256, so save it only when given.
-        path = os.fspath(path) if isinstance(path, os.PathLike) else path  # a str in the hyper-parameters (below)
         self.save_hyperparameters(ignore=["vocab_size"] if vocab_size is None else None)
+        self._paths_as_str()
         self.path = path
         self._source = source
         self.block_size = block_size
@@ -269,6 +269,14 @@ class TextDataModule(LightningDataModule):
         self._tokens: np.ndarray | None = None
         self.train_set: TokenBlocks | None = None
         self.val_set: TokenBlocks | None = None
+
+    def _paths_as_str(self) -> None:
+        """Every path among the hyper-parameters (``path``, a subclass's ``tokenizer`` or ``cache_dir``) as a str: a
+        ``pathlib.Path`` in a checkpoint is refused by torch.load's weights_only default (load_from_checkpoint after
+        fit raised UnpicklingError)."""
+        for key, value in self.hparams.items():
+            if isinstance(value, os.PathLike):
+                self.hparams[key] = os.fspath(value)
 
     @property
     def vocab_size(self) -> int:

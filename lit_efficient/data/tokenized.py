@@ -183,15 +183,12 @@ class TokenizedDataModule(TextDataModule):
                 "TextDataModule(path=..., vocab_size=<the tokenizer's vocabulary>) (uint32 ids: name it "
                 "<name>.uint32.bin)."
             )
-        path = os.fspath(path) if isinstance(path, os.PathLike) else path  # str hyper-parameters (TextDataModule's)
         super().__init__(path, block_size, batch_size, num_workers, val_fraction, seed, max_bytes)
-        if isinstance(tokenizer, os.PathLike):
-            tokenizer = os.fspath(tokenizer)  # a str in the hyper-parameters: torch.load's weights_only refuses a Path
-            self.save_hyperparameters()
-        elif not isinstance(tokenizer, str):
+        if not isinstance(tokenizer, (str, os.PathLike)):
             # A tokenizer object in the hyper-parameters would be pickled into every checkpoint, which torch.load's
             # weights_only default then refuses (and a 151k vocabulary adds megabytes): keep the folder form only.
             self.save_hyperparameters(ignore=["tokenizer"])
+        self._paths_as_str()
         self.tokenizer = load_tokenizer(tokenizer)
         self.cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
         # The vocabulary the model must embed: added tokens included (len(), not .vocab_size).

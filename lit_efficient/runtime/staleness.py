@@ -798,8 +798,10 @@ def _direction(items: list[tuple[Any, slice | None]]) -> tuple[list[Tensor], lis
     ms, vs, gs = (list(x) for x in zip(*(step.sliced(part) for step, part in items), strict=True))
     if gs[0] is not None:
         mean = torch._foreach_div(gs, first.weight)
-        if first.bad is not None:  # a window flagged non-finite (`forward_context`): one more pass, there only
-            mean = [_masked(x, first.bad) for x in mean]
+        if first.bad is not None:  # a window flagged non-finite (`forward_context`): one more pass, in place
+            flagged, zero = first.bad > 0, torch.zeros((), dtype=mean[0].dtype, device=mean[0].device)
+            for x in mean:
+                torch.where(flagged, zero, x, out=x)
         num = torch._foreach_mul(mean, 1 - b1) if ms[0] is None else torch._foreach_lerp(ms, mean, 1 - b1)
         torch._foreach_mul_(mean, mean)
         if square is not None:  # f mean^2 + (1 - f) v_hat: the expected square of the share still to come

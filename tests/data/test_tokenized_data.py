@@ -203,8 +203,9 @@ def test_a_tokenizer_object_stays_out_of_the_checkpoint(texts, demo_model, tmp_p
     HFCausalLM.load_from_checkpoint(tmp_path / "fit.ckpt")
     by_folder = TokenizedDataModule(str(demo_model), path=str(texts), block_size=16, cache_dir=str(tmp_path))
     assert by_folder.hparams["tokenizer"] == str(demo_model)  # a path is kept: the CLI's config names it
-    by_path = TokenizedDataModule(demo_model, path=texts, block_size=16, cache_dir=str(tmp_path))  # pathlib.Path
+    by_path = TokenizedDataModule(demo_model, path=texts, block_size=16, cache_dir=tmp_path)  # pathlib.Paths
     assert by_path.hparams["tokenizer"] == str(demo_model) and by_path.hparams["path"] == str(texts)  # not a Path
+    assert by_path.hparams["cache_dir"] == str(tmp_path)  # missed by the per-argument conversion (the re-read)
 
 
 def test_a_cap_that_cuts_the_text_says_how_much_it_kept(texts, demo_model, tmp_path, caplog):
