@@ -1,5 +1,5 @@
-"""The one test of a count argument, of a flag, and the one guess at a misspelt choice, shared by every layer that
-checks one (each caller keeps its own message: the value, what is allowed, the fix)."""
+"""The one test of a count argument, of a flag, the one guess at a misspelt choice and the one short list of names,
+shared by every layer that checks one (each caller keeps its own message: the value, what is allowed, the fix)."""
 
 from __future__ import annotations
 
@@ -43,3 +43,9 @@ def closest_choice(given: Any, choices: Sequence[str]) -> str | None:
         return within[0]
     close = difflib.get_close_matches(given, list(choices), n=1)
     return close[0] if close else None
+
+
+def named_few(names: list[Any], shown: int = 5) -> str:
+    """The first ``shown`` of ``names`` and how many more, for a message."""
+    more = f" and {len(names) - shown:,} more" if len(names) > shown else ""
+    return ", ".join(str(n) for n in names[:shown]) + more

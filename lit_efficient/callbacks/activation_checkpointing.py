@@ -586,11 +586,16 @@ class ActivationCheckpointing(Callback):
         if not found:
             return
         if self.modules is not None:
-            present = {n for m in pl_module.modules() for n in (type(m).__name__, _class_path(type(m)))}
+            classes = {type(m).__name__ for m in pl_module.modules()}
+            present = classes | {_class_path(type(m)) for m in pl_module.modules()}
             for name in self.modules:
                 # A misspelling is close to a class present; another architecture's name (a list shared by configs
-                # of several models) is not, and is let be.
-                close = difflib.get_close_matches(name, sorted(present), n=1, cutoff=0.85)
+                # of several models) is not, and is let be. A dotted path as imported (torch.nn.LayerNrom) by its
+                # class name: the whole string is close to no class's own path.
+                last = name.rpartition(".")[2]
+                close = difflib.get_close_matches(name, sorted(present), n=1, cutoff=0.85) or (
+                    difflib.get_close_matches(last, sorted(classes), n=1, cutoff=0.85) if last != name else []
+                )
                 if name not in present and close and _resolved(name) is None:
                     raise ValueError(
                         f"ActivationCheckpointing(modules={self.modules}): {name!r} matches no module of "

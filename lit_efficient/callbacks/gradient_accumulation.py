@@ -40,7 +40,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lit_efficient.checks import is_count
+from lit_efficient.checks import is_count, named_few
 from lit_efficient.runtime.stage import Normalize, item_count
 from lit_efficient.strategy.paci import PACIStrategy
 
@@ -235,10 +235,7 @@ class GradientAccumulation(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # The run's own arguments win; a different schedule on resume is allowed but worth a warning.
         saved = (state_dict.get("steps"), state_dict.get("normalize"))
-        window = state_dict.get("window")
-        if window is not None:  # written before the window recorded its own normalize: the callback's then
-            window = {"normalize": state_dict.get("normalize"), **window}
-        self._saved_window = window
+        self._saved_window = state_dict.get("window")
         if saved != (self.steps, self.normalize):
             window = (
                 " A window the checkpoint left unfinished is finished first: its micro-batches join the first window "
@@ -273,7 +270,7 @@ class GradientAccumulation(Callback):
             why += f"run {trainer.accumulate_grad_batches} with normalize={self.normalize!r}"
         elif not set(grads) <= names:
             missing = sorted(set(grads) - names)
-            why = f"the model has no parameter {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}"
+            why = f"the model has no parameter {named_few(missing, 3)}"
         if why is not None:
             rank_zero_warn(
                 f"GradientAccumulation: the checkpoint was written {count} micro-batch(es) into a window; {why}, so "

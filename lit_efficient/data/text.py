@@ -22,18 +22,12 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
-from lit_efficient.checks import is_count
+from lit_efficient.checks import is_count, named_few
 from lit_efficient.data.loading import EpochShuffle, ResumableLoader
 from lit_efficient.tools.corpus import TEXT_SUFFIXES, concat_files, embedded_corpus, folder_files, skipped_files
 
 # Files of records, not text: read as bytes, their markup would be trained on (warned).
 _RECORD_SUFFIXES = (".json", ".jsonl", ".csv", ".tsv", ".parquet", ".arrow")
-
-
-def named_few(names: list[Any], shown: int = 5) -> str:
-    """The first ``shown`` of ``names`` and how many more, for a message."""
-    more = f" and {len(names) - shown:,} more" if len(names) > shown else ""
-    return ", ".join(str(n) for n in names[:shown]) + more
 
 
 def _say_skipped(owner: str, path: Any, folder: Path) -> None:

@@ -23,7 +23,8 @@ import numpy as np
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lit_efficient.data.text import TextDataModule, named_few, read_token_file
+from lit_efficient.checks import named_few
+from lit_efficient.data.text import TextDataModule, read_token_file
 from lit_efficient.tools.corpus import TEXT_SUFFIXES, folder_files, stdlib_files
 
 # Text is tokenized in pieces of about this many bytes, cut at line ends: a whole corpus in one call would hold

@@ -325,6 +325,10 @@ def test_a_misspelt_name_beside_a_match_and_an_every_n_past_the_matches_are_refu
     model, trainer = tiny_gpt(n_layer=4), fake_trainer()
     with pytest.raises(ValueError, match=r"'Blok' matches no module of GPT; did you mean 'Block'\?"):
         ActivationCheckpointing(modules=["Block", "Blok"]).setup(trainer, model, "fit")
+    # A misspelt dotted path as imported, by its class name: the whole string is close to no class's own path, so
+    # it was let be as another architecture's (the re-read).
+    with pytest.raises(ValueError, match=r"'torch.nn.LayerNrom' matches no module of GPT; did you mean 'LayerNorm'\?"):
+        ActivationCheckpointing(modules=["Block", "torch.nn.LayerNrom"]).setup(trainer, model, "fit")
     for modules in (["Block"], None):  # named, and found as the repeated blocks
         with pytest.raises(ValueError, match=r"every_n=5\) is past the 4 matching modules.*every_n <= 4"):
             ActivationCheckpointing(modules=modules, every_n=5).setup(trainer, model, "fit")
