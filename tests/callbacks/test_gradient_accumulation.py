@@ -415,3 +415,5 @@ def test_micro_batches_of_no_items_count_for_nothing_under_tokens_as_on_one_devi
     flush = fit(PACIStrategy(pipeline_stages=2, schedule="1f1b_flush"))
     assert all(torch.isfinite(p).all() for p in one.parameters())
     assert _max_diff(flush, one) < 1e-6
+    paci = fit(PACIStrategy(pipeline_stages=2))  # the default schedule: trains on, finite (the re-read)
+    assert all(torch.isfinite(p).all() for p in paci.parameters()) and _max_diff(paci, one) > 0

@@ -566,18 +566,20 @@ class _ScoresTheFirstLoaderOnly(L.LightningModule):
         self.log("vl", self.pipeline_loss(self(self.pipeline_input(batch)), batch))
 
 
-def test_an_evaluation_step_that_skips_a_loader_runs_as_on_one_device():
+@pytest.mark.parametrize("devices", [1, pytest.param(2, marks=pytest.mark.multiproc)], ids=["one process", "2 ranks"])
+def test_an_evaluation_step_that_skips_a_loader_runs_as_on_one_device(devices):
     """A validation_step that never called self(...) for a batch (it skips a loader) raised "never called
     self(...)", in one process and on every rank (an evaluation audit); Lightning lets a step skip a batch."""
     g = torch.Generator().manual_seed(0)
     loaders = [DataLoader(TensorDataset(torch.randn(8, 4, generator=g), torch.randn(8, generator=g)), batch_size=4)
                for _ in range(2)]  # fmt: skip
 
-    def validate(strategy):
-        trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, logger=False, enable_progress_bar=False,
-                            enable_model_summary=False)  # fmt: skip
+    def validate(strategy, devices=1):
+        trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, logger=False,
+                            enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
         return trainer.validate(_ScoresTheFirstLoaderOnly(), dataloaders=loaders, verbose=False)
 
     one = validate("auto")
-    assert validate(PACIStrategy(pipeline_stages=2, schedule="1f1b_flush")) == one
+    pipeline = PACIStrategy(pipeline_stages=2, schedule="1f1b_flush", start_method="forkserver")
+    assert validate(pipeline, devices) == one
     assert list(one[0]) == ["vl/dataloader_idx_0"] and one[1] == {}
