@@ -130,7 +130,8 @@ class StalenessCorrection:
     ) -> Any:  # fmt: skip
         """Context around a forward that ``pending_steps`` optimizer steps separate from its backward, with the
         stage's window so far of weight ``window_weight`` over ``window_microbatches`` backwards; ``window_bad``
-        (a 0-dim tensor) > 0 once a micro-batch of the window had a non-finite loss."""
+        (a 0-dim tensor) > 0 once a micro-batch of the window had a non-finite loss (a prediction also checks the
+        stage's own gradient, `nonfinite_window`)."""
         return nullcontext()
 
     def state_dict(self) -> dict[str, Any]:
@@ -206,11 +207,13 @@ class WeightPrediction(StalenessCorrection):
         if self.accumulate and window_microbatches is not None:
             share = min(1.0, window_microbatches / self.accumulate)
         weight = window_weight if self.fold else None
-        # A window whose gradient holds a NaN/Inf (a micro-batch's non-finite loss) folds a zero gradient into the
-        # prediction (`_masked`): folded, it made the predicted weights NaN, and the in-place undo cannot bring NaN
-        # weights back, so a window on_nonfinite="skip" skipped left stage 0 NaN for good. One rule on every device;
-        # where the flag is a CPU tensor it is read first (free), so a finite window pays no masking pass; on a
-        # device it is applied without a host sync.
+        # A window whose gradient holds a NaN/Inf folds a zero gradient into the prediction (`_masked`): folded, it
+        # made the predicted weights NaN, and the in-place undo cannot bring NaN weights back, so a window
+        # on_nonfinite="skip" skipped left stage 0 NaN for good, and one raised on left NaN weights behind the error.
+        # One rule on every device; where the flag is a CPU tensor it is read first (free), so a finite window pays
+        # no masking pass; on a device it is applied without a host sync.
+        if weight is not None:
+            window_bad = nonfinite_window(params, window_bad)
         if weight is None or (window_bad is not None and window_bad.device.type == "cpu" and not window_bad.item()):
             window_bad = None
         steps = predicted_steps(optimizer, weight, share, self.first_step, self.shrink, window_bad)
@@ -679,8 +682,9 @@ def predicted_steps(
             None: ``mean``.
         shrink: With ``share``: ``"mean"`` as above; ``"square"`` keeps ``mean`` in the first moment and folds
             ``f * mean^2 + (1 - f) * v_hat`` into the second instead of ``mean^2``.
-        window_bad: A 0-dim flag, > 0 once the window's gradient holds a NaN/Inf (a micro-batch's non-finite
-            loss): the window's mean is then taken as 0 (`_masked`). None: not masked.
+        window_bad: A 0-dim flag, > 0 once the window's gradient holds a NaN/Inf (`nonfinite_window`: a
+            micro-batch's non-finite loss, or the stage's own gradient): the window's mean is then taken as 0
+            (`_masked`). None: not masked.
 
     Raises for an optimizer whose update this module does not know.
     """
@@ -780,6 +784,18 @@ def _adam_step(
     step.weight = weight  # type: ignore[attr-defined]
     step.bad = bad  # type: ignore[attr-defined]
     return step
+
+
+def nonfinite_window(params: Sequence[nn.Parameter], loss_bad: Tensor | None) -> Tensor | None:
+    """A 0-dim flag, > 0 where the window's gradient so far holds a NaN/Inf: after a micro-batch's non-finite loss
+    (``loss_bad``, the stage's flag from downstream) or in the stage's own gradient behind a finite loss (a sqrt at
+    0, an overflow), which the stage's step raises on but which reaches the prediction first. One pass over the
+    gradients by their largest magnitude (NaN-propagating; a finite gradient never overflows it), on the device."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return loss_bad
+    own = (~torch.isfinite(torch.stack(torch._foreach_norm(grads, math.inf)).amax())).to(torch.float64)
+    return own if loss_bad is None else torch.maximum(own, loss_bad.to(own.device, torch.float64))
 
 
 def _masked(mean: Tensor, bad: Tensor | None) -> Tensor:

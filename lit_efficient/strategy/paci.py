@@ -251,7 +251,7 @@ class PACIStrategy(DDPStrategy):
             Other dtypes travel as they are; tensors under 64 KiB share one transfer either way.
         on_nonfinite: A NaN/Inf loss: ``"raise"`` an error naming the stage, optimizer step and micro-batch, or
             ``"skip"`` that window's update on every stage and replica alike (the fit's end warns how many); a
-            NaN/Inf gradient behind a finite loss raises under either value.
+            NaN/Inf gradient behind a finite loss raises under either value, the weights left as before the window.
         checkpoint_format: ``"file"``: one ordinary Lightning ``.ckpt`` that loads anywhere
             (``Module.load_from_checkpoint``, any strategy's ``ckpt_path``); global rank 0 gathers every stage's
             share and writes it, so it holds the whole model and optimizer state in host memory while saving.

@@ -357,6 +357,34 @@ def test_a_window_flagged_non_finite_folds_no_gradient_into_the_prediction():
     assert all(torch.allclose(p, r, rtol=0, atol=1e-6) for p, r in zip(params, real, strict=True))  # finite again
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_a_window_of_own_non_finite_gradient_folds_no_gradient_either(value):
+    """A NaN/Inf in the stage's own gradient behind a finite loss (no flag from downstream: a sqrt at 0) is flagged
+    by the prediction itself (`nonfinite_window`): the stage's step raises on it, but the stale forwards before that
+    step folded it, and the in-place undo left NaN weights behind the error. Each form, stashed and in place, then
+    predicts with a zero gradient folded, and puts finite weights back."""
+    from lit_efficient.runtime.staleness import (
+        FirstStepWeightPrediction,
+        InPlaceFirstStepWeightPrediction,
+        predicted_steps,
+    )
+
+    params, opt = _stage_with_a_window()
+    real = [p.detach().clone() for p in params]
+    grads = [p.grad for p in params]
+    for p in params:
+        p.grad = None if p.grad is None else torch.zeros_like(p)
+    zero = predicted_steps(opt, torch.tensor(2.0), first_step=True)
+    expected = [(p - zero[id(p)](p)).detach() if id(p) in zero else p.detach().clone() for p in params]
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g
+    params[1].grad.view(-1)[3] = value  # one element of one parameter
+    for form in (FirstStepWeightPrediction(), InPlaceFirstStepWeightPrediction()):
+        with form.forward_context(params, opt, 1, torch.tensor(2.0), 1):
+            assert all(torch.allclose(p, e, rtol=0, atol=1e-6) for p, e in zip(params, expected, strict=True))
+        assert all(torch.allclose(p, r, rtol=0, atol=1e-6) for p, r in zip(params, real, strict=True)), form
+
+
 def test_in_place_prediction_keeps_low_precision_weights_exact():
     """bf16 weights would lose bits to every in-place inversion: the in-place rule predicts them with a stash, so
     they come back bit for bit."""

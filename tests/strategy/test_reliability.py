@@ -155,6 +155,40 @@ def test_a_nan_loss_skipped_under_paci_with_weight_prediction_leaves_the_weights
     assert poison.skipped == [1, 1] and poison.finite == [True, True], (poison.skipped, poison.finite)
 
 
+class _NaNGradientAt(L.Callback):
+    """One element of stage 0's gradient made NaN after its backward of micro-batch ``at`` (the loss stays finite: a
+    sqrt at 0 in the user's layer), and stage 0's weights read after the fit."""
+
+    def __init__(self, at: int) -> None:
+        self.at, self.seen = at, 0
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        (self.stage,) = [h.runtime.stage for h in trainer.strategy.hosted if h.runtime.stage.stage == 0]
+        backward = self.stage.backward
+
+        def poisoned(microbatch, grads=None):
+            out = backward(microbatch, grads)
+            self.seen += 1
+            if self.seen == self.at + 1:
+                next(iter(self.stage.parameters())).grad.view(-1)[0] = float("nan")
+            return out
+
+        self.stage.backward = poisoned
+
+
+def test_a_nan_gradient_behind_a_finite_loss_raises_with_the_weights_before_it():
+    """Stage 0's own gradient NaN (the loss finite) raises at its step, as documented, but PACI's default prediction
+    had folded the window's NaN gradient into the stale forwards' weights first, and the in-place undo cannot bring
+    NaN weights back: the error left the model NaN (what an OnExceptionCheckpoint or a notebook then holds)."""
+    poison, model = _NaNGradientAt(4), _model()  # the first micro-batch of the third window: stale forwards follow
+    strategy = PACIStrategy(pipeline_stages=4, sync_start_steps=0)  # AdamW: "auto" predicts in place
+    trainer = _trainer(strategy, 1, 8, accumulate_grad_batches=2, callbacks=[poison])
+    with pytest.raises(Exception, match="non-finite gradients of the parameters of stage 0"):
+        trainer.fit(model, datamodule=_ordered())
+    assert all(bool(torch.isfinite(p).all()) for p in poison.stage.parameters())
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
 class _CrashWhileSaving(PACIStrategy):
     """Rank 0 dies while writing the second checkpoint's file, half of it on disk."""
 
