@@ -41,6 +41,7 @@ LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # torchft's own variable: the lighthouse'
 TIMEOUT_ENV = "TORCHFT_TIMEOUT_SEC"  # torchft's own: a collective's, a commit's, a transfer's bound
 GROUP_ENV = "REPLICA_GROUP_ID"  # this group's index, as torchft's examples name it
 GROUPS_ENV = "NUM_REPLICA_GROUPS"  # how many groups were launched
+_INDEXED = 1024  # group indices below this one are checked to be live once in a quorum (`_check_members`)
 DEFAULT_PORT = 29510  # where an address without a port is looked for (torchft's examples' lighthouse port)
 START_LIGHTHOUSE = "torchft_lighthouse --min_replicas 1 --quorum_tick_ms 100 --join_timeout_ms 10000 --bind [::]:{port}"
 INSTALL = "pip install 'lit-efficient[fault-tolerance]'  (torchft 0.2)"
@@ -156,6 +157,7 @@ class TorchftReplicas:
 
     Args:
         group_id: This replica group's index (a group keeps it across restarts).
+        groups: Replica groups launched (each reads its own shard of the data).
         group_rank: This rank within its group (its stage on processes).
         group_size: Ranks in the group (S on processes).
         min_groups: Groups that must be live for a sync to commit (torchft's ``min_replica_size``).
@@ -173,6 +175,7 @@ class TorchftReplicas:
     def __init__(
         self,
         group_id: int,
+        groups: int,
         group_rank: int,
         group_size: int,
         min_groups: int,
@@ -213,6 +216,7 @@ class TorchftReplicas:
             hostname=socket.gethostname(),
         )
         self.group_id = group_id
+        self.groups = groups
         self.device = device
         self._store_server = store_server
         self.participants = 0  # live groups in the latest quorum
@@ -231,19 +235,47 @@ class TorchftReplicas:
         sync covers both intervals."""
         self.manager.start_quorum()
         self.participants = self.manager.num_participants()
+        # The live groups' same ranks meet here even with nothing to reduce: a rank healing from another group's
+        # rank reads that rank's state in its quorum, which the source serves only until its own commit (with
+        # nothing to reduce, the join at a fresh start, a source committed before a slow reader had read it: its
+        # read failed after 60 s, HTTP 500, and both groups with it). The meeting checks the quorum's members.
+        self._check_members()
         averagers = list(due())
         reduced = [averager.reduce() for averager in averagers]
-        if not averagers:
-            # The live groups' same ranks meet before the commit all the same: a rank healing from another group's
-            # rank reads that rank's state in its quorum, which the source serves only until its own commit. With
-            # nothing to reduce (the join at a fresh start, a stage not due under streaming), a source committed
-            # before a slow reader had read it: its read failed after 60 s (HTTP 500), and both groups with it.
-            self([torch.zeros(1, device=self.device)])
         committed = self.manager.should_commit()
         if committed:
             for averager, means in zip(averagers, reduced, strict=True):
                 averager.apply(means)
         return committed
+
+    def _check_members(self) -> None:
+        """Refuse a quorum where this group's index is live twice, or whose groups were launched with different
+        numbers of groups: either way two groups read one shard of the data and another shard is never read, and
+        torchft, which makes every launch's replica id unique, trains on silently. One all-reduce of a few KB:
+        a count per group index (exact below ``_INDEXED``) and the launched group count and its square."""
+        members = torch.zeros(_INDEXED + 2, dtype=torch.float64, device=self.device)
+        if self.group_id < _INDEXED:
+            members[self.group_id] = 1.0
+        members[-2:] = torch.tensor([self.groups, self.groups**2], dtype=torch.float64)
+        self([members])  # the mean over the participants
+        if self.manager.errored() is not None:
+            return  # a fault in the all-reduce (the sum is partial): this sync will not commit, the next checks
+        total = (members * self.participants).round()
+        if self.group_id < _INDEXED and total[self.group_id] > 1:
+            raise ValueError(
+                f"replica group {self.group_id} is live {int(total[self.group_id])} times in the torchft quorum: "
+                f"another launch was given the same {GROUP_ENV} (replica_group_id), so both read shard "
+                f"{self.group_id} of the data and another shard is never read. Give each group's launcher its own "
+                f"index, 0..{self.groups - 1}."
+            )
+        mean, square = (total[-2:] / self.participants).tolist()
+        if abs(square - mean * mean) > 1e-6 * max(1.0, square):
+            raise ValueError(
+                f"the live replica groups were launched with different numbers of groups ({GROUPS_ENV}, "
+                f"replica_groups): this group's {self.groups}, the {self.participants} live groups' mean {mean:g}. "
+                "Each group reads the shard of the data its index names among that many: give every group's "
+                "launcher the same number."
+            )
 
     @property
     def step(self) -> int:

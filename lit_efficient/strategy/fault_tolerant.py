@@ -33,7 +33,8 @@ def start_replicas(strategy: Any, trainer: Trainer) -> TorchftReplicas:
     dist.broadcast_object_list(box, src=0, group=strategy.cpu_group)
     joining = Joining()
     replicas = TorchftReplicas(
-        strategy.replica_group_id, strategy.global_rank, strategy.world_size, strategy.min_replica_groups, box[0],
+        strategy.replica_group_id, strategy.replica_groups, strategy.global_rank, strategy.world_size,
+        strategy.min_replica_groups, box[0],
         state=lambda: state_for_peer(strategy, trainer, joining),
         load=lambda ckpt: heal(strategy, trainer, ckpt, joining),
         device=strategy.root_device, quorum_timeout=strategy.p2p_timeout, store_server=server,

@@ -126,15 +126,21 @@ def _agent(out: str, group: int, max_restarts: int, environ: dict, worker=_worke
     elastic_launch(config, worker)(out, group)
 
 
-def _run_groups(out: Path, min_replicas: int, max_restarts: list[int], worker=_worker, timeout: float = 240) -> None:
-    """Each group under its own agent, a lighthouse in this process; every agent and its workers gone after."""
+def _run_groups(
+    out: Path, min_replicas: int, max_restarts: list[int], worker=_worker, timeout: float = 240,
+    ids: list[int] | None = None, fail: bool = False,
+) -> None:  # fmt: skip
+    """Each group under its own agent (``ids``: their REPLICA_GROUP_IDs, 0, 1, ... by default), a lighthouse in this
+    process; every agent and its workers gone after; all agents succeeded (``fail``: all failed)."""
     from torchft._torchft import LighthouseServer
 
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=1000, quorum_tick_ms=50,
                                   heartbeat_timeout_ms=2000)  # fmt: skip
     environ = {"TORCHFT_LIGHTHOUSE": lighthouse.address(), "RUST_LOG": "warn"}
     ctx = multiprocessing.get_context(START_METHOD)
-    agents = [ctx.Process(target=_agent, args=(str(out), g, r, environ, worker)) for g, r in enumerate(max_restarts)]
+    ids = list(range(len(max_restarts))) if ids is None else ids
+    pairs = zip(ids, max_restarts, strict=True)
+    agents = [ctx.Process(target=_agent, args=(str(out), g, r, environ, worker)) for g, r in pairs]
     try:
         for agent in agents:
             agent.start()
@@ -149,7 +155,10 @@ def _run_groups(out: Path, min_replicas: int, max_restarts: list[int], worker=_w
                 agent.kill()
                 agent.join()
         lighthouse.shutdown()
-    assert [a.exitcode for a in agents] == [0] * len(agents), "an agent failed; its workers' output is above"
+    if fail:
+        assert all(a.exitcode != 0 for a in agents), [a.exitcode for a in agents]
+    else:
+        assert [a.exitcode for a in agents] == [0] * len(agents), "an agent failed; its workers' output is above"
 
 
 def test_a_killed_group_heals_from_the_live_one_which_never_stops(tmp_path):
@@ -205,3 +214,22 @@ def test_groups_that_start_together_take_one_start_and_validate_in_step(tmp_path
     assert max_diff(weights[0], gpt_model()) > 1e-3  # it trained
     # One start for both (each stage from one group), then DiLoCo from it: the last step is a sync.
     assert max_diff(weights[0], weights[1]) == 0.0
+
+
+def _refused_worker(out: str, group: int) -> None:
+    try:
+        _together_worker(out, group)
+    except ValueError as err:
+        Path(out, f"error-{group}-{os.getpid()}.txt").write_text(str(err))
+        raise
+
+
+def test_two_launches_given_one_group_index_are_both_refused(tmp_path):
+    """A copy-paste slip in the launch loop (REPLICA_GROUP_ID=0 twice): torchft makes every launch's replica id
+    unique, so both groups trained to the end on shard 0, shard 1 never read, nothing said. Both are refused at
+    their first quorum, every rank of each, naming the index."""
+    _run_groups(tmp_path, min_replicas=2, max_restarts=[0, 0], worker=_refused_worker, timeout=120, ids=[0, 0],
+                fail=True)  # fmt: skip
+    errors = [path.read_text() for path in tmp_path.glob("error-*.txt")]
+    assert len(errors) == 4, errors  # 2 groups x 2 ranks
+    assert all("replica group 0 is live 2 times in the torchft quorum" in error for error in errors), errors

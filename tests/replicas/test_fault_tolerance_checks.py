@@ -7,9 +7,11 @@ import sys
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from lit_efficient import PACIStrategy
 from lit_efficient.replicas.fault_tolerance import (
+    TorchftReplicas,
     _timeout_from_env,
     group_settings,
     lighthouse_address,
@@ -240,3 +242,46 @@ def test_joining_syncs_at_its_step_only_when_it_healed_from_a_live_group():
     assert len(healed) == 1 and isinstance(healed[0], Due)  # the live groups' sync, at their step
     # healed from a peer that is joining too (a whole job restarted from two checkpoints): it syncs nothing there
     assert join({"pipeline": {"layout": layout}, "global_step": 12, "torchft_joining": True}) == []
+
+
+class _Quorum:
+    """A torchft Manager's all-reduce over live groups whose member vectors are given (the mean, as torchft's)."""
+
+    def __init__(self, others: list[tuple[int, int]]) -> None:
+        self.others = others  # (group index, groups launched) of the other live groups
+
+    def allreduce(self, flat):
+        total = flat.clone()
+        for group, groups in self.others:
+            theirs = torch.zeros_like(flat)
+            if group < flat.numel() - 2:  # an index beyond the counted ones contributes no count
+                theirs[group] = 1.0
+            theirs[-2:] = torch.tensor([groups, groups**2], dtype=flat.dtype)
+            total += theirs
+        flat.copy_(total / (len(self.others) + 1))
+        return SimpleNamespace(wait=lambda: None)
+
+    def errored(self):
+        return None
+
+
+def _members(group: int, groups: int, others: list[tuple[int, int]]) -> None:
+    replicas = object.__new__(TorchftReplicas)
+    replicas.group_id, replicas.groups, replicas.device = group, groups, torch.device("cpu")
+    replicas.manager, replicas.participants = _Quorum(others), len(others) + 1
+    replicas._check_members()
+
+
+def test_a_group_index_live_twice_or_another_group_count_is_refused():
+    """Two launches given one REPLICA_GROUP_ID both trained on its shard, the other shard never read, and so did
+    groups launched with different NUM_REPLICA_GROUPS (torchft makes every launch's replica id unique): each sync's
+    meeting counts the indices and the group counts of the quorum (a review of the fault-tolerant replicas)."""
+    _members(0, 3, [(1, 3), (2, 3)])  # distinct indices, one count: fine
+    _members(2000, 3000, [(2001, 3000)])  # beyond the indexed range: not counted, never refused by a collision
+    with pytest.raises(ValueError, match=r"replica group 0 is live 2 times in the torchft quorum: another launch was "
+                       r"given the same REPLICA_GROUP_ID .* both read shard 0 .* its own index, 0\.\.2"):  # fmt: skip
+        _members(0, 3, [(0, 3), (1, 3)])
+    _members(1, 3, [(0, 3), (0, 3)])  # the groups that share an index are refused; this one is not
+    with pytest.raises(ValueError, match=r"different numbers of groups \(NUM_REPLICA_GROUPS, replica_groups\): this "
+                       r"group's 2, the 2 live groups' mean 2\.5\. "):  # fmt: skip
+        _members(0, 2, [(1, 3)])
