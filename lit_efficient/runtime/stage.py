@@ -24,6 +24,7 @@ Two ways to run the backward of a micro-batch whose stage stepped after its forw
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -268,7 +269,7 @@ class PipelineStage:
         """From now on run each layer as ``compile_fn(layer)`` (``torch.compile`` or the dynamo context of a
         ``torch.compile``-d LightningModule). The compiled callables share the layers' parameters, buffers
         and state dicts; everything else (recompute, RNG, checkpointing of layers) is unchanged."""
-        self._callables = [compile_fn(layer) for layer in self.layers]
+        self._callables = [compile_fn(_own_frame(layer)) for layer in self.layers]
 
     def _forward(self, microbatch: int, inputs: Payload, batch: Any) -> Payload | Tensor:
         if not self.is_first:
@@ -693,6 +694,30 @@ class PipelineStage:
         s.versions.append((microbatch, forward_version, self.version))
         if len(s.versions) > 2 * _RECENT:
             del s.versions[:-_RECENT]
+
+
+# One code object per torch.nn class whose layers `_own_frame` wraps: dynamo keeps its compiled graphs per code object.
+_FRAMES: dict[type, types.CodeType] = {}
+
+
+def _own_frame(layer: nn.Module) -> nn.Module | Callable[..., Any]:
+    """``layer`` itself, or for a layer whose forward is torch.nn's own (``nn.Linear``, ``nn.Sequential``,
+    ``nn.TransformerEncoderLayer``) a function calling it, with one code object per such class. torch.compile of such
+    a module wraps it in one function of torch's (``external_utils.wrap_inline``) whose code every torch.nn layer
+    shares, and dynamo keeps at most ``recompile_limit`` (8) graphs per code object: a stage of Sequentials, a
+    LayerNorm and a Linear filled it in its first fit and later variants (evaluation, a last partial batch) ran
+    eager. A user's class has its own forward, and so its own graphs; layers of one class share theirs, as before."""
+    forward = getattr(type(layer), "forward", None)
+    if not getattr(forward, "__module__", "").startswith("torch."):
+        return layer
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return layer(*args, **kwargs)
+
+    code = _FRAMES.setdefault(type(layer), call.__code__.replace())
+    own = types.FunctionType(code, call.__globals__, f"{type(layer).__name__}_call", None, call.__closure__)
+    own._orig_mod = layer  # type: ignore[attr-defined]  # what run_layers names in an error
+    return own
 
 
 def item_count(items: Tensor | int | float, device: torch.device, dtype: torch.dtype) -> Tensor:

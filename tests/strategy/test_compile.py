@@ -12,7 +12,9 @@ import logging
 
 import pytest
 import torch
-from lightning.pytorch import Trainer
+from lightning.pytorch import LightningModule, Trainer
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 from lit_efficient import ActivationCheckpointing, PACIStrategy
 from lit_efficient.data import TextDataModule
@@ -150,3 +152,51 @@ def test_a_compiled_module_is_not_sent_to_spawned_ranks():
     in_place.compile(backend="aot_eager")  # a pickled copy drops the compiled call: the ranks would train eager
     with pytest.raises(ValueError, match=r"model.compile\(\) cannot start ranks .* arrives eager"):
         _fit(in_place, devices=2, start_method="forkserver")
+
+
+class _TorchLayers(LightningModule):
+    """A user's model of torch.nn layers only (Sequentials, a LayerNorm, Linears), each stage's layers compiled."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        seq = lambda n: nn.Sequential(nn.Linear(n, 16), nn.Tanh())  # noqa: E731
+        self.layers = nn.ModuleList([seq(8), seq(16), seq(16), nn.LayerNorm(16), nn.Linear(16, 1)])
+
+    def pipeline_layers(self):
+        return list(self.layers)
+
+    def pipeline_input(self, batch):
+        return batch[0]
+
+    def pipeline_loss(self, out, batch):
+        return nn.functional.mse_loss(out, batch[1])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+    def training_step(self, batch, batch_idx):
+        return self.pipeline_loss(self(batch[0]), batch)
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.pipeline_loss(self(batch[0]), batch))
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def test_layers_of_torch_nn_classes_compile_each_class_apart_and_none_falls_back_to_eager():
+    """torch.compile of a torch.nn layer wraps it in one function of torch's whose code every torch.nn layer shares,
+    and dynamo keeps 8 graphs per code object: this model's first fit (training, validation, a last partial batch)
+    needed 16 and ran the rest eager, warning "hit config.recompile_limit" (a compile audit)."""
+    x = torch.randn(30, 8, generator=torch.Generator().manual_seed(1))
+    loader = lambda: DataLoader(TensorDataset(x, x.sum(1, keepdim=True).sin()), batch_size=4)  # noqa: E731
+    trainer = Trainer(
+        accelerator="cpu", devices=1, max_epochs=2, accumulate_grad_batches=2, val_check_interval=4, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        strategy=PACIStrategy(pipeline_stages=2, compile_layers={"backend": "eager"}),
+    )  # fmt: skip
+    trainer.fit(_TorchLayers(), loader(), loader())
+    assert _frames() > 8  # 16 on torch 2.13; 8 before: the rest ran eager ("hit config.recompile_limit (8)")
