@@ -885,6 +885,15 @@ def check_before_launch(strategy: Any, trainer: Trainer, layers: list | None) ->
                 "no checkpoint and trains from scratch. Use save_last=True (a copy, written after the save in "
                 "flight), or async_checkpoint=False."
             )
+    for logger in trainer.loggers:
+        if strategy.checkpoint_format == "sharded" and getattr(logger, "_log_model", False):
+            name = type(logger).__name__
+            rank_zero_warn(
+                f"PACIStrategy: {name}(log_model={logger._log_model!r}) uploads the checkpoints ModelCheckpoint writes "
+                "as files (Lightning's scan keeps files only); checkpoint_format='sharded' writes each as a folder, "
+                f"so {name} uploads no model, and says nothing. Use checkpoint_format='file', or log the folders "
+                "yourself (wandb: an Artifact's add_dir)."
+            )
     _check_module(trainer.lightning_module, strategy.precision_plugin)
     if layers is not None:
         check_layers(strategy.pipeline_stages, strategy.balance, layers)

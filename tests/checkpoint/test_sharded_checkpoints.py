@@ -543,3 +543,23 @@ def test_a_local_sgd_folder_on_another_layout_says_the_replicas_own_are_dropped(
     rank reads (the saved layout and averagers), as from a file."""
     said = values(spawn(_local_sgd_folder_resumed_on_another_layout, 2, str(tmp_path), timeout=240, torchrun_env=True))
     assert len(said[0]) == 1 and "the replicas past the first start from the first's weights" in said[0][0], said[0]
+
+
+def test_a_logger_that_uploads_checkpoints_is_warned_that_it_skips_folders(tmp_path, monkeypatch):
+    """WandbLogger(log_model=True) uploads the files ModelCheckpoint wrote (Lightning's scan keeps files only): with
+    checkpoint_format="sharded" the run ended with no model uploaded and nothing said (a W&B audit)."""
+    from lightning.pytorch.loggers import WandbLogger
+
+    monkeypatch.setenv("WANDB_MODE", "disabled")  # no service, no files: the logger's settings are what is read
+    for fmt, warned in (("sharded", 1), ("file", 0)):
+        logger = WandbLogger(log_model=True, offline=False, save_dir=str(tmp_path))
+        saves = ModelCheckpoint(dirpath=tmp_path / fmt)
+        strategy = PACIStrategy(pipeline_stages=2, checkpoint_format=fmt)
+        trainer = _trainer(strategy, 1, 2, logger=logger, callbacks=[saves], enable_checkpointing=True)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            trainer.fit(_model(), datamodule=_ordered())
+        said = [str(w.message) for w in seen if "log_model" in str(w.message)]
+        assert len(said) == warned, said
+        assert all("checkpoint_format='sharded' writes each as a folder, so WandbLogger uploads no model" in s
+                   for s in said)  # fmt: skip
