@@ -490,11 +490,13 @@ def test_a_class_chosen_over_the_default_keeps_its_own_defaults(tmp_path, monkey
     assert "vocab_size" not in hf.model.hparams and "block_size" not in hf.model.hparams  # none given: the model's
 
 
-def test_python_dash_m_names_the_command_as_the_console_script_does():
+@pytest.mark.parametrize("module", ["lit_efficient.cli", "lit_efficient"])
+def test_python_dash_m_names_the_command_as_the_console_script_does(module):
     """The docs launch ``python -m lit_efficient.cli`` under torchrun and srun: its usage and its refusals' hints
-    said ``__main__.py fit ...``, a command nobody can run."""
+    said ``__main__.py fit ...``, a command nobody can run. ``python -m lit_efficient`` is the same command (it was
+    "No module named lit_efficient.__main__", a W&B audit's first try)."""
     proc = subprocess.run(
-        [sys.executable, "-m", "lit_efficient.cli", "fit", "--config", str(REPO / "configs" / "quickstart.yaml"),
+        [sys.executable, "-m", module, "fit", "--config", str(REPO / "configs" / "quickstart.yaml"),
          "--trainer.strategy.init_args.p2p_timeout", "-1"],
         capture_output=True, text=True, timeout=120, cwd=REPO,
     )  # fmt: skip
