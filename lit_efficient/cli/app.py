@@ -46,8 +46,10 @@ from lit_efficient.callbacks import (  # noqa: F401 - known to --trainer.callbac
     GradientAccumulation,
     PipelineMonitor,
 )
+from lit_efficient.checkpoint.sharded_write import META
 from lit_efficient.checks import closest_choice
 from lit_efficient.models import GPT, HFCausalLM  # noqa: F401 - HFCausalLM: known to --model by name
+from lit_efficient.runtime.schedules import SCHEDULES
 from lit_efficient.strategy import PACIStrategy  # importing it registers the names "paci" and "1f1b_flush"
 from lit_efficient.strategy.config import (
     CheckpointNotFound,
@@ -130,9 +132,10 @@ def _data_follow_the_checkpoint(config: Namespace) -> None:
     them with the data module's defaults: ``validate --model GPT --ckpt_path ...`` without the run's config loaded
     a 64-token model as a 256-token one and failed on the position embeddings, in a traceback per rank."""
     path, data = config.get("ckpt_path"), config.get("data")
-    if not path or not Path(path).is_file() or not isinstance(data, Namespace) or data.get("init_args") is None:
+    hyper_parameters = _hyper_parameters_file(path)
+    if hyper_parameters is None or not isinstance(data, Namespace) or data.get("init_args") is None:
         return
-    saved = _checkpoint_hyper_parameters(path)
+    saved = _checkpoint_hyper_parameters(str(hyper_parameters))
     for key in ("block_size", "vocab_size"):
         value, given = saved.get(key), data.init_args.get(key, _ABSENT)
         if value is None or given is _ABSENT or given == value:
@@ -146,6 +149,36 @@ def _data_follow_the_checkpoint(config: Namespace) -> None:
         data.init_args[key] = value
         if given is not None:  # None: the data would derive it; said only where a default is replaced
             rank_zero_info(f"lit-efficient: --data.init_args.{key} {value}, the checkpoint's model's (was {given})")
+
+
+def _hyper_parameters_file(path: Any) -> Path | None:
+    """The file that holds a checkpoint's hyper-parameters: the checkpoint itself, or a sharded folder's ``meta.pt``
+    (Lightning's part of it); None for anything else ("last", a missing path)."""
+    if not isinstance(path, (str, os.PathLike)):
+        return None
+    path = Path(path)
+    if path.is_file():
+        return path
+    return path / META if (path / META).is_file() else None
+
+
+def _runs_the_pipeline(trainer: Any) -> bool:
+    """Whether the configured trainer's strategy is PACIStrategy (a class path naming it or a subclass, or one of
+    the names it registers); True where that cannot be told (an unimportable class path is the parser's to refuse)."""
+    strategy = trainer.get("strategy") if isinstance(trainer, Namespace) else None
+    if isinstance(strategy, str) and strategy.lower() in SCHEDULES:
+        return True
+    if isinstance(strategy, PACIStrategy):
+        return True
+    class_path = strategy.get("class_path") if isinstance(strategy, Namespace) else strategy
+    if not isinstance(class_path, str) or "." not in class_path:  # "auto", "ddp", ...: Lightning's own
+        return False
+    module_name, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError, ValueError):
+        return True
+    return isinstance(cls, type) and issubclass(cls, PACIStrategy)
 
 
 def _checkpoint_hyper_parameters(path: str) -> dict[str, Any]:
@@ -660,7 +693,28 @@ class LitEfficientCLI(LightningCLI):
                 check_checkpoint_path(config.get("ckpt_path"))
             except CheckpointNotFound as error:
                 usage_error(self.parser, str(error), error)
-        super()._parse_ckpt_path()
+        folder = self.config[subcommand].get("ckpt_path") if subcommand is not None else None
+        hyper_parameters = _hyper_parameters_file(folder)
+        if hyper_parameters is not None and hyper_parameters.name == META and not Path(folder).is_file():
+            if not _runs_the_pipeline(self.config[subcommand].get("trainer")):
+                usage_error(
+                    self.parser,
+                    f"--ckpt_path {folder} is a sharded checkpoint folder, which PACIStrategy reads and Lightning's "
+                    "own strategies do not (they open it as a file: IsADirectoryError): add --trainer.strategy paci "
+                    "(or the run's config), or make one file of it first: python -m "
+                    f"lightning.pytorch.utilities.consolidate_checkpoint {folder}",
+                    IsADirectoryError(folder),
+                )
+            # Lightning reads a checkpoint's hyper-parameters from a file only: a sharded folder's are in its meta.pt,
+            # which is shown to it for the parse (without, `validate --model GPT --ckpt_path FOLDER` built the
+            # CLI's default model and failed loading the folder's weights into it). The folder is what is loaded.
+            self.config[subcommand].ckpt_path = str(hyper_parameters)
+            try:
+                super()._parse_ckpt_path()
+            finally:
+                self.config[subcommand].ckpt_path = folder
+        else:
+            super()._parse_ckpt_path()
         if subcommand is not None:
             try:
                 _data_follow_the_checkpoint(self.config[subcommand])
