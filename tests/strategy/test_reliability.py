@@ -85,14 +85,19 @@ def test_sigkilled_stage_stops_every_rank_naming_it(world, victim, tmp_path):
         assert res["finished_at"] - killed_at < 20, res
 
 
-def _nan_at(rank, world, policy):
+def _nan_at(rank, world, policy, predict=False, at=5):
     runtime, _ = _pipeline(rank, world, "paci", 2, world, timeout=30.0)
     runtime.stage.on_nonfinite = policy
+    if predict:  # the strategy's default correction (AdamW: the in-place prediction), on the stage that has one
+        from lit_efficient.runtime.staleness import make_correction
+
+        stage = runtime.stage
+        stage.correction = make_correction("auto", "paci", stage.stage, world, 2, 10, stage.optimizer)
     loss_fn = runtime.stage.loss_fn
 
     def poisoned(out, batch):
         loss, n = loss_fn(out, batch)
-        return (loss * float("nan"), n) if runtime._fed == 6 else (loss, n)  # micro-batch 5, step 2
+        return (loss * float("nan"), n) if runtime._fed == at + 1 else (loss, n)  # micro-batch 5: step 2's last
 
     runtime.stage.loss_fn = poisoned
     for j, batch in enumerate(_data(12)):
@@ -111,8 +116,11 @@ def test_nan_loss_raises_with_step_stage_and_micro_batch():
 
 
 @pytest.mark.multiproc
-def test_nan_loss_skips_the_same_window_on_every_stage():
-    results = spawn(_nan_at, 2, "skip", timeout=60)
+@pytest.mark.parametrize("predict", [False, True], ids=["plain", "weight-prediction"])
+def test_nan_loss_skips_the_same_window_on_every_stage(predict):
+    """With PACI's default prediction too: stage 0 forwards stale micro-batches after the NaN one's backward, and the
+    window's NaN gradient must not reach their predicted weights (it left stage 0 NaN for good, in one process)."""
+    results = spawn(_nan_at, 2, "skip", predict, 4 if predict else 5, timeout=60)  # 4: stale forwards follow
     for res in results:
         assert res.get("ok") == {"skipped": 1, "finite": True}, res
 
