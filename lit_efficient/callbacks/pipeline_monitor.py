@@ -22,6 +22,8 @@ Metric keys (logged from global rank 0 through ``trainer.loggers``, at the step 
 - ``pipeline/bubble_fraction``: 1 - the mean of the stages' utilizations;
 - ``pipeline/drift_max_stage{s}``: the largest weight-version drift at stage s (max over replicas);
 - ``pipeline/drift_mean``: drift averaged over every backward of every rank;
+- ``pipeline/skipped_steps``: optimizer steps skipped as non-finite (``on_nonfinite="skip"``) since the fit started,
+  every stage skipping the same ones (a rise on the chart is where they were);
 - ``throughput/tokens_per_sec``, ``throughput/samples_per_sec``: over rank 0's wall time of the
   interval, counted across data-parallel replicas. Tokens are the ``numel`` of the batch's first
   tensor (the input ids of a ``(x, y)`` batch), samples its first dimension;
@@ -106,6 +108,7 @@ class Row(NamedTuple):
     peak_bytes: float
     grad_sq: float = math.nan  # the squared gradient norm of the stage's last step (grad_norm=True; NaN: not measured)
     sum_replicas: bool = False  # grad_sq is the stage's share of this replica (a sharded optimizer state's chunk)
+    skipped: float = 0.0  # optimizer steps the stage skipped as non-finite since the fit started
 
 
 class TimelineEvent(NamedTuple):
@@ -425,6 +428,7 @@ def aggregate(rows: Sequence[Row], wall_seconds: float, memory: str = "memory/pe
         metrics["pipeline/bubble_fraction"] = 1.0 - sum(utilization.values()) / len(utilization)
         backwards = sum(r.backwards for r in rows)
         metrics["pipeline/drift_mean"] = sum(r.drift_sum for r in rows) / backwards if backwards else 0.0
+        metrics["pipeline/skipped_steps"] = max(r.skipped for r in rows)
     # Every stage of a replica sees the same micro-batches: count each replica once, at its first stage.
     first = by_stage[stages[0]] if stages else []
     per_sec = 1.0 / wall_seconds if wall_seconds > 0 else 0.0
@@ -555,6 +559,7 @@ def _local_rows(
         rows.append(Row(
             rt.stage.stage, strategy.replica, True, busy, elapsed, s["drift_max"], rt.stage.stats.drift_sum,
             s["backwards"], tokens, samples, peak, grad_sq.get(rt.stage.stage, math.nan), sharded,
+            rt.stage.skipped_windows,
         ))  # fmt: skip
     return rows
 

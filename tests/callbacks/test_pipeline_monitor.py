@@ -34,7 +34,7 @@ from tests.support.modules import token_dataset as _tokens
 
 PIPELINE_KEYS = {
     "pipeline/utilization_stage0", "pipeline/utilization_stage1", "pipeline/bubble_fraction",
-    "pipeline/drift_max_stage0", "pipeline/drift_max_stage1", "pipeline/drift_mean",
+    "pipeline/drift_max_stage0", "pipeline/drift_max_stage1", "pipeline/drift_mean", "pipeline/skipped_steps",
 }  # fmt: skip
 COMMON_KEYS = {"throughput/tokens_per_sec", "throughput/samples_per_sec", "memory/peak_bytes_stage0"}
 # The pipeline run: 8 windows of 4 micro-batches of 8 x 128 tokens, ~80 ms of compute per stage and
@@ -255,6 +255,27 @@ def test_single_device_logs_throughput_and_memory(tmp_path):
         assert float(row["memory/peak_rss_bytes_stage0"]) > 1e6  # on CPU the name says resident set
 
 
+def test_steps_skipped_as_non_finite_rise_on_the_chart_where_they_were(tmp_path):
+    """on_nonfinite="skip" said its count only at the fit's end: on the chart nothing showed where the skipped windows
+    were (the previous session's numerics audit left it out)."""
+    from tests.strategy.test_reliability import _NaNLossAt
+
+    poison = _NaNLossAt(4)  # micro-batch 4: the third window's first (N=2), optimizer step 3
+    logger = CSVLogger(tmp_path, name="skip")
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=5, accumulate_grad_batches=2, logger=logger, log_every_n_steps=1,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        strategy=PACIStrategy(pipeline_stages=2, on_nonfinite="skip"),
+        callbacks=[poison, PipelineMonitor(logging_interval=1)],
+    )  # fmt: skip
+    with pytest.warns(UserWarning, match="skipped 1 optimizer step"):
+        trainer.fit(GPT(vocab_size=256, block_size=16, n_layer=2, n_head=2, n_embd=16), DataLoader(_tokens(40, 16)))
+    rows = [r for r in _metrics(Path(logger.log_dir)) if r.get("pipeline/skipped_steps")]
+    assert [(int(r["step"]), float(r["pipeline/skipped_steps"])) for r in rows] == [
+        (0, 0.0), (1, 0.0), (2, 1.0), (3, 1.0), (4, 1.0)
+    ]  # fmt: skip
+
+
 # ---------------------------------------------------------------- the pipeline (spawned)
 
 
@@ -440,7 +461,9 @@ def test_a_stages_row_leaves_validation_inside_fit_out(monkeypatch):
     entered pipeline/utilization_stage{s} and the bubble fraction. The row keeps training's alone."""
     from lit_efficient.callbacks import pipeline_monitor
 
-    stage = types.SimpleNamespace(stage=0, stats=types.SimpleNamespace(drift_sum=0.0, evaluate_seconds=1.0))
+    stage = types.SimpleNamespace(
+        stage=0, stats=types.SimpleNamespace(drift_sum=0.0, evaluate_seconds=1.0), skipped_windows=0
+    )
     stats = {"busy_seconds": 3.0, "elapsed_seconds": 10.0, "drift_max": 0.0, "backwards": 4}
     runtime = types.SimpleNamespace(runtimes=[types.SimpleNamespace(stage=stage, stats=lambda: stats)])
     monkeypatch.setattr(pipeline_monitor, "PACIStrategy", types.SimpleNamespace)  # a stand-in strategy, set up
