@@ -178,7 +178,9 @@ class GradientAccumulation(Callback):
         self._weight = weight if self._weight is None else self._weight + weight
         # Undo Lightning's 1/N and weigh by the items: the parameters accumulate sum_i(items_i * grad_i).
         factor = weight * trainer.accumulate_grad_batches
-        loss.register_hook(lambda grad: grad * factor.to(grad.dtype))
+        # The product in the count's dtype, rounded once to the loss's: factor.to(bf16) rounded the count first
+        # (507 * 4 tokens as 2032), a gradient scale off by up to 2^-9 where the pipeline's is exact.
+        loss.register_hook(lambda grad: (grad.to(factor.dtype) * factor).to(grad.dtype))
 
     @override
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
@@ -207,7 +209,7 @@ class GradientAccumulation(Callback):
             # No host sync: a zero total (every item masked) means zero gradients, left as they are.
             total = torch.where(total > 0, total, torch.ones_like(total))
             for g in grads:
-                g.div_(total.to(g.dtype))
+                g.div_(total)  # by the exact count, as the pipeline's stages divide (total.to(bf16): 507 as 508)
         self._reset_window()
 
     # -- checkpoint state --------------------------------------------------------------------------

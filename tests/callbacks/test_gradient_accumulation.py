@@ -417,3 +417,27 @@ def test_micro_batches_of_no_items_count_for_nothing_under_tokens_as_on_one_devi
     assert _max_diff(flush, one) < 1e-6
     paci = fit(PACIStrategy(pipeline_stages=2))  # the default schedule: trains on, finite (the re-read)
     assert all(torch.isfinite(p).all() for p in paci.parameters()) and _max_diff(paci, one) > 0
+
+
+def test_a_bf16_models_token_count_is_not_rounded_on_one_device():
+    """normalize="tokens" on one device divided a bf16 model's gradients by the window's token count cast to bf16
+    (507 as 508: a scale off by up to 2^-9, 2.4e-4 in the weights after one SGD step), and scaled the loss by the
+    count cast likewise, where the pipeline divides by the exact count (a precision audit). Flush = one device."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 64, (32, 17), generator=g)
+    y = x[:, 1:].clone()
+    y[0, :5] = -1  # GPT's ignored label: 507 counted tokens in the window of 4 x 8 x 16
+    data = lambda: DataLoader(TensorDataset(x[:, :-1].contiguous(), y), batch_size=8)  # noqa: E731
+
+    def fit(strategy):
+        torch.manual_seed(0)
+        model = GPT(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32).to(torch.bfloat16)
+        model.configure_optimizers = lambda: torch.optim.SGD(model.parameters(), lr=1.0)  # the scale reaches w
+        _trainer(strategy, max_steps=1, callbacks=[GradientAccumulation(4, "tokens")]).fit(model, data())
+        return model
+
+    one, flush = fit("auto"), fit(PACIStrategy(pipeline_stages=2, schedule="1f1b_flush"))
+    torch.manual_seed(0)
+    start = GPT(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32).to(torch.bfloat16)
+    assert _max_diff(one, start) > 1e-3  # it stepped
+    assert _max_diff(flush, one) == 0.0
