@@ -562,16 +562,19 @@ def _check_module(module: LightningModule, precision: Precision) -> None:
 
 def unsupported_precision(name: Any) -> str:
     """The refusal of a Trainer precision PACIStrategy does not train in (fit's, and `lit-efficient plan`'s)."""
-    low = (
-        " (for weights, gradients and optimizer state in bfloat16, build the model in that dtype, model.to("
-        "torch.bfloat16) or HFCausalLM(dtype='bfloat16'), and keep precision='32-true')"
-        if isinstance(name, str) and name.endswith("-true") and name != "64-true"
-        else ""
-    )
-    if name == "16-mixed":  # a CPU fit takes it: Lightning runs it there as bf16-mixed
+    low = ""
+    if isinstance(name, str) and name.endswith("-true"):
+        dtype = "float64" if name == "64-true" else "bfloat16"
+        hf = f" or HFCausalLM(dtype='{dtype}')" if dtype == "bfloat16" else ""
         low = (
-            " (a fit on CPU runs it, as Lightning turns it into bf16-mixed there; on a GPU it is float16 with a "
-            "gradient scaler, which PACIStrategy does not train with)"
+            f" (for weights, gradients and optimizer state in {dtype}, build the model in that dtype, model.to("
+            f"torch.{dtype}){hf}, and keep precision='32-true': the pipeline trains it as one device does)"
+        )
+    if name == "16-mixed":  # the string on CPU is taken: Lightning runs it there as bf16-mixed
+        low = (
+            " (float16 with a gradient scaler, on a GPU or as a MixedPrecision plugin with a GradScaler, which "
+            "PACIStrategy does not train with; precision='16-mixed' on CPU runs, as Lightning turns it into "
+            "bf16-mixed there)"
         )
     return f"precision={name!r} is not supported by PACIStrategy: use one of {', '.join(_PRECISIONS)}{low}"
 

@@ -263,7 +263,7 @@ def _no_measuring(monkeypatch):
         (["--trainer.accumulate_grad_batches", "0"], "trainer.accumulate_grad_batches=0: micro-batches per optimizer"),
         (["--trainer.devices", "3"], "pipeline_stages=2 does not divide the world size 3"),
         (["--trainer.precision", "16-mixed"], "precision='16-mixed' is not supported by PACIStrategy: use one of "
-         "32-true, bf16-mixed (a fit on CPU runs it, as Lightning turns it into bf16-mixed there; on a GPU"),
+         "32-true, bf16-mixed (float16 with a gradient scaler, on a GPU or as a MixedPrecision plugin"),
         (["--trainer.precision", "bf16-true"], "bf16-mixed (for weights, gradients and optimizer state in bfloat16, "
          "build the model in that dtype, model.to(torch.bfloat16) or HFCausalLM(dtype='bfloat16'), and keep"),
         # The data's sizes, as its constructor checks them (a traceback after measuring, or torch's negative size).

@@ -466,3 +466,28 @@ def test_a_config_with_several_options_the_strategy_does_not_take_names_them_all
         assert f"\n  - {name}: " in err, name
     said = "Remove these 3 keys from the strategy's init_args at once: checkpoint_io, ddp_comm_hook, static_graph"
     assert said in err
+
+
+@pytest.mark.parametrize(
+    ("precision", "said"),
+    [
+        ("64-true", "(for weights, gradients and optimizer state in float64, build the model in that dtype, "
+         "model.to(torch.float64), and keep precision='32-true'"),
+        ("bf16-true", "model.to(torch.bfloat16) or HFCausalLM(dtype='bfloat16'), and keep precision='32-true'"),
+        ("scaler", "(float16 with a gradient scaler, on a GPU or as a MixedPrecision plugin with a GradScaler, "
+         "which PACIStrategy does not train with; precision='16-mixed' on CPU runs"),
+    ],
+)  # fmt: skip
+def test_an_unsupported_precision_is_refused_with_what_trains_instead(precision, said):
+    """64-true was refused without the way that trains exactly (a float64 model under 32-true), and a 16-mixed plugin
+    with a GradScaler on CPU was told "a fit on CPU runs it" while this fit on CPU was refused (a precision audit)."""
+    from tests.support.gpt_runs import gpt_model, ordered_data
+
+    kwargs = {"precision": precision}
+    if precision == "scaler":
+        kwargs = {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]}
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_progress_bar=False,
+                        strategy=PACIStrategy(pipeline_stages=2), **kwargs)  # fmt: skip
+    with pytest.raises(ValueError, match="is not supported by PACIStrategy") as refused:
+        trainer.fit(gpt_model(), datamodule=ordered_data())
+    assert said in str(refused.value), str(refused.value)
