@@ -10,7 +10,9 @@ the text once (``TokenizedDataModule``, cached), trains with ``PACIStrategy`` ov
 (``--stages`` of them per pipeline, the rest data-parallel replicas), saves a checkpoint, validates after fit
 on the same Trainer, and rank 0 writes the trained model and the tokenizer to ``--out`` with
 ``save_pretrained``, reloads it with ``from_pretrained`` and generates a few tokens. ``--resume`` continues
-from the last checkpoint exactly. ``--accelerator gpu`` runs the same on GPUs.
+from the last checkpoint exactly, given the same ``--max-steps`` (the model's cosine decay ends at the fit's
+``max_steps``: a resume into a longer fit stretches what is left of it, as on one device). ``--accelerator gpu``
+runs the same on GPUs.
 
 ``--make-demo`` writes a small random-initialised Qwen2 model (4 layers, 128 wide) and a 2,000-token BPE
 tokenizer trained on the embedded corpus into a folder, a stand-in for a downloaded model. Measured: about
