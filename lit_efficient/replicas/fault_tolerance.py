@@ -221,6 +221,7 @@ class TorchftReplicas:
         self._store_server = store_server
         self.participants = 0  # live groups in the latest quorum
         self.alone = False  # `ReplicaMean`: even alone, a group reduces (others may join at any quorum)
+        self._joined = False  # this rank took part in a sync: a misconfigured newcomer is then the other's to stop
 
     def __call__(self, tensors: list[Tensor]) -> int:
         """The mean over the live groups' same rank, in place (`ReplicaMean`): one all-reduce per dtype; torchft
@@ -240,6 +241,7 @@ class TorchftReplicas:
         # nothing to reduce, the join at a fresh start, a source committed before a slow reader had read it: its
         # read failed after 60 s, HTTP 500, and both groups with it). The meeting checks the quorum's members.
         self._check_members()
+        self._joined = True
         averagers = list(due())
         reduced = [averager.reduce() for averager in averagers]
         committed = self.manager.should_commit()
@@ -252,7 +254,9 @@ class TorchftReplicas:
         """Refuse a quorum where this group's index is live twice, or whose groups were launched with different
         numbers of groups: either way two groups read one shard of the data and another shard is never read, and
         torchft, which makes every launch's replica id unique, trains on silently. One all-reduce of a few KB:
-        a count per group index (exact below ``_INDEXED``) and the launched group count and its square."""
+        a count per group index (exact below ``_INDEXED``) and the launched group count and its square. The rank
+        at its first sync raises (groups launched together all do: the launch is wrong); a rank that synced before
+        warns and trains on, as the newcomer stops (one bad launch does not end the groups already training)."""
         members = torch.zeros(_INDEXED + 2, dtype=torch.float64, device=self.device)
         if self.group_id < _INDEXED:
             members[self.group_id] = 1.0
@@ -260,21 +264,30 @@ class TorchftReplicas:
         self([members])  # the mean over the participants
         if self.manager.errored() is not None:
             return  # a fault in the all-reduce (the sum is partial): this sync will not commit, the next checks
-        total = (members * self.participants).round()
+        total = [round(x) for x in (members * self.participants).tolist()]
+        problems = []
         if self.group_id < _INDEXED and total[self.group_id] > 1:
-            raise ValueError(
-                f"replica group {self.group_id} is live {int(total[self.group_id])} times in the torchft quorum: "
-                f"another launch was given the same {GROUP_ENV} (replica_group_id), so both read shard "
-                f"{self.group_id} of the data and another shard is never read. Give each group's launcher its own "
-                f"index, 0..{self.groups - 1}."
+            problems.append(
+                f"replica group {self.group_id} is live {total[self.group_id]} times in the torchft quorum: another "
+                f"launch was given the same {GROUP_ENV} (replica_group_id), so both read shard {self.group_id} of "
+                f"the data and another shard is never read. Give each group's launcher its own index, "
+                f"0..{self.groups - 1}."
             )
-        mean, square = (total[-2:] / self.participants).tolist()
-        if abs(square - mean * mean) > 1e-6 * max(1.0, square):
-            raise ValueError(
+        counts, squares = total[-2:]
+        if counts * counts != squares * self.participants:  # equal only where every count is the same (exact ints)
+            problems.append(
                 f"the live replica groups were launched with different numbers of groups ({GROUPS_ENV}, "
-                f"replica_groups): this group's {self.groups}, the {self.participants} live groups' mean {mean:g}. "
-                "Each group reads the shard of the data its index names among that many: give every group's "
-                "launcher the same number."
+                f"replica_groups): this group's {self.groups}, the {self.participants} live groups' mean "
+                f"{counts / self.participants:g}. Each group reads the shard of the data its index names among that "
+                "many: give every group's launcher the same number."
+            )
+        if problems and not self._joined:
+            raise ValueError(" ".join(problems))
+        for problem in problems:
+            warnings.warn(
+                f"replica group {self.group_id}: a group that joins the quorum is refused and stops ({problem}); "
+                "this group, which synced before it, trains on.",
+                stacklevel=2,
             )
 
     @property

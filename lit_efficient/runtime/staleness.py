@@ -790,11 +790,12 @@ def nonfinite_window(params: Sequence[nn.Parameter], loss_bad: Tensor | None) ->
     """A 0-dim flag, > 0 where the window's gradient so far holds a NaN/Inf: after a micro-batch's non-finite loss
     (``loss_bad``, the stage's flag from downstream) or in the stage's own gradient behind a finite loss (a sqrt at
     0, an overflow), which the stage's step raises on but which reaches the prediction first. The step's own test
-    (the gradients' norms, one fused pass; the largest magnitude, ``ord=inf``, is 50x slower on CPU), on the device."""
+    (the gradients' norms, one fused pass, summed in float64: fp16 norms summed in fp16 overflowed where the step's
+    did not; the largest magnitude, ``ord=inf``, is 50x slower on CPU), on the device."""
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return loss_bad
-    own = (~torch.isfinite(torch.stack(torch._foreach_norm(grads)).sum())).to(torch.float64)
+    own = (~torch.isfinite(torch.stack(torch._foreach_norm(grads)).to(torch.float64).sum())).to(torch.float64)
     return own if loss_bad is None else torch.maximum(own, loss_bad.to(own.device, torch.float64))
 
 

@@ -265,10 +265,10 @@ class _Quorum:
         return None
 
 
-def _members(group: int, groups: int, others: list[tuple[int, int]]) -> None:
+def _members(group: int, groups: int, others: list[tuple[int, int]], joined: bool = False) -> None:
     replicas = object.__new__(TorchftReplicas)
     replicas.group_id, replicas.groups, replicas.device = group, groups, torch.device("cpu")
-    replicas.manager, replicas.participants = _Quorum(others), len(others) + 1
+    replicas.manager, replicas.participants, replicas._joined = _Quorum(others), len(others) + 1, joined
     replicas._check_members()
 
 
@@ -285,3 +285,10 @@ def test_a_group_index_live_twice_or_another_group_count_is_refused():
     with pytest.raises(ValueError, match=r"different numbers of groups \(NUM_REPLICA_GROUPS, replica_groups\): this "
                        r"group's 2, the 2 live groups' mean 2\.5\. "):  # fmt: skip
         _members(0, 2, [(1, 3)])
+    # Exact: one group of 100 launched as 101 (a relative tolerance let it pass, the diff review).
+    with pytest.raises(ValueError, match="different numbers of groups"):
+        _members(0, 100, [(g, 100) for g in range(1, 99)] + [(99, 101)])
+    # A group that synced before only warns, and trains on: the newcomer, at its first sync, is the one refused.
+    said = r"replica group 0: a group that joins the quorum is refused and stops \(replica group 0 is live 2 times "
+    with pytest.warns(UserWarning, match=said + r".*\); this group, which synced before it, trains on"):
+        _members(0, 3, [(0, 3), (1, 3)], joined=True)
