@@ -38,6 +38,7 @@ import yaml
 from jsonargparse import ArgumentParser, Namespace
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI, SaveConfigCallback
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
@@ -49,7 +50,6 @@ from lit_efficient.callbacks import (  # noqa: F401 - known to --trainer.callbac
 from lit_efficient.checkpoint.sharded_write import META
 from lit_efficient.checks import closest_choice
 from lit_efficient.models import GPT, HFCausalLM  # noqa: F401 - HFCausalLM: known to --model by name
-from lit_efficient.runtime.schedules import SCHEDULES
 from lit_efficient.strategy import PACIStrategy  # importing it registers the names "paci" and "1f1b_flush"
 from lit_efficient.strategy.config import (
     CheckpointNotFound,
@@ -162,23 +162,26 @@ def _hyper_parameters_file(path: Any) -> Path | None:
     return path / META if (path / META).is_file() else None
 
 
-def _runs_the_pipeline(trainer: Any) -> bool:
-    """Whether the configured trainer's strategy is PACIStrategy (a class path naming it or a subclass, or one of
-    the names it registers); True where that cannot be told (an unimportable class path is the parser's to refuse)."""
-    strategy = trainer.get("strategy") if isinstance(trainer, Namespace) else None
-    if isinstance(strategy, str) and strategy.lower() in SCHEDULES:
-        return True
-    if isinstance(strategy, PACIStrategy):
-        return True
-    class_path = strategy.get("class_path") if isinstance(strategy, Namespace) else strategy
-    if not isinstance(class_path, str) or "." not in class_path:  # "auto", "ddp", ...: Lightning's own
+def _reads_files_only(trainer: Any) -> bool:
+    """Whether the configured trainer's strategy is one of Lightning's that open a checkpoint path as a file (the
+    default "auto", DDP and its spawning forms, one device): a sharded folder is then IsADirectoryError in a
+    traceback. False for PACIStrategy, for Lightning's strategies that write folders of their own (FSDP,
+    DeepSpeed, model parallel: their folders also hold a meta.pt) and for anything not known."""
+    strategy = trainer.get("strategy", "auto") if isinstance(trainer, Namespace) else None
+    if strategy is None or isinstance(strategy, str):
+        name = (strategy or "auto").lower()
+        return name == "auto" or name == "single_device" or name.startswith("ddp")
+    class_path = strategy.get("class_path") if isinstance(strategy, Namespace) else None
+    cls = type(strategy) if not isinstance(strategy, Namespace) else None
+    if isinstance(class_path, str):
+        module_name, _, name = class_path.rpartition(".")
+        try:
+            cls = getattr(importlib.import_module(module_name), name)
+        except (ImportError, AttributeError, ValueError):
+            return False
+    if not isinstance(cls, type) or issubclass(cls, PACIStrategy):
         return False
-    module_name, _, name = class_path.rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module_name), name)
-    except (ImportError, AttributeError, ValueError):
-        return True
-    return isinstance(cls, type) and issubclass(cls, PACIStrategy)
+    return issubclass(cls, (DDPStrategy, SingleDeviceStrategy))
 
 
 def _checkpoint_hyper_parameters(path: str) -> dict[str, Any]:
@@ -696,12 +699,12 @@ class LitEfficientCLI(LightningCLI):
         folder = self.config[subcommand].get("ckpt_path") if subcommand is not None else None
         hyper_parameters = _hyper_parameters_file(folder)
         if hyper_parameters is not None and hyper_parameters.name == META and not Path(folder).is_file():
-            if not _runs_the_pipeline(self.config[subcommand].get("trainer")):
+            if _reads_files_only(self.config[subcommand].get("trainer")):
                 usage_error(
                     self.parser,
                     f"--ckpt_path {folder} is a sharded checkpoint folder, which PACIStrategy reads and Lightning's "
-                    "own strategies do not (they open it as a file: IsADirectoryError): add --trainer.strategy paci "
-                    "(or the run's config), or make one file of it first: python -m "
+                    "DDP and single-device strategies do not (they open it as a file: IsADirectoryError): add "
+                    "--trainer.strategy paci (or the run's config), or make one file of it first: python -m "
                     f"lightning.pytorch.utilities.consolidate_checkpoint {folder}",
                     IsADirectoryError(folder),
                 )

@@ -566,5 +566,19 @@ def test_an_evaluation_of_a_sharded_checkpoint_without_its_config_builds_the_che
         _cli("validate", "--model=GPT", "--trainer.logger=false", "--ckpt_path=run.ckpt", run=True)
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert "--ckpt_path run.ckpt is a sharded checkpoint folder, which PACIStrategy reads" in err, err
+    assert "--ckpt_path run.ckpt is a sharded checkpoint folder, which PACIStrategy reads and Lightning's DDP" in err
     assert "add --trainer.strategy paci" in err and "consolidate_checkpoint run.ckpt" in err
+    # Only where the strategy opens it as a file: FSDP's, DeepSpeed's and model-parallel folders hold a meta.pt too,
+    # and those strategies read them (refusing them broke their resumes, the diff review).
+    from jsonargparse import Namespace
+
+    from lit_efficient.cli.app import _reads_files_only
+
+    named = {"auto": True, "ddp_spawn": True, "single_device": True, "fsdp": False, "deepspeed_stage_2": False,
+             "paci": False, "1f1b_flush": False}  # fmt: skip
+    for strategy, files_only in named.items():
+        assert _reads_files_only(Namespace(strategy=strategy)) is files_only, strategy
+    for class_path, files_only in (("lightning.pytorch.strategies.FSDPStrategy", False),
+                                   ("lightning.pytorch.strategies.DDPStrategy", True),
+                                   ("lit_efficient.PACIStrategy", False)):  # fmt: skip
+        assert _reads_files_only(Namespace(strategy=Namespace(class_path=class_path))) is files_only, class_path
