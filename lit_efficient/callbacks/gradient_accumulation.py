@@ -41,7 +41,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lit_efficient.checks import is_count, named_few
-from lit_efficient.runtime.stage import Normalize, item_count
+from lit_efficient.runtime.stage import Normalize, divide_by_count, item_count
 from lit_efficient.strategy.paci import PACIStrategy
 
 _NORMALIZE = get_args(Normalize)
@@ -208,8 +208,7 @@ class GradientAccumulation(Callback):
                 total = trainer.strategy.reduce(total.clone(), reduce_op="sum") / world
             # No host sync: a zero total (every item masked) means zero gradients, left as they are.
             total = torch.where(total > 0, total, torch.ones_like(total))
-            for g in grads:
-                g.div_(total)  # by the exact count, as the pipeline's stages divide (total.to(bf16): 507 as 508)
+            divide_by_count(grads, total)  # by the exact count, as the pipeline's stages (total.to(bf16): 507 as 508)
         self._reset_window()
 
     # -- checkpoint state --------------------------------------------------------------------------

@@ -363,9 +363,7 @@ class PipelineStage:
             totals = self.reduce_gradients(grads, totals)
         # A window of no items at all ("tokens": every label masked) has zero gradients: left as they are, as one
         # device's GradientAccumulation does (0 / 0 made them NaN).
-        divisor = torch.where(totals[0] > 0, totals[0], torch.ones_like(totals[0]))
-        for g in grads:
-            g.div_(divisor)
+        divide_by_count(grads, torch.where(totals[0] > 0, totals[0], torch.ones_like(totals[0])))
         update = self._check_finite(grads, totals, window)
         if update and self.exchange_tied is not None:
             self.exchange_tied()  # a weight shared with another stage: combine the copies' gradients
@@ -718,6 +716,17 @@ def _own_frame(layer: nn.Module) -> nn.Module | Callable[..., Any]:
     own = types.FunctionType(code, call.__globals__, f"{type(layer).__name__}_call", None, call.__closure__)
     own._orig_mod = layer  # type: ignore[attr-defined]  # what run_layers names in an error
     return own
+
+
+def divide_by_count(grads: Sequence[Tensor], count: Tensor) -> None:
+    """``g /= count`` in place, by the exact count (a 0-dim float64 or float32 tensor on the gradients' device) in
+    every gradient dtype. A bf16/fp16 gradient is divided in float32 and rounded once: a CUDA kernel reads a device
+    0-dim divisor in the gradient's dtype (507 tokens as 508 in bf16, 2^-9 off; CPU's reads it exactly)."""
+    for g in grads:
+        if g.dtype in (torch.float16, torch.bfloat16):
+            g.copy_(g.float().div_(count))
+        else:
+            g.div_(count)
 
 
 def item_count(items: Tensor | int | float, device: torch.device, dtype: torch.dtype) -> Tensor:
