@@ -536,8 +536,10 @@ def _optimizer_of(config: Any) -> torch.optim.Optimizer | None:
 
 def _strategy(value: Any) -> PACIStrategy:
     if isinstance(value, str):
-        if value in ("paci", "1f1b_flush"):
-            return PACIStrategy(schedule=value)
+        if value.lower() in ("paci", "1f1b_flush"):
+            return PACIStrategy(schedule=value.lower())
+        if value.lower() == "pacistrategy":  # the class's registered name: its defaults
+            return PACIStrategy()
         raise PlanError(f"trainer.strategy={value!r}: the plan covers PACIStrategy (strategy 'paci' or '1f1b_flush')")
     if _class_name(value) != "PACIStrategy":
         raise PlanError(f"trainer.strategy is {value.class_path}: the plan covers lit_efficient.PACIStrategy")

@@ -1749,6 +1749,10 @@ class PACIStrategy(DDPStrategy):
                 strategy_registry.register(
                     name, cls, description=f"Pipeline-parallel training with the {name} schedule", schedule=name
                 )
+        # The class's own name as users type it (Trainer(strategy="PACIStrategy"), --trainer.strategy PACIStrategy),
+        # which Lightning looks up lowercased: it was "invalid strategy name" in a traceback.
+        if "pacistrategy" not in strategy_registry and cls is PACIStrategy:
+            strategy_registry.register("pacistrategy", cls, description="PACIStrategy with its defaults")
 
 
 def _then(first: Callable[[], Any] | None, then: Callable[[], None]) -> Callable[[], None]:

@@ -229,6 +229,13 @@ def test_the_registered_names_build_the_strategy_from_valid_init_params(name):
     assert isinstance(trainer.strategy, PACIStrategy) and trainer.strategy.schedule == name
 
 
+def test_the_class_name_as_a_string_builds_the_strategy_with_its_defaults():
+    """``Trainer(strategy="PACIStrategy")`` and ``--trainer.strategy PACIStrategy`` (the class's name, as --model GPT
+    names a model) were Lightning's "invalid strategy name: 'pacistrategy'" in a traceback (the session's own try)."""
+    trainer = L.Trainer(strategy="PACIStrategy", accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+    assert type(trainer.strategy) is PACIStrategy and trainer.strategy.schedule == "paci"
+
+
 @pytest.fixture
 def registered():
     """Register names for one test, as a package registering PACIStrategy with init params would."""
