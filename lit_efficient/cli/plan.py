@@ -538,7 +538,7 @@ def _strategy(value: Any) -> PACIStrategy:
     if isinstance(value, str):
         if value.lower() in ("paci", "1f1b_flush"):
             return PACIStrategy(schedule=value.lower())
-        if value.lower() == "pacistrategy":  # the class's registered name: its defaults
+        if value.lower() in ("pacistrategy", "lit_efficient.pacistrategy"):  # the class's registered names
             return PACIStrategy()
         raise PlanError(f"trainer.strategy={value!r}: the plan covers PACIStrategy (strategy 'paci' or '1f1b_flush')")
     if _class_name(value) != "PACIStrategy":

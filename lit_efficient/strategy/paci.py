@@ -1749,10 +1749,12 @@ class PACIStrategy(DDPStrategy):
                 strategy_registry.register(
                     name, cls, description=f"Pipeline-parallel training with the {name} schedule", schedule=name
                 )
-        # The class's own name as users type it (Trainer(strategy="PACIStrategy"), --trainer.strategy PACIStrategy),
-        # which Lightning looks up lowercased: it was "invalid strategy name" in a traceback.
-        if "pacistrategy" not in strategy_registry and cls is PACIStrategy:
-            strategy_registry.register("pacistrategy", cls, description="PACIStrategy with its defaults")
+        # The class's own name as users type it (Trainer(strategy="PACIStrategy"), --trainer.strategy PACIStrategy,
+        # or lit_efficient.PACIStrategy, which the CLI passes on as a string when no init_args follow), looked up
+        # lowercased by Lightning: each was "invalid strategy name" in a traceback.
+        for name in ("pacistrategy", "lit_efficient.pacistrategy"):
+            if name not in strategy_registry and cls is PACIStrategy:
+                strategy_registry.register(name, cls, description="PACIStrategy with its defaults")
 
 
 def _then(first: Callable[[], Any] | None, then: Callable[[], None]) -> Callable[[], None]:

@@ -232,8 +232,9 @@ def test_the_registered_names_build_the_strategy_from_valid_init_params(name):
 def test_the_class_name_as_a_string_builds_the_strategy_with_its_defaults():
     """``Trainer(strategy="PACIStrategy")`` and ``--trainer.strategy PACIStrategy`` (the class's name, as --model GPT
     names a model) were Lightning's "invalid strategy name: 'pacistrategy'" in a traceback (the session's own try)."""
-    trainer = L.Trainer(strategy="PACIStrategy", accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
-    assert type(trainer.strategy) is PACIStrategy and trainer.strategy.schedule == "paci"
+    for name in ("PACIStrategy", "lit_efficient.PACIStrategy"):  # the CLI passes the latter on as a string, alone
+        trainer = L.Trainer(strategy=name, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+        assert type(trainer.strategy) is PACIStrategy and trainer.strategy.schedule == "paci"
 
 
 @pytest.fixture
