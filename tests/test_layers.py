@@ -23,6 +23,7 @@ LAYERS = {
     "replicas": 2, "checkpoint": 2,
     "tools": 3,
     "strategy": 4, "callbacks": 4, "models": 4, "data": 4, "cli": 4, "__init__": 5,
+    "__main__": 5,  # python -m lit_efficient: the command, beside the package's face
 }  # fmt: skip
 
 

@@ -537,7 +537,7 @@ def test_an_evaluation_of_a_sharded_checkpoint_without_its_config_builds_the_che
     monkeypatch, tmp_path, caplog, capsys
 ):
     """Lightning reads a checkpoint's hyper-parameters from a file only: ``validate --model GPT --ckpt_path
-    FOLDER`` of a sharded checkpoint built the CLI's default GPT (4 layers, 256 tokens), whose load of a 1-layer
+    FOLDER`` of a sharded checkpoint built the CLI's default GPT (4 layers, 256 tokens), whose load of a 2-layer
     16-token folder failed, where the same checkpoint as a file evaluated (one checkpoint path, both formats)."""
     from lightning.pytorch import Trainer
 
@@ -547,8 +547,8 @@ def test_an_evaluation_of_a_sharded_checkpoint_without_its_config_builds_the_che
 
     trainer = Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                      strategy=PACIStrategy(pipeline_stages=1, checkpoint_format="sharded"))  # fmt: skip
-    trained = GPT(n_layer=1, n_embd=32, n_head=2, block_size=16)
+                      strategy=PACIStrategy(pipeline_stages=2, checkpoint_format="sharded"))  # fmt: skip
+    trained = GPT(n_layer=2, n_embd=32, n_head=2, block_size=16)  # in process: no process group left behind
     trainer.fit(trained, datamodule=TextDataModule(block_size=16, batch_size=2, max_bytes=20_000))
     trainer.save_checkpoint(tmp_path / "run.ckpt")
     assert (tmp_path / "run.ckpt").is_dir()
@@ -557,7 +557,7 @@ def test_an_evaluation_of_a_sharded_checkpoint_without_its_config_builds_the_che
     with caplog.at_level("INFO"):
         cli = _cli("validate", "--model=GPT", "--trainer.logger=false", "--data.init_args.max_bytes=20000",
                    "--trainer.strategy=paci", "--ckpt_path=run.ckpt", run=True)  # fmt: skip
-    assert cli.model.hparams.n_layer == 1 and cli.model.hparams.n_embd == 32
+    assert cli.model.hparams.n_layer == 2 and cli.model.hparams.n_embd == 32
     assert cli.model.hparams.block_size == 16 == cli.datamodule.block_size
     assert cli.config.validate.ckpt_path == "run.ckpt"  # the folder is what the strategy loads
     assert "--data.init_args.block_size 16, the checkpoint's model's (was 256)" in caplog.text
