@@ -38,7 +38,7 @@ import yaml
 from jsonargparse import ArgumentParser, Namespace
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI, SaveConfigCallback
-from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy, XLAStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
@@ -165,9 +165,11 @@ def _hyper_parameters_file(path: Any) -> Path | None:
 def _reads_files_only(trainer: Any) -> bool:
     """Whether the configured trainer's strategy is one of Lightning's that open a checkpoint path as a file (the
     default "auto", DDP and its spawning forms, one device): a sharded folder is then IsADirectoryError in a
-    traceback. False for PACIStrategy, for Lightning's strategies that write folders of their own (FSDP,
-    DeepSpeed, model parallel: their folders also hold a meta.pt) and for anything not known."""
-    strategy = trainer.get("strategy", "auto") if isinstance(trainer, Namespace) else None
+    traceback. False for PACIStrategy, for Lightning's strategies with checkpoints of their own (FSDP's and model
+    parallel's folders hold a meta.pt too; DeepSpeed's, XLA's) and for anything not known."""
+    if not isinstance(trainer, Namespace):
+        return False
+    strategy = trainer.get("strategy", "auto")
     if strategy is None or isinstance(strategy, str):
         name = (strategy or "auto").lower()
         return name == "auto" or name == "single_device" or name.startswith("ddp")
@@ -179,8 +181,8 @@ def _reads_files_only(trainer: Any) -> bool:
             cls = getattr(importlib.import_module(module_name), name)
         except (ImportError, AttributeError, ValueError):
             return False
-    if not isinstance(cls, type) or issubclass(cls, PACIStrategy):
-        return False
+    if not isinstance(cls, type) or issubclass(cls, (PACIStrategy, DeepSpeedStrategy, XLAStrategy)):
+        return False  # DeepSpeed and XLA subclass DDP and keep checkpoints of their own, as their names do
     return issubclass(cls, (DDPStrategy, SingleDeviceStrategy))
 
 

@@ -221,7 +221,7 @@ class TorchftReplicas:
         self._store_server = store_server
         self.participants = 0  # live groups in the latest quorum
         self.alone = False  # `ReplicaMean`: even alone, a group reduces (others may join at any quorum)
-        self._joined = False  # this rank took part in a sync: a misconfigured newcomer is then the other's to stop
+        self._joined = False  # this rank's members were checked once: a misconfigured newcomer is then the one to stop
 
     def __call__(self, tensors: list[Tensor]) -> int:
         """The mean over the live groups' same rank, in place (`ReplicaMean`): one all-reduce per dtype; torchft
@@ -241,7 +241,6 @@ class TorchftReplicas:
         # nothing to reduce, the join at a fresh start, a source committed before a slow reader had read it: its
         # read failed after 60 s, HTTP 500, and both groups with it). The meeting checks the quorum's members.
         self._check_members()
-        self._joined = True
         averagers = list(due())
         reduced = [averager.reduce() for averager in averagers]
         committed = self.manager.should_commit()
@@ -283,6 +282,7 @@ class TorchftReplicas:
             )
         if problems and not self._joined:
             raise ValueError(" ".join(problems))
+        self._joined = True  # checked, and in the quorum: from now on a misconfigured newcomer is the one refused
         for problem in problems:
             warnings.warn(
                 f"replica group {self.group_id}: a group that joins the quorum is refused and stops ({problem}); "

@@ -718,15 +718,21 @@ def _own_frame(layer: nn.Module) -> nn.Module | Callable[..., Any]:
     return own
 
 
+_CHUNK = 1 << 22  # elements of a low-precision gradient divided in float32 at a time (a 16 MiB temporary)
+
+
 def divide_by_count(grads: Sequence[Tensor], count: Tensor) -> None:
     """``g /= count`` in place, by the exact count (a 0-dim float64 or float32 tensor on the gradients' device) in
-    every gradient dtype. A bf16/fp16 gradient is divided in float32 and rounded once: a CUDA kernel reads a device
+    every gradient dtype. A bf16/fp16 gradient is divided in float32 and rounded once, a chunk at a time (a whole
+    float32 copy of a large embedding's gradient was GBs at the step, memory's peak): a CUDA kernel reads a device
     0-dim divisor in the gradient's dtype (507 tokens as 508 in bf16, 2^-9 off; CPU's reads it exactly)."""
     for g in grads:
-        if g.dtype in (torch.float16, torch.bfloat16):
-            g.copy_(g.float().div_(count))
-        else:
+        if g.dtype not in (torch.float16, torch.bfloat16):
             g.div_(count)
+            continue
+        flat = g.view(-1) if g.is_contiguous() else None
+        for piece in flat.split(_CHUNK) if flat is not None else (g,):
+            piece.copy_(piece.float().div_(count))
 
 
 def item_count(items: Tensor | int | float, device: torch.device, dtype: torch.dtype) -> Tensor:

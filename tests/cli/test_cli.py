@@ -568,8 +568,8 @@ def test_an_evaluation_of_a_sharded_checkpoint_without_its_config_builds_the_che
     err = capsys.readouterr().err
     assert "--ckpt_path run.ckpt is a sharded checkpoint folder, which PACIStrategy reads and Lightning's DDP" in err
     assert "add --trainer.strategy paci" in err and "consolidate_checkpoint run.ckpt" in err
-    # Only where the strategy opens it as a file: FSDP's, DeepSpeed's and model-parallel folders hold a meta.pt too,
-    # and those strategies read them (refusing them broke their resumes, the diff review).
+    # Only where the strategy opens it as a file: FSDP's and model-parallel folders hold a meta.pt too, and those
+    # strategies read them (refusing them broke their resumes, the diff review); DeepSpeed keeps its own.
     from jsonargparse import Namespace
 
     from lit_efficient.cli.app import _reads_files_only
@@ -579,6 +579,7 @@ def test_an_evaluation_of_a_sharded_checkpoint_without_its_config_builds_the_che
     for strategy, files_only in named.items():
         assert _reads_files_only(Namespace(strategy=strategy)) is files_only, strategy
     for class_path, files_only in (("lightning.pytorch.strategies.FSDPStrategy", False),
+                                   ("lightning.pytorch.strategies.DeepSpeedStrategy", False),  # a DDP subclass
                                    ("lightning.pytorch.strategies.DDPStrategy", True),
                                    ("lit_efficient.PACIStrategy", False)):  # fmt: skip
         assert _reads_files_only(Namespace(strategy=Namespace(class_path=class_path))) is files_only, class_path

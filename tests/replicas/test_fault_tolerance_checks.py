@@ -292,3 +292,34 @@ def test_a_group_index_live_twice_or_another_group_count_is_refused():
     said = r"replica group 0: a group that joins the quorum is refused and stops \(replica group 0 is live 2 times "
     with pytest.warns(UserWarning, match=said + r".*\); this group, which synced before it, trains on"):
         _members(0, 3, [(0, 3), (1, 3)], joined=True)
+
+
+def test_a_newcomer_whose_first_check_failed_is_still_refused_at_its_next_sync():
+    """A first sync whose all-reduce failed (a peer died, a reconfiguration timed out) checked nothing, but marked
+    the rank as joined, so the newcomer with a duplicated index took the warning path at its next sync and trained
+    on (the second review)."""
+
+    class Flaky(_Quorum):
+        def __init__(self, others):
+            super().__init__(others)
+            self.failed = True  # the first all-reduce fails
+
+        def start_quorum(self):
+            pass
+
+        def num_participants(self):
+            return len(self.others) + 1
+
+        def errored(self):
+            return "a peer died" if self.failed else None
+
+        def should_commit(self):
+            failed, self.failed = self.failed, False
+            return not failed
+
+    replicas = object.__new__(TorchftReplicas)
+    replicas.group_id, replicas.groups, replicas.device = 0, 2, torch.device("cpu")
+    replicas.manager, replicas._joined = Flaky([(0, 2)]), False
+    assert replicas.sync(lambda: []) is False  # not committed, nothing judged
+    with pytest.raises(ValueError, match="replica group 0 is live 2 times"):
+        replicas.sync(lambda: [])

@@ -206,3 +206,18 @@ def test_a_dict_sent_to_the_next_stage_is_answered_with_a_tuple():
     said += r"only tensors \(or None\) cross a stage boundary. Return its tensors as a tuple instead \(unpacked into"
     with pytest.raises(TypeError, match=said):
         stage.evaluate((torch.ones(2, 4),))
+
+
+def test_a_low_precision_gradient_is_divided_by_the_exact_count_a_chunk_at_a_time(monkeypatch):
+    """bf16/fp16 gradients are divided in float32 and rounded once (a device divisor read in bf16 is 507 as 508), a
+    bounded chunk at a time: a whole float32 copy of a large gradient was GBs at the step (the second review)."""
+    from lit_efficient.runtime import stage as stage_module
+
+    monkeypatch.setattr(stage_module, "_CHUNK", 7)  # several chunks of a small gradient
+    g = torch.randn(5, 9).to(torch.bfloat16)
+    strided = torch.randn(9, 5).to(torch.bfloat16).t()  # not contiguous: divided whole
+    want = [(x.float() / 507).to(torch.bfloat16) for x in (g, strided)]
+    assert not torch.equal(want[0], (g.float() / 508).to(torch.bfloat16))  # the test tells 507 from 508
+    count = torch.tensor(507.0, dtype=torch.float64)
+    stage_module.divide_by_count([g, strided], count)
+    assert torch.equal(g, want[0]) and torch.equal(strided, want[1])
