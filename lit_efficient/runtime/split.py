@@ -166,10 +166,16 @@ def check_sharing(module: nn.Module, layers: Sequence[nn.Module], sizes: Sequenc
         where = ", ".join(f"{i} ({type(layers[i]).__name__})" for i in idx)
         pname = names.get(key, ["?"])[0]
         if idx != [0, last]:
+            # Where the first and the last layer are among them, no balance puts them on one stage: the others go.
+            fix = (
+                "untie it from layer(s) " + ", ".join(str(i) for i in idx if i not in (0, last))
+                if 0 in idx and last in idx
+                else "untie them, or choose balance= so that the layers sharing it sit on one stage"
+            )
             raise ValueError(
                 f"parameter '{pname}' is shared by pipeline layers {where}, which land on different stages. Only a "
                 "weight tied between the first and the last layer (input embedding and LM head) can be shared across "
-                "stages; untie the others, or choose balance= so that the layers sharing it sit on one stage."
+                f"stages: {fix}."
             )
         ties.append(_tie(module, layers, params[key]))
     return ties

@@ -92,6 +92,13 @@ def test_only_first_and_last_layer_may_share_across_stages():
     assert check_sharing(model, list(model.layers), [3, 1]) == []  # both on stage 0: one copy
     with pytest.raises(ValueError, match=r"'layers.1.weight' is shared by pipeline layers 1 \(Linear\), 2 \(Linear\)"):
         check_sharing(model, list(model.layers), [2, 2])
+    # Three layers with the first and the last: no balance puts those on one stage, so the fix names the third
+    # (the hint said to choose balance=, a tied-weights audit).
+    model = _Model((0, 3))
+    model.layers[1].weight = model.layers[0].weight
+    with pytest.raises(ValueError, match=r"shared by pipeline layers 0 \(Linear\), 1 \(Linear\), 3 \(Linear\), "
+                       r".* across stages: untie it from layer\(s\) 1\.$"):  # fmt: skip
+        check_sharing(model, list(model.layers), [2, 2])
 
 
 def test_split_keeps_a_real_copy_on_each_side_and_unsplit_ties_again():
