@@ -1,6 +1,7 @@
 """Draw 1F1B-flush and PACI side by side from the discrete-event simulator (the README's picture).
 
-    python examples/draw_schedules.py                      # writes docs/schedules.png
+    python examples/draw_schedules.py                      # writes schedules.png here
+    python examples/draw_schedules.py --out docs/schedules.png   # the README's picture, from the repository root
     python examples/draw_schedules.py --stages 8 --accumulate 8 --windows 2 --out sched.png
 
 Pure simulation (`lit_efficient.tools.simulate`): no processes, no training; about 2 s on CPU,
@@ -48,7 +49,9 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--stages", type=int, default=4, help="pipeline stages S")
     parser.add_argument("--accumulate", type=int, default=4, help="micro-batches per optimizer step N")
     parser.add_argument("--windows", type=int, default=3, help="optimizer steps to simulate")
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "docs" / "schedules.png")
+    # Here, not beside the script: an install's package folder is no place to write (it wrote the repository's
+    # docs/schedules.png from wherever it was run).
+    parser.add_argument("--out", type=Path, default=Path("schedules.png"), help="the picture to write")
     args = parser.parse_args(argv)
     s, n = args.stages, args.accumulate
     runs = {name: simulate(name, s, n, n * args.windows, forward=1.0, backward=2.0) for name in ("1f1b_flush", "paci")}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -31,10 +32,15 @@ def test_example_imports_without_running_and_has_a_main_guard(path):
     assert callable(module.main)
 
 
-def test_draw_schedules_writes_the_picture(tmp_path):
+def test_draw_schedules_writes_the_picture(tmp_path, monkeypatch):
     args = ["--stages", "3", "--accumulate", "2", "--out", str(tmp_path / "s.png")]
     out = _load(EXAMPLES / "draw_schedules.py").main(args)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # By default where it is run, not into the package's folder (it wrote the repository's docs picture from
+    # anywhere, an examples audit).
+    monkeypatch.chdir(tmp_path)
+    assert _load(EXAMPLES / "draw_schedules.py").main(["--windows", "1"]) == Path("schedules.png")
+    assert (tmp_path / "schedules.png").is_file()
 
 
 def test_checkpointing_memory_saves_activation_memory(monkeypatch):
