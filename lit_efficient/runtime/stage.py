@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from lit_efficient.runtime.clock import Clock, HostClock, Spans, clock_for
-from lit_efficient.runtime.staleness import StalenessCorrection
+from lit_efficient.runtime.staleness import StalenessCorrection, gradients_nonfinite
 
 Normalize = Literal["mean", "tokens"]
 OnNonFinite = Literal["raise", "skip"]
@@ -392,8 +392,7 @@ class PipelineStage:
 
     def _check_finite(self, grads: list[Tensor], totals: Tensor, window: int) -> bool:
         """Whether to apply the update; raises or skips on NaN/Inf as configured."""
-        norms = torch._foreach_norm(grads) if grads else [self._one]
-        own = (~torch.isfinite(torch.stack([n.to(torch.float64) for n in norms]).sum())).to(torch.float64)
+        own = gradients_nonfinite(grads) if grads else 0 * self._one
         # The one host sync of an optimizer step (none per micro-batch: every flag up to here stays on the
         # device), and it is required. Whether to apply the update is a host decision: raising needs the
         # host, and skipping must skip the optimizer's and the scheduler's step, calls no generic optimizer

@@ -795,8 +795,15 @@ def nonfinite_window(params: Sequence[nn.Parameter], loss_bad: Tensor | None) ->
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return loss_bad
-    own = (~torch.isfinite(torch.stack(torch._foreach_norm(grads)).to(torch.float64).sum())).to(torch.float64)
+    own = gradients_nonfinite(grads)
     return own if loss_bad is None else torch.maximum(own, loss_bad.to(own.device, torch.float64))
+
+
+def gradients_nonfinite(grads: Sequence[Tensor]) -> Tensor:
+    """A 0-dim float64 flag on the gradients' device, 1 where any of ``grads`` (non-empty) holds a NaN/Inf: their
+    norms (one fused pass) summed in float64, so fp16 norms do not overflow in the sum. The stage's step and the
+    prediction (`nonfinite_window`) test alike."""
+    return (~torch.isfinite(torch.stack(torch._foreach_norm(grads)).to(torch.float64).sum())).to(torch.float64)
 
 
 def _masked(mean: Tensor, bad: Tensor | None) -> Tensor:
