@@ -44,7 +44,7 @@ from lit_efficient.strategy.config import (
     check_accumulate,
     unsupported_precision,
 )
-from lit_efficient.strategy.paci import PACIStrategy
+from lit_efficient.strategy.paci import CLASS_NAMES, PACIStrategy
 from lit_efficient.tools.fake_memory import (
     MakeOptimizer,
     SavedBytes,
@@ -538,7 +538,7 @@ def _strategy(value: Any) -> PACIStrategy:
     if isinstance(value, str):
         if value.lower() in ("paci", "1f1b_flush"):
             return PACIStrategy(schedule=value.lower())
-        if value.lower() in ("pacistrategy", "lit_efficient.pacistrategy"):  # the class's registered names
+        if value.lower() in CLASS_NAMES:  # the class's registered names: its defaults
             return PACIStrategy()
         raise PlanError(f"trainer.strategy={value!r}: the plan covers PACIStrategy (strategy 'paci' or '1f1b_flush')")
     if _class_name(value) != "PACIStrategy":

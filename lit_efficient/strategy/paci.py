@@ -218,6 +218,10 @@ def _in_place_compile(module: Any) -> Any:
     return found if found is not None else torch.compile
 
 
+# The class's names registered as strategy names, lowercased as Lightning looks strings up (`register_strategies`).
+CLASS_NAMES = ("pacistrategy", "lit_efficient.pacistrategy")
+
+
 class PACIStrategy(DDPStrategy):
     """Pipeline-parallel training: split the model into stages over processes and run PACI or 1F1B-flush.
 
@@ -1752,7 +1756,7 @@ class PACIStrategy(DDPStrategy):
         # The class's own name as users type it (Trainer(strategy="PACIStrategy"), --trainer.strategy PACIStrategy,
         # or lit_efficient.PACIStrategy, which the CLI passes on as a string when no init_args follow), looked up
         # lowercased by Lightning: each was "invalid strategy name" in a traceback.
-        for name in ("pacistrategy", "lit_efficient.pacistrategy"):
+        for name in CLASS_NAMES:
             if name not in strategy_registry and cls is PACIStrategy:
                 strategy_registry.register(name, cls, description="PACIStrategy with its defaults")
 
