@@ -545,21 +545,28 @@ def test_a_local_sgd_folder_on_another_layout_says_the_replicas_own_are_dropped(
     assert len(said[0]) == 1 and "the replicas past the first start from the first's weights" in said[0][0], said[0]
 
 
-def test_a_logger_that_uploads_checkpoints_is_warned_that_it_skips_folders(tmp_path, monkeypatch):
+def test_a_logger_that_uploads_checkpoints_is_warned_that_it_skips_folders(tmp_path):
     """WandbLogger(log_model=True) uploads the files ModelCheckpoint wrote (Lightning's scan keeps files only): with
-    checkpoint_format="sharded" the run ended with no model uploaded and nothing said (a W&B audit)."""
-    from lightning.pytorch.loggers import WandbLogger
+    checkpoint_format="sharded" the run ended with no model uploaded and nothing said (a W&B audit). The check reads
+    a logger's ``_log_model``, WandbLogger's and MLflow's: a CSV logger that sets it stands in for them, since a real
+    W&B run started in a test worker keeps its settings for every later test there (one did, and a later offline-run
+    test found its variables ignored)."""
+    from lightning.pytorch.loggers import CSVLogger, WandbLogger
 
-    monkeypatch.setenv("WANDB_MODE", "disabled")  # no service, no files: the logger's settings are what is read
+    assert WandbLogger(log_model=True, offline=False, save_dir=str(tmp_path))._log_model is True  # no run started
+
+    class Uploading(CSVLogger):
+        _log_model = True
+
     for fmt, warned in (("sharded", 1), ("file", 0)):
-        logger = WandbLogger(log_model=True, offline=False, save_dir=str(tmp_path))
         saves = ModelCheckpoint(dirpath=tmp_path / fmt)
         strategy = PACIStrategy(pipeline_stages=2, checkpoint_format=fmt)
+        logger = Uploading(tmp_path, name=fmt)
         trainer = _trainer(strategy, 1, 2, logger=logger, callbacks=[saves], enable_checkpointing=True)
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
             trainer.fit(_model(), datamodule=_ordered())
         said = [str(w.message) for w in seen if "log_model" in str(w.message)]
         assert len(said) == warned, said
-        assert all("checkpoint_format='sharded' writes each as a folder, so WandbLogger uploads no model" in s
+        assert all("checkpoint_format='sharded' writes each as a folder, so Uploading uploads no model" in s
                    for s in said)  # fmt: skip
