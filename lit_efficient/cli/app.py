@@ -173,14 +173,7 @@ def _reads_files_only(trainer: Any) -> bool:
     if strategy is None or isinstance(strategy, str):
         name = (strategy or "auto").lower()
         return name == "auto" or name == "single_device" or name.startswith("ddp")
-    class_path = strategy.get("class_path") if isinstance(strategy, Namespace) else None
-    cls = type(strategy) if not isinstance(strategy, Namespace) else None
-    if isinstance(class_path, str):
-        module_name, _, name = class_path.rpartition(".")
-        try:
-            cls = getattr(importlib.import_module(module_name), name)
-        except (ImportError, AttributeError, ValueError):
-            return False
+    cls = _class_at(strategy.get("class_path")) if isinstance(strategy, Namespace) else type(strategy)
     if not isinstance(cls, type) or issubclass(cls, (PACIStrategy, DeepSpeedStrategy, XLAStrategy)):
         return False  # DeepSpeed and XLA subclass DDP and keep checkpoints of their own, as their names do
     return issubclass(cls, (DDPStrategy, SingleDeviceStrategy))
@@ -197,10 +190,21 @@ def _checkpoint_hyper_parameters(path: str) -> dict[str, Any]:
     return checkpoint.get("hyper_parameters") or {}
 
 
+def _class_at(class_path: Any) -> Any:
+    """The object a config's ``class_path`` names (a class, for what jsonargparse accepted), None where it names
+    nothing importable."""
+    if not isinstance(class_path, str):
+        return None
+    module_name, _, name = class_path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module_name), name, None)
+    except (ImportError, ValueError):  # ValueError: a bare name, no module
+        return None
+
+
 def _default_of(class_path: str, key: str) -> Any:
     """The default of ``key`` in the data module class ``class_path``'s constructor (_ABSENT if none or unknown)."""
-    module_name, _, name = class_path.rpartition(".")
-    cls = getattr(sys.modules.get(module_name), name, None)
+    cls = _class_at(class_path)
     try:
         parameter = inspect.signature(cls).parameters.get(key) if cls is not None else None
     except (TypeError, ValueError):
