@@ -25,6 +25,7 @@ import torch.distributed as dist
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states, pl_worker_init_function
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint, ThroughputMonitor
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
@@ -111,13 +112,29 @@ def throughput_counts_replicas(trainer: Trainer, replicas: int) -> None:
 
 def share_rank_zero_metrics(trainer: Trainer) -> None:
     """Every rank takes global rank 0's callback metrics (it hosts the last stage, which logs the loss and what the
-    evaluation steps and pipeline_loss log). A collective of every rank; nothing with one process."""
+    evaluation steps and pipeline_loss log), and a key rank 0 lacks from the lowest rank that has it: what stage 0
+    logs in ``pipeline_input`` (a one-device training_step logs it there too). Every rank then holds the same keys:
+    a ModelCheckpoint monitoring such a key found it on stage 0's rank only, which saved (a collective) while rank 0
+    skipped, a hang. Rank 0 says once which keys its logger and progress bar do not show (they are fed by its own
+    logging). A collective of every rank; nothing with one process."""
     if trainer.world_size == 1:
         return
-    metrics = [{k: v.detach().cpu() if isinstance(v, Tensor) else v for k, v in trainer.callback_metrics.items()}]
-    metrics = trainer.strategy.broadcast(metrics, src=0)
-    if trainer.global_rank != 0:
-        trainer.callback_metrics.update(metrics[0])
+    mine = {k: v.detach().cpu() if isinstance(v, Tensor) else v for k, v in trainer.callback_metrics.items()}
+    every: list[Any] = [None] * trainer.world_size
+    dist.all_gather_object(every, mine)
+    shared = dict(every[0])
+    for metrics in every[1:]:
+        for key, value in metrics.items():
+            shared.setdefault(key, value)
+    trainer.callback_metrics.update(shared)
+    elsewhere = sorted(shared.keys() - every[0].keys())
+    if trainer.global_rank == 0 and elsewhere:
+        rank_zero_warn(
+            f"self.log({', '.join(map(repr, elsewhere))}) ran on a rank without the last stage (in pipeline_input or "
+            "a hook of an earlier stage's process): checkpoint and early-stopping callbacks see it, the logger and "
+            "the progress bar (global rank 0's, with the last stage) do not. To chart it, log it in pipeline_loss, "
+            "which runs on the last stage."
+        )
 
 
 def _reads_metrics_now(callback: Any, trainer: Trainer) -> bool:

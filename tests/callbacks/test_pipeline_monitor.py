@@ -342,7 +342,7 @@ def test_pipeline_run_logs_every_key_matches_simulator_and_draws_timeline(tmp_pa
 
     A balanced 2-stage PACI pipeline has no slack: a stage delayed by anything makes the other wait.
     On a machine whose two cores other processes share, every preemption becomes such a delay, so when
-    a stage's thread got less than 90% of a core during its busy time the timing is inconclusive and
+    a stage's thread got less than 90% of a core while it was not waiting the timing is inconclusive and
     the comparison is skipped, with the measurements in the reason (the other checks still run).
     """
     L.seed_everything(0)
@@ -403,8 +403,11 @@ def test_pipeline_run_logs_every_key_matches_simulator_and_draws_timeline(tmp_pa
         f"measured {measured}, simulated {expected}, costs {costs}, latency {[st['latency'] for st in stats]}; "
         f"outside the runtime {outside}, waiting {waiting}"
     )
-    core_share = [st["cpu_seconds"] / st["busy_seconds"] for st in stats]
-    report += f"; CPU time / busy time of each stage's thread {core_share}"
+    # The core each stage's thread got while it had work (its span less its waits): a stage preempted in its compute
+    # or in Lightning's work between two actions makes its neighbour wait, which the simulator does not model. (CPU
+    # time against busy time alone missed the second: 99-102% in a CI run whose stages waited 9.4-9.8% of the span.)
+    core_share = [st["cpu_seconds"] / (st["elapsed_seconds"] - st["wait_seconds"]) for st in stats]
+    report += f"; CPU time / time not waiting of each stage's thread {core_share}"
     if min(core_share) < 0.9:
         pytest.skip(f"timing inconclusive, the stages shared their cores with other processes: {report}")
     # The issue's 10%. Measured on a shared 2-core machine: -2% to -4% on both stages (4 runs); with

@@ -12,7 +12,7 @@ import json
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import Checkpoint
+from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -334,6 +334,39 @@ def test_metrics_logged_in_pipeline_loss_reach_the_logger(tmp_path, replicas):
             assert "hosts no last stage" in value and "trainer.strategy.is_last_stage" in value, (rank, value)
     seen = [json.loads((tmp_path / f"seen{rank}.json").read_text()) for rank in range(2 * replicas)]
     assert seen == [4 * 32] * (2 * replicas), seen
+
+
+class _LogsInItsInput(GPT):
+    """Logs what its input holds where one device's training_step reads it: in pipeline_input, which runs on stage
+    0 (on processes, not on global rank 0, which hosts the last stage)."""
+
+    def pipeline_input(self, batch):
+        if self.trainer.training:
+            self.log("input_tokens", float(batch[0].numel()), on_step=False, on_epoch=True, reduce_fx="sum")
+        return super().pipeline_input(batch)
+
+
+def test_a_metric_logged_in_pipeline_input_reaches_a_checkpoint_that_monitors_it(tmp_path, capfd):
+    """On processes the key was on stage 0's rank only: its ModelCheckpoint saved (a collective) while rank 0's
+    found no key and skipped, and the fit hung; without a monitor the value was lost silently. Every rank now sees
+    it, the checkpoint kept is one device's, and rank 0 says that its logger does not show the key."""
+    kept = {}
+    for devices, strategy in [
+        (1, "auto"),
+        (2, PACIStrategy(pipeline_stages=2, schedule="1f1b_flush", start_method="forkserver")),
+    ]:
+        module = _model()
+        module.__class__ = _LogsInItsInput
+        out = tmp_path / f"metrics{devices}.json"
+        checkpoint = ModelCheckpoint(dirpath=tmp_path / f"kept{devices}", monitor="input_tokens", mode="max")
+        _fit_with_data(
+            module, strategy, devices, 2, 4, limit_val_batches=1, enable_checkpointing=True,
+            callbacks=[checkpoint, _RecordMetrics(out)],
+        )  # fmt: skip
+        kept[devices] = sorted(p.name for p in (tmp_path / f"kept{devices}").iterdir())
+        assert json.loads(out.read_text())["input_tokens"] == 8 * 4 * 32  # micro-batches x batch x block
+    assert kept[1] == kept[2] == ["epoch=0-step=4.ckpt"], kept
+    assert "self.log('input_tokens') ran on a rank without the last stage" in capfd.readouterr().err
 
 
 class _RecordSteps(L.Callback):
