@@ -285,22 +285,11 @@ def _as_automatic(callback: ModelCheckpoint) -> Callable[..., None]:
         if _reads_metrics_now(callback, trainer):
             share_rank_zero_metrics(trainer)
         carry_step_count_to_automatic(trainer)  # trainer.global_step reads the automatic loop's counter then
-        # The strategy logs train_loss at window ends, one device's training_step at every batch: before the first
-        # window ends it is missing here only, and the hook deferred a save to the first validation that one device
-        # never makes (an extra checkpoint at that step, ranked among the top k).
-        unlogged = (
-            callback.monitor == "train_loss"
-            and "train_loss" not in trainer.callback_metrics
-            and not getattr(trainer.strategy, "_module_logs_train_loss", False)  # the module's own: as one device's
-        )
-        deferred = callback._defer_save_until_validation
         pl_module.automatic_optimization = True
         try:
             hook(trainer, pl_module, *args, **kwargs)
         finally:
             pl_module.automatic_optimization = False
-            if unlogged:
-                callback._defer_save_until_validation = deferred
 
     return on_train_batch_end
 

@@ -262,7 +262,7 @@ ROWS: list[Row] = [
         module=_manual, trainer=dict(accumulate_grad_batches=1),
         note="Lightning's own error first when accumulate_grad_batches > 1"),
     # -- validation, checkpoints, evaluation
-    Row("val_check_interval in the middle of a window", trainer=dict(VAL, val_check_interval=3)),
+    Row("val_check_interval in the middle of a window", trainer=dict(VAL, val_check_interval=3), processes=True),
     Row("val_check_interval in the middle of a window, recompute=True", trainer=dict(VAL, val_check_interval=3),
         strategy=dict(recompute=True), note="the drain at the validation's start recomputes with autograd on"),
     Row("check_val_every_n_epoch", trainer=dict(EPOCHS, check_val_every_n_epoch=2, **VAL)),
@@ -419,11 +419,14 @@ def _param(row: Row):
 
 
 def _without(outcome: dict, ignore: str) -> dict:
-    """``outcome`` without the metrics whose names match ``ignore`` (in callback_metrics and logged rows)."""
+    """``outcome`` without the metrics whose names match ``ignore`` (in callback_metrics, logged rows and the
+    callback metrics seen at each validation's end)."""
     if not ignore:
         return outcome
     keep = lambda metrics: {k: v for k, v in metrics.items() if not re.fullmatch(ignore, k)}  # noqa: E731
-    return {**outcome, "metrics": keep(outcome["metrics"]), "rows": [(s, keep(m)) for s, m in outcome["rows"]]}
+    hooks = [(*h[:3], keep(h[3])) if h[0] == "validation_end" else h for h in outcome["hooks"]]
+    rows = [(s, keep(m)) for s, m in outcome["rows"]]
+    return {**outcome, "metrics": keep(outcome["metrics"]), "rows": rows, "hooks": hooks}
 
 
 def _assert_close(a, b, tolerance: float, where: str) -> None:

@@ -271,7 +271,10 @@ class _Seen(Callback):
         self.hooks.append(("train_batch_end", trainer.global_step, batch_idx))
 
     def on_validation_end(self, trainer, pl_module) -> None:
-        self.hooks.append(("validation_end", trainer.global_step, trainer.sanity_checking))
+        # With what a checkpoint or early-stopping callback reads there (a validation in the middle of a window read
+        # the window before's train_loss where one device reads the micro-batch just trained).
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+        self.hooks.append(("validation_end", trainer.global_step, trainer.sanity_checking, metrics))
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         self.hooks.append(("train_epoch_end", trainer.global_step, trainer.current_epoch))
