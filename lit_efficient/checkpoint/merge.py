@@ -141,16 +141,51 @@ def _comparable(value: Any, depth: int = 0) -> Any:
     return (name, sorted((k, _comparable(v, depth + 1)) for k, v in fields.items()))
 
 
+def group_order(stages: Sequence[Sequence[str]]) -> list[str]:
+    """The unsplit optimizer's group keys (`group_key`) in one device's order, from each stage's keys in its own
+    order, stage by stage. A stage lists its groups in the order of the user's configure_optimizers less those it
+    holds no parameter of (GPT's optimizer drops an empty group: a stage of only the embedding has no group with
+    weight decay), so every stage's order is kept, and groups no stage holds together come by first appearance.
+    First appearance alone put a group stage 0 lacks after stage 0's: one device refused the checkpoint (another
+    group size) or, with sizes alike, loaded one group's hyper-parameters into another. Stages that disagree on an
+    order (a cycle) keep first appearance for the groups involved."""
+    first: dict[str, int] = {}
+    before: dict[str, set[str]] = {}  # key -> the keys some stage lists after it
+    for keys in stages:
+        own = list(dict.fromkeys(keys))  # two equal groups of one stage are one merged group
+        for key in own:
+            first.setdefault(key, len(first))
+            before.setdefault(key, set())
+        for a, b in zip(own, own[1:], strict=False):
+            before[a].add(b)
+    waiting = {key: 0 for key in first}
+    for later in before.values():
+        for key in later:
+            waiting[key] += 1
+    order: list[str] = []
+    ready = [key for key in first if waiting[key] == 0]
+    while ready:
+        key = min(ready, key=first.__getitem__)
+        ready.remove(key)
+        order.append(key)
+        for later in before[key]:
+            waiting[later] -= 1
+            if waiting[later] == 0:
+                ready.append(later)
+    return order + [key for key in first if key not in order]
+
+
 def merge_group_names(
     stages: Sequence[tuple[int, list[tuple[str, list[str]]], list[str], list[str]]],
 ) -> tuple[list[list[str]], dict[str, str]]:
     """The unsplit optimizer's parameter names per group from every stage's ``(stage, [(group key, names)],
-    first copies, second copies)``: groups matched by key in order of first appearance, stage by stage (as
+    first copies, second copies)``: groups matched by key in one device's order (`group_order`, as
     `_merge_optimizers` merges them), and ``{second copy: first copy}`` of the tied weights by name."""
-    merged: dict[str, list[str]] = {}
-    for _, stage_groups, _, _ in sorted(stages, key=lambda x: x[0]):
+    ordered = sorted(stages, key=lambda x: x[0])
+    merged: dict[str, list[str]] = {key: [] for key in group_order([[k for k, _ in g] for _, g, _, _ in ordered])}
+    for _, stage_groups, _, _ in ordered:
         for key, group_names in stage_groups:
-            merged.setdefault(key, []).extend(group_names)
+            merged[key].extend(group_names)
     firsts = [n for _, _, f, _ in stages for n in f]
     seconds = [n for _, _, _, c in stages for n in c]
     return list(merged.values()), dict(zip(seconds, firsts, strict=True))
@@ -158,16 +193,15 @@ def merge_group_names(
 
 def _merge_optimizers(primary: list[dict[str, Any]]) -> tuple[dict[str, Any], list[list[str]], dict]:
     """One optimizer state in the unsplit index space. A stage may lack a group (no biases on an
-    embedding stage), so groups are matched by `group_key`, in order of first appearance, stage by stage.
+    embedding stage), so groups are matched by `group_key`, in one device's order (`group_order`).
     Returns the state, the names per merged group and ``slots[(stage, local group)] = merged group``."""
-    keys: list[str] = []
-    slots: dict[tuple[int, int], int] = {}
-    for s in primary:
-        for g, group in enumerate(s["optimizer"]["param_groups"]):
-            key = group_key(group)
-            if key not in keys:
-                keys.append(key)
-            slots[(s["stage"], g)] = keys.index(key)
+    stage_keys = [[group_key(group) for group in s["optimizer"]["param_groups"]] for s in primary]
+    keys = group_order(stage_keys)
+    slots = {
+        (s["stage"], g): keys.index(key)
+        for s, own in zip(primary, stage_keys, strict=True)
+        for g, key in enumerate(own)
+    }
     groups: list[dict[str, Any]] = [{} for _ in keys]
     names: list[list[str]] = [[] for _ in keys]
     members: list[list[tuple[int, Any]]] = [[] for _ in keys]  # (share, local index) per merged group

@@ -80,3 +80,34 @@ def test_a_group_empty_on_a_stage_resumes(tmp_path, fmt):
     # The empty group takes the saved group's hyper-parameters, as the stage that holds the head does.
     hyper = [[(g["lr"], g["weight_decay"]) for g in h.optimizer.param_groups] for h in resumed.hosted]
     assert hyper == [[(1e-2, 1e-2), (2e-2, 0.0)]] * 2
+
+
+@pytest.mark.parametrize("fmt", ["file", "sharded"])
+def test_a_stage_without_the_first_group_saves_the_groups_in_one_devices_order(tmp_path, fmt):
+    """GPT's own optimizer drops an empty group: with the embedding alone on stage 0 that stage holds the no-decay
+    group only. The merge took the groups in order of first appearance, stage by stage (no-decay first), where one
+    device's optimizer lists decay first: one device refused the pipeline's checkpoint ("a parameter group that
+    doesn't match the size of optimizer's group"; with sizes alike it would have swapped the hyper-parameters),
+    and the pipeline read one device's with the groups' names swapped. Each now resumes the other's."""
+    alone = dict(balance=[1, 3])
+    fit_small_gpt(GPT, "auto", 2, save=tmp_path / "plain.ckpt")
+    saving = _flush(checkpoint_format=fmt, **alone)
+    fit_small_gpt(GPT, saving, 2, save=tmp_path / "piped.ckpt")
+    assert [len(h.optimizer.param_groups) for h in saving.hosted] == [1, 2]  # the case: stage 0 lacks a group
+    plain = torch.load(tmp_path / "plain.ckpt", weights_only=True)["optimizer_states"][0]["param_groups"]
+    piped = torch.load(one_file(tmp_path / "piped.ckpt"), weights_only=True)["optimizer_states"][0]["param_groups"]
+    shape = lambda groups: [(len(g["params"]), g["weight_decay"]) for g in groups]  # noqa: E731
+    assert shape(piped) == shape(plain) and plain[0]["weight_decay"] > 0, (shape(piped), shape(plain))
+    want = fit_small_gpt(GPT, "auto", 3, ckpt=tmp_path / "plain.ckpt").state_dict()
+    for strategy, path in ((_flush(**alone), tmp_path / "plain.ckpt"), ("auto", one_file(tmp_path / "piped.ckpt"))):
+        got = fit_small_gpt(GPT, strategy, 3, ckpt=path).state_dict()
+        assert max((got[k] - want[k]).abs().max().item() for k in want) < 1e-6
+
+
+def test_the_group_order_keeps_every_stages_order():
+    from lit_efficient.checkpoint.merge import group_order
+
+    assert group_order([["no decay"], ["decay", "no decay"]]) == ["decay", "no decay"]  # the test above's case
+    assert group_order([["b"], ["c"], ["a", "b"]]) == ["c", "a", "b"]  # ready groups by first appearance
+    assert group_order([["x", "x", "y"]]) == ["x", "y"]  # two equal groups of one stage: one merged group
+    assert group_order([["a", "b"], ["b", "a"]]) == ["a", "b"]  # stages that disagree: first appearance
