@@ -76,11 +76,17 @@ class EditsReachEveryStage:
 
     The strategy's own changes are not the user's: `refresh` after each of the last stage's steps (its scheduler)
     and after the epoch schedulers; `apply` at each batch the pipeline is fed. Only the values that changed are
-    copied (a stage's own scheduler, stepped on its own schedule, keeps its other values).
+    copied (a stage's own scheduler, stepped on its own schedule, keeps its other values). A group user code adds
+    (``add_param_group``, an unfreezing callback) is every stage's, each with its own parameters of it (an empty
+    group where it has none), as each rank's own optimizer gets it on processes: added to the shown optimizer
+    alone, an earlier stage's parameters were stepped by the last stage's optimizer, and the fit failed at its end
+    (a KeyError naming a parameter the last stage does not hold).
     """
 
-    def __init__(self, shown: Any, others: list[Any]) -> None:
+    def __init__(self, shown: Any, others: list[Any], parameters: list[list[Tensor]]) -> None:
+        """``parameters``: each hosted stage's, in the order of ``others`` then ``shown``."""
         self.shown, self.others = shown, others
+        self._stage_of = {id(p): i for i, ps in enumerate(parameters) for p in ps}
         self._seen: list[dict[str, Any]] = []
         self._warned = False
         self.refresh()
@@ -92,6 +98,8 @@ class EditsReachEveryStage:
     def apply(self) -> None:
         """Copy what changed in the shown optimizer's groups since `refresh` into the other stages' groups."""
         groups = self.shown.param_groups
+        for group in groups[len(self._seen) :]:
+            self._share_added(group)
         edits = [
             (j, key, value)
             for j, (group, seen) in enumerate(zip(groups, self._seen, strict=False))  # added groups: its own
@@ -106,6 +114,23 @@ class EditsReachEveryStage:
                 for j, key, value in edits:
                     other.param_groups[j][key] = value.detach().clone() if isinstance(value, Tensor) else value
         self.refresh()
+
+    def _share_added(self, group: dict[str, Any]) -> None:
+        """A group added to the shown optimizer: each other stage gets one with the same settings and its own
+        parameters of it; the shown keeps the rest (the last stage's, and any no stage holds)."""
+        if any(len(other.param_groups) != len(self.shown.param_groups) - 1 for other in self.others):
+            return  # the stages' groups differ already: `apply` says so
+        last = len(self.others)
+        owner = [self._stage_of.get(id(p), last) for p in group["params"]]
+        own = [k for k in _OWN if k in group]  # the parameters, and their names where torch keeps them
+
+        def of(stage: int) -> dict[str, list]:
+            return {k: [x for x, o in zip(group[k], owner, strict=True) if o == stage] for k in own}
+
+        settings = {k: v.detach().clone() if isinstance(v, Tensor) else v for k, v in group.items() if k not in _OWN}
+        for i, other in enumerate(self.others):
+            other.add_param_group({**settings, **of(i)})
+        group.update(of(last))
 
     def _warn_once(self, shown: int, other: int) -> None:
         if not self._warned:

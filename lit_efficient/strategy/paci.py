@@ -743,7 +743,11 @@ class PACIStrategy(DDPStrategy):
             self.optimizers, self.lr_scheduler_configs = [last.optimizer], last.scheduler_configs
             self.averager = last.averager
             if len(self.hosted) > 1:  # one process: what user code writes into that optimizer reaches every stage
-                self._edits = EditsReachEveryStage(last.optimizer, [h.optimizer for h in self.hosted[:-1]])
+                self._edits = EditsReachEveryStage(
+                    last.optimizer,
+                    [h.optimizer for h in self.hosted[:-1]],
+                    [list(h.stage.parameters()) for h in self.hosted],
+                )
                 last.stage.after_step = _then(last.stage.after_step, self._edits.refresh)
         self.setup_precision_plugin()
         self._prepare_runtimes(trainer)

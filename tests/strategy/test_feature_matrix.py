@@ -53,6 +53,7 @@ from lit_efficient import ActivationCheckpointing, GradientAccumulation, Pipelin
 from tests.support.compare import assert_same as _assert_same
 from tests.support.feature_matrix_parts import (
     N,
+    _AddsTheEmbeddingsGroup,
     _as,
     _cli,
     _clips_per_stage,
@@ -69,6 +70,7 @@ from tests.support.feature_matrix_parts import (
     _found,
     _found_nan,
     _frozen,
+    _frozen_left_out,
     _frozen_stays,
     _gpt,
     _grad_norms_logged,
@@ -235,6 +237,10 @@ ROWS: list[Row] = [
         trainer=dict(VAL, val_check_interval=2, max_steps=4), module=_as(_PlateauOfTheirOwn),
         note="the dict's word, not only torch's class"),
     Row("frozen layers (requires_grad=False)", module=_frozen, check=_frozen_stays),
+    Row("a parameter group added by a callback (unfreezing by hand: add_param_group at an epoch start)",
+        module=_frozen_left_out, trainer=EPOCHS, callbacks=lambda root: [_AddsTheEmbeddingsGroup()],
+        check=_unfrozen_trains, processes=True,
+        note="in one process each stage's optimizer gets the group with its own parameters of it, as each rank's"),
     Row("frozen layers unfrozen by a callback (requires_grad_(True) at an epoch start)", module=_frozen,
         trainer=EPOCHS, callbacks=lambda root: [_UnfreezesTheEmbedding()], check=_unfrozen_trains, processes=True,
         note="configure_optimizers given every parameter; BaseFinetuning is refused"),

@@ -108,9 +108,20 @@ def _manual() -> GPT:
     return model
 
 
-def _frozen() -> GPT:
+class _FrozenLeftOut(_Frozen):
+    """Its optimizer given only what trains (the fine-tuning recipe: ``filter(requires_grad)``)."""
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(filter(lambda p: p.requires_grad, self.parameters()), lr=3e-3, weight_decay=0.1)
+
+
+def _frozen(cls: type[GPT] = _Frozen) -> GPT:
     L.seed_everything(0)
-    return _Frozen(n_layer=2, n_head=2, n_embd=32, block_size=BLOCK, warmup_steps=2, max_steps=20, learning_rate=3e-3)
+    return cls(n_layer=2, n_head=2, n_embd=32, block_size=BLOCK, warmup_steps=2, max_steps=20, learning_rate=3e-3)
+
+
+def _frozen_left_out() -> GPT:
+    return _frozen(_FrozenLeftOut)
 
 
 def _as(cls: type[GPT]) -> Callable[[], GPT]:
@@ -606,6 +617,20 @@ class _UnfreezesTheEmbedding(Callback):
     def on_train_epoch_start(self, trainer, pl_module) -> None:
         if trainer.current_epoch == 1:
             pl_module.embed.requires_grad_(True)
+
+
+class _AddsTheEmbeddingsGroup(Callback):
+    """Unfreezing by hand, as BaseFinetuning (refused) does: at epoch 1 the embedding trains again, in a parameter
+    group of its own added to ``trainer.optimizers[0]`` (where a rank holds none of it, nothing is added)."""
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        if trainer.current_epoch == 1:
+            pl_module.embed.requires_grad_(True)
+            optimizer = trainer.optimizers[0]
+            held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+            new = [p for p in pl_module.embed.parameters() if id(p) not in held]
+            if new:
+                optimizer.add_param_group({"params": new, "lr": 1e-3, "weight_decay": 0.0})
 
 
 def _unfrozen_trains(piped: dict, ref: dict) -> None:
