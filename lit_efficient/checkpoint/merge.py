@@ -24,6 +24,7 @@ another layout (per-rank RNG, the averager's per-stage state) is dropped with a 
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -141,14 +142,28 @@ def _comparable(value: Any, depth: int = 0) -> Any:
     return (name, sorted((k, _comparable(v, depth + 1)) for k, v in fields.items()))
 
 
+def merged_groups(stages: Sequence[Sequence[str]]) -> list[list[int]]:
+    """Which group of the unsplit optimizer each stage's group is (per stage, per local group), from each stage's
+    group keys (`group_key`) in its own order, stage by stage.
+
+    Stages that list the same keys (the same groups built on every stage, an empty one where a stage holds none of
+    its parameters, as `GPT`'s optimizer does) are matched by position: one device's groups exactly, two groups of
+    equal settings included (``weight_decay=0.0`` makes GPT's two groups alike: matched by settings they merged
+    into one, and neither one device nor the pipeline read the other's checkpoint). Stages whose groups differ
+    (a stage left a group out, a learning rate per layer) are matched by key, in `group_order`."""
+    if all(list(keys) == list(stages[0]) for keys in stages):
+        return [list(range(len(keys))) for keys in stages]
+    order = group_order(stages)
+    return [[order.index(key) for key in keys] for keys in stages]
+
+
 def group_order(stages: Sequence[Sequence[str]]) -> list[str]:
-    """The unsplit optimizer's group keys (`group_key`) in one device's order, from each stage's keys in its own
-    order, stage by stage. A stage lists its groups in the order of the user's configure_optimizers less those it
-    holds no parameter of (GPT's optimizer drops an empty group: a stage of only the embedding has no group with
-    weight decay), so every stage's order is kept, and groups no stage holds together come by first appearance.
-    First appearance alone put a group stage 0 lacks after stage 0's: one device refused the checkpoint (another
-    group size) or, with sizes alike, loaded one group's hyper-parameters into another. Stages that disagree on an
-    order (a cycle) keep first appearance for the groups involved."""
+    """The unsplit optimizer's group keys in one device's order as far as the stages tell it: each stage lists its
+    groups in the order of the user's configure_optimizers (less those it left out), so every stage's order is
+    kept; groups no stage holds together come by first appearance, stage by stage, which may not be one device's
+    (warned: keep the empty groups). First appearance alone put a group stage 0 lacks after stage 0's, where one
+    device lists it first: one device refused the checkpoint (another group size) or, with sizes alike, read one
+    group's hyper-parameters into another. Stages that disagree on an order (a cycle) keep first appearance."""
     first: dict[str, int] = {}
     before: dict[str, set[str]] = {}  # key -> the keys some stage lists after it
     for keys in stages:
@@ -164,7 +179,9 @@ def group_order(stages: Sequence[Sequence[str]]) -> list[str]:
             waiting[key] += 1
     order: list[str] = []
     ready = [key for key in first if waiting[key] == 0]
+    guessed = False
     while ready:
+        guessed = guessed or len(ready) > 1
         key = min(ready, key=first.__getitem__)
         ready.remove(key)
         order.append(key)
@@ -172,6 +189,15 @@ def group_order(stages: Sequence[Sequence[str]]) -> list[str]:
             waiting[later] -= 1
             if waiting[later] == 0:
                 ready.append(later)
+    if guessed or len(order) < len(first):
+        warnings.warn(
+            f"The pipeline's stages build different optimizer groups ({[len(keys) for keys in stages]} per stage), "
+            "and no stage holds some of them together: the checkpoint lists those in stage order, which may not be "
+            "one device's (a one-device resume may then refuse it, or read one group's settings into another). "
+            "Build the same groups on every stage in configure_optimizers, keeping a group empty where a stage has "
+            "none of its parameters (torch accepts empty groups).",
+            stacklevel=2,
+        )
     return order + [key for key in first if key not in order]
 
 
@@ -179,32 +205,29 @@ def merge_group_names(
     stages: Sequence[tuple[int, list[tuple[str, list[str]]], list[str], list[str]]],
 ) -> tuple[list[list[str]], dict[str, str]]:
     """The unsplit optimizer's parameter names per group from every stage's ``(stage, [(group key, names)],
-    first copies, second copies)``: groups matched by key in one device's order (`group_order`, as
-    `_merge_optimizers` merges them), and ``{second copy: first copy}`` of the tied weights by name."""
+    first copies, second copies)``: groups matched as `merged_groups` matches them (as `_merge_optimizers`
+    does), and ``{second copy: first copy}`` of the tied weights by name."""
     ordered = sorted(stages, key=lambda x: x[0])
-    merged: dict[str, list[str]] = {key: [] for key in group_order([[k for k, _ in g] for _, g, _, _ in ordered])}
-    for _, stage_groups, _, _ in ordered:
-        for key, group_names in stage_groups:
-            merged[key].extend(group_names)
+    slots = merged_groups([[key for key, _ in groups] for _, groups, _, _ in ordered])
+    merged: list[list[str]] = [[] for _ in range(1 + max((m for own in slots for m in own), default=-1))]
+    for (_, stage_groups, _, _), own in zip(ordered, slots, strict=True):
+        for (_, group_names), m in zip(stage_groups, own, strict=True):
+            merged[m].extend(group_names)
     firsts = [n for _, _, f, _ in stages for n in f]
     seconds = [n for _, _, _, c in stages for n in c]
-    return list(merged.values()), dict(zip(seconds, firsts, strict=True))
+    return merged, dict(zip(seconds, firsts, strict=True))
 
 
 def _merge_optimizers(primary: list[dict[str, Any]]) -> tuple[dict[str, Any], list[list[str]], dict]:
     """One optimizer state in the unsplit index space. A stage may lack a group (no biases on an
-    embedding stage), so groups are matched by `group_key`, in one device's order (`group_order`).
+    embedding stage), so groups are matched as `merged_groups` matches them.
     Returns the state, the names per merged group and ``slots[(stage, local group)] = merged group``."""
-    stage_keys = [[group_key(group) for group in s["optimizer"]["param_groups"]] for s in primary]
-    keys = group_order(stage_keys)
-    slots = {
-        (s["stage"], g): keys.index(key)
-        for s, own in zip(primary, stage_keys, strict=True)
-        for g, key in enumerate(own)
-    }
-    groups: list[dict[str, Any]] = [{} for _ in keys]
-    names: list[list[str]] = [[] for _ in keys]
-    members: list[list[tuple[int, Any]]] = [[] for _ in keys]  # (share, local index) per merged group
+    matched = merged_groups([[group_key(group) for group in s["optimizer"]["param_groups"]] for s in primary])
+    slots = {(s["stage"], g): m for s, own in zip(primary, matched, strict=True) for g, m in enumerate(own)}
+    count = 1 + max(slots.values(), default=-1)
+    groups: list[dict[str, Any]] = [{} for _ in range(count)]
+    names: list[list[str]] = [[] for _ in range(count)]
+    members: list[list[tuple[int, Any]]] = [[] for _ in range(count)]  # (share, local index) per merged group
     for i, s in enumerate(primary):
         for g, group in enumerate(s["optimizer"]["param_groups"]):
             m = slots[(s["stage"], g)]

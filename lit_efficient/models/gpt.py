@@ -207,12 +207,9 @@ def adamw_with_warmup_cosine(module: LightningModule, decay: list, no_decay: lis
     the module's hparams (``learning_rate``, ``betas``, ``weight_decay``, ``warmup_steps``, ``max_steps``,
     ``min_lr_ratio``): the optimizer of `GPT` and `HFCausalLM`."""
     hp = module.hparams
-    # A pipeline stage may hold no parameter of one kind; torch rejects empty groups.
-    groups = [
-        g
-        for g in ({"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0})
-        if g["params"]
-    ]
+    # Both groups on every pipeline stage, empty where a stage holds no parameter of one kind (a stage of only the
+    # embedding has nothing to decay): the stages then list one device's groups, which a checkpoint merges by position.
+    groups = [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW(groups, lr=hp.learning_rate, betas=tuple(hp.betas))
     max_steps = hp.max_steps if hp.max_steps is not None else module.trainer.estimated_stepping_batches
     if not math.isfinite(max_steps):

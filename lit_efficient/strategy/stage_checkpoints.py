@@ -566,7 +566,7 @@ def _load_rank_state(
 
 def _group_names(strategy: Any) -> tuple[list[list[str]], dict[str, str]]:
     """The unsplit optimizer's parameter names per group, for a checkpoint that carries no names (one device,
-    DDP): every stage's groups matched by hyper-parameters (`group_key`), in one device's order (`group_order`),
+    DDP): every stage's groups matched by position or by hyper-parameters (`merged_groups`),
     as `checkpoint.merge` merges them, without tied weights' second copies (one device holds a tied weight
     once); and ``{second copy: first copy}`` by name. Collective over this replica's pipeline on processes."""
     module = strategy.lightning_module

@@ -8,8 +8,11 @@ restore by name are the processes' too)."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
+from torch import nn
 
 from lit_efficient import PACIStrategy
 from lit_efficient.models import GPT
@@ -82,32 +85,77 @@ def test_a_group_empty_on_a_stage_resumes(tmp_path, fmt):
     assert hyper == [[(1e-2, 1e-2), (2e-2, 0.0)]] * 2
 
 
-@pytest.mark.parametrize("fmt", ["file", "sharded"])
-def test_a_stage_without_the_first_group_saves_the_groups_in_one_devices_order(tmp_path, fmt):
-    """GPT's own optimizer drops an empty group: with the embedding alone on stage 0 that stage holds the no-decay
-    group only. The merge took the groups in order of first appearance, stage by stage (no-decay first), where one
-    device's optimizer lists decay first: one device refused the pipeline's checkpoint ("a parameter group that
-    doesn't match the size of optimizer's group"; with sizes alike it would have swapped the hyper-parameters),
-    and the pipeline read one device's with the groups' names swapped. Each now resumes the other's."""
-    alone = dict(balance=[1, 3])
-    fit_small_gpt(GPT, "auto", 2, save=tmp_path / "plain.ckpt")
-    saving = _flush(checkpoint_format=fmt, **alone)
-    fit_small_gpt(GPT, saving, 2, save=tmp_path / "piped.ckpt")
-    assert [len(h.optimizer.param_groups) for h in saving.hosted] == [1, 2]  # the case: stage 0 lacks a group
-    plain = torch.load(tmp_path / "plain.ckpt", weights_only=True)["optimizer_states"][0]["param_groups"]
-    piped = torch.load(one_file(tmp_path / "piped.ckpt"), weights_only=True)["optimizer_states"][0]["param_groups"]
-    shape = lambda groups: [(len(g["params"]), g["weight_decay"]) for g in groups]  # noqa: E731
-    assert shape(piped) == shape(plain) and plain[0]["weight_decay"] > 0, (shape(piped), shape(plain))
-    want = fit_small_gpt(GPT, "auto", 3, ckpt=tmp_path / "plain.ckpt").state_dict()
-    for strategy, path in ((_flush(**alone), tmp_path / "plain.ckpt"), ("auto", one_file(tmp_path / "piped.ckpt"))):
-        got = fit_small_gpt(GPT, strategy, 3, ckpt=path).state_dict()
+class _DropsEmptyGroups(GPT):
+    """GPT's two groups (decay; no decay: the embeddings, norms, biases), each left out where it would be empty (as
+    GPT's own optimizer did)."""
+
+    def configure_optimizers(self):
+        tables = {id(p) for m in self.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
+        tied_head = {"head.lm_head.weight"} if self.hparams.tie_weights else set()
+        named = list(self.named_parameters())
+        decay = [p for n, p in named if p.ndim >= 2 and id(p) not in tables and n not in tied_head]
+        rest = [p for _, p in named if all(p is not q for q in decay)]
+        groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+        return torch.optim.AdamW([g for g in groups if g["params"]], lr=1e-2)
+
+
+class _NoDecay(GPT):
+    """GPT's own optimizer with weight_decay=0.0: its two groups' settings alike."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(weight_decay=0.0, **kw)
+
+
+def _resumes_both_ways(tmp_path, cls, fmt, **strategy) -> tuple[list, list]:
+    """Each of one device's and the pipeline's checkpoints resumed by the other as one device resumes its own;
+    the groups' (size, weight decay) in both files."""
+    fit_small_gpt(cls, "auto", 2, save=tmp_path / "plain.ckpt")
+    fit_small_gpt(cls, _flush(checkpoint_format=fmt, **strategy), 2, save=tmp_path / "piped.ckpt")
+    want = fit_small_gpt(cls, "auto", 3, ckpt=tmp_path / "plain.ckpt").state_dict()
+    for how, path in ((_flush(**strategy), tmp_path / "plain.ckpt"), ("auto", one_file(tmp_path / "piped.ckpt"))):
+        got = fit_small_gpt(cls, how, 3, ckpt=path).state_dict()
         assert max((got[k] - want[k]).abs().max().item() for k in want) < 1e-6
 
+    def shape(path) -> list:
+        return [(len(g["params"]), g["weight_decay"]) for g in torch.load(path)["optimizer_states"][0]["param_groups"]]
 
-def test_the_group_order_keeps_every_stages_order():
-    from lit_efficient.checkpoint.merge import group_order
+    return shape(tmp_path / "plain.ckpt"), shape(one_file(tmp_path / "piped.ckpt"))
 
-    assert group_order([["no decay"], ["decay", "no decay"]]) == ["decay", "no decay"]  # the test above's case
-    assert group_order([["b"], ["c"], ["a", "b"]]) == ["c", "a", "b"]  # ready groups by first appearance
-    assert group_order([["x", "x", "y"]]) == ["x", "y"]  # two equal groups of one stage: one merged group
-    assert group_order([["a", "b"], ["b", "a"]]) == ["a", "b"]  # stages that disagree: first appearance
+
+@pytest.mark.parametrize("fmt", ["file", "sharded"])
+def test_a_stage_without_the_first_group_saves_the_groups_in_one_devices_order(tmp_path, fmt):
+    """An optimizer that leaves out an empty group, with the embedding alone on stage 0: that stage holds the
+    no-decay group only. The merge took the groups in order of first appearance, stage by stage (no-decay first),
+    where one device's optimizer lists decay first: one device refused the pipeline's checkpoint ("a parameter
+    group that doesn't match the size of optimizer's group"; with sizes alike it would have swapped the
+    hyper-parameters), and the pipeline read one device's with the groups' names swapped."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plain, piped = _resumes_both_ways(tmp_path, _DropsEmptyGroups, fmt, balance=[1, 3])
+    assert piped == plain and plain[0][1] > 0, (piped, plain)
+    assert not [w for w in caught if "build different optimizer groups" in str(w.message)]  # the order is known
+    stages = _flush(balance=[1, 3])
+    fit_small_gpt(_DropsEmptyGroups, stages, 1)
+    assert [len(h.optimizer.param_groups) for h in stages.hosted] == [1, 2]  # the case: stage 0 lacks a group
+
+
+@pytest.mark.parametrize("fmt", ["file", "sharded"])
+def test_two_groups_of_equal_settings_stay_two(tmp_path, fmt):
+    """GPT(weight_decay=0.0): its decay and no-decay groups have equal settings, which the merge matched into one
+    group: one device refused the pipeline's checkpoint ("a different number of parameter groups") and the
+    pipeline one device's. Stages that build the same groups (GPT keeps an empty one) are matched by position."""
+    plain, piped = _resumes_both_ways(tmp_path, _NoDecay, fmt)
+    assert piped == plain == [(9, 0.0), (20, 0.0)], (piped, plain)
+
+
+def test_stages_matched_by_position_or_by_settings_in_every_stages_order():
+    from lit_efficient.checkpoint.merge import group_order, merged_groups
+
+    assert merged_groups([["k", "k"], ["k", "k"]]) == [[0, 1], [0, 1]]  # the same groups: by position
+    assert merged_groups([["no decay"], ["decay", "no decay"]]) == [[1], [0, 1]]  # every stage's order kept
+    assert group_order([["x", "x", "y"]]) == ["x", "y"]  # two equal groups of one stage, where stages differ
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert group_order([["b"], ["c"], ["a", "b"]]) == ["c", "a", "b"]  # no stage orders c: first appearance
+        assert group_order([["a", "b"], ["b", "a"]]) == ["a", "b"]  # stages that disagree: first appearance
+    assert len(caught) == 2 and all("keeping a group empty" in str(w.message) for w in caught)
