@@ -98,8 +98,8 @@ class EditsReachEveryStage:
     def apply(self) -> None:
         """Copy what changed in the shown optimizer's groups since `refresh` into the other stages' groups."""
         groups = self.shown.param_groups
-        for group in groups[len(self._seen) :]:
-            self._share_added(group)
+        for index in range(len(self._seen), len(groups)):
+            self._share_added(groups[index], index)
         edits = [
             (j, key, value)
             for j, (group, seen) in enumerate(zip(groups, self._seen, strict=False))  # added groups: its own
@@ -115,10 +115,10 @@ class EditsReachEveryStage:
                     other.param_groups[j][key] = value.detach().clone() if isinstance(value, Tensor) else value
         self.refresh()
 
-    def _share_added(self, group: dict[str, Any]) -> None:
-        """A group added to the shown optimizer: each other stage gets one with the same settings and its own
-        parameters of it; the shown keeps the rest (the last stage's, and any no stage holds)."""
-        if any(len(other.param_groups) != len(self.shown.param_groups) - 1 for other in self.others):
+    def _share_added(self, group: dict[str, Any], index: int) -> None:
+        """A group added to the shown optimizer at ``index``: each other stage gets one with the same settings and
+        its own parameters of it; the shown keeps the rest (the last stage's, and any no stage holds)."""
+        if any(len(other.param_groups) != index for other in self.others):
             return  # the stages' groups differ already: `apply` says so
         last = len(self.others)
         owner = [self._stage_of.get(id(p), last) for p in group["params"]]

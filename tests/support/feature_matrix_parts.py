@@ -620,17 +620,20 @@ class _UnfreezesTheEmbedding(Callback):
 
 
 class _AddsTheEmbeddingsGroup(Callback):
-    """Unfreezing by hand, as BaseFinetuning (refused) does: at epoch 1 the embedding trains again, in a parameter
-    group of its own added to ``trainer.optimizers[0]`` (where a rank holds none of it, nothing is added)."""
+    """Unfreezing by hand, as BaseFinetuning (refused) does: at epoch 1 the embedding trains again, its two tables
+    in parameter groups of their own (two learning rates) added to ``trainer.optimizers[0]`` in one hook (where a
+    rank holds none of a table, nothing is added)."""
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:
         if trainer.current_epoch == 1:
             pl_module.embed.requires_grad_(True)
             optimizer = trainer.optimizers[0]
             held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-            new = [p for p in pl_module.embed.parameters() if id(p) not in held]
-            if new:
-                optimizer.add_param_group({"params": new, "lr": 1e-3, "weight_decay": 0.0})
+            for name, lr in (("wte", 1e-3), ("wpe", 2e-3)):  # a rank without stage 0 has a stand-in embedding
+                table = getattr(pl_module.embed, name, torch.nn.Identity())
+                new = [p for p in table.parameters() if id(p) not in held]
+                if new:
+                    optimizer.add_param_group({"params": new, "lr": lr, "weight_decay": 0.0})
 
 
 def _unfrozen_trains(piped: dict, ref: dict) -> None:
