@@ -153,6 +153,7 @@ from lit_efficient.strategy.trainer_glue import (
     smallest_window,
     streams_untouched,
     throughput_counts_replicas,
+    validates_after_this_batch,
     without_sync_advice,
     writers_where_the_predictions_are,
 )
@@ -1247,16 +1248,18 @@ class PACIStrategy(DDPStrategy):
                 loss = share_finder_loss(loss, self._signal_group)
         if loss is None:  # a rank without the last stage: its outputs explain themselves
             return _NoLossHere(self.here)
-        # What one device's training_step logs: every micro-batch's loss, so that a validation in the middle of a
-        # window (val_check_interval) and a callback at any batch read the micro-batch just trained, as there (it
-        # was logged at window ends only, and a mid-window validation's ModelCheckpoint ranked the window before's
-        # loss); rows are still written once per optimizer step (`log_once_per_optimizer_step`). As a host copy:
-        # Lightning converts progress-bar values with .item() after every batch, as one device's own per-batch
-        # log costs it.
-        value = loss.detach().cpu()
-        if not self._module_logs_train_loss:  # else the module's own, from pipeline_loss, with its arguments
-            size = batch_size_of(batch)
-            type(module).log(module, "train_loss", value, prog_bar=True, on_step=True, on_epoch=False, batch_size=size)
+        # What one device's training_step logs: each micro-batch's loss. As a host copy: a sync on the last stage,
+        # which sets the pipeline's pace (Lightning converts progress-bar values with .item() after every batch, a
+        # stale one too, so a device tensor would cost a sync per micro-batch): at the window's end, which its row
+        # shows, and before a validation in the middle of a window, which reads the micro-batch just trained as one
+        # device's does (it read the window before's, and a ModelCheckpoint on train_loss ranked that).
+        if window_end or validates_after_this_batch(trainer):
+            value = loss.detach().cpu()
+            if not self._module_logs_train_loss:  # else the module's own, from pipeline_loss, with its arguments
+                size = batch_size_of(batch)
+                type(module).log(
+                    module, "train_loss", value, prog_bar=True, on_step=True, on_epoch=False, batch_size=size
+                )
         if window_end:
             # Not in the finder's run: it raises the rate until the loss blows up, on purpose.
             watched = self.schedule == "paci" and self._finder_run is None

@@ -137,6 +137,16 @@ def share_rank_zero_metrics(trainer: Trainer) -> None:
         )
 
 
+def validates_after_this_batch(trainer: Trainer) -> bool:
+    """Whether Lightning runs a validation after the training batch in progress: its own test, read during the
+    step (the batch's progress is counted before it; a time-based ``val_check_interval`` is read a moment early)."""
+    loop = trainer.fit_loop
+    epoch_loop = loop.epoch_loop
+    if loop._data_fetcher is None or epoch_loop._skip_next_val:
+        return False
+    return epoch_loop._should_check_val_fx(loop._data_fetcher)
+
+
 def _reads_metrics_now(callback: Any, trainer: Trainer) -> bool:
     """Whether a ``ModelCheckpoint`` may read the callback metrics at this training batch, for a checkpoint that
     monitors a metric or names one in its filename: a save not skipped, at a step multiple of
@@ -285,11 +295,22 @@ def _as_automatic(callback: ModelCheckpoint) -> Callable[..., None]:
         if _reads_metrics_now(callback, trainer):
             share_rank_zero_metrics(trainer)
         carry_step_count_to_automatic(trainer)  # trainer.global_step reads the automatic loop's counter then
+        # The strategy logs train_loss at window ends, one device's training_step at every batch: before the first
+        # window ends it is missing here only, and the hook deferred a save to the first validation that one device
+        # never makes (an extra checkpoint at that step, ranked among the top k).
+        unlogged = (
+            callback.monitor == "train_loss"
+            and "train_loss" not in trainer.callback_metrics
+            and not getattr(trainer.strategy, "_module_logs_train_loss", False)  # the module's own: as one device's
+        )
+        deferred = callback._defer_save_until_validation
         pl_module.automatic_optimization = True
         try:
             hook(trainer, pl_module, *args, **kwargs)
         finally:
             pl_module.automatic_optimization = False
+            if unlogged:
+                callback._defer_save_until_validation = deferred
 
     return on_train_batch_end
 
