@@ -473,6 +473,8 @@ class PACIStrategy(DDPStrategy):
         # (Also while a validation inside fit scores the first replica's: `score_the_first_replica`.)
         self._own_weights: tuple[list[Tensor], list[Tensor]] | None = None
         self._edits: EditsReachEveryStage | None = None  # one process, fitting
+        # The callback metrics the last share wrote here from another rank (`trainer_glue.share_rank_zero_metrics`).
+        self.metrics_taken: dict[str, Any] = {}
         # Each save's (start, end) on the root device's clock while a `PipelineMonitor` asks (it sets a list at the
         # start of training): a save's writes and collectives stall every stage, and are no pipeline bubble.
         self.pause_spans: list[tuple[Mark, Mark]] | None = None

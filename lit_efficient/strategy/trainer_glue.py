@@ -70,6 +70,7 @@ class SyncCallbackMetrics(Callback):
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         trainer.strategy.own_weights_back()  # type: ignore[attr-defined]
         self._sync(trainer)
+        agree_on_deferred_saves(trainer)
         trainer.strategy.end_evaluation()  # type: ignore[attr-defined]  # before a ModelCheckpoint saves the streams
 
     @override
@@ -112,22 +113,29 @@ def throughput_counts_replicas(trainer: Trainer, replicas: int) -> None:
 
 def share_rank_zero_metrics(trainer: Trainer) -> None:
     """Every rank takes global rank 0's callback metrics (it hosts the last stage, which logs the loss and what the
-    evaluation steps and pipeline_loss log), and a key rank 0 lacks from the lowest rank that has it: what stage 0
-    logs in ``pipeline_input`` (a one-device training_step logs it there too). Every rank then holds the same keys:
-    a ModelCheckpoint monitoring such a key found it on stage 0's rank only, which saved (a collective) while rank 0
-    skipped, a hang. Rank 0 says once which keys its logger and progress bar do not show (they are fed by its own
-    logging). A collective of every rank; nothing with one process."""
+    evaluation steps and pipeline_loss log), and a key rank 0 does not log from the lowest rank that does: what stage
+    0 logs in ``pipeline_input`` (a one-device training_step logs it there too). Every rank then holds the same keys
+    and values: a ModelCheckpoint monitoring such a key found it on stage 0's rank only, which saved (a collective)
+    while rank 0 skipped, a hang. A value taken from another rank is not this rank's to share again: Lightning
+    refreshes a rank's own keys at each batch's end, never a taken one, whose copy (rank 0's) won every later share
+    and froze the key at its first value. Rank 0 says once which keys its logger and progress bar do not show (they
+    are fed by its own logging). A collective of every rank; nothing with one process."""
     if trainer.world_size == 1:
         return
-    mine = {k: v.detach().cpu() if isinstance(v, Tensor) else v for k, v in trainer.callback_metrics.items()}
+    strategy: Any = trainer.strategy
+    metrics = trainer.callback_metrics
+    taken = strategy.metrics_taken  # what the last share wrote here from another rank, by identity
+    own = {k: v.detach().cpu() if isinstance(v, Tensor) else v for k, v in metrics.items() if taken.get(k) is not v}
     every: list[Any] = [None] * trainer.world_size
-    dist.all_gather_object(every, mine)
-    shared = dict(every[0])
-    for metrics in every[1:]:
-        for key, value in metrics.items():
-            shared.setdefault(key, value)
-    trainer.callback_metrics.update(shared)
-    elsewhere = sorted(shared.keys() - every[0].keys())
+    dist.all_gather_object(every, own)
+    source: dict[str, int] = {}
+    for rank, theirs in enumerate(every):
+        for key in theirs:
+            source.setdefault(key, rank)
+    taken = {key: every[rank][key] for key, rank in source.items() if rank != trainer.global_rank}
+    metrics.update(taken)
+    strategy.metrics_taken = taken
+    elsewhere = sorted(key for key, rank in source.items() if rank != 0)
     if trainer.global_rank == 0 and elsewhere:
         rank_zero_warn(
             f"self.log({', '.join(map(repr, elsewhere))}) ran on a rank without the last stage (in pipeline_input or "
@@ -135,6 +143,21 @@ def share_rank_zero_metrics(trainer: Trainer) -> None:
             "the progress bar (global rank 0's, with the last stage) do not. To chart it, log it in pipeline_loss, "
             "which runs on the last stage."
         )
+
+
+def agree_on_deferred_saves(trainer: Trainer) -> None:
+    """A ModelCheckpoint defers a save to the next validation's end where, at a batch's end, its monitored key is
+    missing; between two metric shares a key logged on one stage's ranks only (train_loss on the last stage's,
+    what pipeline_input logs on stage 0's) is missing on the others, and the ranks that deferred then saved (a
+    collective) at the validation's end alone: a hang. A save stays deferred where every rank deferred it: the key
+    was missing on them all, as on one device. A collective of every rank per checkpoint callback; nothing with
+    one process."""
+    if trainer.world_size == 1:
+        return
+    for callback in trainer.checkpoint_callbacks:
+        if isinstance(callback, ModelCheckpoint):
+            deferred = callback._defer_save_until_validation
+            callback._defer_save_until_validation = trainer.strategy.reduce_boolean_decision(deferred, all=True)
 
 
 def validates_after_this_batch(trainer: Trainer) -> bool:

@@ -387,6 +387,53 @@ def test_a_metric_logged_in_pipeline_input_reaches_a_checkpoint_that_monitors_it
     assert not said[1] and said[2] and "ran on a rank without the last stage" in said[2][0], said
 
 
+class _LogsItsFirstToken(GPT):
+    """Logs a per-micro-batch value of its input where one device's training_step reads it: in pipeline_input."""
+
+    def pipeline_input(self, batch):
+        if self.trainer.training:
+            self.log("first_token", batch[0][:, 0].float().mean(), on_step=True, on_epoch=False)
+        return super().pipeline_input(batch)
+
+
+class _SeenAtValidations(L.Callback):
+    def __init__(self, path, key) -> None:
+        self.path, self.key, self.seen = path, key, []
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        value = trainer.callback_metrics.get(self.key)
+        self.seen.append(None if value is None else float(value))
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if trainer.global_rank == 0:
+            self.path.write_text(json.dumps(self.seen))
+
+
+def test_a_per_step_metric_of_pipeline_input_ranks_checkpoints_at_every_step_as_on_one_device(tmp_path):
+    """ModelCheckpoint(every_n_train_steps=1) on a key pipeline_input logs at every micro-batch, with validations
+    inside the fit. Two defects: rank 0 (the last stage) found the key missing at the first window's batch ends,
+    before any share, and deferred a save to the first validation where stage 0's rank did not: at that validation
+    it saved alone, a hang; and the copy rank 0 took at the first share won every later share, so every
+    validation and the checkpoints ranked the key's first value. Kept checkpoints and the values seen at each
+    validation are one device's."""
+    kept, seen = {}, {}
+    pipeline = PACIStrategy(pipeline_stages=2, schedule="1f1b_flush", start_method="forkserver")
+    for devices, strategy in [(1, "auto"), (2, pipeline)]:
+        module = _model()
+        module.__class__ = _LogsItsFirstToken
+        out = tmp_path / f"seen{devices}.json"
+        folder = tmp_path / f"kept{devices}"
+        checkpoint = ModelCheckpoint(folder, monitor="first_token", mode="max", every_n_train_steps=1, save_top_k=2)
+        _fit_with_data(
+            module, strategy, devices, 2, 6, limit_val_batches=1, val_check_interval=4, enable_checkpointing=True,
+            callbacks=[checkpoint, _SeenAtValidations(out, "first_token")],
+        )  # fmt: skip
+        kept[devices] = sorted(p.name for p in folder.iterdir())
+        seen[devices] = json.loads(out.read_text())
+    assert seen[1][0] is None and len(set(seen[1][1:])) == 3, seen  # the sanity check's, then three that move
+    assert seen[2] == seen[1] and kept[2] == kept[1], (seen, kept)
+
+
 class _RecordSteps(L.Callback):
     """What a user's end-of-training callback sees: each stage's optimizer steps against global_step."""
 
