@@ -411,27 +411,28 @@ class _SeenAtValidations(L.Callback):
 
 def test_a_per_step_metric_of_pipeline_input_ranks_checkpoints_at_every_step_as_on_one_device(tmp_path):
     """ModelCheckpoint(every_n_train_steps=1) on a key pipeline_input logs at every micro-batch, with validations
-    inside the fit. Two defects: rank 0 (the last stage) found the key missing at the first window's batch ends,
-    before any share, and deferred a save to the first validation where stage 0's rank did not: at that validation
-    it saved alone, a hang; and the copy rank 0 took at the first share won every later share, so every
-    validation and the checkpoints ranked the key's first value. Kept checkpoints and the values seen at each
-    validation are one device's."""
+    inside the fit, in one process and on 2. Two defects on processes: rank 0 (the last stage) found the key
+    missing at the first window's batch ends, before any share, and deferred a save to the first validation where
+    stage 0's rank did not: at that validation it saved alone, a hang; and the copy rank 0 took at the first share
+    won every later share, so every validation and the checkpoints ranked the key's first value. Kept checkpoints
+    and the values seen at each validation are one device's."""
     kept, seen = {}, {}
     pipeline = PACIStrategy(pipeline_stages=2, schedule="1f1b_flush", start_method="forkserver")
-    for devices, strategy in [(1, "auto"), (2, pipeline)]:
+    in_process = PACIStrategy(pipeline_stages=2, schedule="1f1b_flush")
+    for where, devices, strategy in [("one", 1, "auto"), ("in", 1, in_process), ("on", 2, pipeline)]:
         module = _model()
         module.__class__ = _LogsItsFirstToken
-        out = tmp_path / f"seen{devices}.json"
-        folder = tmp_path / f"kept{devices}"
+        out = tmp_path / f"seen-{where}.json"
+        folder = tmp_path / f"kept-{where}"
         checkpoint = ModelCheckpoint(folder, monitor="first_token", mode="max", every_n_train_steps=1, save_top_k=2)
         _fit_with_data(
             module, strategy, devices, 2, 6, limit_val_batches=1, val_check_interval=4, enable_checkpointing=True,
             callbacks=[checkpoint, _SeenAtValidations(out, "first_token")],
         )  # fmt: skip
-        kept[devices] = sorted(p.name for p in folder.iterdir())
-        seen[devices] = json.loads(out.read_text())
-    assert seen[1][0] is None and len(set(seen[1][1:])) == 3, seen  # the sanity check's, then three that move
-    assert seen[2] == seen[1] and kept[2] == kept[1], (seen, kept)
+        kept[where] = sorted(p.name for p in folder.iterdir())
+        seen[where] = json.loads(out.read_text())
+    assert seen["one"][0] is None and len(set(seen["one"][1:])) == 3, seen  # the sanity check's, then three that move
+    assert seen["in"] == seen["on"] == seen["one"] and kept["in"] == kept["on"] == kept["one"], (seen, kept)
 
 
 class _RecordSteps(L.Callback):
