@@ -178,6 +178,12 @@ def load_hf_model(
         from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
     except ImportError as err:  # pragma: no cover - the hf extra
         raise ImportError("HFCausalLM needs transformers: pip install 'lit-efficient[hf]'") from err
+    if attn_implementation is not None and not isinstance(attn_implementation, (str, Mapping)):
+        # transformers read it with str methods: an AttributeError from inside it, naming no argument
+        raise ValueError(
+            f"HFCausalLM(attn_implementation={attn_implementation!r}) must be a transformers attention name such as "
+            "'sdpa' or 'eager' (or a dict of them per sub-config), or None for the model type's default."
+        )
     resolved = _resolve_dtype("float32" if dtype is None else dtype)
     kwargs: dict[str, Any] = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     # from_config builds in the config's own dtype (a folder's config.json says bfloat16) unless told; "auto" is that.
@@ -188,6 +194,13 @@ def load_hf_model(
                 f"HFCausalLM(dtype={dtype!r}) applies to a model built or loaded here (a config dict or a folder); "
                 f"the {type(model).__name__} instance given keeps its own ({next(model.parameters()).dtype}). "
                 "Convert it first (model.to(torch.float32)) and drop dtype."
+            )
+        if attn_implementation is not None:  # it was ignored: the instance ran its own
+            raise ValueError(
+                f"HFCausalLM(attn_implementation={attn_implementation!r}) applies to a model built or loaded here (a "
+                f"config dict or a folder); the {type(model).__name__} instance given keeps its own "
+                f"({getattr(model.config, '_attn_implementation', None)!r}). Set it on the instance first "
+                f"(model.set_attn_implementation({attn_implementation!r})) and drop attn_implementation."
             )
         return model
     if isinstance(model, Mapping):

@@ -545,6 +545,22 @@ def test_a_bfloat16_folder_loads_in_float32_unless_asked(tmp_path):
         HFCausalLM(module.model, learning_rate=float("nan"))  # passed every comparison, as GPT's did
 
 
+def test_attn_implementation_is_checked_and_never_ignored():
+    """A number reached transformers' string methods (an AttributeError naming no argument), and a name given with an
+    instance was ignored: the instance ran its own attention, silently."""
+    config = {"model_type": "llama", "num_hidden_layers": 1, "hidden_size": 16, "intermediate_size": 32,
+              "num_attention_heads": 2}  # fmt: skip
+    with pytest.raises(ValueError, match=r"attn_implementation=5\) must be a transformers attention name"):
+        HFCausalLM(config, vocab_size=VOCAB, attn_implementation=5)
+    built = HFCausalLM(config, vocab_size=VOCAB, attn_implementation="eager")
+    assert built.model.config._attn_implementation == "eager"
+    instance = llama(attn_implementation="sdpa")
+    with pytest.raises(ValueError, match=r"keeps its own \('sdpa'\)\. Set it on the instance first"):
+        HFCausalLM(instance, attn_implementation="eager")
+    instance.set_attn_implementation("eager")  # the fix the message gives
+    assert HFCausalLM(instance).model.config._attn_implementation == "eager"
+
+
 def test_an_instance_in_bfloat16_reloads_from_its_checkpoint_in_bfloat16(tmp_path):
     """A model given as an instance (from_pretrained(dtype=torch.bfloat16), say) was rebuilt from the checkpoint's
     config in float32, and its weights cast into it, silently."""
