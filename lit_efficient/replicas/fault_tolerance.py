@@ -98,7 +98,14 @@ def group_settings(group_id: int | None, groups: int | None, min_groups: int) ->
                 f"the data): set {GROUPS_ENV} for every group's launcher, or pass replica_groups=."
             )
         groups = _env_int(GROUPS_ENV)
-    if not 0 <= group_id < groups:
+    check_group_range(group_id, groups, min_groups)
+    return group_id, groups
+
+
+def check_group_range(group_id: int | None, groups: int, min_groups: int) -> None:
+    """This group's index among the ``groups`` launched, and a quorum size they can reach: at construction where
+    the arguments give both, at the launch where the environment gives one."""
+    if group_id is not None and not 0 <= group_id < groups:
         raise ValueError(
             f"replica_group_id={group_id} is not one of the {groups} replica groups launched (0..{groups - 1}); "
             f"set replica_groups= (or {GROUPS_ENV}) to the number of groups."
@@ -108,7 +115,6 @@ def group_settings(group_id: int | None, groups: int | None, min_groups: int) ->
             f"min_replica_groups={min_groups} must be between 1 and the {groups} replica groups launched: with more, "
             "no quorum could ever form. Lower it, or launch more groups (replica_groups=)."
         )
-    return group_id, groups
 
 
 def lighthouse_address(timeout: float = 5.0) -> str:

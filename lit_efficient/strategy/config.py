@@ -47,6 +47,7 @@ from lit_efficient.checkpoint.sharded_write import is_sharded, not_a_checkpoint_
 from lit_efficient.checks import check_flags, closest_choice, is_count
 from lit_efficient.protocol import PIPELINE_METHODS, missing_pipeline_methods
 from lit_efficient.replicas.averaging import check_outer_optimizer
+from lit_efficient.replicas.fault_tolerance import check_group_range
 from lit_efficient.runtime.partition import planned_sizes
 from lit_efficient.runtime.schedules import SCHEDULES
 from lit_efficient.runtime.split import check_stage_parameters, find_ties, layer_parameter_counts, layer_slots
@@ -751,14 +752,16 @@ def check_replica_groups(
         raise ValueError(f"fault_tolerance={fault_tolerance!r} must be None or 'torchft'.")
     if fault_tolerance is None:
         return
+    if not is_count(min_replica_groups):
+        raise ValueError(f"min_replica_groups={min_replica_groups!r} must be an integer >= 1.")
+    if replica_groups is not None:  # else the launch's environment gives the count, checked there
+        check_group_range(replica_group_id, replica_groups, min_replica_groups)
     if local_sgd_steps is None:
         raise ValueError(
             "fault_tolerance='torchft' takes its quorum at the LocalSGD/DiLoCo outer sync: set local_sgd_steps=H "
             "(and outer_optimizer='nesterov' for DiLoCo). Per-step gradient averaging across replica groups is "
             "not supported: it would drain the pipeline at every step."
         )
-    if not is_count(min_replica_groups):
-        raise ValueError(f"min_replica_groups={min_replica_groups!r} must be an integer >= 1.")
 
 
 def check_accumulate(value: Any, spelled: str = "Trainer(accumulate_grad_batches={!r}):") -> None:

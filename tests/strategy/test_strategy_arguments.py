@@ -452,6 +452,19 @@ def test_an_option_of_the_wrong_kind_is_refused_naming_it(kwargs, said):
         PACIStrategy(**kwargs)
 
 
+def test_torchft_group_settings_known_at_construction_are_checked_there():
+    """An index outside the groups given, or a quorum larger than them, passed construction and was refused only at
+    setup, after the processes had started; a bad quorum size was told to set local_sgd_steps first."""
+    torchft = {"fault_tolerance": "torchft", "local_sgd_steps": 4}
+    with pytest.raises(ValueError, match=r"replica_group_id=5 is not one of the 2 replica groups launched \(0\.\.1\)"):
+        PACIStrategy(**torchft, replica_group_id=5, replica_groups=2)
+    with pytest.raises(ValueError, match="min_replica_groups=3 must be between 1 and the 2 replica groups launched"):
+        PACIStrategy(**torchft, min_replica_groups=3, replica_groups=2)
+    with pytest.raises(ValueError, match="min_replica_groups=0 must be an integer >= 1"):
+        PACIStrategy(fault_tolerance="torchft", min_replica_groups=0)  # before local_sgd_steps is asked for
+    assert PACIStrategy(**torchft, replica_group_id=1, replica_groups=2).replica_group_id == 1
+
+
 def test_a_schedule_named_otherwise_is_refused_naming_the_one_meant():
     """schedule="flush" (the name the docs and BENCHMARKS.md use in prose) said only "not one of paci, 1f1b_flush"."""
     for given, meant in (("flush", "1f1b_flush"), ("1F1B-flush", "1f1b_flush"), ("PACI", "paci")):
