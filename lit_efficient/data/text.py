@@ -232,7 +232,7 @@ class TextDataModule(LightningDataModule):
         self.is_token_file = source is not None and source.is_file() and source.suffix == ".bin"
         if vocab_size is not None and not is_count(vocab_size):
             raise ValueError(
-                f"{type(self).__name__}(vocab_size={vocab_size!r}) must be an integer, or None to derive it."
+                f"{type(self).__name__}(vocab_size={vocab_size!r}) must be an integer >= 1, or None to derive it."
             )
         if vocab_size is not None and vocab_size < (1 if self.is_token_file else 256):
             raise ValueError(

@@ -583,9 +583,9 @@ class DelayCompensation(StalenessCorrection):
         yield
 
 
-def predictable(optimizer: Any, trust_step: bool = False) -> bool:
+def predictable(optimizer: Any) -> bool:
     """Whether weight prediction knows ``optimizer``'s update (`prediction_refusal` has no reason against it)."""
-    return prediction_refusal(optimizer, trust_step) is None
+    return prediction_refusal(optimizer) is None
 
 
 def prediction_refusal(optimizer: Any, trust_step: bool = False) -> str | None:

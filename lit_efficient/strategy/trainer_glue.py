@@ -27,6 +27,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint, ThroughputMonitor
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
+from torchmetrics import Metric
 from typing_extensions import override
 
 from lit_efficient.runtime.profile import first_batch
@@ -492,10 +493,6 @@ def point_metrics_at(
     each epoch's and evaluation's first batch and before the epoch-end hooks, for a metric the module made after
     setup (in ``on_fit_start``, at an epoch's start), which had synced over the whole world while only the last stage
     computes it: a hang."""
-    try:
-        from torchmetrics import Metric
-    except ImportError:  # pragma: no cover - torchmetrics is a dependency
-        return
     held = [m for m in module.modules() if isinstance(m, Metric)]
     ids = {id(m) for m in held}
     give_metrics_back([entry for entry in pointed if id(entry[0]) not in ids])

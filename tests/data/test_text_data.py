@@ -138,6 +138,7 @@ def test_bin_tokens_are_memory_mapped_with_their_vocabulary(tmp_path):
         (dict(path=3), r"path=3\) must be the path of a text file"),  # a TypeError from Path()
         (dict(vocab_size="2"), r"vocab_size='2'\) must be an integer"),  # a TypeError from <
         (dict(vocab_size=300.0), r"vocab_size=300\.0\) must be an integer"),  # taken, and saved as a float
+        (dict(vocab_size=0), r"vocab_size=0\) must be an integer >= 1"),  # said "an integer": 0 is one
     ],
 )
 def test_bad_arguments_raise(kwargs, match):
