@@ -710,6 +710,26 @@ def check_sync_start(sync_start_steps: Any) -> None:
         )
 
 
+def warn_paci_only(schedule: str, staleness_correction: Any, sync_start_steps: Any) -> None:
+    """A PACI-only setting that asks for something, given with ``schedule="1f1b_flush"``: taken (a config that switches
+    the schedule alone must keep working), said once. Under flush nothing is stale: the correction and the synchronous
+    start do nothing, and the user who set them for a comparison would not know."""
+    if schedule != "1f1b_flush":
+        return
+    asked = {}
+    if staleness_correction not in ("auto", None, "none"):
+        asked["staleness_correction"] = staleness_correction
+    if sync_start_steps not in ("auto", 0):
+        asked["sync_start_steps"] = sync_start_steps
+    if asked:
+        listed = ", ".join(f"{k}={v!r}" for k, v in asked.items())
+        rank_zero_warn(
+            f"{listed} with schedule='1f1b_flush': PACI options, which do nothing here (flush trains on current "
+            "weights: nothing is stale, every window already runs synchronously). Use schedule='paci' for them, or "
+            "leave them out."
+        )
+
+
 def check_replica_groups(
     fault_tolerance: str | None,
     local_sgd_steps: int | None,

@@ -95,6 +95,7 @@ from lit_efficient.strategy.config import (
     check_sync_start,
     layers_before_launch,
     refusing_settings,
+    warn_paci_only,
 )
 from lit_efficient.strategy.divergence import LossTrend
 from lit_efficient.strategy.fault_tolerant import start_replicas
@@ -419,6 +420,7 @@ class PACIStrategy(DDPStrategy):
             fault_tolerance, local_sgd_steps, min_replica_groups, streaming_sync, replica_group_id, replica_groups
         )
         check_sync_start(sync_start_steps)
+        warn_paci_only(schedule, staleness_correction, sync_start_steps)
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
             precision_plugin=precision_plugin, process_group_backend=process_group_backend, timeout=timeout,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+import warnings
 from datetime import timedelta
 from pathlib import Path
 
@@ -450,6 +451,18 @@ def test_an_option_of_the_wrong_kind_is_refused_naming_it(kwargs, said):
     float32) without naming the option."""
     with pytest.raises(ValueError, match=said):
         PACIStrategy(**kwargs)
+
+
+def test_paci_options_given_with_flush_are_said_to_do_nothing():
+    """staleness_correction='lr_scale' or sync_start_steps=10 with schedule='1f1b_flush' were taken in silence (nothing
+    is stale under flush): warned, not refused, so a config that switches the schedule alone keeps working."""
+    with pytest.warns(UserWarning, match=r"staleness_correction='lr_scale', sync_start_steps=10 with schedule='1f1b_"):
+        PACIStrategy(schedule="1f1b_flush", staleness_correction="lr_scale", sync_start_steps=10)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the defaults, and the values that ask for nothing, say nothing
+        PACIStrategy(schedule="1f1b_flush")
+        PACIStrategy(schedule="1f1b_flush", staleness_correction=None, sync_start_steps=0)
+        PACIStrategy(schedule="paci", staleness_correction="lr_scale", sync_start_steps=10)
 
 
 def test_torchft_group_settings_known_at_construction_are_checked_there():
