@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import inspect
 import numbers
+import os
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -108,19 +109,26 @@ class ResumableLoader(DataLoader):
     the batches yielded in it; after ``load_state_dict()`` the next iteration of that epoch starts after them.
 
     The skipped batches are skipped as indices, never loaded. Takes DataLoader's arguments; ``shuffle=False`` (the
-    default) reads the dataset in order through `SequentialWithEpoch`. With a sampler that has no epoch (a user's
-    own; Lightning swaps a plain sequential one in under ``overfit_batches``) the state cannot tell the saved epoch
-    from the next one, so nothing is skipped: the epoch restarts, as a plain DataLoader's does, with a warning when
-    the state was taken mid-epoch.
+    default) reads the dataset in order through `SequentialWithEpoch`; ``shuffle=True`` shuffles through
+    `EpochShuffle`, seeded as Lightning seeds a distributed sampler's shuffle (the ``generator``'s seed where one is
+    given, else ``seed_everything``'s, else 0): DDP's order on one replica and on several, a function of the seed and
+    the epoch (a ``RandomSampler`` drew each epoch's order from the process's stream, which no resume puts back
+    before an epoch's draw). With a sampler that has no epoch (a user's own; Lightning swaps a plain sequential one in
+    under ``overfit_batches``) the state cannot tell the saved epoch from the next one, so nothing is skipped: the
+    epoch restarts, as a plain DataLoader's does, with a warning when the state was taken mid-epoch.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         given = inspect.signature(DataLoader.__init__).bind(self, *args, **kwargs).arguments
         given.pop("self")
-        ordered = not given.get("shuffle") and given.get("sampler") is None and given.get("batch_sampler") is None
-        if ordered and not isinstance(given["dataset"], IterableDataset):  # shuffle=False: in order, with an epoch
-            given["sampler"] = SequentialWithEpoch(given["dataset"])
-            given.pop("shuffle", None)
+        own_order = given.get("sampler") is not None or given.get("batch_sampler") is not None
+        if not own_order and not isinstance(given["dataset"], IterableDataset):
+            if given.pop("shuffle", None):
+                generator = given.get("generator")
+                seed = generator.initial_seed() if generator is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
+                given["sampler"] = EpochShuffle(len(given["dataset"]), seed)
+            else:  # in order, with an epoch
+                given["sampler"] = SequentialWithEpoch(given["dataset"])
         super().__init__(**given)
         self._epoch: int | None = None  # the epoch whose order the last iteration read
         self._counted: int | None = None  # the epoch Lightning had set for it

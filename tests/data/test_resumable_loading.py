@@ -117,6 +117,26 @@ def test_an_epochs_order_depends_on_seed_and_epoch_only():
     assert list(shuffle) == first  # epoch 0: what RandomSampler with a generator seeded alike draws first
 
 
+def test_shuffle_true_shuffles_by_seed_and_epoch_in_ddps_order(monkeypatch):
+    """``ResumableLoader(shuffle=True)`` kept torch's RandomSampler, which draws each epoch's order from the process's
+    stream: no epoch to place a mid-epoch state (the epoch restarted, with a warning) and, from an epoch's end, the
+    next order drawn before a resume put the stream back (silent; 0 of 16 batches the uninterrupted run's, a user
+    audit). Now the order Lightning's distributed sampler gives the same loader: seed_everything's seed, or the
+    generator's."""
+    dataset = TensorDataset(torch.arange(20))
+    monkeypatch.setenv("PL_GLOBAL_SEED", "7")
+    loader = ResumableLoader(dataset, batch_size=4, shuffle=True)
+    for epoch in (0, 3):
+        ddp = torch.utils.data.DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=7)
+        ddp.set_epoch(epoch)
+        loader.sampler.set_epoch(epoch)
+        assert list(loader.sampler) == list(ddp)
+    seeded = ResumableLoader(dataset, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(3))
+    assert list(seeded.sampler) == torch.randperm(20, generator=torch.Generator().manual_seed(3)).tolist()
+    loader.load_state_dict({"epoch": 3, "batches": 2, "replicas": 1, "counted": 3})
+    assert [b[0].tolist() for b in loader] == [list(ddp)[i : i + 4] for i in (8, 12, 16)]  # epoch 3 continues
+
+
 def test_a_mid_epoch_state_of_another_replica_count_restarts_the_epoch_with_a_warning(data):
     """Replicas read one epoch's order interleaved (each every R-th index, as Lightning's distributed wrapper deals
     them): k batches on one replica are not k batches on each of two. Skipping them anyway dropped half the samples
@@ -294,6 +314,20 @@ def test_augmentation_seeded_by_epoch_and_index_resumes_mid_epoch_exactly(tmp_pa
     the documented recipe's are, through epoch 1's middle and epoch 2's start."""
     strategy = lambda: PACIStrategy(pipeline_stages=2)  # noqa: E731
     assert _resume_against_uninterrupted(tmp_path, strategy, 1, UsersAugmentedTokens) == 0.0
+
+
+class UsersShuffledResumableTokens(UsersTokens):
+    def train_dataloader(self):
+        return ResumableLoader(super().train_dataloader().dataset, batch_size=4, shuffle=True)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_resumable_loader_with_shuffle_true_resumes_mid_epoch_exactly(tmp_path):
+    """The epoch restarted (RandomSampler has no epoch), with a warning, and its batches were trained twice."""
+    strategy = lambda: PACIStrategy(pipeline_stages=2)  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*starts the epoch again.*")
+        assert _resume_against_uninterrupted(tmp_path, strategy, 1, UsersShuffledResumableTokens) == 0.0
 
 
 class UsersShuffledTokens(UsersTokens):
