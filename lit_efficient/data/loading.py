@@ -235,8 +235,9 @@ def _warn_epoch_restarts(loader: ResumableLoader, batches: int) -> None:
         f"({type(loader.sampler).__name__}) has no epoch, so the state cannot tell that epoch from the next: the "
         f"loader starts the epoch again from its first batch, and Lightning, which counts {batches} of its batches as "
         "done, ends it that many batches early. For an exact resume give the loader a sampler with an epoch "
-        "(ResumableLoader(dataset, sampler=EpochShuffle(len(dataset), seed)), shuffled), or resume from a checkpoint "
-        "taken at an epoch's end.",
+        "(ResumableLoader(dataset, shuffle=True), or sampler=EpochShuffle(len(dataset), seed)), or resume from a "
+        "checkpoint taken at an epoch's end (exact where your sampler draws its order from nothing random: one drawn "
+        "from the process's stream draws it before a resume puts the stream back).",
         stacklevel=1,  # this file's: the caller is Lightning's loader, which did nothing wrong
     )
 
