@@ -4,9 +4,9 @@ This file owns what the monitor measures on each rank, the one collective that b
 numbers to global rank 0 every ``logging_interval`` optimizer steps, how rank 0 combines them into
 metrics, and the timeline picture (a Gantt PNG and a Chrome-trace JSON of forward / backward /
 optimizer step per stage). It measures nothing itself inside the pipeline: the numbers come from
-`PipelineRuntime.stats` (busy time inside a stage's compute over the time from its first to its last
-action) and the runtime's action timeline; the monitor resets the runtime's stats at the start of
-training and after every logged interval, so each logged value covers one interval.
+`PipelineRuntime.stats` (busy time inside a stage's compute, weight-version drift) and the runtime's action
+timeline; the monitor resets the runtime's stats at the start of training and after every logged interval, so
+each logged value covers one interval: on each rank, from the previous log's gather to this log point.
 
 Every time is taken on the device's clock (`lit_efficient.runtime.clock`): host time on CPU, CUDA
 events on a GPU, where host time around asynchronous kernels would measure their launch. The events
@@ -16,16 +16,23 @@ per interval, beside the gather's), and once per fit for the timeline.
 Metric keys (logged from global rank 0 through ``trainer.loggers``, at the step Lightning logs the same window's
 ``train_loss`` at, ``trainer.global_step - 1``):
 
-- ``pipeline/utilization_stage{s}``: busy / elapsed of stage s, averaged over its replicas; training's time alone
+- ``pipeline/utilization_stage{s}``: the share of the interval stage s spent computing (busy / the interval, one
+  time base for every stage of a rank, so the idle time before a stage's first action counts: 1F1B-flush reads its
+  schedule's (S-1)/(N+S-1) at any ``logging_interval``), averaged over its replicas; training's time alone
   (validation inside fit and, under PACIStrategy, which times them, checkpoint saves are left out of it, as is
   their time from the throughputs' wall);
-- ``pipeline/bubble_fraction``: 1 - the mean of the stages' utilizations;
+- ``pipeline/bubble_fraction``: 1 - the mean of the devices' busy shares: with a stage per process, 1 - the mean of
+  the stages' utilizations; with the whole pipeline in one process, the share of the interval that device idled
+  (its stages take turns: their utilizations add up to at most 1);
 - ``pipeline/drift_max_stage{s}``: the largest weight-version drift at stage s (max over replicas);
-- ``pipeline/drift_mean``: drift averaged over every backward of every rank;
+- ``pipeline/drift_mean``: drift averaged over every backward every rank ran in the interval (stage s's
+  backwards lag the last stage's window end by up to S-1-s micro-batches, and an epoch's last interval holds its
+  drain: an interval's mean is not one window's; over a run it is the schedule's mean drift);
 - ``pipeline/skipped_steps``: optimizer steps skipped as non-finite (``on_nonfinite="skip"``) since the fit started,
   every stage skipping the same ones (a rise on the chart is where they were);
 - ``throughput/tokens_per_sec``, ``throughput/samples_per_sec``: over rank 0's wall time of the
-  interval, counted across data-parallel replicas. Tokens are the ``numel`` of the batch's first
+  interval, counted across data-parallel replicas (the first interval holds the first micro-batch's one-time
+  costs, allocation and warm-up: it reads low). Tokens are the ``numel`` of the batch's first
   tensor (the input ids of a ``(x, y)`` batch), samples its first dimension;
 - ``memory/peak_bytes_stage{s}`` on GPU: CUDA ``max_memory_allocated`` of stage s's processes (max over
   replicas) since training started (reset at train start), not per interval; on CPU the metric is
@@ -43,8 +50,8 @@ Metric keys (logged from global rank 0 through ``trainer.loggers``, at the step 
 Under a strategy without a pipeline (single device, DDP) only throughput, memory (``stage0``) and ``grad/norm``
 apply.
 With the whole pipeline in one process (``Trainer(devices=1)``) every stage has its row and its timeline,
-as S ranks would; utilization there describes the stages' turns on one device, and every stage's memory
-key holds that device's peak.
+as S ranks would; utilization there is each stage's share of that device's time (they take turns), the bubble
+fraction the device's idle share, and every stage's memory key holds that device's peak.
 """
 
 from __future__ import annotations
@@ -109,6 +116,7 @@ class Row(NamedTuple):
     grad_sq: float = math.nan  # the squared gradient norm of the stage's last step (grad_norm=True; NaN: not measured)
     sum_replicas: bool = False  # grad_sq is the stage's share of this replica (a sharded optimizer state's chunk)
     skipped: float = 0.0  # optimizer steps the stage skipped as non-finite since the fit started
+    host: float = math.nan  # the global rank holding the stage: rows of one rank share its device's time (NaN: alone)
 
 
 class TimelineEvent(NamedTuple):
@@ -314,8 +322,9 @@ class PipelineMonitor(Callback):
         if saves:
             saves.clear()
         pauses = _merged(clock.host_seconds([m for span in spans for m in span]))
+        start, end = clock.host_seconds([self._interval_start, clock.mark()])  # this rank's interval, before the gather
         grad_sq = {stage: float(squared) for stage, squared in self._grad_sq.items()}  # a host sync on a GPU
-        rows = _local_rows(trainer, runtime, self._tokens, self._samples, pauses, grad_sq)
+        rows = _local_rows(trainer, runtime, self._tokens, self._samples, (start, end), pauses, grad_sq)
         device = trainer.strategy.root_device
         local = torch.tensor(rows, dtype=torch.float32 if device.type == "mps" else torch.float64, device=device)
         # Synchronization point every `logging_interval` optimizer steps: one all-gather of a few
@@ -425,7 +434,13 @@ def aggregate(rows: Sequence[Row], wall_seconds: float, memory: str = "memory/pe
             utilization[s] = sum(values) / len(values)
             metrics[f"pipeline/utilization_stage{s}"] = utilization[s]
             metrics[f"pipeline/drift_max_stage{s}"] = max(r.drift_max for r in by_stage[s])
-        metrics["pipeline/bubble_fraction"] = 1.0 - sum(utilization.values()) / len(utilization)
+        # Per device: the stages of one process take turns on it (the whole pipeline in one process: its idle share).
+        devices: dict[float, list[Row]] = {}
+        for i, r in enumerate(rows):
+            devices.setdefault(-1.0 - i if math.isnan(r.host) else r.host, []).append(r)
+        used = [min(1.0, sum(r.busy for r in held) / held[0].elapsed) if held[0].elapsed > 0 else 0.0
+                for held in devices.values()]  # fmt: skip
+        metrics["pipeline/bubble_fraction"] = 1.0 - sum(used) / len(used)
         backwards = sum(r.backwards for r in rows)
         metrics["pipeline/drift_mean"] = sum(r.drift_sum for r in rows) / backwards if backwards else 0.0
         metrics["pipeline/skipped_steps"] = max(r.skipped for r in rows)
@@ -534,14 +549,16 @@ def _runtime(trainer: Trainer) -> StageHost | None:
 
 
 def _local_rows(
-    trainer: Trainer, runtime: StageHost | None, tokens: int, samples: int, pauses: Sequence[tuple[float, float]],
-    grad_sq: dict[int, float] | None = None,
+    trainer: Trainer, runtime: StageHost | None, tokens: int, samples: int, interval: tuple[float, float],
+    pauses: Sequence[tuple[float, float]], grad_sq: dict[int, float] | None = None,
 ) -> list[Row]:  # fmt: skip
-    """This process's rows: one per hosted stage (one on a rank, every stage in one process). Training's alone: a
-    stage's evaluation forwards are left out of its busy time, and the ``pauses`` (validation inside fit, saves; on
-    the host's ``perf_counter`` axis, disjoint) out of its elapsed time, as far as they lie inside it: a pause after
-    the interval's last action, or before its first, was never part of it. ``grad_sq``: each measured stage's
-    squared gradient norm at its last step."""
+    """This process's rows: one per hosted stage (one on a rank, every stage in one process). Each stage's busy
+    time is taken over the rank's ``interval`` (from the last log's gather to this log point, on the host's
+    ``perf_counter`` axis), every stage's over the same: a stage's own first-to-last action left out the time it
+    waited before its first one (flush's last stage read utilization 1.0 at logging_interval=1, the bubble fraction
+    half the schedule's; review). Training's alone: a stage's evaluation forwards are left out of its busy time, and
+    the ``pauses`` (validation inside fit, saves; disjoint) out of the interval, as far as they lie inside it.
+    ``grad_sq``: each measured stage's squared gradient norm at its last step."""
     peak = _peak_bytes(trainer.strategy.root_device)
     grad_sq = grad_sq or {}
     if runtime is None:
@@ -550,16 +567,15 @@ def _local_rows(
     strategy = trainer.strategy
     assert isinstance(strategy, PACIStrategy)
     sharded = strategy.shard_optimizer_state and strategy.topology is not None and strategy.topology.num_replicas > 1
+    elapsed = max(0.0, interval[1] - interval[0] - _seconds_inside(interval, pauses))
     rows = []
     for rt in runtime.runtimes:
         s = rt.stats()
         busy = s["busy_seconds"] - rt.stage.stats.evaluate_seconds
-        paused = _seconds_inside(rt.measured_range(), pauses) if pauses else 0.0  # on CUDA the range is a wait
-        elapsed = max(0.0, s["elapsed_seconds"] - paused)
         rows.append(Row(
             rt.stage.stage, strategy.replica, True, busy, elapsed, s["drift_max"], rt.stage.stats.drift_sum,
             s["backwards"], tokens, samples, peak, grad_sq.get(rt.stage.stage, math.nan), sharded,
-            rt.stage.skipped_windows,
+            rt.stage.skipped_windows, trainer.global_rank,
         ))  # fmt: skip
     return rows
 
@@ -575,10 +591,8 @@ def _merged(marks: Sequence[float]) -> list[tuple[float, float]]:
     return spans
 
 
-def _seconds_inside(measured: tuple[float, float] | None, pauses: Sequence[tuple[float, float]]) -> float:
-    """Seconds of the disjoint ``pauses`` inside the ``measured`` range (None: nothing measured)."""
-    if measured is None:
-        return 0.0
+def _seconds_inside(measured: tuple[float, float], pauses: Sequence[tuple[float, float]]) -> float:
+    """Seconds of the disjoint ``pauses`` inside the ``measured`` range."""
     low, high = measured
     return sum(max(0.0, min(high, end) - max(low, start)) for start, end in pauses)
 

@@ -310,14 +310,6 @@ class PipelineRuntime:
             "drift_mean": s.drift_sum / s.backwards if s.backwards else 0.0,
         }
 
-    def measured_range(self) -> tuple[float, float] | None:
-        """Where ``elapsed_seconds`` of `stats` starts and ends, on the host's ``perf_counter`` axis (the
-        clock's `host_seconds`: on CUDA a wait), or None before this interval's first action."""
-        if self._clock_start is None or self._clock_end is None:
-            return None
-        start, end = self.stage.clock.host_seconds([self._clock_start, self._clock_end])
-        return start, end
-
     def reset_stats(self) -> None:
         """Start measuring afresh (after warm-up, or per logging interval)."""
         self.stage.reset_stats()

@@ -80,6 +80,11 @@ def test_aggregate_averages_replicas_and_counts_each_replica_once():
     assert m["throughput/tokens_per_sec"] == pytest.approx(384.0)  # (512 + 256) / 2 s: stage 0 of each replica
     assert m["throughput/samples_per_sec"] == pytest.approx(6.0)
     assert (m["memory/peak_bytes_stage0"], m["memory/peak_bytes_stage1"]) == (400, 200)
+    # The whole pipeline in one process (one host): its stages take turns on one device, over one interval. Each
+    # stage's share of it, and the device's idle share as the bubble (1 - the mean of the shares was 0.65 here).
+    one = aggregate([Row(s, 0, True, b, 10.0, 0, 0, 8, 512, 8, 100, host=0) for s, b in ((0, 4.0), (1, 3.0))], 2.0)
+    assert (one["pipeline/utilization_stage0"], one["pipeline/utilization_stage1"]) == (0.4, 0.3)
+    assert one["pipeline/bubble_fraction"] == pytest.approx(0.3)
     ddp = aggregate([Row(0, r, False, 0, 0, 0, 0, 0, 100, 2, 10 + r) for r in range(2)], wall_seconds=1.0)
     assert ddp == {"throughput/tokens_per_sec": 200, "throughput/samples_per_sec": 4, "memory/peak_bytes_stage0": 11}
 
@@ -329,14 +334,14 @@ def test_pipeline_run_logs_every_key_matches_simulator_and_draws_timeline(tmp_pa
     Keys: every metric key is in the CSVLogger's metrics.csv. Timeline: the Chrome trace loads and
     holds forwards, backwards and steps of both stages; the PNG exists.
 
-    Utilization: "measured utilization" is what the monitor logs, busy / elapsed of each stage: busy is
-    the time inside the stage's forward/backward/step compute, elapsed runs from the stage's first
-    action to its last, so it also holds waiting for the neighbour, transfers and Lightning's work
+    Utilization: "measured utilization" is what the monitor logs, busy / the interval of each stage: busy is
+    the time inside the stage's forward/backward/step compute, the interval is the rank's training time since
+    the fit started (one log), so it also holds waiting for the neighbour, transfers and Lightning's work
     between two micro-batches. Logging once, at the last window (after the epoch-end drain), makes it
     cover the whole run, warm-up and drain included. The simulator gets this run's own costs: per
     stage, the mean duration of the actions that never wait (stage 0's forwards, stage 1's backwards,
     steps) from the recorded timeline, the other kind solved from the stage's measured busy time, and
-    the measured point-to-point latency; its utilization is taken over the same per-stage span.
+    the measured point-to-point latency; its utilization is taken over its whole run (the makespan).
     Agreement within 10% says that the schedule runs as modelled and that what the model leaves out
     (Lightning between micro-batches, the runtime's bookkeeping, jitter) stays under a tenth.
 
@@ -390,10 +395,8 @@ def test_pipeline_run_logs_every_key_matches_simulator_and_draws_timeline(tmp_pa
         "paci", 2, N, MICRO_BATCHES, forward=[c["F"] for c in costs], backward=[c["B"] for c in costs],
         step=statistics.mean(c["STEP"] for c in costs), comm=statistics.mean(st["latency"] for st in stats),
     )  # fmt: skip
-    expected = []
-    for s in (0, 1):
-        slots = [slot for slot in sim.timeline if slot.stage == s]
-        expected.append(sim.busy[s] / (max(x.end for x in slots) - min(x.start for x in slots)))
+    makespan = max(x.end for x in sim.timeline) - min(x.start for x in sim.timeline)
+    expected = [sim.busy[s] / makespan for s in (0, 1)]
     measured = [logged[f"pipeline/utilization_stage{s}"] for s in (0, 1)]
     # What the simulator leaves out, measured, as fractions of each stage's span: time outside the
     # runtime between two actions (Lightning) and time waiting for the neighbour.
@@ -460,24 +463,26 @@ def test_timeline_records_the_same_number_of_windows_after_a_resume(resumed_at, 
 
 
 def test_a_stages_row_leaves_validation_inside_fit_out(monkeypatch):
-    """A stage's runtime clock spans a validation inside fit, and its busy time counts the evaluation forwards: both
-    entered pipeline/utilization_stage{s} and the bubble fraction. The row keeps training's alone."""
+    """A rank's interval spans a validation inside fit, and a stage's busy time counts the evaluation forwards: both
+    entered pipeline/utilization_stage{s} and the bubble fraction. The row keeps training's alone, over the rank's
+    interval, the same for every stage it hosts."""
     from lit_efficient.callbacks import pipeline_monitor
 
     stage = types.SimpleNamespace(
         stage=0, stats=types.SimpleNamespace(drift_sum=0.0, evaluate_seconds=1.0), skipped_windows=0
     )
-    stats = {"busy_seconds": 3.0, "elapsed_seconds": 10.0, "drift_max": 0.0, "backwards": 4}
-    runtime = types.SimpleNamespace(runtimes=[types.SimpleNamespace(stage=stage, stats=lambda: stats)])
+    stats = {"busy_seconds": 3.0, "elapsed_seconds": 5.0, "drift_max": 0.0, "backwards": 4}
     monkeypatch.setattr(pipeline_monitor, "PACIStrategy", types.SimpleNamespace)  # a stand-in strategy, set up
     strategy = types.SimpleNamespace(replica=0, root_device=torch.device("cpu"), shard_optimizer_state=False)
-    trainer = types.SimpleNamespace(strategy=strategy, global_rank=0)
-    measured = types.SimpleNamespace(stage=stage, stats=lambda: stats, measured_range=lambda: (100.0, 110.0))
-    runtime = types.SimpleNamespace(runtimes=[measured])
-    (row,) = pipeline_monitor._local_rows(trainer, runtime, 64, 4, pauses=[(103.0, 107.0)])
-    assert (row.busy, row.elapsed) == (2.0, 6.0)  # 3 s busy less 1 s of evaluation; 10 s less 4 s of validation
-    # Only what lies inside the stage's measured range: a save after its last action, or one straddling its first.
-    (row,) = pipeline_monitor._local_rows(trainer, runtime, 64, 4, pauses=[(98.0, 101.0), (110.0, 115.0)])
+    trainer = types.SimpleNamespace(strategy=strategy, global_rank=3)
+    runtime = types.SimpleNamespace(runtimes=[types.SimpleNamespace(stage=stage, stats=lambda: stats)])
+    (row,) = pipeline_monitor._local_rows(trainer, runtime, 64, 4, (100.0, 110.0), pauses=[(103.0, 107.0)])
+    # 3 s busy less 1 s of evaluation; the interval's 10 s less 4 s of validation (not the stage's own 5 s span)
+    assert (row.busy, row.elapsed, row.host) == (2.0, 6.0, 3)
+    # Only what lies inside the interval: a save after its end, or one straddling its start.
+    (row,) = pipeline_monitor._local_rows(
+        trainer, runtime, 64, 4, (100.0, 110.0), pauses=[(98.0, 101.0), (110.0, 115.0)]
+    )
     assert row.elapsed == 9.0
 
 
@@ -485,7 +490,7 @@ def test_checkpoint_saves_inside_fit_are_left_out_of_the_stages_time(tmp_path, m
     """A save every optimizer step stalls every stage while it writes; the monitor counted that as bubble (a save per
     step took flush's bubble fraction from 0.20 to ~0.65 on 2 processes). The strategy times each save (weights-only
     ones too, which Lightning's callback hooks never see) for the monitor, whose rows leave out what of it falls
-    inside a stage's measured range (the test above); the last step's saves come after the last logged interval."""
+    inside a logged interval (the test above); the last step's saves come after the last logged interval."""
     from lit_efficient.callbacks import pipeline_monitor
     from lit_efficient.strategy import stage_checkpoints
 
@@ -499,9 +504,9 @@ def test_checkpoint_saves_inside_fit_are_left_out_of_the_stages_time(tmp_path, m
         saves.append((start, time.perf_counter()))
         return out
 
-    def seen_rows(trainer, runtime, tokens, samples, paused, *rest):
+    def seen_rows(trainer, runtime, tokens, samples, interval, paused, *rest):
         pauses.extend(paused)
-        return rows(trainer, runtime, tokens, samples, paused, *rest)
+        return rows(trainer, runtime, tokens, samples, interval, paused, *rest)
 
     monkeypatch.setattr(stage_checkpoints, "save", slow_write)
     monkeypatch.setattr(pipeline_monitor, "_local_rows", seen_rows)
