@@ -17,10 +17,10 @@ Metric keys (logged from global rank 0 through ``trainer.loggers``, at the step 
 ``train_loss`` at, ``trainer.global_step - 1``):
 
 - ``pipeline/utilization_stage{s}``: the share of the interval stage s spent computing (busy / the interval, one
-  time base for every stage of a rank, so the idle time before a stage's first action counts: 1F1B-flush reads its
-  schedule's (S-1)/(N+S-1) at any ``logging_interval``), averaged over its replicas; training's time alone
-  (validation inside fit and, under PACIStrategy, which times them, checkpoint saves are left out of it, as is
-  their time from the throughputs' wall);
+  time base for every stage of a rank, so the idle time before a stage's first action counts: 1F1B-flush's bubble
+  reads its schedule's (S-1)/(N+S-1), plus Lightning's time between micro-batches, at any ``logging_interval``),
+  averaged over its replicas; training's time alone (validation inside fit and, under PACIStrategy, which times
+  them, checkpoint saves are left out of it, as is their time from the throughputs' wall);
 - ``pipeline/bubble_fraction``: 1 - the mean of the devices' busy shares: with a stage per process, 1 - the mean of
   the stages' utilizations; with the whole pipeline in one process, the share of the interval that device idled
   (its stages take turns: their utilizations add up to at most 1);
