@@ -54,6 +54,7 @@ from lit_efficient.runtime.split import check_stage_parameters, find_ties, layer
 from lit_efficient.runtime.stage import OnNonFinite
 from lit_efficient.runtime.staleness import CORRECTIONS, READS_MOMENTS
 from lit_efficient.runtime.topology import Topology
+from lit_efficient.transport.failures import lost_peers_error
 
 _PRECISIONS = ("32-true", "bf16-mixed")
 WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # `PACIStrategy(wire_dtype=...)`
@@ -217,11 +218,16 @@ class _CheckedScriptLauncher(_ChecksFirst, _SubprocessScriptLauncher):
         _set_num_threads_if_needed(num_processes=self.num_processes)
         try:
             return function(*args, **kwargs)
-        except BaseException:
+        except BaseException as err:
             # This process raises the failure: from here on it is not to be killed for it (its callbacks'
             # on_exception hooks, a save, the user's except/finally run next). Also under a later Trainer of the
             # same script, which launches nothing: the first launch's observer watches its ranks still.
             rank_reaper.stand_down_observers()
+            # A collective's raw error (a callback's, a metric share's) names no cause: raise the one a peer published.
+            strategy = trainer.strategy if trainer is not None else None
+            pipelined = getattr(strategy, "topology", None) is not None and not strategy.in_process  # type: ignore[union-attr]
+            if pipelined and (explained := lost_peers_error(strategy.here, err)) is not None:  # type: ignore[union-attr]
+                raise explained from err
             raise
 
 

@@ -16,6 +16,7 @@ stop, validate and save at the same batch.
 from __future__ import annotations
 
 import atexit
+import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -161,6 +162,7 @@ from lit_efficient.strategy.trainer_glue import (
 from lit_efficient.tools.window import advise_window
 from lit_efficient.transport.collectives import broadcast_flat
 from lit_efficient.transport.failures import (
+    PipelineCommError,
     begin_run,
     check_peers_alive,
     clear_published_failure,
@@ -199,6 +201,7 @@ Balance = Literal["parameters", "uniform", "profile"]
 
 
 _BIG = 1 << 62  # above every `step_settings` digest (7 bytes)
+GROUP_RELEASE_S = 5.0  # how long a failed run waits for its groups to be released before it raises
 
 
 def _in_place_compile(module: Any) -> Any:
@@ -1122,7 +1125,7 @@ class PACIStrategy(DDPStrategy):
         if self.replicas is not None:
             self.replicas.shutdown()
             self.replicas = None
-        self._let_go_of_the_run(trainer)
+        self._let_go_of_the_run(trainer, healthy)
         super().teardown()
         if healthy and isinstance(self.launcher, _MultiProcessingLauncher) and dist.is_initialized():
             # A spawned (or forked) rank lives for this one run and ends right after it: release the
@@ -1131,7 +1134,7 @@ class PACIStrategy(DDPStrategy):
             # Only on success: after a failure a peer may be gone, and the process exits anyway.
             dist.destroy_process_group()
 
-    def _let_go_of_the_run(self, trainer: Trainer | None) -> None:
+    def _let_go_of_the_run(self, trainer: Trainer | None, healthy: bool = True) -> None:
         """Destroy the run's groups, and first give back what held them or patched Lightning for the run. Nothing may
         keep a destroyed group: it holds its gloo threads and sockets for as long as the Trainer lives, a reference
         cycle of Lightning's that only a full garbage collection frees (a notebook fitting again and again gathered
@@ -1144,26 +1147,47 @@ class PACIStrategy(DDPStrategy):
             self._sync_advice_back = None
         if trainer is not None:
             restore_sigterm_barrier(trainer)
-        self._destroy_groups()
+        self._destroy_groups(wait=healthy)
         for hosted in self.hosted:
             hosted.release_links()
 
-    def _destroy_groups(self) -> None:
+    def _destroy_groups(self, wait: bool = True) -> None:
         """Release the subgroups this strategy made, now, rather than at interpreter exit: a gloo group
         whose worker threads are still alive when Python finalizes aborts the process ("terminate called
-        without an active exception", seen at the exit of spawned ranks). Local: no collective."""
+        without an active exception", seen at the exit of spawned ranks). Local: no collective.
+
+        After a failure (``wait=False``) a receive posted ahead may still wait on a peer that is alive elsewhere (a
+        rank that left the schedule alone, a stop set on its rank only, waits in a collective this rank never
+        joins), and a gloo group's destruction joins the thread that waits: forever, the peer held by this process's
+        open connections and this process by its teardown (a hang SIGTERM did not end; the failures audit). There
+        the groups are let go in the background, for up to `GROUP_RELEASE_S` seconds before this process goes on
+        to raise; they are this run's alone (a later run makes its own)."""
         if not dist.is_initialized():
             return
         groups = [*self._dp_groups.values(), *self._pipeline_groups.values()]
         groups += [self._signal_group, self._header_group]
-        for group in groups:
-            if group is not None:
-                dist.destroy_process_group(group)
-        for links in [self._p2p_groups, *self._tie_groups.values()]:
-            if links is not None:
-                links.destroy()
+        links = [self._p2p_groups, *self._tie_groups.values()]
         self._dp_groups, self._pipeline_groups, self._tie_groups = {}, {}, {}
         self._signal_group = self._header_group = self._p2p_groups = None
+
+        def release() -> None:
+            # In order, each let go of at once: a group's threads are joined, and its connections closed, when its
+            # last reference goes; the header group and the links, where a receive may wait, last.
+            while groups:
+                if (group := groups.pop(0)) is not None:
+                    dist.destroy_process_group(group)
+                del group
+            while links:
+                if (link := links.pop(0)) is not None:
+                    link.destroy()
+                del link
+
+        if wait:
+            release()
+            return
+        releasing = threading.Thread(target=release, daemon=True, name="lit-efficient-release-groups")
+        releasing.start()
+        releasing.join(GROUP_RELEASE_S)
 
     def stage_view(self, index: int) -> Any:
         """A context in which the module holds only hosted stage ``index``'s layers, as that stage's own rank holds
@@ -1429,8 +1453,10 @@ class PACIStrategy(DDPStrategy):
             # In one process every stage runs here, and which one raised is in the traceback: no stage is named (the
             # last stage was, for a failure in stage 0's backward).
             here = f"the pipeline of {self.pipeline_stages} stages in this process" if self.in_process else self.here
-            if not self.in_process and is_raw_comm_error(exception):  # a peer's failure seen here: name its cause
-                report_lost_peers(here, exception)
+            # A peer's failure seen here, raw or as the launcher explained it (`lost_peers_error`): name its cause.
+            lost = exception.__cause__ if isinstance(exception, PipelineCommError) else exception
+            if not self.in_process and lost is not None and is_raw_comm_error(lost):
+                report_lost_peers(here, lost)
             elif isinstance(exception, KeyboardInterrupt):  # Ctrl-C: what the user did, not a failure; peers name it
                 report_stop(f"{here} was interrupted (KeyboardInterrupt)")
             elif isinstance(exception, SIGTERMException):  # from outside, maybe after a peer died

@@ -237,21 +237,37 @@ def explain_link_failure(
     return message
 
 
-def report_lost_peers(here: str, err: BaseException) -> None:
-    """Print what ``here`` (``stage s (rank r)``) saw: a raw communication error (`is_raw_comm_error`), with the
-    cause a peer published (awaited, unless it timed out: a timeout's cause may never be published) and, for a
-    timeout, the option that bounds it. Not published: it is not this rank's failure."""
+def lost_peers(here: str, err: BaseException) -> tuple[str, bool]:
+    """What ``here`` (``stage s (rank r)``) saw: a raw communication error (`is_raw_comm_error`), with the cause a
+    peer published (awaited, unless it timed out: a timeout's cause may never be published) and, for a timeout, the
+    option that bounds it; and whether a peer's cause was found."""
     timed_out = is_timeout(err)
     cause = read_failure() if timed_out else await_failure()
     stop = None if cause else read_stop()
     text = str(err).strip()
     first_line = text.splitlines()[0][:300] if text else ""
-    print(
-        f"lit-efficient: {here} lost its peers ({type(err).__name__}: {first_line}); "
+    message = (
+        f"{here} lost its peers ({type(err).__name__}: {first_line}); "
         + (f"the pipeline stopped because {cause}" if cause else "no rank reported a failure of its own "
            "(one died, was killed, or is hung or slower than the timeout)")
         + (f"; meanwhile {stop}" if stop else "")
         + (". If a rank is only slow (a long validation or save on one rank), raise PACIStrategy(timeout="
-           "timedelta(...)), which bounds every collective" if timed_out else ""),
-        file=sys.stderr, flush=True,
+           "timedelta(...)), which bounds every collective" if timed_out else "")
     )  # fmt: skip
+    return message, cause is not None
+
+
+def report_lost_peers(here: str, err: BaseException) -> None:
+    """Print `lost_peers`' account. Not published: it is not this rank's failure."""
+    print(f"lit-efficient: {lost_peers(here, err)[0]}", file=sys.stderr, flush=True)
+
+
+def lost_peers_error(here: str, err: BaseException) -> PipelineCommError | None:
+    """The error a rank raises for a raw communication error of a collective (a callback's, a metric share's) where a
+    peer published its cause: `lost_peers`' account, the peer's cause last in the traceback (gloo's "Connection
+    closed by peer" named neither; the transfers between stages say it already, `explain_link_failure`). None
+    where no peer published one, or for another error: raise ``err`` itself."""
+    if not is_raw_comm_error(err):
+        return None
+    message, explained = lost_peers(here, err)
+    return PipelineCommError(message) if explained else None

@@ -318,7 +318,9 @@ class PointToPoint:
         if got != microbatch:
             raise PipelineCommError(
                 f"stage {self.stage} (rank {self.rank}) expected {what} of micro-batch {microbatch} from rank "
-                f"{src} but received micro-batch {got}: the two stages run different schedules"
+                f"{src} but received micro-batch {got}: the two stages run different schedules (one rank left it "
+                "alone: a stop decided on one rank only, Lightning's trainer.should_stop set there, must be decided "
+                "on every rank, e.g. with trainer.strategy.reduce_boolean_decision)"
             )
         for work in posted.works:  # the payloads, or the placeholders sent because the specs changed
             self._wait(work, src, microbatch, what, device=True)

@@ -292,6 +292,72 @@ def test_trainer_with_default_launcher_fails_fast_when_a_rank_is_killed(tmp_path
     assert elapsed < 30, f"ended {elapsed:.0f}s after the kill; the p2p timeout is 60s and a dead peer is seen at once"
 
 
+_ONE_RANK_STOPS = textwrap.dedent(
+    """
+    import lightning as L
+    from lightning.pytorch.callbacks import Callback
+    from lit_efficient import PACIStrategy
+    from lit_efficient.data import TextDataModule
+    from lit_efficient.models import GPT
+
+    class StopOnOneRank(Callback):  # a user's stop decided on stage 0's rank alone
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_rank == 1 and batch_idx == 3:
+                trainer.should_stop = True
+
+    class FailOnOneRank(Callback):  # a user's callback that raises on stage 0's rank alone, after a validation
+        def on_validation_end(self, trainer, pl_module):
+            if trainer.global_rank == 1:
+                raise ValueError("the user's callback failed")
+
+    if __name__ == "__main__":
+        trainer = L.Trainer(
+            accelerator="cpu", devices=2, max_steps=20, accumulate_grad_batches=2, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, limit_val_batches=2, val_check_interval=8,
+            num_sanity_val_steps=0, strategy=PACIStrategy(p2p_timeout=30), callbacks=[CALLBACK()],
+        )
+        model = GPT(n_layer=2, n_head=2, n_embd=32, block_size=32, warmup_steps=2, max_steps=20)
+        trainer.fit(model, datamodule=TextDataModule(block_size=32, batch_size=4, max_bytes=60_000))
+    """
+)
+
+
+def _run_failing(tmp_path: Path, callback: str) -> tuple[subprocess.CompletedProcess, float]:
+    script = tmp_path / "train.py"
+    script.write_text(_ONE_RANK_STOPS.replace("CALLBACK", callback))
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=240,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )  # fmt: skip
+    return proc, time.monotonic() - started
+
+
+@pytest.mark.multiproc
+def test_a_stop_decided_on_one_rank_ends_the_job_saying_so(tmp_path):
+    """Stage 0's rank left the schedule for a validation, whose first collective stage 1's rank never joins; stage 1
+    raised at once ("different schedules"), then hung in its teardown: destroying a gloo group joins the thread of a
+    receive posted ahead, or of a group the peer still waits on, forever (9 minutes, SIGTERM did not end it; the
+    failures audit). The job now ends, the launching process raising the mismatch with what to do."""
+    proc, seconds = _run_failing(tmp_path, "StopOnOneRank")
+    assert proc.returncode != 0
+    assert "PipelineCommError: stage 1 (rank 0) expected activations" in proc.stderr, proc.stderr[-3000:]
+    assert "a stop decided on one rank only" in proc.stderr
+    assert seconds < 180
+
+
+@pytest.mark.multiproc
+def test_a_callback_failing_on_one_rank_is_what_the_launching_process_raises(tmp_path):
+    """Stage 0's rank raised in a callback while stage 1's waited in a collective (the callback metrics' share): the
+    launching process raised gloo's "Connection closed by peer", the cause only in a line of the output above it
+    (the failures audit). It raises the cause a peer published."""
+    proc, _ = _run_failing(tmp_path, "FailOnOneRank")
+    raised = [line for line in proc.stderr.splitlines() if line.startswith("[rank0]: ")]  # its traceback's lines
+    last = raised[-1] if raised else ""  # what it raised (rank 1's traceback may come after it)
+    assert "PipelineCommError: stage 1 (rank 0) lost its peers" in last, proc.stderr[-3000:]
+    assert last.endswith("the pipeline stopped because stage 0 (rank 1) raised ValueError: the user's callback failed")
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     stages=st.integers(-2, 9),
