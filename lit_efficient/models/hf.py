@@ -503,6 +503,10 @@ class HFCausalLM(LightningModule):
             dtype = dtypes.pop() if len(dtypes) == 1 else None  # mixed: rebuilt in float32, cast up, nothing lost
         if isinstance(dtype, torch.dtype):  # by name: a logger's hparams.yaml cannot hold a torch.dtype
             self.hparams["dtype"] = str(dtype).removeprefix("torch.")
+        if isinstance(model, nn.Module):  # and its attention: the config the checkpoint keeps drops it (rebuilt: sdpa)
+            attention = getattr(self.model.config, "_attn_implementation", None)
+            if isinstance(attention, str):
+                self.hparams["attn_implementation"] = attention
         # Before the structure: a refused loss term is the user's setting to change.
         coef = router_aux_loss_coef(self.model)
         s = find_structure(self.model)  # fail at construction for an architecture it cannot split

@@ -545,7 +545,7 @@ def test_a_bfloat16_folder_loads_in_float32_unless_asked(tmp_path):
         HFCausalLM(module.model, learning_rate=float("nan"))  # passed every comparison, as GPT's did
 
 
-def test_attn_implementation_is_checked_and_never_ignored():
+def test_attn_implementation_is_checked_and_never_ignored(tmp_path):
     """A number reached transformers' string methods (an AttributeError naming no argument), and a name given with an
     instance was ignored: the instance ran its own attention, silently."""
     config = {"model_type": "llama", "num_hidden_layers": 1, "hidden_size": 16, "intermediate_size": 32,
@@ -558,7 +558,15 @@ def test_attn_implementation_is_checked_and_never_ignored():
     with pytest.raises(ValueError, match=r"keeps its own \('sdpa'\)\. Set it on the instance first"):
         HFCausalLM(instance, attn_implementation="eager")
     instance.set_attn_implementation("eager")  # the fix the message gives
-    assert HFCausalLM(instance).model.config._attn_implementation == "eager"
+    module = HFCausalLM(instance)
+    assert module.model.config._attn_implementation == "eager"
+    # and a checkpoint rebuilds it so (the config it keeps drops the attention: the rebuild ran sdpa; the review)
+    from lightning.pytorch import Trainer
+
+    trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, max_steps=0)
+    trainer.strategy.connect(module)
+    trainer.save_checkpoint(tmp_path / "m.ckpt")
+    assert HFCausalLM.load_from_checkpoint(tmp_path / "m.ckpt").model.config._attn_implementation == "eager"
 
 
 def test_an_instance_in_bfloat16_reloads_from_its_checkpoint_in_bfloat16(tmp_path):
