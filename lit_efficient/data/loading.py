@@ -36,7 +36,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset, Sampler, SequentialSampler
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
 
 
 class EpochShuffle(Sampler[int]):
@@ -104,18 +104,37 @@ class SequentialWithEpoch(SequentialSampler):
         self.epoch = epoch
 
 
+class _SeededShuffle(RandomSampler):
+    """`ResumableLoader`'s ``shuffle=True``: `EpochShuffle`'s order (seed + epoch), as a ``RandomSampler``, which
+    Lightning replaces under several replicas with its ``DistributedSampler`` of the same seed (DDP's order: an
+    `EpochShuffle` there is wrapped, and its order permuted twice)."""
+
+    def __init__(self, data_source: Any, seed: int) -> None:
+        super().__init__(data_source)
+        self._order = EpochShuffle(len(data_source), seed)  # type: ignore[arg-type]
+        self.seed, self.epoch = self._order.seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        self._order.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._order)
+
+
 class ResumableLoader(DataLoader):
     """A DataLoader Lightning resumes mid-epoch: ``state_dict()`` is the epoch (the sampler's, set by Lightning) and
     the batches yielded in it; after ``load_state_dict()`` the next iteration of that epoch starts after them.
 
     The skipped batches are skipped as indices, never loaded. Takes DataLoader's arguments; ``shuffle=False`` (the
-    default) reads the dataset in order through `SequentialWithEpoch`; ``shuffle=True`` shuffles through
-    `EpochShuffle`, seeded as Lightning seeds a distributed sampler's shuffle (the ``generator``'s seed where one is
-    given, else ``seed_everything``'s, else 0): DDP's order on one replica and on several, a function of the seed and
-    the epoch (a ``RandomSampler`` drew each epoch's order from the process's stream, which no resume puts back
-    before an epoch's draw). With a sampler that has no epoch (a user's own; Lightning swaps a plain sequential one in
-    under ``overfit_batches``) the state cannot tell the saved epoch from the next one, so nothing is skipped: the
-    epoch restarts, as a plain DataLoader's does, with a warning when the state was taken mid-epoch.
+    default) reads the dataset in order through `SequentialWithEpoch`; ``shuffle=True`` shuffles in `EpochShuffle`'s
+    order, seeded as Lightning seeds a distributed sampler's shuffle (the ``generator``'s seed where one is given, else
+    ``seed_everything``'s, else 0): DDP's order on one replica, and on several Lightning's own DistributedSampler, a
+    function of the seed and the epoch either way (torch's ``RandomSampler`` drew each epoch's order from the
+    process's stream, which no resume puts back before an epoch's draw). With a sampler that has no epoch (a user's
+    own; Lightning swaps a plain sequential one in under ``overfit_batches``) the state cannot tell the saved epoch
+    from the next one, so nothing is skipped: the epoch restarts, as a plain DataLoader's does, with a warning when
+    the state was taken mid-epoch.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -126,7 +145,7 @@ class ResumableLoader(DataLoader):
             if given.pop("shuffle", None):
                 generator = given.get("generator")
                 seed = generator.initial_seed() if generator is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
-                given["sampler"] = EpochShuffle(len(given["dataset"]), seed)
+                given["sampler"] = _SeededShuffle(given["dataset"], seed)
             else:  # in order, with an epoch
                 given["sampler"] = SequentialWithEpoch(given["dataset"])
         super().__init__(**given)

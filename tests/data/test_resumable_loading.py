@@ -135,6 +135,14 @@ def test_shuffle_true_shuffles_by_seed_and_epoch_in_ddps_order(monkeypatch):
     assert list(seeded.sampler) == torch.randperm(20, generator=torch.Generator().manual_seed(3)).tolist()
     loader.load_state_dict({"epoch": 3, "batches": 2, "replicas": 1, "counted": 3})
     assert [b[0].tolist() for b in loader] == [list(ddp)[i : i + 4] for i in (8, 12, 16)]  # epoch 3 continues
+    # Under replicas Lightning puts its own DistributedSampler, of the same seed, in its place: DDP's order there too
+    # (an EpochShuffle would be wrapped, its permutation applied twice; the review).
+    from lightning.pytorch.trainer.connectors.data_connector import _get_distributed_sampler
+    from lightning.pytorch.utilities.data import _is_dataloader_shuffled
+
+    replica = _get_distributed_sampler(loader, _is_dataloader_shuffled(loader), 0, num_replicas=2, rank=1)
+    ddp = torch.utils.data.DistributedSampler(dataset, num_replicas=2, rank=1, shuffle=True, seed=7)
+    assert type(replica) is torch.utils.data.DistributedSampler and list(replica) == list(ddp)
 
 
 def test_a_mid_epoch_state_of_another_replica_count_restarts_the_epoch_with_a_warning(data):
