@@ -162,7 +162,7 @@ from lit_efficient.strategy.trainer_glue import (
 from lit_efficient.tools.window import advise_window
 from lit_efficient.transport.collectives import broadcast_flat
 from lit_efficient.transport.failures import (
-    PipelineCommError,
+    LostPeersError,
     begin_run,
     check_peers_alive,
     clear_published_failure,
@@ -1454,7 +1454,7 @@ class PACIStrategy(DDPStrategy):
             # last stage was, for a failure in stage 0's backward).
             here = f"the pipeline of {self.pipeline_stages} stages in this process" if self.in_process else self.here
             # A peer's failure seen here, raw or as the launcher explained it (`lost_peers_error`): name its cause.
-            lost = exception.__cause__ if isinstance(exception, PipelineCommError) else exception
+            lost = exception.__cause__ if isinstance(exception, LostPeersError) else exception
             if not self.in_process and lost is not None and is_raw_comm_error(lost):
                 report_lost_peers(here, lost)
             elif isinstance(exception, KeyboardInterrupt):  # Ctrl-C: what the user did, not a failure; peers name it

@@ -262,7 +262,12 @@ def report_lost_peers(here: str, err: BaseException) -> None:
     print(f"lit-efficient: {lost_peers(here, err)[0]}", file=sys.stderr, flush=True)
 
 
-def lost_peers_error(here: str, err: BaseException) -> PipelineCommError | None:
+class LostPeersError(PipelineCommError):
+    """A collective's raw communication error as a rank raises it (`lost_peers_error`): what it saw, and the cause a
+    peer published; its ``__cause__`` is the raw error. Not this rank's failure: never published as the run's."""
+
+
+def lost_peers_error(here: str, err: BaseException) -> LostPeersError | None:
     """The error a rank raises for a raw communication error of a collective (a callback's, a metric share's) where a
     peer published its cause: `lost_peers`' account, the peer's cause last in the traceback (gloo's "Connection
     closed by peer" named neither; the transfers between stages say it already, `explain_link_failure`). None
@@ -270,4 +275,4 @@ def lost_peers_error(here: str, err: BaseException) -> PipelineCommError | None:
     if not is_raw_comm_error(err):
         return None
     message, explained = lost_peers(here, err)
-    return PipelineCommError(message) if explained else None
+    return LostPeersError(message) if explained else None

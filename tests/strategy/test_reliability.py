@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import types
 from datetime import timedelta
 from pathlib import Path
 
@@ -354,8 +355,29 @@ def test_a_callback_failing_on_one_rank_is_what_the_launching_process_raises(tmp
     proc, _ = _run_failing(tmp_path, "FailOnOneRank")
     raised = [line for line in proc.stderr.splitlines() if line.startswith("[rank0]: ")]  # its traceback's lines
     last = raised[-1] if raised else ""  # what it raised (rank 1's traceback may come after it)
-    assert "PipelineCommError: stage 1 (rank 0) lost its peers" in last, proc.stderr[-3000:]
+    assert "LostPeersError: stage 1 (rank 0) lost its peers" in last, proc.stderr[-3000:]
     assert last.endswith("the pipeline stopped because stage 0 (rank 1) raised ValueError: the user's callback failed")
+
+
+def test_a_transfer_error_is_published_and_a_lost_peer_only_said(monkeypatch):
+    """The transport raises its own PipelineCommError from gloo's raw error, explained and the run's cause; the
+    launcher's `LostPeersError` is what a rank saw of a peer's failure. Told apart by type: reading any
+    PipelineCommError's __cause__ took a transfer's timeout for a lost peer, unpublished (the review)."""
+    from lit_efficient.strategy import paci
+    from lit_efficient.transport.failures import LostPeersError, PipelineCommError
+
+    said = []
+    monkeypatch.setattr(paci, "report_lost_peers", lambda here, err: said.append(("lost", str(err))))
+    monkeypatch.setattr(paci, "report_failure", lambda message: said.append(("published", message)))
+    raw = RuntimeError("[third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:42")
+    for error, kind in ((PipelineCommError("stage 1 (rank 0) waited 30s for activations"), "published"),
+                        (LostPeersError("stage 1 (rank 0) lost its peers"), "lost")):  # fmt: skip
+        error.__cause__ = raw
+        strategy = types.SimpleNamespace(_failed=False, topology=object(), in_process=False, here="stage 1 (rank 0)")
+        said.clear()
+        PACIStrategy.failed(strategy, error)
+        assert [k for k, _ in said] == [kind]
+        assert said[0][1] == (str(raw) if kind == "lost" else f"stage 1 (rank 0) raised PipelineCommError: {error}")
 
 
 @settings(max_examples=60, deadline=None)
