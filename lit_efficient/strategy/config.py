@@ -512,7 +512,7 @@ def _warn_single_replica(local_sgd_steps: int | None, topology: Topology, in_pro
 
 def check_layers(pipeline_stages: int, balance: Any, layers: list) -> None:
     """Refuse more stages than ``pipeline_layers()`` has layers, or an explicit split that does not fit them; the
-    message lists the layers (a GPT(n_layer=4) has 6: its embedding and head are layers too)."""
+    message lists the layers (a GPT(n_layer=4) has 6: its embedding and head are layers too). And sparse gradients."""
     if pipeline_stages > len(layers):
         raise ValueError(
             f"PACIStrategy(pipeline_stages={pipeline_stages}) exceeds the {len(layers)} layers of pipeline_layers() "
@@ -523,6 +523,7 @@ def check_layers(pipeline_stages: int, balance: Any, layers: list) -> None:
             f"PACIStrategy(balance={balance}) sums to {sum(balance)} layers, but pipeline_layers() has {len(layers)} "
             f"({describe_layers(layers)}): make the counts add up to {len(layers)}"
         )
+    _refuse_sparse_gradients(layers)
 
 
 def check_split(module: LightningModule, layers: list, pipeline_stages: int, balance: Any) -> None:
@@ -714,6 +715,33 @@ def check_sync_start(sync_start_steps: Any) -> None:
             f"sync_start_steps={sync_start_steps!r} must be 'auto' or an int >= 0 (optimizer steps run in 1F1B-flush "
             "order before PACI; 0: PACI from the first step)"
         )
+
+
+def refuse_unsteppable(optimizer: Any) -> None:
+    """Refuse, before training, an optimizer whose ``step`` needs a closure (LBFGS re-evaluates the loss in its line
+    search; a stage holds its accumulated gradients, not the loss): it crashed at the first optimizer step, where one
+    device trains (the optimizers audit)."""
+    closure = inspect.signature(type(optimizer).step).parameters.get("closure")
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        raise ValueError(
+            f"{type(optimizer).__name__}.step needs a closure that computes the loss again (a line search or several "
+            "evaluations per step); a pipeline stage steps once on the gradients it accumulated, and has no loss to "
+            "call. Use a first-order optimizer (SGD, Adam, AdamW, ...) in configure_optimizers."
+        )
+
+
+def _refuse_sparse_gradients(layers: list) -> None:
+    """An ``nn.Embedding(sparse=True)`` gives sparse gradients, which crashed the first optimizer step's finite check
+    (one device trains; the optimizers audit): a window's accumulation, that check and the replicas' reduction are
+    dense."""
+    for layer in layers:
+        for m in layer.modules():
+            if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse:
+                raise ValueError(
+                    f"{type(m).__name__}(sparse=True) gives sparse gradients, which PACIStrategy does not handle (a "
+                    "window's accumulation, the finite check and the replicas' reduction are dense). Build it with "
+                    "sparse=False (the default); a dense optimizer (SGD, Adam, AdamW) then steps it as on one device."
+                )
 
 
 def warn_paci_only(schedule: str, staleness_correction: Any, sync_start_steps: Any) -> None:

@@ -95,6 +95,7 @@ from lit_efficient.strategy.config import (
     check_streaming_ties,
     check_sync_start,
     layers_before_launch,
+    refuse_unsteppable,
     refusing_settings,
     warn_paci_only,
 )
@@ -1019,6 +1020,7 @@ class PACIStrategy(DDPStrategy):
             module.automatic_optimization = inside
         if len(self.optimizers) != 1:
             raise ValueError(f"configure_optimizers returned {len(self.optimizers)} optimizers. {one}")
+        refuse_unsteppable(self.optimizers[0])
         assert self.topology is not None and self._split is not None
         if self.shard_optimizer_state and _sharding_applies(self.topology, self.in_process, bool(self._split.ties)):
             # The stage's optimizer state split over its replicas (sharded_optimizer.py); Lightning's schedulers keep

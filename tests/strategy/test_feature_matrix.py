@@ -52,6 +52,7 @@ from lightning.pytorch.callbacks import (
 from lit_efficient import ActivationCheckpointing, GradientAccumulation, PipelineMonitor
 from tests.support.compare import assert_same as _assert_same
 from tests.support.feature_matrix_parts import (
+    _LBFGS,
     N,
     _AddsTheEmbeddingsGroup,
     _as,
@@ -105,6 +106,7 @@ from tests.support.feature_matrix_parts import (
     _saved_weights,
     _seeded_workers,
     _SetsTheRate,
+    _sparse_embedding,
     _stopped,
     _stopped_early,
     _text,
@@ -236,6 +238,10 @@ ROWS: list[Row] = [
     Row("a scheduler dict with reduce_on_plateau", how=ERROR + "LambdaLR (a scheduler stepped with a monitored metric",
         trainer=dict(VAL, val_check_interval=2, max_steps=4), module=_as(_PlateauOfTheirOwn),
         note="the dict's word, not only torch's class"),
+    Row("an optimizer whose step needs a closure (LBFGS)", how=ERROR + "LBFGS.step needs a closure that computes",
+        module=_as(_LBFGS), note="a stage steps once on its accumulated gradients; one device trains"),
+    Row("nn.Embedding(sparse=True) (sparse gradients)", how=ERROR + "Embedding(sparse=True) gives sparse gradients",
+        module=_sparse_embedding, note="accumulation, the finite check and replica reduction are dense"),
     Row("frozen layers (requires_grad=False)", module=_frozen, check=_frozen_stays),
     Row("a parameter group added by a callback (unfreezing by hand: add_param_group at an epoch start)",
         module=_frozen_left_out, trainer=EPOCHS, callbacks=lambda root: [_AddsTheEmbeddingsGroup()],

@@ -74,6 +74,26 @@ class _Plateau(GPT):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": plateau, "monitor": "val_loss", "interval": "step"}}
 
 
+class _LBFGS(GPT):
+    """LBFGS, whose step needs a closure (its line search evaluates the loss again): one device trains."""
+
+    def configure_optimizers(self):
+        return torch.optim.LBFGS(self.parameters(), lr=0.1)
+
+
+class _SGD(GPT):
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _sparse_embedding() -> GPT:
+    """The token embedding with sparse gradients, stepped by SGD (which takes them): one device trains."""
+    model = _as(_SGD)()
+    embeddings = [m for m in model.modules() if isinstance(m, torch.nn.Embedding)]
+    embeddings[0].sparse = True
+    return model
+
+
 class _PlateauOfTheirOwn(GPT):
     """A plateau scheduler of the user's own (not torch's class), said by the dict's reduce_on_plateau."""
 
