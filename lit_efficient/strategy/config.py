@@ -223,7 +223,8 @@ class _CheckedScriptLauncher(_ChecksFirst, _SubprocessScriptLauncher):
             # on_exception hooks, a save, the user's except/finally run next). Also under a later Trainer of the
             # same script, which launches nothing: the first launch's observer watches its ranks still.
             rank_reaper.stand_down_observers()
-            # A collective's raw error (a callback's, a metric share's) names no cause: raise the one a peer published.
+            # A collective's raw error (a callback's, a metric share's) names no cause: raise what this rank saw, with
+            # the cause a peer published.
             strategy = trainer.strategy if trainer is not None else None
             pipelined = getattr(strategy, "topology", None) is not None and not strategy.in_process  # type: ignore[union-attr]
             if pipelined and (explained := lost_peers_error(strategy.here, err)) is not None:  # type: ignore[union-attr]

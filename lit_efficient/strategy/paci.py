@@ -1455,10 +1455,11 @@ class PACIStrategy(DDPStrategy):
             # In one process every stage runs here, and which one raised is in the traceback: no stage is named (the
             # last stage was, for a failure in stage 0's backward).
             here = f"the pipeline of {self.pipeline_stages} stages in this process" if self.in_process else self.here
-            # A peer's failure seen here, raw or as the launcher explained it (`lost_peers_error`): name its cause.
-            lost = exception.__cause__ if isinstance(exception, LostPeersError) else exception
-            if not self.in_process and lost is not None and is_raw_comm_error(lost):
-                report_lost_peers(here, lost)
+            # A peer's failure seen here, raw or as the launcher told it already (`lost_peers_error`): name its cause.
+            if not self.in_process and isinstance(exception, LostPeersError) and exception.__cause__ is not None:
+                report_lost_peers(here, exception.__cause__, account=str(exception))
+            elif not self.in_process and is_raw_comm_error(exception):
+                report_lost_peers(here, exception)
             elif isinstance(exception, KeyboardInterrupt):  # Ctrl-C: what the user did, not a failure; peers name it
                 report_stop(f"{here} was interrupted (KeyboardInterrupt)")
             elif isinstance(exception, SIGTERMException):  # from outside, maybe after a peer died

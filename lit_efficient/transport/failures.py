@@ -237,10 +237,10 @@ def explain_link_failure(
     return message
 
 
-def lost_peers(here: str, err: BaseException) -> tuple[str, bool]:
+def lost_peers(here: str, err: BaseException) -> str:
     """What ``here`` (``stage s (rank r)``) saw: a raw communication error (`is_raw_comm_error`), with the cause a
     peer published (awaited, unless it timed out: a timeout's cause may never be published) and, for a timeout, the
-    option that bounds it; and whether a peer's cause was found."""
+    option that bounds it."""
     timed_out = is_timeout(err)
     cause = read_failure() if timed_out else await_failure()
     stop = None if cause else read_stop()
@@ -254,12 +254,13 @@ def lost_peers(here: str, err: BaseException) -> tuple[str, bool]:
         + (". If a rank is only slow (a long validation or save on one rank), raise PACIStrategy(timeout="
            "timedelta(...)), which bounds every collective" if timed_out else "")
     )  # fmt: skip
-    return message, cause is not None
+    return message
 
 
-def report_lost_peers(here: str, err: BaseException) -> None:
-    """Print `lost_peers`' account. Not published: it is not this rank's failure."""
-    print(f"lit-efficient: {lost_peers(here, err)[0]}", file=sys.stderr, flush=True)
+def report_lost_peers(here: str, err: BaseException, account: str | None = None) -> None:
+    """Print `lost_peers`' account (``account`` where it was taken already: the wait for a peer's cause is not
+    repeated). Not published: it is not this rank's failure."""
+    print(f"lit-efficient: {account or lost_peers(here, err)}", file=sys.stderr, flush=True)
 
 
 class LostPeersError(PipelineCommError):
@@ -268,11 +269,8 @@ class LostPeersError(PipelineCommError):
 
 
 def lost_peers_error(here: str, err: BaseException) -> LostPeersError | None:
-    """The error a rank raises for a raw communication error of a collective (a callback's, a metric share's) where a
-    peer published its cause: `lost_peers`' account, the peer's cause last in the traceback (gloo's "Connection
-    closed by peer" named neither; the transfers between stages say it already, `explain_link_failure`). None
-    where no peer published one, or for another error: raise ``err`` itself."""
-    if not is_raw_comm_error(err):
-        return None
-    message, explained = lost_peers(here, err)
-    return LostPeersError(message) if explained else None
+    """The error a rank raises for a raw communication error of a collective (a callback's, a metric share's):
+    `lost_peers`' account, the cause a peer published last in the traceback (gloo's "Connection closed by peer"
+    named neither; the transfers between stages say it already, `explain_link_failure`). None for another error:
+    raise ``err`` itself."""
+    return LostPeersError(lost_peers(here, err)) if is_raw_comm_error(err) else None

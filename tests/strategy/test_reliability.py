@@ -367,7 +367,7 @@ def test_a_transfer_error_is_published_and_a_lost_peer_only_said(monkeypatch):
     from lit_efficient.transport.failures import LostPeersError, PipelineCommError
 
     said = []
-    monkeypatch.setattr(paci, "report_lost_peers", lambda here, err: said.append(("lost", str(err))))
+    monkeypatch.setattr(paci, "report_lost_peers", lambda here, err, account=None: said.append(("lost", str(err))))
     monkeypatch.setattr(paci, "report_failure", lambda message: said.append(("published", message)))
     raw = RuntimeError("[third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:42")
     for error, kind in ((PipelineCommError("stage 1 (rank 0) waited 30s for activations"), "published"),
