@@ -112,10 +112,12 @@ class _SeededShuffle(RandomSampler):
     def __init__(self, data_source: Any, seed: int) -> None:
         super().__init__(data_source)
         self._order = EpochShuffle(len(data_source), seed)  # type: ignore[arg-type]
-        self.seed, self.epoch = self._order.seed, 0
+
+    @property
+    def epoch(self) -> int:  # what ResumableLoader's state records
+        return self._order.epoch
 
     def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
         self._order.set_epoch(epoch)
 
     def __iter__(self) -> Iterator[int]:
