@@ -277,14 +277,6 @@ class UsersTokens(LightningDataModule):
         return ResumableLoader(dataset, batch_size=4, sampler=EpochShuffle(len(dataset), seed=5))
 
 
-@pytest.mark.usefixtures("one_thread")
-def test_a_users_own_data_module_resumes_mid_epoch_exactly_with_the_resumable_loader(tmp_path):
-    """With a plain DataLoader a resumed epoch starts again (Lightning: "not resumable"); the loader and shuffle the
-    package's data modules use are public for a user's own (lit_efficient.data). The pipeline in one process: the
-    same state on processes, as above."""
-    assert _resume_against_uninterrupted(tmp_path, lambda: PACIStrategy(pipeline_stages=2), 1, UsersTokens) == 0.0
-
-
 class EpochAndIndex(EpochShuffle):
     """docs/checkpoints.md's recipe for augmentation that a resume replays: the sampler hands the Dataset the epoch
     with each index, and the Dataset draws from a generator seeded by both."""
@@ -315,27 +307,29 @@ class UsersAugmentedTokens(LightningDataModule):
         return ResumableLoader(RandomCrops(tokens), batch_size=4, sampler=EpochAndIndex(len(tokens), seed=5))
 
 
-@pytest.mark.usefixtures("one_thread")
-def test_augmentation_seeded_by_epoch_and_index_resumes_mid_epoch_exactly(tmp_path):
-    """Draws a Dataset makes from the process's stream are not replayed by a resume (the loader's workers start their
-    streams again, as under plain Lightning; in the main process the stream comes back after Lightning fetched ahead):
-    the documented recipe's are, through epoch 1's middle and epoch 2's start."""
-    strategy = lambda: PACIStrategy(pipeline_stages=2)  # noqa: E731
-    assert _resume_against_uninterrupted(tmp_path, strategy, 1, UsersAugmentedTokens) == 0.0
-
-
 class UsersShuffledResumableTokens(UsersTokens):
     def train_dataloader(self):
         return ResumableLoader(super().train_dataloader().dataset, batch_size=4, shuffle=True)
 
 
 @pytest.mark.usefixtures("one_thread")
-def test_a_resumable_loader_with_shuffle_true_resumes_mid_epoch_exactly(tmp_path):
-    """The epoch restarted (RandomSampler has no epoch), with a warning, and its batches were trained twice."""
+@pytest.mark.parametrize(
+    "data",
+    [UsersTokens, UsersShuffledResumableTokens, UsersAugmentedTokens],
+    ids=["epoch-shuffle", "shuffle-true", "augmentation-by-epoch-and-index"],
+)
+def test_a_users_own_data_module_resumes_mid_epoch_exactly_with_the_resumable_loader(tmp_path, data):
+    """With a plain DataLoader a resumed epoch starts again (Lightning: "not resumable"); the loader and shuffle the
+    package's data modules use are public for a user's own (lit_efficient.data). The pipeline in one process: the
+    same state on processes, as above. ``shuffle=True`` restarted its epoch (RandomSampler has no epoch), with a
+    warning, and its batches were trained twice. Draws a Dataset makes from the process's stream are not replayed by
+    a resume (the loader's workers start their streams again, as under plain Lightning; in the main process the
+    stream comes back after Lightning fetched ahead): docs/checkpoints.md's recipe's are, through epoch 1's middle
+    and epoch 2's start."""
     strategy = lambda: PACIStrategy(pipeline_stages=2)  # noqa: E731
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*starts the epoch again.*")
-        assert _resume_against_uninterrupted(tmp_path, strategy, 1, UsersShuffledResumableTokens) == 0.0
+        assert _resume_against_uninterrupted(tmp_path, strategy, 1, data) == 0.0
 
 
 class UsersShuffledTokens(UsersTokens):
