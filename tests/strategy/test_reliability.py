@@ -315,7 +315,7 @@ _ONE_RANK_STOPS = textwrap.dedent(
         trainer = L.Trainer(
             accelerator="cpu", devices=2, max_steps=20, accumulate_grad_batches=2, logger=False,
             enable_checkpointing=False, enable_progress_bar=False, limit_val_batches=2, val_check_interval=8,
-            num_sanity_val_steps=0, strategy=PACIStrategy(p2p_timeout=30), callbacks=[CALLBACK()],
+            num_sanity_val_steps=0, strategy=PACIStrategy(), callbacks=[CALLBACK()],
         )
         model = GPT(n_layer=2, n_head=2, n_embd=32, block_size=32, warmup_steps=2, max_steps=20)
         trainer.fit(model, datamodule=TextDataModule(block_size=32, batch_size=4, max_bytes=60_000))
